@@ -1,0 +1,31 @@
+"""Benchmarks: each runs the PyTorch baseline and exatrain in one launch and writes flat JSON.
+
+A benchmark module defines `add_arguments(parser)` and `run(args) -> dict`; `run_benchmark`
+prints the figures as a table.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from rich.console import Console
+from rich.table import Table
+
+BENCHMARKS = {"dp": "exatrain.bench.dp"}
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--steps", type=int, default=0, help="timed steps per variant (0: default)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps per variant")
+    parser.add_argument("--size", type=int, default=0, help="model/input size (0: default)")
+
+
+def run_benchmark(name: str, args) -> dict:
+    result = importlib.import_module(BENCHMARKS[name]).run(args)
+    table = Table(title=f"exatrain bench {name}", show_header=True)
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for key, value in result.items():
+        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    Console().print(table)
+    return result

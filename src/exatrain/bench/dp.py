@@ -1,0 +1,108 @@
+"""`exatrain bench dp`: exatrain data parallelism vs plain PyTorch DDP, same model, data and loop.
+
+Two ranks (gloo on CPU, NCCL on GPUs). Both variants start from the same weights, see the same
+batches of real CosmoFlow data and run the same training loop; only the wrapper differs:
+
+  ddp        torch.nn.parallel.DistributedDataParallel, default all-reduce
+  exatrain   exatrain.parallelize (DDP's reducer with exatrain's ledger-recording comm hook)
+  local      the same model and loop with no gradient synchronisation: the compute-only limit that
+             perfect overlap of communication with backward could reach
+
+Variants run interleaved in rounds so that machine noise hits all of them alike; each figure is
+the median over the timed steps after warm-up. Writes ddp_step_s, exatrain_step_s, ratio_vs_ddp
+(exatrain / DDP, lower is better), local_step_s, ratio_vs_local, allreduce_bytes_per_step
+(counted by the ledger) and allreduce_bytes_min (= the gradient bytes, 4 B per fp32 parameter).
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def add_arguments(parser) -> None:  # the shared --steps/--warmup/--size suffice
+    pass
+
+
+def _rank_main(size: int, steps: int, warmup: int, batch: int, data_dir: str) -> dict:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ..data.cosmoflow import CosmoFlowDataset
+    from ..mesh import init
+    from ..models.cosmoflow import CosmoFlow
+    from ..parallel import parallelize
+    from ..plan import Plan
+
+    mesh = init(Plan(data=2))
+    try:
+        data = CosmoFlowDataset(f"{data_dir}/train.h5")
+        r = mesh.rank
+        batches = [tuple(torch.stack(t).to(mesh.device) for t in zip(
+            *[data[(i * 2 * batch + r * batch + j) % len(data)] for j in range(batch)]))
+            for i in range(4)]
+
+        def fresh():
+            torch.manual_seed(0)
+            return CosmoFlow(size=size).to(mesh.device)
+
+        models = {"ddp": DistributedDataParallel(fresh(), process_group=mesh.axis("data").group,
+                                                 gradient_as_bucket_view=True),
+                  "exatrain": parallelize(fresh(), mesh),
+                  "local": fresh()}
+        optims = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
+        times = {k: [] for k in models}
+
+        def step(name, i):
+            x, y = batches[i % len(batches)]
+            t0 = time.perf_counter()
+            loss = F.mse_loss(models[name](x), y)
+            loss.backward()
+            optims[name].step()
+            optims[name].zero_grad(set_to_none=True)
+            if mesh.device.type == "cuda":
+                torch.cuda.synchronize()
+            return time.perf_counter() - t0
+
+        for name in models:
+            for i in range(warmup):
+                step(name, i)
+        mesh.ledger.reset()
+        rounds, per_round = max(1, steps // 2), 2
+        for rnd in range(rounds):
+            for name in models:
+                mesh.barrier()
+                for i in range(per_round):
+                    times[name].append(step(name, rnd * per_round + i))
+        counted = mesh.ledger.bytes_by_axis(tag="grad").get("data", 0) / (rounds * per_round)
+        grad_bytes = sum(p.numel() * p.element_size() for p in models["local"].parameters())
+        out = {k: statistics.median(v) for k, v in times.items()}
+        return {"ddp_step_s": out["ddp"], "exatrain_step_s": out["exatrain"],
+                "local_step_s": out["local"], "allreduce_bytes_per_step": int(counted),
+                "allreduce_bytes_min": grad_bytes, "timed_steps": rounds * per_round}
+    finally:
+        mesh.close()
+
+
+def run(args) -> dict:
+    from ..data.cosmoflow import write_cosmoflow
+    from ..launch import spawn
+
+    size = args.size or 32
+    steps = args.steps or 12
+    batch = 4
+    with tempfile.TemporaryDirectory(prefix="exatrain-bench-dp-") as tmp:
+        write_cosmoflow(tmp, samples=32, size=size, seed=7)
+        per_rank = spawn(_rank_main, 2, args=(size, steps, args.warmup, batch, tmp))
+    # Each rank measured its own steps; a step ends when the slowest rank finishes it.
+    result = {k: max(r[k] for r in per_rank) if k.endswith("_s") else per_rank[0][k]
+              for k in per_rank[0]}
+    result.update(ranks=2, model=f"CosmoFlow {size}^3", batch_per_rank=batch,
+                  device=str(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
+                  ratio_vs_ddp=result["exatrain_step_s"] / result["ddp_step_s"],
+                  ratio_vs_local=result["exatrain_step_s"] / result["local_step_s"],
+                  bytes_ratio=result["allreduce_bytes_per_step"] / result["allreduce_bytes_min"])
+    return result

@@ -1,0 +1,129 @@
+"""The `exatrain` command line: run, data, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+
+def _run(args) -> int:
+    from .launch import detect, spawn
+    from .train.config import load_config
+    from .train.run import find_resume_checkpoint, run_job
+    from .workloads import get_workload
+
+    console = Console(stderr=True)
+    config_path = args.config
+    if args.resume:
+        find_resume_checkpoint(args.resume)  # fail now, before any rank starts
+        config_path = config_path or str(Path(args.resume) / "config.toml")
+    config = load_config(config_path, args.set or [])
+    if detect() is not None:  # under torchrun / srun / flux / jsrun / mpirun: this is one rank
+        run_job(config, args.resume)
+        return 0
+    nproc = args.nproc or config.run.nproc
+    workload = get_workload(config.run.workload)
+    console.print(f"[bold]exatrain run[/]: {config.run.workload} on {nproc} local rank(s)")
+    workload.prepare(config, progress=_progress(console, "writing data"))  # once, here, before the ranks start
+    if nproc == 1:
+        summary = run_job(config, args.resume)
+    else:
+        summary = spawn(run_job, nproc, args=(config, args.resume))[0]
+    _print_summary(console, summary)
+    return 0
+
+
+def _progress(console: Console, label: str):
+    """A callback(done, total) that prints progress every tenth of the way."""
+    def report(done: int, total: int) -> None:
+        if done == total or done % max(1, total // 10) == 0:
+            console.print(f"{label}: {done}/{total}", highlight=False)
+    return report
+
+
+def _print_summary(console: Console, summary: dict) -> None:
+    from rich.table import Table
+
+    table = Table(title="run summary", show_header=False)
+    for key, value in summary.items():
+        if isinstance(value, float):
+            value = f"{value:.5g}"
+        table.add_row(key, str(value))
+    console.print(table)
+    if summary.get("run_dir"):
+        console.print(f"results: [bold]{summary['run_dir']}[/] (config.toml, metrics.jsonl, "
+                      "summary.json, checkpoints/)")
+
+
+def _data(args) -> int:
+    console = Console(stderr=True)
+    info = args.write(args, progress=_progress(console, f"exatrain data {args.name}"))
+    console.print(json.dumps(info, indent=1, default=str))
+    return 0
+
+
+def _bench(args) -> int:
+    from .bench import run_benchmark
+
+    result = run_benchmark(args.name, args)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="exatrain", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="train (no CONFIG: the built-in CosmoFlow example)")
+    run.add_argument("config", nargs="?", help="TOML config file (see examples/)")
+    run.add_argument("--nproc", type=int, default=0, help="local ranks to spawn (default: run.nproc)")
+    run.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                     help="override a config value; repeatable")
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its "
+                                                         "latest checkpoint")
+    run.set_defaults(func=_run)
+
+    from .data import writers
+    data = sub.add_parser("data", help="write a data set as HDF5")
+    writers.add_parsers(data)
+    data.set_defaults(func=_data)
+
+    from .bench import BENCHMARKS, add_arguments
+    bench = sub.add_parser("bench", help="side-by-side benchmark against the PyTorch baseline")
+    bench.add_argument("name", choices=sorted(BENCHMARKS))
+    bench.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    add_arguments(bench)
+    bench.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv=None) -> int:
+    from .launch.local import RankFailed
+    from .plan import PlanError
+    from .train.config import ConfigError
+    from .train.run import ResumeError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, PlanError, ResumeError, FileNotFoundError, ValueError) as exc:
+        print(f"exatrain: error: {exc}", file=sys.stderr)
+        return 2
+    except RankFailed as exc:
+        original = getattr(exc, "original", None)
+        if isinstance(original, (ConfigError, PlanError, FileNotFoundError, ValueError)) or \
+                type(original).__name__ == "NonFiniteLoss":
+            print(f"exatrain: error on rank {exc.rank}: {original}", file=sys.stderr)
+        else:
+            print(f"exatrain: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Collectives over one named mesh axis (or a group of axes), each recorded in the ledger.
+
+An `Axis` bundles what a collective needs: the process group, this rank's position in it, and the
+ledger to record into. Axes of size 1 cost nothing: every collective on them returns at once and
+records nothing. Asynchronous calls return the backend's work handle (or None for size 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .ledger import Ledger
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One named mesh axis (or a product of axes, names joined with "+") seen from this rank."""
+
+    name: str
+    size: int
+    rank: int
+    group: dist.ProcessGroup | None
+    ledger: Ledger
+    global_ranks: tuple[int, ...] = ()
+
+    def global_rank(self, local_rank: int) -> int:
+        """The world rank of the member at `local_rank` on this axis."""
+        return self.global_ranks[local_rank]
+
+
+def all_reduce(tensor: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM, tag: str = "",
+               async_op: bool = False):
+    if axis.size == 1:
+        return None
+    axis.ledger.record(axis.name, "all_reduce", nbytes(tensor), tag)
+    return dist.all_reduce(tensor, op=op, group=axis.group, async_op=async_op)
+
+
+def all_reduce_future(tensor: torch.Tensor, axis: Axis, tag: str = "") -> torch.futures.Future:
+    """Asynchronous SUM all-reduce returning a Future of the reduced tensor (for DDP comm hooks)."""
+    if axis.size == 1:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(tensor)
+        return fut
+    axis.ledger.record(axis.name, "all_reduce", nbytes(tensor), tag)
+    work = dist.all_reduce(tensor, group=axis.group, async_op=True)
+    return work.get_future().then(lambda f: f.value()[0])
+
+
+def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, axis: Axis, tag: str = "",
+                    async_op: bool = False):
+    """Gather `tensor` from every member, concatenated along dim 0 into `output`."""
+    if axis.size == 1:
+        output.copy_(tensor)
+        return None
+    axis.ledger.record(axis.name, "all_gather", nbytes(output), tag)
+    return dist.all_gather_into_tensor(output, tensor, group=axis.group, async_op=async_op)
+
+
+def reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, axis: Axis,
+                        op=dist.ReduceOp.SUM, tag: str = "", async_op: bool = False):
+    """Sum `tensor` over members and keep this rank's dim-0 chunk in `output`."""
+    if axis.size == 1:
+        output.copy_(tensor)
+        return None
+    axis.ledger.record(axis.name, "reduce_scatter", nbytes(tensor), tag)
+    return dist.reduce_scatter_tensor(output, tensor, op=op, group=axis.group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, axis: Axis, src: int = 0, tag: str = ""):
+    """Broadcast from the member at position `src` on this axis."""
+    if axis.size == 1:
+        return None
+    axis.ledger.record(axis.name, "broadcast", nbytes(tensor), tag)
+    return dist.broadcast(tensor, src=axis.global_rank(src), group=axis.group)
+
+
+def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
+             axis: Axis, tag: str = "") -> list:
+    """Batched non-blocking point-to-point: `sends`/`recvs` are (tensor, peer position on axis).
+
+    Returns the request handles; call `.wait()` on each before reading the received tensors.
+    """
+    ops = []
+    for tensor, peer in sends:
+        axis.ledger.record(axis.name, "send", nbytes(tensor), tag)
+        ops.append(dist.P2POp(dist.isend, tensor, axis.global_rank(peer), group=axis.group))
+    for tensor, peer in recvs:
+        axis.ledger.record(axis.name, "recv", nbytes(tensor), tag)
+        ops.append(dist.P2POp(dist.irecv, tensor, axis.global_rank(peer), group=axis.group))
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def broadcast_object(obj, axis: Axis, src: int = 0, tag: str = "control"):
+    """Broadcast a picklable object from position `src`; returns it on every member."""
+    if axis.size == 1:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=axis.global_rank(src), group=axis.group)
+    axis.ledger.record(axis.name, "broadcast", len(repr(holder[0]).encode()), tag)
+    return holder[0]

@@ -1,0 +1,67 @@
+"""The communication ledger: calls and payload bytes of every collective, per mesh axis.
+
+Every collective exatrain issues goes through `exatrain.comm`, which records it here. One Ledger
+belongs to one `Mesh` (no global state); the Trainer reads it each step and reports bytes per axis.
+
+Byte convention (payload, per rank, independent of the algorithm the backend uses):
+  all_reduce       bytes of the tensor
+  all_gather       bytes of the gathered (full) output
+  reduce_scatter   bytes of the full input
+  broadcast        bytes of the tensor
+  send / recv      bytes of the tensor sent / received
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Entry:
+    calls: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class Ledger:
+    """Counts keyed by (axis, op, tag); `tag` says what for, e.g. "grad", "halo", "metric"."""
+
+    entries: dict = field(default_factory=lambda: defaultdict(Entry))
+
+    def record(self, axis: str, op: str, nbytes: int, tag: str = "") -> None:
+        entry = self.entries[(axis, op, tag)]
+        entry.calls += 1
+        entry.bytes += int(nbytes)
+
+    def bytes_by_axis(self, tag: str | None = None) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for (axis, _op, t), entry in self.entries.items():
+            if tag is None or t == tag:
+                out[axis] += entry.bytes
+        return dict(out)
+
+    def calls_by_axis(self, tag: str | None = None) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for (axis, _op, t), entry in self.entries.items():
+            if tag is None or t == tag:
+                out[axis] += entry.calls
+        return dict(out)
+
+    def total_bytes(self, tag: str | None = None) -> int:
+        return sum(self.bytes_by_axis(tag).values())
+
+    def snapshot(self) -> dict[tuple, tuple[int, int]]:
+        return {k: (e.calls, e.bytes) for k, e in self.entries.items()}
+
+    def since(self, snapshot: dict) -> "Ledger":
+        """A new Ledger holding what was recorded after `snapshot` was taken."""
+        delta = Ledger()
+        for key, entry in self.entries.items():
+            calls0, bytes0 = snapshot.get(key, (0, 0))
+            if entry.calls > calls0:
+                delta.entries[key] = Entry(entry.calls - calls0, entry.bytes - bytes0)
+        return delta
+
+    def reset(self) -> None:
+        self.entries.clear()

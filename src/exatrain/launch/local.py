@@ -1,0 +1,124 @@
+"""Spawn N local ranks on this machine (`exatrain run --nproc N`, and the test harness).
+
+Each child gets the env:// variables torchrun would give it, runs `fn(*args)`, and pickles its
+result (or its traceback) to a file. The parent watches all children: when one fails, the others
+are given a short grace period (they may be blocked in a collective waiting for the dead rank)
+and then stopped, and the parent raises `RankFailed` naming the rank and carrying its traceback.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+
+class RankFailed(RuntimeError):
+    """A spawned rank raised; `.rank` is which, the message ends with its traceback."""
+
+    def __init__(self, rank: int, message: str, remote_traceback: str = ""):
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+        super().__init__(message + (f"\n\n--- traceback on rank {rank} ---\n{remote_traceback}"
+                                    if remote_traceback else ""))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _child(fn, args, rank: int, nproc: int, port: int, threads: int, result_dir: str,
+           extra_env: dict) -> None:
+    os.environ.update(extra_env)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+
+    torch.set_num_threads(threads)
+    path = Path(result_dir) / f"rank{rank}.pkl"
+    try:
+        outcome = ("ok", fn(*args))
+    except BaseException as exc:  # report every failure, including KeyboardInterrupt
+        outcome = ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc(), exc)
+        try:
+            pickle.dumps(outcome)
+        except Exception:
+            outcome = outcome[:3] + (None,)
+    with open(path.with_suffix(".tmp"), "wb") as f:
+        pickle.dump(outcome, f)
+    os.replace(path.with_suffix(".tmp"), path)
+    if outcome[0] == "error":
+        os._exit(1)
+
+
+def spawn(fn, nproc: int, args: tuple = (), timeout_s: float | None = None,
+          grace_s: float = 10.0, env: dict | None = None) -> list:
+    """Run `fn(*args)` on `nproc` spawned ranks; return the list of their results by rank.
+
+    `fn` must be importable (a module-level function). Threads per rank = cores // nproc (≥1), so
+    ranks do not oversubscribe the cores.
+    """
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="exatrain-spawn-") as result_dir:
+        procs = [ctx.Process(target=_child, args=(fn, args, r, nproc, port, threads, result_dir,
+                                                  env or {}), daemon=False)
+                 for r in range(nproc)]
+        for p in procs:
+            p.start()
+        start = time.monotonic()
+        first_failure: float | None = None
+        try:
+            while any(p.is_alive() for p in procs):
+                now = time.monotonic()
+                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if failed and first_failure is None:
+                    first_failure = now
+                if first_failure is not None and now - first_failure > grace_s:
+                    break
+                if timeout_s is not None and now - start > timeout_s:
+                    raise RankFailed(-1, f"{nproc} spawned ranks did not finish within {timeout_s:.0f} s; "
+                                         "a rank is probably stuck in a collective the others never "
+                                         "joined. Raise the timeout or look for unequal work per rank.")
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+            for p in procs:
+                p.join(5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        results, errors = [], []
+        for rank, p in enumerate(procs):
+            path = Path(result_dir) / f"rank{rank}.pkl"
+            if not path.exists():
+                errors.append((rank, f"rank {rank} exited with code {p.exitcode} without a result "
+                                     "(killed, out of memory, or stopped after another rank failed)",
+                               "", None))
+                results.append(None)
+                continue
+            with open(path, "rb") as f:
+                outcome = pickle.load(f)
+            if outcome[0] == "ok":
+                results.append(outcome[1])
+            else:
+                errors.append((rank,) + tuple(outcome[1:]))
+                results.append(None)
+        if errors:
+            # Prefer a rank that raised over ranks that were merely stopped because of it.
+            errors.sort(key=lambda e: (e[2] == "", e[0]))
+            rank, message, tb, exc = errors[0]
+            failure = RankFailed(rank, f"rank {rank} of {nproc} failed: {message}", tb)
+            failure.original = exc
+            raise failure
+        return results

@@ -1,0 +1,139 @@
+"""init(plan): the process group and a DeviceMesh with named axes, and rank coordinates.
+
+The mesh dimensions, outermost first, are Plan.degrees(): trainer, pipe, data, shard, space_d,
+space_h, space_w, and tensor (1D) or tensor_x, tensor_y, tensor_z (3D). Ranks are laid out
+row-major, so the innermost (most talkative) axes get neighbouring ranks: on a node with G GPUs,
+the first G ranks of any innermost group share the node.
+
+Backend: NCCL with one GPU per local rank when CUDA is present, gloo otherwise.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .comm import Axis, Ledger
+from .launch.env import detect
+from .launch.local import free_port
+from .plan import Plan
+
+# Top-level axis name -> its mesh dimensions (space and tensor expand to several).
+def _dims_of(plan: Plan, name: str) -> tuple[str, ...]:
+    dims = tuple(plan.degrees())
+    if name in dims:
+        return (name,)
+    expanded = tuple(d for d in dims if d.startswith(name + "_"))
+    if not expanded:
+        raise KeyError(f"unknown mesh axis {name!r}; axes are {', '.join(dims)} "
+                       "(and the groups space, tensor)")
+    return expanded
+
+
+class Mesh:
+    """The live counterpart of a Plan: process group, DeviceMesh, axes with groups, a ledger."""
+
+    def __init__(self, plan: Plan, device: torch.device, backend: str, device_mesh: DeviceMesh,
+                 local_rank: int):
+        self.plan = plan
+        self.device = device
+        self.backend = backend
+        self.device_mesh = device_mesh
+        self.local_rank = local_rank
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.ledger = Ledger()
+        self._grid = torch.arange(self.world_size).reshape(tuple(plan.degrees().values()))
+        self._axes: dict[tuple[str, ...], Axis] = {}
+
+    @property
+    def coords(self) -> dict[str, int]:
+        """This rank's coordinate along every mesh dimension."""
+        where = (self._grid == self.rank).nonzero()[0].tolist()
+        return dict(zip(self.plan.degrees(), where))
+
+    def coord(self, name: str) -> int:
+        """This rank's position along an axis or group of axes (row-major over its dims)."""
+        return self.axis(name).rank
+
+    def axis(self, *names: str) -> Axis:
+        """The Axis over the product of the named axes, e.g. axis("data"), axis("data", "space").
+
+        Groups are created on first use; every rank must ask for the same axes in the same order
+        (true for SPMD code), because creating a group is itself collective.
+        """
+        dims = tuple(d for n in names for d in _dims_of(self.plan, n))
+        key = tuple(sorted(dims, key=list(self.plan.degrees()).index))
+        if key in self._axes:
+            return self._axes[key]
+        order = list(self.plan.degrees())
+        positions = [order.index(d) for d in key]
+        rest = [i for i in range(len(order)) if i not in positions]
+        size = math.prod(self._grid.shape[i] for i in positions)
+        rows = self._grid.permute(*rest, *positions).reshape(-1, size).tolist()
+        mine = next(row for row in rows if self.rank in row)
+        group = None
+        if size > 1:
+            if size == self.world_size:
+                group = dist.group.WORLD
+            else:
+                # new_group is collective over the whole world: create every row, keep ours.
+                for row in rows:
+                    g = dist.new_group(row)
+                    if row is mine:
+                        group = g
+        axis = Axis("+".join(names), size, mine.index(self.rank), group, self.ledger, tuple(mine))
+        self._axes[key] = axis
+        return axis
+
+    @property
+    def world(self) -> Axis:
+        """The whole job as one axis."""
+        return self.axis("trainer", "pipe", "data", "shard", "space", "tensor")
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init(plan: Plan, backend: str | None = None, timeout_s: float = 600.0) -> Mesh:
+    """Create (or join) the process group and the named mesh for `plan`.
+
+    The rank and rendezvous come from the launcher's environment (torchrun, Slurm, flux, LSF,
+    Open MPI/PMI, or `exatrain run --nproc N`); a plain process is world size 1.
+    A Plan whose product is not the world size, or that uses an axis not implemented yet, is
+    refused here, before any work starts.
+    """
+    launch = detect()
+    world = launch.world_size if launch else 1
+    plan.validate(world)
+    plan.require_implemented()
+    local_rank = launch.local_rank if launch else 0
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        if launch:
+            launch.export(os.environ)
+            init_method = "env://"
+        else:
+            init_method = f"tcp://127.0.0.1:{free_port()}"
+        dist.init_process_group(backend, init_method=init_method,
+                                rank=launch.rank if launch else 0, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if backend == "nccl" else None)
+    device_mesh = init_device_mesh(device.type, tuple(plan.degrees().values()),
+                                   mesh_dim_names=tuple(plan.degrees()))
+    return Mesh(plan, device, backend, device_mesh, local_rank)

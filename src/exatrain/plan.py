@@ -1,0 +1,155 @@
+"""Plan: how many ranks go to each axis of the named mesh.
+
+A Plan is a pure value: it can be built, validated, compared and costed without any process group
+(the planner enumerates thousands of them). `exatrain.init(plan)` turns one into a live `Mesh`.
+
+Axes, outermost first (the innermost axes talk most often and so get neighbouring ranks):
+
+    trainer, pipe, data, shard, space (d, h, w), tensor (x, y, z)
+
+The rules for composing axes live here and only here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+AXIS_ORDER = ("trainer", "pipe", "data", "shard", "space", "tensor")
+
+# Axes whose strategies exist in this version.  A Plan that needs any other is refused by
+# `require_implemented`, with a message saying so, rather than silently ignored.
+IMPLEMENTED_AXES = frozenset({"data"})
+
+
+class PlanError(ValueError):
+    """A Plan that cannot run; the message names the numbers and suggests ones that work."""
+
+
+def _as_triple(value, name: str) -> tuple[int, int, int]:
+    if isinstance(value, int):
+        return (1, 1, value) if name == "space" else (value, 1, 1)
+    value = tuple(value)
+    if not 1 <= len(value) <= 3:
+        raise PlanError(f"Plan.{name}={value!r}: give 1 to 3 degrees, e.g. {name}=(2, 2, 1).")
+    if name == "space":
+        # fewer than three spatial degrees are the innermost dims: (h, w) for 2D models
+        return (1,) * (3 - len(value)) + value
+    return value + (1,) * (3 - len(value))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Degrees of parallelism per axis; their product is the world size.
+
+    `space` is (d, h, w): a 2D model uses (1, h, w), `space=(2, 2)` means (1, 2, 2).
+    `tensor` is an int for 1D (Megatron) tensor parallelism, or (x, y, z) for the 3D parallel
+    matrix multiply.
+    """
+
+    trainer: int = 1
+    pipe: int = 1
+    data: int = 1
+    shard: int = 1
+    space: tuple[int, int, int] = (1, 1, 1)
+    tensor: int | tuple[int, int, int] = 1
+    _tensor_3d: bool = field(default=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "space", _as_triple(self.space, "space"))
+        if not isinstance(self.tensor, int):
+            object.__setattr__(self, "tensor", _as_triple(self.tensor, "tensor"))
+            object.__setattr__(self, "_tensor_3d", True)
+        for name, degree in self.degrees().items():
+            if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
+                raise PlanError(f"Plan.{name} must be a positive integer, got {degree!r}.")
+
+    # ---------------------------------------------------------------- arithmetic
+    @property
+    def tensor_3d(self) -> bool:
+        return self._tensor_3d
+
+    @property
+    def tensor_degree(self) -> int:
+        return self.tensor if isinstance(self.tensor, int) else math.prod(self.tensor)
+
+    @property
+    def space_degree(self) -> int:
+        return math.prod(self.space)
+
+    def degrees(self) -> dict[str, int]:
+        """Mesh dimensions, outermost first, with their degrees (space and tensor expanded)."""
+        dims = {"trainer": self.trainer, "pipe": self.pipe, "data": self.data, "shard": self.shard}
+        dims.update({f"space_{a}": n for a, n in zip("dhw", self.space)})
+        if self.tensor_3d:
+            dims.update({f"tensor_{a}": n for a, n in zip("xyz", self.tensor)})
+        else:
+            dims["tensor"] = self.tensor
+        return dims
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.degrees().values())
+
+    def used_axes(self) -> set[str]:
+        """Top-level axes with a degree above 1."""
+        used = {a for a in ("trainer", "pipe", "data", "shard") if getattr(self, a) > 1}
+        if self.space_degree > 1:
+            used.add("space")
+        if self.tensor_degree > 1:
+            used.add("tensor")
+        return used
+
+    # ---------------------------------------------------------------- validation
+    def validate(self, world_size: int) -> "Plan":
+        """Raise PlanError unless this Plan runs on exactly `world_size` ranks."""
+        if self.world_size != world_size:
+            raise PlanError(
+                f"{self} needs {self.world_size} ranks but the job has {world_size}. "
+                f"{_suggest(self, world_size)}"
+            )
+        return self
+
+    def require_implemented(self) -> "Plan":
+        missing = sorted(self.used_axes() - IMPLEMENTED_AXES)
+        if missing:
+            raise PlanError(
+                f"{self} uses the axis {', '.join(missing)}, whose strategy this version of exatrain "
+                f"does not implement yet (implemented: {', '.join(sorted(IMPLEMENTED_AXES))}). "
+                f"Set {' and '.join(f'{a}=1' for a in missing)} or use data parallelism."
+            )
+        return self
+
+    def __str__(self) -> str:
+        parts = [f"{a}={getattr(self, a)}" for a in ("trainer", "pipe", "data", "shard")
+                 if getattr(self, a) != 1]
+        if self.space_degree > 1:
+            parts.append(f"space={self.space}")
+        if self.tensor_degree > 1:
+            parts.append(f"tensor={self.tensor}")
+        return f"Plan({', '.join(parts)})"
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+
+    @classmethod
+    def for_world(cls, world_size: int, **degrees) -> "Plan":
+        """The Plan with the given degrees and `data` filling the rest of `world_size`."""
+        partial = cls(**{k: v for k, v in degrees.items() if k != "data"})
+        if world_size % partial.world_size:
+            raise PlanError(
+                f"{partial} uses {partial.world_size} ranks per replica, which does not divide the "
+                f"world size {world_size}. {_suggest(partial, world_size)}"
+            )
+        return cls(data=world_size // partial.world_size, **{k: v for k, v in degrees.items()
+                                                              if k != "data"})
+
+
+def _suggest(plan: Plan, world_size: int) -> str:
+    """A sentence proposing a Plan that fits `world_size`, keeping as much of `plan` as possible."""
+    others = plan.world_size // plan.data
+    if world_size % others == 0:
+        return f"Use data={world_size // others} to fill {world_size} ranks."
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    return (f"The other axes multiply to {others}, which does not divide {world_size}; "
+            f"pick degrees whose product divides it (divisors of {world_size}: {divisors}).")

@@ -1,0 +1,96 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP): sharded, resumable on another Plan, atomic.
+
+Layout of a run directory:
+
+    RUN_DIR/checkpoints/step_00000100/   DCP files of model + optimizer, and trainer_state.json
+    RUN_DIR/checkpoints/latest           the name of the newest complete checkpoint
+
+Atomicity: every rank writes into `step_N.partial`; only after DCP has finished on all ranks does
+rank 0 write trainer_state.json, rename the folder to `step_N` and then replace `latest` (both
+renames are atomic on POSIX file systems). A crash at any moment leaves either the previous good
+checkpoint or the new complete one under a final name, never a half-written one.
+
+Model and optimizer state go through DCP's `get_state_dict`/`set_state_dict`, which key tensors by
+fully-qualified parameter name whatever wrapper (DDP, FSDP2) holds them, so a checkpoint written
+under one Plan loads under another.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+STATE_FILE = "trainer_state.json"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def latest(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of a run, or None."""
+    root = checkpoint_dir(run_dir)
+    marker = root / "latest"
+    if marker.is_file():
+        path = root / marker.read_text().strip()
+        if (path / STATE_FILE).is_file():
+            return path
+    complete = sorted(p for p in root.glob("step_*") if (p / STATE_FILE).is_file()
+                      and not p.name.endswith(".partial"))
+    return complete[-1] if complete else None
+
+
+def save(run_dir: str | Path, step: int, model, optimizer, trainer_state: dict, keep: int = 2) -> Path:
+    """Collective: every rank calls it. Returns the final checkpoint path."""
+    root = checkpoint_dir(run_dir)
+    final = root / f"step_{step:08d}"
+    partial = root / f"step_{step:08d}.partial"
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save
+    dist.barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(partial))
+    if rank0:
+        _write_atomic(partial / STATE_FILE, json.dumps(trainer_state, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        _write_atomic(root / "latest", final.name)
+        for old in sorted(p for p in root.glob("step_*") if not p.name.endswith(".partial"))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load(path: str | Path, model, optimizer) -> dict:
+    """Collective: load model and optimizer state in place; return the trainer state."""
+    path = Path(path)
+    if not (path / STATE_FILE).is_file():
+        raise CheckpointError(f"{path} is not a complete exatrain checkpoint (no {STATE_FILE}).")
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    return json.loads((path / STATE_FILE).read_text())
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,220 @@
+"""Run configuration: TOML files validated into dataclasses, with `--set section.key=value`.
+
+The fixed sections (run, plan, train, optim, schedule) are defined here. The `model` and `data`
+sections belong to the workload named by `run.workload`: each workload module defines its own
+`ModelOptions` and `DataOptions` dataclasses, so an unknown key is caught there too.
+
+An unknown section or key is an error that suggests the closest valid one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..plan import Plan
+
+
+class ConfigError(ValueError):
+    """A config value or key that cannot be used; the message says what would work."""
+
+
+@dataclass
+class RunOptions:
+    workload: str = "cosmoflow"
+    name: str = ""              # run directory prefix; empty = the workload name
+    out_dir: str = "runs"
+    seed: int = 0
+    nproc: int = 2              # local ranks for `exatrain run` when no launcher is detected
+    timeout_s: float = 600.0    # a collective waiting longer than this fails instead of hanging
+    backend: str = "auto"       # auto | gloo | nccl
+
+
+@dataclass
+class PlanOptions:
+    trainer: int = 1
+    pipe: int = 1
+    data: int = 0               # 0: whatever the world size leaves after the other axes
+    shard: int = 1
+    space: list[int] = field(default_factory=lambda: [1, 1, 1])
+    tensor: list[int] = field(default_factory=lambda: [1])
+
+    def resolve(self, world_size: int) -> Plan:
+        tensor = self.tensor[0] if len(self.tensor) == 1 else tuple(self.tensor)
+        degrees = dict(trainer=self.trainer, pipe=self.pipe, shard=self.shard,
+                       space=tuple(self.space), tensor=tensor)
+        if self.data == 0:
+            return Plan.for_world(world_size, **degrees)
+        return Plan(data=self.data, **degrees).validate(world_size)
+
+
+@dataclass
+class TrainOptions:
+    steps: int = 0              # optimizer steps; 0 = run `epochs` epochs
+    epochs: int = 1
+    batch_size: int = 8         # global batch per optimizer step, over all replicas and micro-steps
+    grad_accum: int = 1         # micro-steps per optimizer step
+    clip_grad_norm: float = 0.0  # 0 = no clipping
+    eval_every: int = 0         # 0 = only at the end
+    log_every: int = 10
+    checkpoint_every: int = 0   # 0 = only at the end
+    checkpoint_keep: int = 2
+    num_workers: int = 0        # DataLoader worker processes per rank
+
+
+@dataclass
+class OptimOptions:
+    name: str = "adamw"         # adamw | adam | sgd
+    lr: float = 1e-3            # for `schedule.base_batch_size`, scaled by `schedule.lr_scaling`
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    momentum: float = 0.9       # sgd only
+    eps: float = 1e-8
+
+
+@dataclass
+class ScheduleOptions:
+    warmup_steps: int = 0
+    decay: str = "cosine"       # cosine | linear | constant
+    min_lr_ratio: float = 0.0
+    lr_scaling: str = "none"    # none | linear | sqrt: scale lr by (batch / base_batch_size)^(1 | 1/2)
+    base_batch_size: int = 0    # 0 = the configured batch size (no scaling)
+
+
+FIXED_SECTIONS = {"run": RunOptions, "plan": PlanOptions, "train": TrainOptions,
+                  "optim": OptimOptions, "schedule": ScheduleOptions}
+
+
+@dataclass
+class Config:
+    run: RunOptions
+    plan: PlanOptions
+    train: TrainOptions
+    optim: OptimOptions
+    schedule: ScheduleOptions
+    model: Any
+    data: Any
+
+    def to_dict(self) -> dict:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in
+                (*FIXED_SECTIONS, "model", "data")}
+
+
+def _closest(word: str, choices) -> str:
+    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
+    return f" Did you mean {match[0]!r}?" if match else f" Valid: {', '.join(sorted(choices))}."
+
+
+def _coerce(value, annotation, where: str):
+    """Check `value` against a dataclass field type; ints are accepted where floats are."""
+    origin = typing.get_origin(annotation)
+    if origin is list:
+        (item,) = typing.get_args(annotation)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = [value]
+        if not isinstance(value, list):
+            raise ConfigError(f"{where} must be a list, got {value!r}.")
+        return [_coerce(v, item, where) for v in value]
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation in (int, float, str, bool) and not isinstance(value, annotation) or \
+            (annotation is int and isinstance(value, bool)):
+        raise ConfigError(f"{where} must be {annotation.__name__}, got {value!r} "
+                          f"({type(value).__name__}).")
+    return value
+
+
+def build_section(cls, values: dict, section: str):
+    """Instantiate dataclass `cls` from `values`, rejecting unknown keys and wrong types."""
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(f"unknown key {section}.{key}.{_closest(key, known)}")
+        kwargs[key] = _coerce(value, hints[key], f"{section}.{key}")
+    return cls(**kwargs)
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """"section.key=value" -> (section, key, value); the value is read as TOML, else a string."""
+    path, sep, raw = text.partition("=")
+    section, dot, key = path.strip().partition(".")
+    if not sep or not dot or not key:
+        raise ConfigError(f"--set {text!r}: write section.key=value, e.g. --set train.steps=100.")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return section, key, value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Read a TOML config (or the built-in default example when `path` is None), apply overrides."""
+    from ..workloads import get_workload
+
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist; see examples/*.toml for ones "
+                              "that do, or run `exatrain run` with no file for the default example.")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    for text in overrides:
+        section, key, value = parse_override(text)
+        raw.setdefault(section, {})[key] = value
+    sections = {*FIXED_SECTIONS, "model", "data"}
+    for section in raw:
+        if section not in sections:
+            raise ConfigError(f"unknown section [{section}].{_closest(section, sections)}")
+        if not isinstance(raw[section], dict):
+            raise ConfigError(f"[{section}] must be a table of keys, got {raw[section]!r}.")
+    built = {name: build_section(cls, raw.get(name, {}), name) for name, cls in FIXED_SECTIONS.items()}
+    workload = get_workload(built["run"].workload)
+    built["model"] = build_section(workload.ModelOptions, raw.get("model", {}), "model")
+    built["data"] = build_section(workload.DataOptions, raw.get("data", {}), "data")
+    config = Config(**built)
+    validate(config)
+    return config
+
+
+def validate(config: Config) -> None:
+    """Checks across keys, with messages that name the values."""
+    t, o, s = config.train, config.optim, config.schedule
+    choices = {"optim.name": (o.name, ("adamw", "adam", "sgd")),
+               "schedule.decay": (s.decay, ("cosine", "linear", "constant")),
+               "schedule.lr_scaling": (s.lr_scaling, ("none", "linear", "sqrt")),
+               "run.backend": (config.run.backend, ("auto", "gloo", "nccl"))}
+    for where, (value, valid) in choices.items():
+        if value not in valid:
+            raise ConfigError(f"{where}={value!r} is not one of {', '.join(valid)}.{_closest(value, valid)}")
+    positive = {"train.batch_size": t.batch_size, "train.grad_accum": t.grad_accum,
+                "train.log_every": t.log_every, "run.nproc": config.run.nproc,
+                "train.checkpoint_keep": t.checkpoint_keep}
+    for where, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{where}={value} must be at least 1.")
+    if t.steps < 0 or t.epochs < 1 and t.steps == 0:
+        raise ConfigError(f"train.steps={t.steps}, train.epochs={t.epochs}: give steps > 0 or epochs ≥ 1.")
+    if o.lr <= 0:
+        raise ConfigError(f"optim.lr={o.lr} must be positive.")
+
+
+def micro_batch_size(config: Config, replicas: int) -> int:
+    """Samples per rank per micro-step; the global batch must split evenly."""
+    per = replicas * config.train.grad_accum
+    if config.train.batch_size % per:
+        lo = max(per, config.train.batch_size // per * per)
+        raise ConfigError(
+            f"train.batch_size={config.train.batch_size} does not split over {replicas} data "
+            f"replicas × {config.train.grad_accum} accumulation steps (= {per}); use a multiple "
+            f"of {per}, e.g. {lo} or {lo + per}.")
+    return config.train.batch_size // per

@@ -1,0 +1,20 @@
+"""Workloads: one module per model family, each with ModelOptions, DataOptions and build()."""
+
+from __future__ import annotations
+
+import importlib
+
+# name -> module; modules are imported on demand so one workload's dependencies never load another's.
+WORKLOAD_MODULES = {
+    "cosmoflow": "exatrain.workloads.cosmoflow",
+}
+
+
+def get_workload(name: str):
+    if name not in WORKLOAD_MODULES:
+        import difflib
+        close = difflib.get_close_matches(name, WORKLOAD_MODULES, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"run.workload={name!r} is unknown; choose one of "
+                         f"{', '.join(sorted(WORKLOAD_MODULES))}.{hint}")
+    return importlib.import_module(WORKLOAD_MODULES[name])

@@ -1,0 +1,83 @@
+"""CosmoFlow workload: the MLPerf HPC cosmology regression, MSE loss, validation MAE."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..data.cosmoflow import CosmoFlowDataset, predict_mean_baseline_mae, write_cosmoflow
+from ..models.cosmoflow import CosmoFlow
+from .base import Workload
+
+
+@dataclass
+class ModelOptions:
+    size: int = 32              # input cube edge; must match the data
+    base_channels: int = 32
+    conv_layers: int = 5
+    dropout: float = 0.0
+
+
+@dataclass
+class DataOptions:
+    path: str = "data/cosmoflow-32"   # directory with train.h5 and val.h5, or MLPerf per-sample files
+    generate: bool = True             # write a synthetic set there if it is missing
+    samples: int = 576                # samples to generate (train + val)
+    size: int = 32
+    seed: int = 1234
+
+
+def prepare(config, progress=None) -> Path:
+    """Generate the synthetic set once if asked and missing (run on one process, before build)."""
+    options = config.data
+    path = Path(options.path)
+    if options.generate and not (path / "train.h5").exists() and not any(path.glob("*/*.h5")):
+        write_cosmoflow(path, samples=options.samples, size=options.size, seed=options.seed,
+                        progress=progress)
+    return path
+
+
+def _split(path: Path, name: str) -> Path:
+    """Our layout has train.h5/val.h5; the MLPerf layout has train/ and validation/ folders."""
+    for candidate in (path / f"{name}.h5", path / name, path / {"val": "validation"}.get(name, name)):
+        if candidate.exists():
+            return candidate
+    return path / f"{name}.h5"  # the dataset raises a FileNotFoundError that says what to run
+
+
+def build(config, mesh) -> Workload:
+    m, d = config.model, config.data
+    if m.size != d.size and d.generate:
+        raise ValueError(f"model.size={m.size} but data.size={d.size}: they must match.")
+    path = Path(d.path)
+    train_set = CosmoFlowDataset(_split(path, "train"))
+    val_set = CosmoFlowDataset(_split(path, "val"))
+    model = CosmoFlow(size=m.size, base_channels=m.base_channels, conv_layers=m.conv_layers,
+                      dropout=m.dropout)
+
+    def metric_sums(output, target):
+        return {"abs_err": (output.float() - target).abs().sum(),
+                "sq_err": ((output.float() - target) ** 2).sum(),
+                "count": torch.tensor(float(target.numel()))}
+
+    def finalize(s):
+        return {"val_mae": s["abs_err"] / s["count"], "val_mse": s["sq_err"] / s["count"]}
+
+    return Workload(model=model, train_set=train_set, val_set=val_set, loss_fn=F.mse_loss,
+                    metric_sums=metric_sums, finalize=finalize,
+                    baselines={"baseline_mae": predict_mean_baseline_mae(train_set, val_set)},
+                    flops_per_sample=3 * cosmoflow_forward_flops(m.size, m.base_channels, m.conv_layers))
+
+
+def cosmoflow_forward_flops(size: int, base_channels: int = 32, conv_layers: int = 5) -> float:
+    """Forward FLOPs of one sample: 2 × MACs of the convolutions and dense layers."""
+    flops, channels, edge = 0.0, 4, size
+    for i in range(conv_layers):
+        out = base_channels * 2 ** i
+        flops += 2 * edge ** 3 * out * channels * 27
+        channels, edge = out, edge // 2
+    flat = channels * edge ** 3
+    return flops + 2 * (flat * 128 + 128 * 64 + 64 * 4)
