@@ -221,7 +221,7 @@ class CausalSelfAttention(nn.Module):
         self.k_proj = nn.Linear(E, E, bias=config.bias)
         self.v_proj = nn.Linear(E, E, bias=config.bias)
         self.out_proj = nn.Linear(E, E, bias=config.bias)
-        self.dropout = config.dropout
+        self.attn_dropout_p = config.dropout  # applied inside SDPA, training only
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -234,7 +234,7 @@ class CausalSelfAttention(nn.Module):
 
         q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
         y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            q, k, v, dropout_p=self.attn_dropout_p if self.training else 0.0, is_causal=True
         )
         y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_dropout(self.out_proj(y))

@@ -23,7 +23,6 @@ The model itself knows nothing about parallelism.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -226,7 +225,9 @@ def relative_l2_loss(pred: torch.Tensor, target: torch.Tensor, eps: float = 1e-1
     ``eps`` guards an all-zero target.
     """
     if pred.shape != target.shape:
-        raise ValueError(f"shape mismatch: pred {tuple(pred.shape)} vs target {tuple(target.shape)}")
+        raise ValueError(
+            f"shape mismatch: pred {tuple(pred.shape)} vs target {tuple(target.shape)}"
+        )
     diff = (pred - target).flatten(1).norm(dim=1)
     ref = target.flatten(1).norm(dim=1).clamp_min(eps)
     return (diff / ref).mean()

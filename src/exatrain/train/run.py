@@ -45,8 +45,8 @@ def find_resume_checkpoint(run_dir: str | Path) -> Path:
     return path
 
 
-def run_job(config: Config, resume_dir: str | None = None) -> dict:
-    """Train per `config` on this rank; returns the run summary (identical on every rank)."""
+def setup(config: Config, resume_dir: str | None = None) -> tuple:
+    """Join the job, build workload, model and Trainer on this rank. Returns (mesh, trainer)."""
     from ..launch import detect
 
     launch = detect()
@@ -73,6 +73,16 @@ def run_job(config: Config, resume_dir: str | None = None) -> dict:
             trainer.resume(resume_from)
             if console:
                 console.print(f"resumed from {resume_from} at step {trainer.step}")
+        return mesh, trainer
+    except BaseException:
+        mesh.close()
+        raise
+
+
+def run_job(config: Config, resume_dir: str | None = None) -> dict:
+    """Train per `config` on this rank; returns the run summary."""
+    mesh, trainer = setup(config, resume_dir)
+    try:
         return trainer.fit()
     finally:
         mesh.close()

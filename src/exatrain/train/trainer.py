@@ -103,7 +103,10 @@ class Trainer:
             loader = DataLoader(self.workload.train_set, batch_size=self.micro,
                                 sampler=self._rank_indices(epoch, offset),
                                 num_workers=self.config.train.num_workers,
-                                pin_memory=self.mesh.device.type == "cuda")
+                                pin_memory=self.mesh.device.type == "cuda",
+                                # its own generator: starting an epoch must not draw from the
+                                # global RNG, or dropout after a resume would differ
+                                generator=torch.Generator().manual_seed(epoch))
             yield from loader
             epoch, offset = epoch + 1, 0
 
