@@ -11,7 +11,8 @@ import importlib
 from rich.console import Console
 from rich.table import Table
 
-BENCHMARKS = {"dp": "exatrain.bench.dp"}
+BENCHMARKS = {"dp": "exatrain.bench.dp", "spatial": "exatrain.bench.spatial",
+              "zero": "exatrain.bench.zero", "tensor": "exatrain.bench.tensor"}
 
 
 def add_arguments(parser) -> None:

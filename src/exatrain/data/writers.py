@@ -19,7 +19,48 @@ def _cosmoflow(sub):
     return write
 
 
-WRITERS = {"cosmoflow": _cosmoflow}
+def _deepcam(sub):
+    p = sub.add_parser("deepcam", help="2D atmospheric fields with labelled cyclones and "
+                                       "atmospheric rivers, in the DeepCAM HDF5 layout")
+    p.add_argument("--samples", type=int, default=256)
+    p.add_argument("--height", type=int, default=96)
+    p.add_argument("--width", type=int, default=144)
+    p.add_argument("--channels", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+
+    def write(args, progress):
+        from .deepcam import write_deepcam
+        return write_deepcam(args.out, samples=args.samples, height=args.height, width=args.width,
+                             channels=args.channels, seed=args.seed)
+    return write
+
+
+def _text(sub):
+    p = sub.add_parser("text", help="the Python standard library's source as a byte-level corpus")
+    p.add_argument("--max-bytes", type=int, default=None, help="cut the corpus to this many bytes")
+
+    def write(args, progress):
+        from .text import write_text_corpus
+        return write_text_corpus(args.out, max_bytes=args.max_bytes)
+    return write
+
+
+def _forecast(sub):
+    p = sub.add_parser("forecast", help="rotating shallow-water simulation trajectories (h, u, v)")
+    p.add_argument("--trajectories", type=int, default=16)
+    p.add_argument("--steps", type=int, default=20, help="saved time steps per trajectory")
+    p.add_argument("--height", type=int, default=64)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+
+    def write(args, progress):
+        from .forecast import write_forecast
+        return write_forecast(args.out, trajectories=args.trajectories, steps=args.steps,
+                              height=args.height, width=args.width, seed=args.seed)
+    return write
+
+
+WRITERS = {"cosmoflow": _cosmoflow, "deepcam": _deepcam, "text": _text, "forecast": _forecast}
 
 
 def add_parsers(data_parser: argparse.ArgumentParser) -> None:

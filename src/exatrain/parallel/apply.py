@@ -1,12 +1,24 @@
 """parallelize(): lay a plain module out over the mesh, applying strategies in a fixed order.
 
-Order (torchtitan's, for the same reasons): tensor -> space -> activation checkpointing ->
-compile -> shard -> data. Layer-splitting strategies first, because they replace modules; then
-memory and compile wrappers, which act on the replaced modules; data replication last, since it
-only needs the final parameters.
+Order (torchtitan's, for the same reasons):
+
+    tensor -> space -> activation checkpointing -> compile -> shard -> data
+
+Layer-splitting strategies first, because they replace modules; then memory and compile wrappers,
+which act on the replaced modules; sharding and data replication last, since they only need the
+final parameters. Each strategy lives in its own module and is imported only when its axis is used.
+
+Gradient synchronisation over the replicated axes:
+  data only        all-reduce over `data`, mean
+  data × space     all-reduce over `data+space`: summed over the spatial ranks of one sample
+                   (each holds a partial weight gradient), averaged over the data replicas
+  shard            the sharding strategy reduce-scatters over `shard` and all-reduces over `data`
+  tensor           the tensor strategy syncs each parameter over the axes its metadata names
 """
 
 from __future__ import annotations
+
+import importlib
 
 from torch import nn
 
@@ -14,7 +26,30 @@ from ..mesh import Mesh
 from .data import data_parallel
 
 
-def parallelize(model: nn.Module, mesh: Mesh) -> nn.Module:
-    """Return a module that trains like `model` on one process, laid out over `mesh`."""
+def _strategy(name: str):
+    return importlib.import_module(f"exatrain.parallel.{name}")
+
+
+def parallelize(model: nn.Module, mesh: Mesh, options=None) -> nn.Module:
+    """Return a module that trains like `model` on one process, laid out over `mesh`.
+
+    `options` is a `ParallelOptions` (the config's [parallel] section); None means defaults.
+    """
+    if options is None:
+        from ..train.config import ParallelOptions
+        options = ParallelOptions()
+    plan = mesh.plan
     model = model.to(mesh.device)
-    return data_parallel(model, mesh.axis("data"), device=mesh.device)
+    if plan.tensor_degree > 1:
+        return _strategy("tensor").parallelize_tensor(model, mesh, options)
+    if plan.space_degree > 1:
+        model = _strategy("spatial").parallelize_spatial(model, mesh)
+    if options.activation_checkpointing != "none" or options.compile:
+        model = _strategy("memory").apply_checkpointing_and_compile(model, options)
+    if plan.shard > 1:
+        return _strategy("shard").parallelize_shard(model, mesh, options)
+    if plan.space_degree > 1:
+        return data_parallel(model, mesh.axis("data", "space"), replicas=plan.data,
+                             bucket_cap_mb=options.bucket_cap_mb, device=mesh.device)
+    return data_parallel(model, mesh.axis("data"), bucket_cap_mb=options.bucket_cap_mb,
+                         device=mesh.device)

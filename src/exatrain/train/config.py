@@ -86,8 +86,21 @@ class ScheduleOptions:
     base_batch_size: int = 0    # 0 = the configured batch size (no scaling)
 
 
+@dataclass
+class ParallelOptions:
+    """How strategies are applied beyond the Plan's degrees (see exatrain.parallel.apply)."""
+    zero_stage: int = 3             # with plan.shard > 1: 1, 2 or 3 (3 = FSDP)
+    offload: bool = False           # CPU offload of sharded parameters and optimizer state
+    precision: str = "fp32"         # fp32 | bf16 | fp16 (fp32 master weights and reductions)
+    activation_checkpointing: str = "none"  # none | full | selective
+    compile: bool = False           # torch.compile each block
+    sequence_parallel: bool = False  # 1D tensor parallelism: split norms/dropout over the sequence
+    bucket_cap_mb: float = 25.0     # gradient all-reduce bucket size
+
+
 FIXED_SECTIONS = {"run": RunOptions, "plan": PlanOptions, "train": TrainOptions,
-                  "optim": OptimOptions, "schedule": ScheduleOptions}
+                  "optim": OptimOptions, "schedule": ScheduleOptions,
+                  "parallel": ParallelOptions}
 
 
 @dataclass
@@ -97,6 +110,7 @@ class Config:
     train: TrainOptions
     optim: OptimOptions
     schedule: ScheduleOptions
+    parallel: ParallelOptions
     model: Any
     data: Any
 
@@ -192,7 +206,10 @@ def validate(config: Config) -> None:
     choices = {"optim.name": (o.name, ("adamw", "adam", "sgd")),
                "schedule.decay": (s.decay, ("cosine", "linear", "constant")),
                "schedule.lr_scaling": (s.lr_scaling, ("none", "linear", "sqrt")),
-               "run.backend": (config.run.backend, ("auto", "gloo", "nccl"))}
+               "run.backend": (config.run.backend, ("auto", "gloo", "nccl")),
+               "parallel.precision": (config.parallel.precision, ("fp32", "bf16", "fp16")),
+               "parallel.activation_checkpointing": (config.parallel.activation_checkpointing,
+                                                     ("none", "full", "selective"))}
     for where, (value, valid) in choices.items():
         if value not in valid:
             raise ConfigError(f"{where}={value!r} is not one of {', '.join(valid)}.{_closest(value, valid)}")
@@ -204,6 +221,9 @@ def validate(config: Config) -> None:
             raise ConfigError(f"{where}={value} must be at least 1.")
     if t.steps < 0 or t.epochs < 1 and t.steps == 0:
         raise ConfigError(f"train.steps={t.steps}, train.epochs={t.epochs}: give steps > 0 or epochs ≥ 1.")
+    if config.parallel.zero_stage not in (1, 2, 3):
+        raise ConfigError(f"parallel.zero_stage={config.parallel.zero_stage} must be 1, 2 or 3 "
+                          "(stage 0 is plain data parallelism: set plan.shard=1).")
     if o.lr <= 0:
         raise ConfigError(f"optim.lr={o.lr} must be positive.")
 

@@ -66,7 +66,7 @@ def setup(config: Config, resume_dir: str | None = None) -> tuple:
         run_dir = Path(broadcast_object(str(run_dir) if run_dir else None, mesh.world))
         torch.manual_seed(config.run.seed)  # identical initial weights on every rank
         workload = workload_module.build(config, mesh)
-        model = parallelize(workload.model, mesh)
+        model = parallelize(workload.model, mesh, config.parallel)
         console = TrainConsole() if mesh.rank == 0 else None
         trainer = Trainer(mesh, workload, config, model, run_dir=run_dir, console=console)
         if resume_from:

@@ -7,6 +7,9 @@ import importlib
 # name -> module; modules are imported on demand so one workload's dependencies never load another's.
 WORKLOAD_MODULES = {
     "cosmoflow": "exatrain.workloads.cosmoflow",
+    "deepcam": "exatrain.workloads.deepcam",
+    "gpt": "exatrain.workloads.gpt",
+    "vit": "exatrain.workloads.vit",
 }
 
 
