@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 from ..comm import all_reduce
 from ..mesh import Mesh
 from ..parallel.data import unwrap
+from ..parallel.gradnorm import clip_grad_norm_
 from ..workloads.base import Workload
 from . import checkpoint
 from .config import Config, micro_batch_size
@@ -134,8 +135,7 @@ class Trainer:
         # Gradients are identical on every replica after the all-reduce, so every rank reaches
         # the same verdict on finiteness without another collective.
         max_norm = t.clip_grad_norm if t.clip_grad_norm > 0 else math.inf
-        grad_norm = float(nn.utils.clip_grad_norm_(
-            [p for p in self.model.parameters() if p.grad is not None], max_norm))
+        grad_norm = clip_grad_norm_(self.model.parameters(), max_norm)
         if not math.isfinite(grad_norm) or not math.isfinite(loss_sum):
             last = checkpoint.latest(self.run_dir) if self.run_dir else None
             raise NonFiniteLoss(

@@ -1,0 +1,56 @@
+"""The global gradient norm, and clipping by it, for parameters laid out by any strategy.
+
+Every rank must reach the same norm (and so the same clipping factor and the same verdict on
+finiteness), whatever slice of the parameters it holds:
+
+  plain tensors (replicated, e.g. after a data-parallel all-reduce): local squares count as they are
+  DTensor gradients (FSDP2, DTensor tensor parallelism): torch's own norm, which reduces over
+              the DTensor's mesh
+  a parameter sharded by an exatrain strategy carries `exatrain_norm_axes`, a tuple of
+              `comm.Axis` over which its gradient is split: its squares are summed over them
+
+Communication: one all-reduce of one fp32 scalar per distinct set of `exatrain_norm_axes`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..comm import all_reduce
+
+
+def _is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def clip_grad_norm_(parameters, max_norm: float = math.inf) -> float:
+    """Scale gradients so their global 2-norm is at most `max_norm`; return the norm before."""
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return 0.0
+    dtensor = [p for p in params if _is_dtensor(p.grad)]
+    device = params[0].grad.device  # collectives need tensors where the backend lives (NCCL: GPU)
+    total_sq = torch.zeros((), dtype=torch.float64, device=device)
+    if dtensor:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in dtensor])
+        norm = norm.full_tensor() if _is_dtensor(norm) else norm
+        total_sq += norm.detach().double().to(device) ** 2
+    by_axes: dict[tuple, torch.Tensor] = {}
+    for p in params:
+        if _is_dtensor(p.grad):
+            continue
+        axes = tuple(getattr(p, "exatrain_norm_axes", ()))
+        sq = p.grad.detach().double().pow(2).sum().to(device)
+        by_axes[axes] = by_axes.get(axes, torch.zeros((), dtype=torch.float64, device=device)) + sq
+    for axes, sq in by_axes.items():
+        for axis in axes:
+            all_reduce(sq, axis, tag="metric")
+        total_sq += sq
+    total = float(total_sq.sqrt())
+    if math.isfinite(total) and total > max_norm:
+        factor = max_norm / (total + 1e-6)
+        for p in params:
+            p.grad.mul_(factor)
+    return total
