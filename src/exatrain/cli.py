@@ -26,6 +26,7 @@ def _run(args) -> int:
         run_job(config, args.resume)
         return 0
     nproc = args.nproc or config.run.nproc
+    config.plan.resolve(nproc)  # refuse a Plan that does not fit before any rank starts
     workload = get_workload(config.run.workload)
     console.print(f"[bold]exatrain run[/]: {config.run.workload} on {nproc} local rank(s)")
     workload.prepare(config, progress=_progress(console, "writing data"))  # once, here, before the ranks start

@@ -1,5 +1,8 @@
 """Run configuration: TOML files validated into dataclasses, with `--set section.key=value`.
 
+The defaults are the built-in example (`exatrain run` with no file): CosmoFlow 32³ with data
+parallelism on two local ranks; examples/cosmoflow.toml spells the same job out.
+
 The fixed sections (run, plan, train, optim, schedule) are defined here. The `model` and `data`
 sections belong to the workload named by `run.workload`: each workload module defines its own
 `ModelOptions` and `DataOptions` dataclasses, so an unknown key is caught there too.
@@ -55,13 +58,13 @@ class PlanOptions:
 
 @dataclass
 class TrainOptions:
-    steps: int = 0              # optimizer steps; 0 = run `epochs` epochs
+    steps: int = 300            # optimizer steps; 0 = run `epochs` epochs
     epochs: int = 1
     batch_size: int = 8         # global batch per optimizer step, over all replicas and micro-steps
     grad_accum: int = 1         # micro-steps per optimizer step
     clip_grad_norm: float = 0.0  # 0 = no clipping
-    eval_every: int = 0         # 0 = only at the end
-    log_every: int = 10
+    eval_every: int = 100       # 0 = only at the end
+    log_every: int = 25
     checkpoint_every: int = 0   # 0 = only at the end
     checkpoint_keep: int = 2
     num_workers: int = 0        # DataLoader worker processes per rank
@@ -70,7 +73,7 @@ class TrainOptions:
 @dataclass
 class OptimOptions:
     name: str = "adamw"         # adamw | adam | sgd
-    lr: float = 1e-3            # for `schedule.base_batch_size`, scaled by `schedule.lr_scaling`
+    lr: float = 3e-4            # for `schedule.base_batch_size`, scaled by `schedule.lr_scaling`
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     momentum: float = 0.9       # sgd only
@@ -79,7 +82,7 @@ class OptimOptions:
 
 @dataclass
 class ScheduleOptions:
-    warmup_steps: int = 0
+    warmup_steps: int = 10
     decay: str = "cosine"       # cosine | linear | constant
     min_lr_ratio: float = 0.0
     lr_scaling: str = "none"    # none | linear | sqrt: scale lr by (batch / base_batch_size)^(1 | 1/2)
@@ -192,7 +195,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         if not isinstance(raw[section], dict):
             raise ConfigError(f"[{section}] must be a table of keys, got {raw[section]!r}.")
     built = {name: build_section(cls, raw.get(name, {}), name) for name, cls in FIXED_SECTIONS.items()}
-    workload = get_workload(built["run"].workload)
+    try:
+        workload = get_workload(built["run"].workload)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     built["model"] = build_section(workload.ModelOptions, raw.get("model", {}), "model")
     built["data"] = build_section(workload.DataOptions, raw.get("data", {}), "data")
     config = Config(**built)

@@ -1,0 +1,54 @@
+"""The command line as a user runs it: a real subprocess of the installed `exatrain` entry point."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+
+
+def exatrain(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "exatrain.cli", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_data_then_run_then_resume(tmp_path):
+    made = exatrain("data", "cosmoflow", "--out", "d16", "--samples", "24", "--size", "16",
+                    cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    with h5py.File(tmp_path / "d16" / "train.h5") as f:
+        assert f["x"].shape == (21, 16, 16, 16, 4) and f["y"].shape == (21, 4)
+
+    args = ["--set", "data.path=d16", "--set", "data.generate=false", "--set", "data.size=16",
+            "--set", "model.size=16", "--set", "model.conv_layers=4", "--set", "model.base_channels=4",
+            "--set", "train.steps=4", "--set", "train.log_every=2", "--set", "train.eval_every=2"]
+    run = exatrain("run", "--nproc", "2", *args, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    run_dir = next((tmp_path / "runs").iterdir())
+    assert str(run_dir.relative_to(tmp_path)) in run.stderr  # it says where the results went
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for key in ("val_mae", "baseline_mae", "steps", "samples_per_s", "world_size"):
+        assert key in summary
+    assert summary["steps"] == 4 and summary["world_size"] == 2
+    lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = [l for l in lines if "loss" in l]
+    assert [l["step"] for l in logged] == [2, 4]
+    for key in ("loss", "samples_per_s", "step_s", "peak_mem_bytes", "bytes_per_step"):
+        assert key in logged[0]
+    assert logged[0]["bytes_per_step"]["data"] > 0
+    assert (run_dir / "config.toml").is_file() and (run_dir / "checkpoints" / "latest").is_file()
+
+    # a finished run resumed with more steps continues from its last checkpoint
+    more = exatrain("run", "--resume", str(run_dir), "--set", "train.steps=6", cwd=tmp_path)
+    assert more.returncode == 0, more.stderr
+    assert "resumed from" in more.stderr
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 6
+
+
+def test_config_typo_exits_with_a_suggestion(tmp_path):
+    bad = exatrain("run", "--set", "train.batchsize=4", cwd=tmp_path)
+    assert bad.returncode == 2
+    assert "unknown key train.batchsize. Did you mean 'batch_size'?" in bad.stderr
