@@ -19,7 +19,7 @@ AXIS_ORDER = ("trainer", "pipe", "data", "shard", "space", "tensor")
 
 # Axes whose strategies exist in this version.  A Plan that needs any other is refused by
 # `require_implemented`, with a message saying so, rather than silently ignored.
-IMPLEMENTED_AXES = frozenset({"data"})
+IMPLEMENTED_AXES = frozenset({"data", "space", "shard"})
 
 
 class PlanError(ValueError):

@@ -47,6 +47,7 @@ PARAM_LOW = (0.20, 0.60, 0.90, 60.0)
 PARAM_HIGH = (0.40, 1.00, 1.02, 80.0)
 REDSHIFTS = (0.0, 0.5, 1.5, 3.0)
 _HINT = "create a synthetic data set with `exatrain data cosmoflow --out DIR`"
+CHUNK_EDGE = 16  # HDF5 chunk edge of the written cubes (32 KiB chunks of int16 × 4 channels)
 
 
 def bbks_transfer(k: np.ndarray, gamma: float) -> np.ndarray:
@@ -144,9 +145,11 @@ def write_cosmoflow(out_dir, samples: int, size: int, seed: int = 0, val_fractio
         for name, (a, b) in splits.items():
             f = files[name] = h5py.File(tmp[name], "w")
             n = b - a
-            # one sample per chunk: a sample (or a hyperslab of it) is read without touching others;
-            # maxshape=None lets the chunk exceed an empty split
-            f.create_dataset("x", (n, size, size, size, 4), dtype="i2", chunks=(1, size, size, size, 4),
+            # chunks of one sample's 16³ sub-cube (the whole sample up to 16³): a sample is read
+            # without touching others, and a spatial block (a hyperslab, for spatial parallelism)
+            # without reading the rest of its sample; maxshape=None lets a chunk exceed an empty split
+            edge = min(size, CHUNK_EDGE)
+            f.create_dataset("x", (n, size, size, size, 4), dtype="i2", chunks=(1, edge, edge, edge, 4),
                              maxshape=(None, size, size, size, 4))
             f.create_dataset("y", (n, 4), dtype="f4")
             f.create_dataset("params", (n, 4), dtype="f4")

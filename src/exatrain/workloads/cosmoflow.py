@@ -47,9 +47,28 @@ class Standardize:
         return (np.log1p(counts) - self.mean) / self.std
 
 
-def standardizer(train_set: CosmoFlowDataset, samples: int = 16) -> Standardize:
-    values = torch.stack([train_set[i][0] for i in range(min(samples, len(train_set)))])
-    return Standardize(float(values.mean()), float(values.std()))
+def standardizer(train_set: CosmoFlowDataset, samples: int = 16, region=None,
+                 axis=None) -> Standardize:
+    """Mean and std of log1p counts over the first `samples` training samples.
+
+    Under a `space` split (`region` = this rank's block, `axis` = the space axis) each rank reads
+    only its blocks and the sums are added over the spatial ranks, giving the whole samples' mean
+    and (unbiased) std without any rank reading a whole sample.
+    """
+    n = min(samples, len(train_set))
+    if region is None:
+        values = torch.stack([train_set[i][0] for i in range(n)])
+        return Standardize(float(values.mean()), float(values.std()))
+    from ..comm import all_reduce
+    sums = torch.zeros(3, dtype=torch.float64)
+    for i in range(n):
+        block = train_set.read(i, region)[0].double()
+        sums += torch.stack([torch.tensor(float(block.numel()), dtype=torch.float64),
+                             block.sum(), (block * block).sum()])
+    all_reduce(sums, axis, tag="metric")
+    count, total, squares = sums.tolist()
+    mean = total / count
+    return Standardize(mean, max((squares - count * mean * mean) / (count - 1), 0.0) ** 0.5)
 
 
 def prepare(config, progress=None) -> Path:
@@ -77,8 +96,17 @@ def build(config, mesh) -> Workload:
     path = Path(d.path)
     train_set = CosmoFlowDataset(_split(path, "train"))
     val_set = CosmoFlowDataset(_split(path, "val"))
+    region = None
+    if mesh.plan.space_degree > 1:
+        # spatial parallelism: each rank reads only its block of every sample (HDF5 hyperslab)
+        from ..parallel.spatial import block_region
+        region = block_region(tuple(train_set.sample_shape[:3]), mesh)
     if d.standardize:
-        train_set.transform = val_set.transform = standardizer(train_set)
+        train_set.transform = val_set.transform = standardizer(
+            train_set, region=region, axis=mesh.axis("space") if region else None)
+    if region is not None:
+        from ..parallel.spatial import SpatialBlocks
+        train_set, val_set = SpatialBlocks(train_set, region), SpatialBlocks(val_set, region)
     model = CosmoFlow(size=m.size, base_channels=m.base_channels, conv_layers=m.conv_layers,
                       dropout=m.dropout)
 

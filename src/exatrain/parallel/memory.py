@@ -1,0 +1,121 @@
+"""Activation checkpointing and torch.compile, one block at a time, for any model.
+
+`apply_checkpointing_and_compile(model, options)` runs in `parallelize` after the layer-splitting
+strategies (tensor, space) and before sharding and data replication, torchtitan's order: the
+checkpoint wrapper and the compiled code then see the final layers, and FSDP2 shards the wrapped
+blocks.
+
+What a block is, without knowing the model (`find_blocks`):
+
+  * every child of every outermost `nn.ModuleList` (a transformer's `blocks`, a U-Net's branches);
+  * in a model without a `ModuleList`, each direct child of the root that holds parameters
+    (e.g. CosmoFlow's `features` and `head`).
+
+Activation checkpointing (`parallel.activation_checkpointing`):
+
+  full        each block keeps only its input during forward and recomputes everything inside
+              it during backward: activation memory ≈ one block input per block plus one block's
+              internals, for one extra forward pass of compute.
+  selective   op-level selective checkpointing: inside each block the outputs of matrix
+              multiplies, convolutions and attention are saved, everything else (norms,
+              activations, dropout masks, reshapes) is recomputed: most of the memory of `full`
+              is saved at a small fraction of its recompute cost.
+
+Both use PyTorch's non-reentrant checkpoint and preserve the RNG state, so dropout draws the same
+masks when a block is recomputed: in fp32 a checkpointed model trains bit-identically to an
+unchecked one. Blocks are wrapped with PyTorch's `checkpoint_wrapper`, whose
+`_checkpoint_wrapped_module` level is left out of state-dict keys (by the wrapper's own
+state-dict hooks and by `torch.distributed.checkpoint`), so checkpoints stay loadable with
+checkpointing on or off.
+
+Compile (`parallel.compile = true`) compiles each block in place (`nn.Module.compile`): the
+module tree and its parameter names do not change, blocks of equal shape share one compiled
+graph, and FSDP2's hooks at block boundaries stay outside the graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# Ops whose outputs selective checkpointing keeps: the expensive ones to recompute.
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.baddbmm.default,
+    torch.ops.aten.convolution.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+for _name in ("_scaled_dot_product_cudnn_attention",):
+    if hasattr(torch.ops.aten, _name):
+        _SAVE_OPS.add(getattr(torch.ops.aten, _name).default)
+
+
+def find_blocks(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, name, block) for every block of `model`, in registration order (see above)."""
+    found: list[tuple[nn.Module, str, nn.Module]] = []
+
+    def visit(module: nn.Module) -> None:
+        for name, child in module.named_children():
+            if isinstance(child, nn.ModuleList):
+                found.extend((child, n, c) for n, c in child.named_children())
+            else:
+                visit(child)
+
+    visit(model)
+    if not found:
+        found = [(model, n, c) for n, c in model.named_children()
+                 if any(True for _ in c.parameters())]
+    return found
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+    if op in _SAVE_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+def checkpoint_block(block: nn.Module, mode: str) -> nn.Module:
+    """`block` wrapped so its activations are recomputed in backward (`mode`: full | selective)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, checkpoint_wrapper)
+    kwargs = {"preserve_rng_state": True}
+    if mode == "selective":
+        kwargs["context_fn"] = _selective_context
+    elif mode != "full":
+        raise ValueError(f"parallel.activation_checkpointing={mode!r}: use none, full or selective.")
+    return checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
+
+
+def apply_checkpointing_and_compile(model: nn.Module, options) -> nn.Module:
+    """Checkpoint and/or compile every block of `model` in place; returns `model`."""
+    blocks = find_blocks(model)
+    if not blocks:
+        raise ValueError(
+            f"{type(model).__name__} has no blocks to checkpoint or compile: it has neither an "
+            "nn.ModuleList nor children with parameters. Set parallel.activation_checkpointing="
+            "'none' and parallel.compile=false, or group its layers into an nn.ModuleList.")
+    if options.precision != "fp32":
+        # norms must carry their fp32 input cast into the compiled graphs
+        from ..train.precision import keep_norms_fp32
+        keep_norms_fp32(model)
+    mode = options.activation_checkpointing
+    for parent, name, block in blocks:
+        if mode != "none":
+            block = checkpoint_block(block, mode)
+            parent.register_module(name, block)
+        if options.compile:
+            block.compile()
+    return model
+
+
+__all__ = ["apply_checkpointing_and_compile", "checkpoint_block", "find_blocks"]

@@ -1,0 +1,301 @@
+"""Spatial parallelism: each sample's spatial domain split over the `space` axis (DistConv).
+
+    Plan(data=2, space=(1, 2, 2))   # 8 ranks: 2 replicas, each sample split 2 × 2 over (h, w)
+
+`parallelize_spatial(model, mesh)` returns a copy of a plain PyTorch conv net in which every layer
+that sees spatially split tensors is replaced by its distributed version
+(`exatrain.parallel.spatial_layers`), with the same parameter and buffer names, so the state dict
+and checkpoints are those of the serial model. The model's own forward runs unchanged; its input
+on each rank is that rank's block of each sample (`SpatialBlocks` reads it from HDF5 with a
+hyperslab, or `split_input` cuts it from a whole sample), laid out row-major over
+(space_d, space_h, space_w); a 2D model (N, C, H, W) uses (space_h, space_w), a 1D one space_w.
+
+Layers, in the model's registration order (which must be its execution order):
+
+  split region       from the input up to the first nn.Flatten / AdaptiveAvgPool(1): convolutions
+                     (halo exchange), pooling, BatchNorm (statistics over data × space), pointwise
+                     activations, dropout, nearest upsampling, transposed convolutions. Anything
+                     else there is refused with an error naming the layer.
+  transition         nn.Flatten gathers the blocks (all-gather); AdaptiveAvgPool(1) reduces them
+                     (all-reduce). A layer of an nn.Sequential whose blocks became too small to
+                     split gathers early, if the model has such a transition anyway.
+  replicated region  everything after: runs on identical whole tensors on every spatial rank.
+
+Gradients. `parallel.apply` wraps the result in data parallelism over `data+space` that SUMS over
+the spatial ranks of a sample and averages over data replicas. A split layer's weight gradient on
+one rank is the partial sum over its block, so the sum is exact. A layer in the replicated region
+gets the complete gradient on every spatial rank; a hook scales its parameters' gradients by 1/S
+(S = spatial ranks) so that the sum counts them once. Losses over split outputs must be normalised
+by the global element count (see `workloads.deepcam`), metrics on split outputs summed over
+("data", "space"), on gathered outputs over ("data",).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from ..mesh import Mesh
+from .spatial_functions import GatherBlocks, ScaleGrad, SplitBlocks
+from .spatial_layers import (SpatialBatchNorm, SpatialConv, SpatialConvTranspose, SpatialDropout,
+                             SpatialFlatten, SpatialGlobalAvgPool, SpatialLayer, SpatialPool,
+                             SpatialSplitError, SpatialUpsample)
+
+__all__ = ["parallelize_spatial", "SpatialSplitError", "SpatialBlocks", "block_region",
+           "split_input", "gather_output", "spatial_layers", "DEFAULT_OVERLAP"]
+
+# Overlap the interior convolution with the halo transfer? Measured by `exatrain bench spatial`
+# (step_s_spatial vs step_s_spatial_overlap); see docs/spatial.md for the figures on this machine.
+DEFAULT_OVERLAP = False
+
+_CONVERT: dict[type, type] = {
+    **{t: SpatialConv for t in (nn.Conv1d, nn.Conv2d, nn.Conv3d)},
+    **{t: SpatialConvTranspose for t in (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)},
+    **{t: SpatialPool for t in (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d,
+                                nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)},
+    **{t: SpatialBatchNorm for t in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d,
+                                     nn.SyncBatchNorm)},
+    **{t: SpatialUpsample for t in (nn.Upsample, nn.UpsamplingNearest2d)},
+    **{t: SpatialDropout for t in (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)},
+    nn.Flatten: SpatialFlatten,
+}
+_GLOBAL_POOLS = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)
+_POINTWISE = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
+              nn.Mish, nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.Sigmoid, nn.Tanh,
+              nn.Softplus, nn.Softsign, nn.Tanhshrink, nn.LogSigmoid, nn.Identity, nn.Threshold,
+              nn.PReLU)
+SUPPORTED = ("Conv1d/2d/3d, ConvTranspose1d/2d/3d, MaxPool/AvgPool1d/2d/3d, BatchNorm1d/2d/3d, "
+             "nearest Upsample, Dropout/Dropout1d/2d/3d, Softmax/LogSoftmax over channels, "
+             "pointwise activations, Identity; nn.Flatten and AdaptiveAvgPool(1) end the split")
+
+
+class SpatialRuntime:
+    """What the layers of one spatially parallel model share: grid, axes, per-forward state."""
+
+    def __init__(self, mesh: Mesh, overlap: bool):
+        plan = mesh.plan
+        self.parts = tuple(plan.space)
+        self.coords = tuple(mesh.coords[f"space_{a}"] for a in "dhw")
+        _, h, w = self.parts
+        self.strides = (h * w, w, 1)
+        self.size = math.prod(self.parts)
+        self.space = mesh.axis("space")
+        self.batch_axis = mesh.axis("data", "space")   # BatchNorm over split tensors
+        self.data_axis = mesh.axis("data")              # BatchNorm over gathered tensors
+        position = sum(c * s for c, s in zip(self.coords, self.strides))
+        assert self.space.rank == position, (self.space.rank, position)
+        self.overlap = overlap
+        self.gathered = False          # set once the blocks of this forward pass are gathered
+        self._modes: dict[int, tuple[str, bool]] = {}
+
+    # ---------------------------------------------------------------- per forward
+    def begin(self, _module, _args) -> None:
+        """Forward pre-hook of the root module: every forward starts on split blocks."""
+        self.gathered = False
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        parts, coords, _ = self.layout(x.dim() - 2, None)
+        self.gathered = True
+        return GatherBlocks.apply(x, self.space, parts, coords)
+
+    def layout(self, k: int, layer) -> tuple[tuple, tuple, tuple]:
+        """(parts, coords, position strides) of the last k spatial dims, for a k-D layer."""
+        if not 1 <= k <= 3 or any(p > 1 for p in self.parts[:3 - k]):
+            what = f"{layer.source_type} '{layer.qualname}'" if layer is not None else "a tensor"
+            dims = "dhw"[3 - k:] if 1 <= k <= 3 else "?"
+            raise SpatialSplitError(
+                f"{what} has {k} spatial dims ({', '.join(dims)}) but the plan splits "
+                f"space={self.parts} (d, h, w): a {k}D model can only split its own dims, "
+                f"e.g. space={(1,) * (3 - k) + self.parts[3 - k:]}.")
+        return self.parts[3 - k:], self.coords[3 - k:], self.strides[3 - k:]
+
+    # ---------------------------------------------------------------- gradient bookkeeping
+    def note_mode(self, module: nn.Module, replicated: bool, name: str = "") -> None:
+        """Record whether `module` runs on split or gathered tensors; scale replicated grads."""
+        key = id(module)
+        seen = self._modes.get(key)
+        if seen is None:
+            self._modes[key] = (name or getattr(module, "qualname", ""), replicated)
+            if replicated and self.size > 1:
+                for p in module._parameters.values():
+                    if p is not None and p.requires_grad:
+                        p.register_hook(ScaleGrad(1.0 / self.size))
+        elif seen[1] != replicated:
+            raise RuntimeError(
+                f"layer '{seen[0]}' ran on {'gathered' if seen[1] else 'split'} tensors before and "
+                f"on {'gathered' if replicated else 'split'} tensors now; the spatial layout of a "
+                f"model must not change between calls (did the input size change?).")
+
+    def tracker(self, name: str):
+        def hook(module, _args):
+            self.note_mode(module, self.gathered, name)
+        return hook
+
+
+def _direct_params(module: nn.Module) -> list[str]:
+    return [n for n, p in module._parameters.items() if p is not None]
+
+
+def _unsupported(name: str, module: nn.Module, why: str = "") -> SpatialSplitError:
+    return SpatialSplitError(
+        f"layer '{name}' ({type(module).__name__}) sits where the tensors are split into spatial "
+        f"blocks (before any nn.Flatten / AdaptiveAvgPool(1)) and {why or 'exatrain has no spatial version of it'}. "
+        f"Supported there: {SUPPORTED}. Replace it with a supported layer, move it after the "
+        f"nn.Flatten so it runs on the gathered tensor, or set space=(1, 1, 1).")
+
+
+def _convert(name: str, module: nn.Module, rt: SpatialRuntime, may_gather: bool,
+             split_region: bool) -> nn.Module:
+    kind = type(module)
+    if kind in _CONVERT:
+        if kind is nn.Flatten and split_region and module.start_dim != 1:
+            raise _unsupported(name, module, f"start_dim={module.start_dim} would flatten only "
+                                             "part of the spatial dims; use nn.Flatten(1)")
+        return _CONVERT[kind](module, name, rt, may_gather)
+    if isinstance(module, _GLOBAL_POOLS):
+        size = module.output_size
+        if all(s == 1 for s in (size if isinstance(size, tuple) else (size,))):
+            return SpatialGlobalAvgPool(module, name, rt, may_gather)
+        if split_region:
+            raise _unsupported(name, module, f"output_size={size} is not a global pool; only "
+                                             "AdaptiveAvgPool with output size 1 is supported")
+        return module
+    if not split_region or kind in _POINTWISE:
+        return module
+    if kind in (nn.Softmax, nn.LogSoftmax, nn.Softmin):
+        if module.dim == 1:
+            return module
+        raise _unsupported(name, module, f"dim={module.dim} normalises over split dims; only "
+                                         "dim=1 (channels) is block-local")
+    if kind in (nn.Linear, nn.Bilinear, nn.LazyLinear):
+        raise _unsupported(name, module, "a dense layer needs the whole sample; put an nn.Flatten "
+                                         "module (not x.flatten() in forward) before it, where "
+                                         "exatrain gathers the blocks")
+    raise _unsupported(name, module)
+
+
+def parallelize_spatial(model: nn.Module, mesh: Mesh, overlap: bool | None = None) -> nn.Module:
+    """A copy of `model` whose layers work on this rank's spatial blocks (see the module doc).
+
+    Raises SpatialSplitError naming the first layer that cannot run under the split. Kernel,
+    stride and split combinations are checked at the first forward (they need the input size).
+    """
+    if mesh.plan.space_degree == 1:
+        return model
+    rt = SpatialRuntime(mesh, DEFAULT_OVERLAP if overlap is None else overlap)
+    model = copy.deepcopy(model)
+    named = list(model.named_modules(remove_duplicate=False))
+    leaves = [(n, m) for n, m in named if not list(m.children())]
+    transition = next((i for i, (_, m) in enumerate(leaves)
+                       if type(m) is nn.Flatten or isinstance(m, _GLOBAL_POOLS)), None)
+    split_names = {n for i, (n, _) in enumerate(leaves) if transition is None or i <= transition}
+    by_name = dict(named)
+    for name, module in named:  # containers holding parameters of their own
+        if list(module.children()) and _direct_params(module):
+            inside = [n for n in split_names if module is model or n.startswith(name + ".")]
+            if inside or module is model:
+                raise SpatialSplitError(
+                    f"'{name or type(module).__name__}' ({type(module).__name__}) holds parameters "
+                    f"({', '.join(_direct_params(module))}) that its own forward uses; exatrain "
+                    f"cannot tell whether they act on split blocks or on gathered tensors. Move "
+                    f"them into a layer module, or set space=(1, 1, 1).")
+            module.register_forward_pre_hook(rt.tracker(name))
+    done: dict[int, nn.Module] = {}
+    root = model
+    for name, module in leaves:
+        if id(module) in done:
+            new = done[id(module)]
+        else:
+            parent_name = name.rpartition(".")[0]
+            parent = by_name.get(parent_name, model) if name else None
+            may_gather = (transition is not None and name in split_names
+                          and type(parent) is nn.Sequential)
+            new = done[id(module)] = _convert(name or type(module).__name__, module, rt,
+                                              may_gather, name in split_names)
+            if new is module and _direct_params(module):
+                module.register_forward_pre_hook(rt.tracker(name))
+        if new is not module:
+            if not name:
+                root = new
+            else:
+                parent_name, _, key = name.rpartition(".")
+                setattr(by_name.get(parent_name, model) if parent_name else model, key, new)
+    root.register_forward_pre_hook(rt.begin)
+    root.spatial_runtime = rt
+    return root
+
+
+def spatial_layers(model: nn.Module) -> list[SpatialLayer]:
+    """The distributed layers of a model returned by `parallelize_spatial` (after unwrapping)."""
+    return [m for m in model.modules() if isinstance(m, SpatialLayer)]
+
+
+# ------------------------------------------------------------------------- data layout
+def block_region(sample_shape: tuple[int, ...], mesh: Mesh) -> tuple[slice, ...]:
+    """This rank's block of a sample with spatial shape `sample_shape` ((d, h, w), (h, w) or (w,)).
+
+    Blocks are equal: each spatial size must be divisible by its degree.
+    """
+    k = len(sample_shape)
+    parts = tuple(mesh.plan.space)
+    if any(p > 1 for p in parts[:3 - k]):
+        raise SpatialSplitError(f"samples of spatial shape {tuple(sample_shape)} have {k} spatial "
+                                f"dims but the plan splits space={parts} (d, h, w); use "
+                                f"space={(1,) * (3 - k) + parts[3 - k:]}.")
+    region = []
+    for n, p, a in zip(sample_shape, parts[3 - k:], "dhw"[3 - k:]):
+        if n % p:
+            ok = [q for q in range(1, min(n, 64) + 1) if n % q == 0]
+            raise SpatialSplitError(f"the samples are {n} long along {a}, which space_{a}={p} does "
+                                    f"not divide into equal blocks; use one of {ok}.")
+        c = mesh.coords[f"space_{a}"]
+        region.append(slice(c * n // p, (c + 1) * n // p))
+    return tuple(region)
+
+
+class SpatialBlocks(Dataset):
+    """A data set whose samples are this rank's spatial block of the samples of `dataset`.
+
+    Each item is `dataset.read(index, region)`: an HDF5 hyperslab read of the block only, never
+    the whole sample. `bytes_read` is the underlying data set's counter (bytes this process read).
+    """
+
+    def __init__(self, dataset, region: tuple[slice, ...]):
+        if not hasattr(dataset, "read"):
+            raise TypeError(f"{type(dataset).__name__} has no read(index, region) method; spatial "
+                            "parallelism needs a data set that can read a block of a sample.")
+        self.dataset, self.region = dataset, tuple(region)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        return self.dataset.read(index, self.region)
+
+    @property
+    def bytes_read(self) -> int:
+        return self.dataset.bytes_read
+
+    def targets(self):
+        return self.dataset.targets()
+
+
+def split_input(x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """This rank's block of a whole batch (N, C, *spatial); differentiable (backward all-gathers)."""
+    k = x.dim() - 2
+    parts = tuple(mesh.plan.space)[3 - k:]
+    coords = tuple(mesh.coords[f"space_{a}"] for a in "dhw"[3 - k:])
+    block_region(tuple(x.shape[2:]), mesh)  # the same checks and messages
+    return SplitBlocks.apply(x, mesh.axis("space"), parts, coords)
+
+
+def gather_output(y: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """The whole tensor from the blocks of a split output (N, C, *spatial), on every rank."""
+    k = y.dim() - 2
+    parts = tuple(mesh.plan.space)[3 - k:]
+    coords = tuple(mesh.coords[f"space_{a}"] for a in "dhw"[3 - k:])
+    return GatherBlocks.apply(y, mesh.axis("space"), parts, coords)

@@ -1,0 +1,650 @@
+"""Distributed versions of the layers of convolutional science models, for the `space` axis.
+
+Each layer here replaces one `torch.nn` layer, keeps its parameters and buffers under the same
+names (so state dicts and checkpoints are the serial model's), and runs in one of two modes:
+
+  split        its input is this rank's spatial block; it computes its output block, exchanging
+               halos with its neighbours where its windows cross block borders (`comm.halo`)
+  replicated   its input is the whole (gathered) tensor, identical on every spatial rank; it runs
+               the plain PyTorch op, and its parameters' gradients are scaled by 1/S
+
+A layer runs replicated when an earlier layer of the same forward pass gathered the blocks: an
+`nn.Flatten` or global average pool (the transition to dense layers), or a layer whose input blocks
+are too small to split that sits in an `nn.Sequential` of a model that gathers anyway (the deepest
+layers of CosmoFlow at small inputs); otherwise a layer that cannot be split raises an error that
+names it and the splits that would work.
+
+Halo widths along one dim. A window layer (kernel k, stride s, dilation d, padding lo/hi) on a
+global input of length N split into P blocks of b = N/P has M = (N + lo + hi - d(k-1) - 1)//s + 1
+outputs, which must split into P blocks of m = M/P. Block r's outputs [rm, (r+1)m) read the inputs
+[rms - lo, ((r+1)m - 1)s - lo + d(k-1)], so it needs
+
+    left[r]  = rb - (rms - lo)                              inputs below its block
+    right[r] = ((r+1)m - 1)s - lo + d(k-1) - ((r+1)b - 1)   inputs above it
+
+(negative: that many of its own edge inputs are unused and cropped). Only nearest neighbours
+exchange, so every halo must be at most b wide. A transposed convolution's output j receives input
+i when j = is - p + dt for a tap t, so block r needs inputs ceil((rm + p - d(k-1))/s) ..
+floor(((r+1)m - 1 + p)/s).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..comm.halo import Halo, SplitDim, halo_exchange
+from .spatial_functions import BatchNormStats, shared_mask, sum_over_axis
+
+GATHER = "gather"  # a layer plan meaning: gather the blocks and run replicated
+
+
+class SpatialSplitError(ValueError):
+    """A layer cannot be split the way the Plan asks; the message names the layer and the fix."""
+
+
+# --------------------------------------------------------------------------- geometry
+@dataclass(frozen=True)
+class Window:
+    k: int
+    s: int
+    d: int
+    lo: int
+    hi: int
+
+
+def window_geometry(n: int, parts: int, w: Window):
+    """(left widths, right widths, output block) of a window layer, or a reason it cannot split."""
+    span = w.d * (w.k - 1)
+    total = (n + w.lo + w.hi - span - 1) // w.s + 1
+    if total < 1:
+        return f"its output would be empty (input {n})"
+    if total % parts:
+        return f"its output length {total} does not divide into {parts} equal blocks"
+    m, b = total // parts, n // parts
+    lefts = tuple(r * b - (r * m * w.s - w.lo) for r in range(parts))
+    rights = tuple(((r + 1) * m - 1) * w.s - w.lo + span - ((r + 1) * b - 1) for r in range(parts))
+    return _check_widths(lefts, rights, b) or (lefts, rights, m)
+
+
+def transpose_geometry(n: int, parts: int, k: int, s: int, d: int, p: int, op: int):
+    """(lefts, rights, output block, output offsets) of a transposed convolution, or a reason."""
+    span = d * (k - 1)
+    total = (n - 1) * s - 2 * p + span + op + 1
+    if total % parts:
+        return f"its output length {total} does not divide into {parts} equal blocks"
+    m, b = total // parts, n // parts
+    first = [-((-(r * m + p - span)) // s) for r in range(parts)]   # ceil
+    last = [((r + 1) * m - 1 + p) // s for r in range(parts)]
+    if any(f > l for f, l in zip(first, last)):
+        return "some output blocks receive no input"
+    lefts = tuple(r * b - first[r] for r in range(parts))
+    rights = tuple(last[r] - ((r + 1) * b - 1) for r in range(parts))
+    offsets = tuple(r * m + p - first[r] * s for r in range(parts))
+    return _check_widths(lefts, rights, b) or (lefts, rights, m, offsets)
+
+
+def _check_widths(lefts, rights, b):
+    parts = len(lefts)
+    for r in range(parts):
+        if r > 0 and lefts[r] > b:
+            return f"it needs a halo of {lefts[r]} but the blocks are only {b} wide"
+        if r < parts - 1 and rights[r] > b:
+            return f"it needs a halo of {rights[r]} but the blocks are only {b} wide"
+        if b - max(-lefts[r], 0) - max(-rights[r], 0) <= 0:
+            return f"its blocks of {b} are smaller than the inputs it skips"
+    return None
+
+
+def _ntuple(value, n: int) -> tuple[int, ...]:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,) * n
+
+
+# --------------------------------------------------------------------------- base
+class SpatialLayer(nn.Module):
+    """Common machinery: per input shape, plan the split (or decide to gather) once, then run."""
+
+    def __init__(self, source: nn.Module, name: str, runtime, may_gather: bool = False):
+        super().__init__()
+        self.qualname = name
+        self.source_type = type(source).__name__
+        self.runtime = runtime
+        self.may_gather = may_gather
+        self.gather_reason = ""
+        self._plans: dict = {}
+        self.train(source.training)
+
+    def forward(self, x):
+        rt = self.runtime
+        if not rt.gathered:
+            plan = self._plans.get(tuple(x.shape))
+            if plan is None:
+                plan = self._plans[tuple(x.shape)] = self._plan_or_gather(tuple(x.shape))
+            if plan is not GATHER:
+                rt.note_mode(self, replicated=False)
+                return self.split_forward(x, plan)
+            x = rt.gather(x)
+        rt.note_mode(self, replicated=True)
+        return self.replicated_forward(x)
+
+    def _plan_or_gather(self, shape):
+        try:
+            return self.plan(shape)
+        except SpatialSplitError as err:
+            if self.may_gather:
+                self.gather_reason = str(err)
+                return GATHER
+            raise
+
+    # subclasses
+    def plan(self, shape):
+        return ()  # block-local: nothing to plan
+
+    def split_forward(self, x, plan):
+        return self.replicated_forward(x)
+
+    def replicated_forward(self, x):
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return ""
+
+    def extra_repr(self) -> str:
+        return f"{self.source_type} '{self.qualname}'" + (f", {self.describe()}" if self.describe() else "")
+
+    def _cannot_split(self, i: int, k: int, n: int, parts: int, reason: str, works) -> None:
+        """Raise the error for spatial dim i (of k) with global length n split `parts` ways."""
+        dim = "dhw"[3 - k + i]
+        valid = [p for p in range(1, min(n, 64) + 1) if n % p == 0 and works(p)]
+        space = list(self.runtime.parts)
+        space[3 - k + i] = max([p for p in valid if p <= parts] or [1])
+        hint = "" if self.may_gather else (
+            " (A layer inside an nn.Sequential of a model that gathers at an nn.Flatten or "
+            "global pool would instead run on the gathered tensor.)")
+        raise SpatialSplitError(
+            f"{self.source_type} '{self.qualname}' ({self.describe()}) cannot be split {parts} ways "
+            f"along {dim} (space_{dim}) of its input of length {n}: {reason}. At this input size "
+            f"space_{dim} can be one of {valid} for this layer, e.g. space={tuple(space)}; or use "
+            f"a larger input.{hint}")
+
+
+# --------------------------------------------------------------------------- convolution
+@dataclass
+class _ConvPlan:
+    halo: Halo | None              # None: nothing to exchange, fill or crop
+    local_pad: tuple[int, ...]     # padding the local op applies (0 on dims the halo handles)
+    out_shape: tuple[int, ...]
+    interior: tuple | None = None  # (out slices, block slices) computable before halos arrive
+    shells: tuple = ()             # ((out slices, ext slices), ...) computed after
+
+
+class SpatialConv(SpatialLayer):
+    """Conv1d/2d/3d over spatial blocks: halo exchange, then the local convolution.
+
+    With `runtime.overlap`, the outputs that read only the own block are computed while the halo
+    messages are in flight, and the boundary shells after they arrive; in backward, the weight
+    gradient is computed while the input-gradient halos travel back.
+    """
+
+    def __init__(self, conv: nn.Module, name: str, runtime, may_gather: bool = False):
+        super().__init__(conv, name, runtime, may_gather)
+        if conv.padding_mode != "zeros":
+            raise SpatialSplitError(
+                f"{type(conv).__name__} '{name}' uses padding_mode={conv.padding_mode!r}; under a "
+                f"space split only zero padding is supported. Use padding_mode='zeros' or space=(1, 1, 1).")
+        self.weight = conv.weight
+        self.bias = conv.bias
+        self.nd = conv.weight.dim() - 2
+        self.kernel_size, self.stride = tuple(conv.kernel_size), tuple(conv.stride)
+        self.dilation, self.groups = tuple(conv.dilation), conv.groups
+        if conv.padding == "valid":
+            lo = hi = (0,) * self.nd
+        elif conv.padding == "same":
+            tot = [d * (k - 1) for k, d in zip(self.kernel_size, self.dilation)]
+            lo, hi = tuple(t // 2 for t in tot), tuple(t - t // 2 for t in tot)
+        else:
+            lo = hi = _ntuple(conv.padding, self.nd)
+        self.pad_lo, self.pad_hi = lo, hi
+        self._conv = (F.conv1d, F.conv2d, F.conv3d)[self.nd - 1]
+
+    def windows(self):
+        return [Window(k, s, d, lo, hi) for k, s, d, lo, hi in
+                zip(self.kernel_size, self.stride, self.dilation, self.pad_lo, self.pad_hi)]
+
+    def describe(self) -> str:
+        return (f"kernel {self.kernel_size}, stride {self.stride}, padding {self.pad_lo}"
+                + (f"/{self.pad_hi}" if self.pad_hi != self.pad_lo else "")
+                + f", dilation {self.dilation}")
+
+    def plan(self, shape):
+        rt, k = self.runtime, self.nd
+        parts, coords, strides = rt.layout(k, self)
+        dims, local_pad, out_shape = [], [], [shape[0], self.weight.shape[0]]
+        for i, w in enumerate(self.windows()):
+            p, b = parts[i], shape[2 + i]
+            n = b * p
+            if p == 1 and w.lo == w.hi:
+                local_pad.append(w.lo)
+                out_shape.append((n + 2 * w.lo - w.d * (w.k - 1) - 1) // w.s + 1)
+                continue
+            geo = window_geometry(n, p, w)
+            if isinstance(geo, str):
+                self._cannot_split(i, k, n, p, geo,
+                                   lambda q, n=n, w=w: not isinstance(window_geometry(n, q, w), str))
+            lefts, rights, m = geo
+            dims.append(SplitDim(2 + i, p, coords[i], strides[i], lefts, rights))
+            local_pad.append(0)
+            out_shape.append(m)
+        halo = Halo(rt.space, dims, shape, fill=0.0) if dims else None
+        plan = _ConvPlan(None if halo is None or halo.trivial else halo, tuple(local_pad),
+                         tuple(out_shape))
+        if plan.halo is not None:
+            self._overlap_geometry(plan, dims, shape)
+        return plan
+
+    def _overlap_geometry(self, plan: _ConvPlan, dims: list[SplitDim], shape) -> None:
+        """Interior (own inputs only) and boundary shells of the output, for overlapped compute."""
+        ndim = len(shape)
+        per_dim = []
+        for sd in dims:
+            i = sd.dim - 2
+            s, span = self.stride[i], self.dilation[i] * (self.kernel_size[i] - 1) + 1
+            lo, hi = sd.left[sd.coord], sd.right[sd.coord]
+            hl, cl = max(lo, 0), max(-lo, 0)
+            center = shape[sd.dim] - cl - max(-hi, 0)
+            j_lo, j_hi = -(-hl // s), (hl + center - span) // s
+            if j_hi < j_lo:
+                return  # no output reads only own inputs: nothing to overlap
+            m = plan.out_shape[sd.dim]
+            per_dim.append((sd.dim, s, span, hl, cl, j_lo, j_hi, m))
+        out_int = [slice(None)] * ndim
+        in_int = [slice(None)] * ndim
+        for dim, s, span, hl, cl, j_lo, j_hi, _m in per_dim:
+            out_int[dim] = slice(j_lo, j_hi + 1)
+            in_int[dim] = slice(j_lo * s - hl + cl, j_hi * s + span - hl + cl)
+        shells = []
+        for t, (dim, s, span, _hl, _cl, j_lo, j_hi, m) in enumerate(per_dim):
+            for a, e in ((0, j_lo), (j_hi + 1, m)):
+                if e <= a:
+                    continue
+                out_sl = [slice(None)] * ndim
+                in_sl = [slice(None)] * ndim
+                for u, (dim_u, s_u, span_u, _, _, lo_u, hi_u, _) in enumerate(per_dim):
+                    if u < t:
+                        out_sl[dim_u] = slice(lo_u, hi_u + 1)
+                        in_sl[dim_u] = slice(lo_u * s_u, hi_u * s_u + span_u)
+                out_sl[dim] = slice(a, e)
+                in_sl[dim] = slice(a * s, (e - 1) * s + span)
+                shells.append((tuple(out_sl), tuple(in_sl)))
+        plan.interior = (tuple(out_int), tuple(in_int))
+        plan.shells = tuple(shells)
+
+    def conv(self, x, weight, bias, padding):
+        return self._conv(x, weight, bias, self.stride, padding, self.dilation, self.groups)
+
+    def split_forward(self, x, plan: _ConvPlan):
+        if plan.halo is None:
+            return self.conv(x, self.weight, self.bias, plan.local_pad)
+        return HaloConv.apply(x, self.weight, self.bias, self, plan)
+
+    def replicated_forward(self, x):
+        x = F.pad(x, [p for lo, hi in zip(reversed(self.pad_lo), reversed(self.pad_hi))
+                      for p in (lo, hi)]) if self.pad_lo != self.pad_hi else x
+        return self.conv(x, self.weight, self.bias, self.pad_lo if self.pad_lo == self.pad_hi
+                         else (0,) * self.nd)
+
+
+class HaloConv(torch.autograd.Function):
+    """A convolution on a spatial block: halo exchange + local convolution, one Function.
+
+    Saves only the extended block (own block + halos), as a serial convolution saves its input, so
+    activation memory per rank is the serial memory / S plus the halos.
+    Communication: the `comm.halo` exchange forward, and its adjoint backward (skipped when the
+    input needs no gradient, e.g. the first layer).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer: SpatialConv, plan: _ConvPlan):
+        halo = plan.halo
+        pending = halo.start(x)
+        if layer.runtime.overlap and plan.interior is not None:
+            out = x.new_empty(plan.out_shape)
+            out_int, in_int = plan.interior
+            out[out_int] = layer.conv(x[in_int], weight, bias, plan.local_pad)
+            ext = halo.finish(x, pending)
+            for out_sl, in_sl in plan.shells:
+                out[out_sl] = layer.conv(ext[in_sl], weight, bias, plan.local_pad)
+        else:
+            ext = halo.finish(x, pending)
+            out = layer.conv(ext, weight, bias, plan.local_pad)
+        ctx.save_for_backward(ext, weight)
+        ctx.layer, ctx.plan, ctx.has_bias = layer, plan, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        ext, weight = ctx.saved_tensors
+        layer, plan = ctx.layer, ctx.plan
+        grad = grad.contiguous()
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_b = need_b and ctx.has_bias
+
+        def conv_backward(mask):
+            return torch.ops.aten.convolution_backward(
+                grad, ext, weight, [weight.shape[0]] if ctx.has_bias else None, layer.stride,
+                plan.local_pad, layer.dilation, False, [0] * layer.nd, layer.groups, mask)
+
+        grad_x = grad_w = grad_b = None
+        if need_x and layer.runtime.overlap:
+            grad_ext = conv_backward([True, False, False])[0]
+            pending = plan.halo.start_backward(grad_ext)
+            if need_w or need_b:
+                _, grad_w, grad_b = conv_backward([False, need_w, need_b])
+            grad_x = plan.halo.finish_backward(grad_ext, pending)
+        else:
+            grad_ext, grad_w, grad_b = conv_backward([need_x, need_w, need_b])
+            if need_x:
+                grad_x = plan.halo.finish_backward(grad_ext, plan.halo.start_backward(grad_ext))
+        return grad_x, grad_w, grad_b, None, None
+
+
+# --------------------------------------------------------------------------- transposed conv
+@dataclass
+class _TransposePlan:
+    halo: Halo | None
+    local_pad: tuple[int, ...]
+    local_out_pad: tuple[int, ...]
+    crops: tuple            # per spatial dim: None or (offset, m)
+
+
+class SpatialConvTranspose(SpatialLayer):
+    """ConvTranspose1d/2d/3d over spatial blocks: input halo, local transposed conv, crop."""
+
+    def __init__(self, conv: nn.Module, name: str, runtime, may_gather: bool = False):
+        super().__init__(conv, name, runtime, may_gather)
+        if conv.padding_mode != "zeros":
+            raise SpatialSplitError(f"{type(conv).__name__} '{name}': only padding_mode='zeros' "
+                                    "is supported under a space split.")
+        self.weight, self.bias = conv.weight, conv.bias
+        self.nd = conv.weight.dim() - 2
+        self.kernel_size, self.stride = tuple(conv.kernel_size), tuple(conv.stride)
+        self.padding, self.output_padding = tuple(conv.padding), tuple(conv.output_padding)
+        self.dilation, self.groups = tuple(conv.dilation), conv.groups
+        self._fn = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[self.nd - 1]
+
+    def describe(self) -> str:
+        return (f"kernel {self.kernel_size}, stride {self.stride}, padding {self.padding}, "
+                f"output_padding {self.output_padding}, dilation {self.dilation}")
+
+    def plan(self, shape):
+        rt, k = self.runtime, self.nd
+        parts, coords, strides = rt.layout(k, self)
+        dims, pad, out_pad, crops = [], [], [], []
+        for i in range(k):
+            p, b = parts[i], shape[2 + i]
+            n = b * p
+            args = (self.kernel_size[i], self.stride[i], self.dilation[i], self.padding[i],
+                    self.output_padding[i])
+            if p == 1:
+                pad.append(self.padding[i])
+                out_pad.append(self.output_padding[i])
+                crops.append(None)
+                continue
+            geo = transpose_geometry(n, p, *args)
+            if isinstance(geo, str):
+                self._cannot_split(i, k, n, p, geo, lambda q, n=n, a=args:
+                                   not isinstance(transpose_geometry(n, q, *a), str))
+            lefts, rights, m, offsets = geo
+            dims.append(SplitDim(2 + i, p, coords[i], strides[i], lefts, rights))
+            pad.append(0)
+            out_pad.append(0)
+            crops.append((offsets[coords[i]], m))
+        halo = Halo(rt.space, dims, shape, fill=0.0) if dims else None
+        return _TransposePlan(None if halo is None or halo.trivial else halo, tuple(pad),
+                              tuple(out_pad), tuple(crops))
+
+    def split_forward(self, x, plan: _TransposePlan):
+        if plan.halo is not None:
+            x = halo_exchange(x, plan.halo)
+        y = self._fn(x, self.weight, None, self.stride, plan.local_pad, plan.local_out_pad,
+                     self.groups, self.dilation)
+        pads = []
+        for i in reversed(range(self.nd)):
+            crop = plan.crops[i]
+            if crop is None:
+                pads += [0, 0]
+            else:
+                offset, m = crop
+                pads += [-offset, offset + m - y.shape[2 + i]]
+        if any(pads):
+            y = F.pad(y, pads)
+        if self.bias is not None:
+            y = y + self.bias.view((1, -1) + (1,) * self.nd)
+        return y
+
+    def replicated_forward(self, x):
+        return self._fn(x, self.weight, self.bias, self.stride, self.padding, self.output_padding,
+                        self.groups, self.dilation)
+
+
+# --------------------------------------------------------------------------- pooling
+@dataclass
+class _PoolPlan:
+    halo: Halo | None
+    local_pad: tuple[int, ...]
+
+
+class SpatialPool(SpatialLayer):
+    """MaxPool/AvgPool 1d/2d/3d: halo (-inf or zero fill at the global boundary) + local pool.
+
+    Non-overlapping windows that tile the blocks (CosmoFlow's MaxPool3d(2)) need no halo at all.
+    """
+
+    def __init__(self, pool: nn.Module, name: str, runtime, may_gather: bool = False):
+        super().__init__(pool, name, runtime, may_gather)
+        self.kind = "max" if "Max" in type(pool).__name__ else "avg"
+        self.nd = int(type(pool).__name__[-2])
+        nd = self.nd
+        self.kernel_size = _ntuple(pool.kernel_size, nd)
+        self.stride = _ntuple(pool.stride if pool.stride not in (None, ()) else pool.kernel_size, nd)
+        self.padding = _ntuple(pool.padding, nd)
+        self.dilation = _ntuple(getattr(pool, "dilation", 1), nd)
+        self.ceil_mode = pool.ceil_mode
+        self.count_include_pad = getattr(pool, "count_include_pad", True)
+        self.divisor_override = getattr(pool, "divisor_override", None)
+        if getattr(pool, "return_indices", False):
+            raise SpatialSplitError(f"{type(pool).__name__} '{name}' returns indices, which would "
+                                    "be block-local under a space split; set return_indices=False.")
+        if self.kind == "max":
+            self._fn = (F.max_pool1d, F.max_pool2d, F.max_pool3d)[nd - 1]
+        else:
+            self._fn = (F.avg_pool1d, F.avg_pool2d, F.avg_pool3d)[nd - 1]
+
+    def describe(self) -> str:
+        return f"kernel {self.kernel_size}, stride {self.stride}, padding {self.padding}"
+
+    def _pool(self, x, padding, ceil_mode):
+        if self.kind == "max":
+            return self._fn(x, self.kernel_size, self.stride, padding, self.dilation, ceil_mode)
+        if self.nd == 1:
+            return self._fn(x, self.kernel_size, self.stride, padding, ceil_mode,
+                            self.count_include_pad)
+        return self._fn(x, self.kernel_size, self.stride, padding, ceil_mode,
+                        self.count_include_pad, self.divisor_override)
+
+    def plan(self, shape):
+        rt, k = self.runtime, self.nd
+        parts, coords, strides = rt.layout(k, self)
+        dims, pad = [], []
+        for i in range(k):
+            p, b = parts[i], shape[2 + i]
+            n = b * p
+            w = Window(self.kernel_size[i], self.stride[i], self.dilation[i], self.padding[i],
+                       self.padding[i])
+            if p == 1:
+                pad.append(self.padding[i])
+                continue
+
+            def works(q, n=n, w=w):
+                return not isinstance(window_geometry(n, q, w), str)
+            if self.kind == "avg" and not self.count_include_pad and w.lo:
+                self._cannot_split(i, k, n, p, "count_include_pad=False with padding counts a "
+                                   "different divisor at block borders; use count_include_pad=True",
+                                   lambda q: q == 1)
+            geo = window_geometry(n, p, w)
+            if isinstance(geo, str):
+                self._cannot_split(i, k, n, p, geo, works)
+            lefts, rights, m = geo
+            dims.append(SplitDim(2 + i, p, coords[i], strides[i], lefts, rights))
+            pad.append(0)
+        if self.ceil_mode and dims:
+            full = torch.empty((1, 1) + tuple(shape[2 + i] * parts[i] for i in range(k)),
+                               device="meta")
+            if self._pool(full, self.padding, True).shape != self._pool(full, self.padding, False).shape:
+                raise SpatialSplitError(
+                    f"{self.source_type} '{self.qualname}' uses ceil_mode=True, which adds a "
+                    f"partial window at this input size; under a space split use ceil_mode=False "
+                    f"or an input size divisible by the stride.")
+        halo = Halo(rt.space, dims, shape,
+                    fill=float("-inf") if self.kind == "max" else 0.0) if dims else None
+        return _PoolPlan(None if halo is None or halo.trivial else halo, tuple(pad))
+
+    def split_forward(self, x, plan: _PoolPlan):
+        if plan.halo is not None:
+            x = halo_exchange(x, plan.halo)
+        return self._pool(x, plan.local_pad, self.ceil_mode if plan.halo is None else False)
+
+    def replicated_forward(self, x):
+        return self._pool(x, self.padding, self.ceil_mode)
+
+
+# --------------------------------------------------------------------------- upsampling
+class SpatialUpsample(SpatialLayer):
+    """Nearest-neighbour upsampling by integer factors: block-local, no communication."""
+
+    def __init__(self, up: nn.Module, name: str, runtime, may_gather: bool = False):
+        super().__init__(up, name, runtime, may_gather)
+        scale = up.scale_factor
+        scales = scale if isinstance(scale, tuple) else (scale,)
+        if up.size is not None or up.mode not in ("nearest", "nearest-exact") or scale is None \
+                or any(float(s) != int(s) for s in scales):
+            raise SpatialSplitError(
+                f"{type(up).__name__} '{name}' (mode={up.mode!r}, size={up.size}, "
+                f"scale_factor={scale}) is not block-local; under a space split use "
+                f"nn.Upsample(scale_factor=<integer>, mode='nearest') or a ConvTranspose.")
+        self.scale_factor = tuple(int(s) for s in scales) if isinstance(scale, tuple) else int(scale)
+        self.mode = up.mode
+
+    def describe(self) -> str:
+        return f"scale {self.scale_factor}, {self.mode}"
+
+    def replicated_forward(self, x):
+        return F.interpolate(x, scale_factor=self.scale_factor, mode=self.mode)
+
+
+# --------------------------------------------------------------------------- normalisation
+class SpatialBatchNorm(SpatialLayer):
+    """BatchNorm1d/2d/3d with statistics over the whole batch and the whole sample.
+
+    Split: statistics over every data and spatial rank (`data+space`); replicated (after a gather,
+    where the spatial ranks hold identical tensors): over the data ranks. Running statistics are
+    updated with the global mean and the unbiased global variance, as serial BatchNorm does.
+    Evaluation with running statistics is local and needs no communication.
+    """
+
+    def __init__(self, bn: nn.Module, name: str, runtime, may_gather: bool = False):
+        super().__init__(bn, name, runtime, may_gather)
+        self.weight, self.bias = bn.weight, bn.bias
+        self.eps, self.momentum = bn.eps, bn.momentum
+        self.affine, self.track_running_stats = bn.affine, bn.track_running_stats
+        self.num_features = bn.num_features
+        self.register_buffer("running_mean", bn.running_mean)
+        self.register_buffer("running_var", bn.running_var)
+        self.register_buffer("num_batches_tracked", bn.num_batches_tracked)
+
+    def describe(self) -> str:
+        return f"{self.num_features} features"
+
+    def forward(self, x):
+        rt = self.runtime
+        rt.note_mode(self, replicated=rt.gathered)
+        use_batch = self.training or self.running_mean is None
+        if not use_batch:
+            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                                False, 0.0, self.eps)
+        axis = rt.data_axis if rt.gathered else rt.batch_axis
+        y, mean, var, count = BatchNormStats.apply(x, self.weight, self.bias, self.eps, axis)
+        if self.training and self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                factor = (1.0 / float(self.num_batches_tracked) if self.momentum is None
+                          else self.momentum)
+                n = float(count)
+                self.running_mean.mul_(1 - factor).add_(mean, alpha=factor)
+                self.running_var.mul_(1 - factor).add_(var * (n / max(n - 1, 1)), alpha=factor)
+        return y
+
+
+# --------------------------------------------------------------------------- dropout
+class SpatialDropout(SpatialLayer):
+    """Dropout under a space split.
+
+    Element-wise dropout on a block draws its own mask (the blocks' masks together are distributed
+    as a serial mask). Channel dropout (Dropout1d/2d/3d) must drop the same channels in every block
+    of a sample, and any dropout after a gather must drop the same elements on every spatial rank:
+    those masks are drawn on one rank and broadcast over `space` (mask bytes, tag "dropout").
+    """
+
+    def __init__(self, drop: nn.Module, name: str, runtime, may_gather: bool = False):
+        super().__init__(drop, name, runtime, may_gather)
+        self.p = float(drop.p)
+        self.channelwise = type(drop).__name__ in ("Dropout1d", "Dropout2d", "Dropout3d")
+
+    def describe(self) -> str:
+        return f"p={self.p}" + (", channels" if self.channelwise else "")
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            return x
+        rt = self.runtime
+        if self.channelwise:
+            shape = tuple(x.shape[:2]) + (1,) * (x.dim() - 2)
+        elif not rt.gathered:
+            return F.dropout(x, self.p, True)
+        else:
+            shape = tuple(x.shape)
+        return x * shared_mask(shape, 1.0 - self.p, rt.space, x)
+
+
+# --------------------------------------------------------------------------- transitions
+class SpatialFlatten(SpatialLayer):
+    """nn.Flatten after the spatial layers: all-gather the blocks, then flatten (tag "gather")."""
+
+    def __init__(self, flat: nn.Module, name: str, runtime, may_gather: bool = False):
+        super().__init__(flat, name, runtime, may_gather)
+        self.start_dim, self.end_dim = flat.start_dim, flat.end_dim
+
+    def forward(self, x):
+        if not self.runtime.gathered:
+            x = self.runtime.gather(x)
+        return torch.flatten(x, self.start_dim, self.end_dim)
+
+
+class SpatialGlobalAvgPool(SpatialLayer):
+    """AdaptiveAvgPoolNd(1): local sums / global count, summed over `space` (all-reduce, tag "pool")."""
+
+    def forward(self, x):
+        rt = self.runtime
+        k = x.dim() - 2
+        if rt.gathered:
+            return x.mean(dim=tuple(range(2, x.dim())), keepdim=True)
+        parts, _, _ = rt.layout(k, self)
+        count = math.prod(x.shape[2:]) * math.prod(parts)
+        local = x.sum(dim=tuple(range(2, x.dim())), keepdim=True) / count
+        out = sum_over_axis(local, rt.space, tag="pool")
+        rt.gathered = True
+        return out
