@@ -59,16 +59,29 @@ optimizer steps there, and the new chunks are copied back before the all-gather.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from ..comm import all_gather_into, all_reduce, reduce_scatter_into
+from ..comm import Axis, all_gather_into, all_reduce, reduce_scatter_into
 from ..mesh import Mesh
 from .memory import find_blocks
 
 _WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+
+
+class _HashableAxis(Axis):
+    """An `Axis` usable as a dict key, by identity: `parallel.gradnorm` groups parameters by
+    their tuple of `exatrain_norm_axes`, and `comm.Axis` hashes its unhashable `Ledger` field.
+    Remove once `Axis` excludes the ledger from its hash."""
+
+    __hash__ = object.__hash__
+
+
+def _hashable(axis: Axis) -> Axis:
+    return _HashableAxis(**{f.name: getattr(axis, f.name) for f in dataclasses.fields(axis)})
 
 
 def clean_fqn(name: str) -> str:
@@ -132,6 +145,7 @@ class ZeroDataParallel(nn.Module):
         self._sync = True
         self._pending = False
         n, r = shard_axis.size, shard_axis.rank
+        norm_axes = (_hashable(shard_axis),)
         entries = []
         for name, p in module.named_parameters():
             if not p.requires_grad:
@@ -152,7 +166,7 @@ class ZeroDataParallel(nn.Module):
                 shard = nn.Parameter(own)  # shares the parameter's storage: no extra memory
                 host_grad = None
             # the gradient chunks are split over `shard` and equal over `data` (parallel.gradnorm)
-            shard.exatrain_norm_axes = (shard_axis,)
+            shard.exatrain_norm_axes = norm_axes
             entries.append(_Entry(clean_fqn(name), p, chunk, lo, hi, p[0].numel(), shard,
                                   host_grad=host_grad))
         self._entries = entries
@@ -323,6 +337,13 @@ class ZeroDataParallel(nn.Module):
                 b.grad_flat.zero_()
 
     # ------------------------------------------------------------------ checkpoints
+    @torch.no_grad()
+    def refresh_shards(self) -> None:
+        """After the full parameters were overwritten (a checkpoint load): update host copies."""
+        if self.offload:
+            for e in self._entries:
+                e.shard.copy_(e.param.detach()[e.lo:e.hi])
+
     def _as_dtensor(self, local: torch.Tensor, e: _Entry):
         from torch.distributed.tensor import DTensor, Shard
         return DTensor.from_local(local, self.shard_mesh, [Shard(0)], run_check=False,

@@ -12,7 +12,12 @@ checkpoint or the new complete one under a final name, never a half-written one.
 
 Model and optimizer state go through DCP's `get_state_dict`/`set_state_dict`, which key tensors by
 fully-qualified parameter name whatever wrapper (DDP, FSDP2) holds them, so a checkpoint written
-under one Plan loads under another.
+under one Plan loads under another. ZeRO-1/2 (`parallel.shard.ZeroDataParallel`), whose optimizer
+steps per-rank chunks rather than the model's parameters, writes the same layout itself: the full
+model state, and optimizer state keyed by parameter name as `Shard(0)` DTensors, exactly what
+FSDP2 (ZeRO-3) writes. DCP reads whatever pieces the loading Plan needs, so a checkpoint moves
+between stages, shard degrees and world sizes (e.g. ZeRO-3 on 4 ranks to plain data parallelism
+on 2).
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ import os
 import shutil
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 
 STATE_FILE = "trainer_state.json"
 
@@ -60,7 +67,7 @@ def save(run_dir: str | Path, step: int, model, optimizer, trainer_state: dict, 
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save
     dist.barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = _state_dicts(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(partial))
     if rank0:
         _write_atomic(partial / STATE_FILE, json.dumps(trainer_state, indent=1))
@@ -79,12 +86,50 @@ def load(path: str | Path, model, optimizer) -> dict:
     path = Path(path)
     if not (path / STATE_FILE).is_file():
         raise CheckpointError(f"{path} is not a complete exatrain checkpoint (no {STATE_FILE}).")
-    model_state, optim_state = get_state_dict(model, optimizer)
+    zero = _zero(model)
+    if zero is not None:
+        _init_optimizer_state(optimizer)  # DCP loads into existing tensors
+    model_state, optim_state = _state_dicts(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+    if zero is not None:
+        set_model_state_dict(zero.module, state["model"])
+        zero.load_optimizer_state_dict(optimizer, state["optim"])
+        zero.refresh_shards()
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
     return json.loads((path / STATE_FILE).read_text())
+
+
+def _zero(model):
+    from ..parallel.shard import ZeroDataParallel
+    return model if isinstance(model, ZeroDataParallel) else None
+
+
+def _state_dicts(model, optimizer) -> tuple[dict, dict]:
+    """(model, optimizer) state dicts keyed by parameter name, whatever holds them."""
+    zero = _zero(model)
+    if zero is not None:
+        return get_model_state_dict(zero.module), zero.optimizer_state_dict(optimizer)
+    return get_state_dict(model, optimizer)
+
+
+@torch.no_grad()
+def _init_optimizer_state(optimizer) -> None:
+    """Create the optimizer's lazily-built state (a step with zero gradients and lr 0)."""
+    missing = [p for g in optimizer.param_groups for p in g["params"] if not optimizer.state.get(p)]
+    if not missing:
+        return
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    for p in missing:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _write_atomic(path: Path, text: str) -> None:

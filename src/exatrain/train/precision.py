@@ -153,7 +153,7 @@ class DynamicLossScaler:
 
 
 def measured_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32,
-                          n: int | None = None, seconds: float = 0.3) -> float:
+                          n: int | None = None, seconds: float = 0.1) -> float:
     """FLOP/s of an n×n by n×n matrix multiply in `dtype` on `device`, median of repeats.
 
     The denominator for MFU: what this device sustains on the op that dominates the model,

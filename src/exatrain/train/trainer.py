@@ -6,8 +6,18 @@ reseeded from (seed, step, rank). So a run's loss curve depends only on seed and
 resumed run continues exactly where the checkpoint left it without storing RNG state.
 
 Batches: the global batch of step s is samples perm[s·B : (s+1)·B]; data replica r takes the r-th
-of R equal slices and splits it into `grad_accum` micro-batches. With R = 1 the same samples form
+of R equal slices and splits it into `grad_accum` micro-batches. The replicas are the ranks of
+`data` × `shard` (sharded data parallelism splits the batch too). With R = 1 the same samples form
 the same step, which is what makes data-parallel training equal serial training.
+
+Precision (`train.precision`): the forward pass runs under autocast in the compute dtype, the loss
+in fp32 on `output.float()`, and with fp16 the loss is scaled; a step whose gradients overflow is
+skipped and counted (`skipped_steps`).
+
+Memory (`train.memory`): every logged record carries the bytes of parameters, gradients and
+optimizer state held by the rank at the optimizer step (`state_bytes`), and the peak memory of
+forward + backward above the resident state (`peak_activation_bytes`, measured by the CUDA
+allocator on GPUs, tracked per storage on CPU for the first step of each `fit`).
 """
 
 from __future__ import annotations
@@ -29,9 +39,12 @@ from ..comm import all_reduce
 from ..mesh import Mesh
 from ..parallel.data import unwrap
 from ..parallel.gradnorm import clip_grad_norm_
+from ..parallel.shard import build_optimizer_for
 from ..workloads.base import Workload
 from . import checkpoint
 from .config import Config, micro_batch_size
+from .memory import StepPeak, state_bytes
+from .precision import Precision, keep_norms_fp32, measured_matmul_flops
 from .schedule import lr_at, scaled_lr
 
 
@@ -63,7 +76,8 @@ class Trainer:
         self.run_dir = Path(run_dir) if run_dir else None
         self.console = console
         self.is_main = mesh.rank == 0
-        self.data_axis = mesh.axis("data")
+        # the batch is split over data replicas and over the ranks of a sharded group
+        self.data_axis = mesh.axis("data", "shard")
         self.replicas = self.data_axis.size
         self.micro = micro_batch_size(config, self.replicas)
         t = config.train
@@ -78,8 +92,18 @@ class Trainer:
         self.total_steps = t.steps or t.epochs * self.steps_per_epoch
         s = config.schedule
         self.peak_lr = scaled_lr(config.optim.lr, t.batch_size, s.base_batch_size, s.lr_scaling)
-        self.optimizer = build_optimizer(
-            [p for p in model.parameters() if p.requires_grad], config.optim, self.peak_lr)
+        self.optimizer = build_optimizer_for(
+            model, lambda params: build_optimizer(params, config.optim, self.peak_lr))
+        # what clipping and unscaling act on: the tensors the optimizer steps (ZeRO-1/2: shards)
+        self.opt_params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.precision = Precision(config.parallel.precision, mesh.device)
+        if self.precision.mixed:
+            keep_norms_fp32(model)
+        self.scaler = self.precision.loss_scaler()
+        self.step_peak = StepPeak(mesh.device)
+        self._track_peak = True          # the first step of each fit()
+        self.last_state_bytes: dict = {}
+        self.skipped_steps = 0
         self.step = 0
         self.history: list[dict] = []
 
@@ -125,18 +149,25 @@ class Trainer:
         torch.manual_seed(hash((self.config.run.seed, self.step, self.mesh.rank)) % 2 ** 63)
         self.model.train()
         loss_sum = 0.0
-        for micro in range(accum):
-            x, y = self._to_device(next(batches))
-            sync = micro == accum - 1 or not hasattr(self.model, "no_sync")
-            with (self.model.no_sync() if not sync else contextlib.nullcontext()):
-                loss = self.workload.loss_fn(self.model(x), y) / accum
-                loss.backward()
-            loss_sum += loss.detach().item()
-        # Gradients are identical on every replica after the all-reduce, so every rank reaches
-        # the same verdict on finiteness without another collective.
+        track = self.step_peak.track() if self._track_peak else contextlib.nullcontext()
+        with track:
+            for micro in range(accum):
+                x, y = self._to_device(next(batches))
+                sync = micro == accum - 1 or not hasattr(self.model, "no_sync")
+                with (self.model.no_sync() if not sync else contextlib.nullcontext()):
+                    with self.precision.autocast():
+                        output = self.model(x)
+                    loss = self.workload.loss_fn(output.float(), y) / accum  # fp32 loss
+                    self.scaler.scale_loss(loss).backward()
+                loss_sum += loss.detach().item()
+        self._track_peak = False
+        self.scaler.unscale_(self.opt_params)
+        # The gradient norm is global (the same on every rank), so every rank reaches the same
+        # verdict on finiteness without another collective.
         max_norm = t.clip_grad_norm if t.clip_grad_norm > 0 else math.inf
-        grad_norm = clip_grad_norm_(self.model.parameters(), max_norm)
-        if not math.isfinite(grad_norm) or not math.isfinite(loss_sum):
+        grad_norm = clip_grad_norm_(self.opt_params, max_norm)
+        finite = math.isfinite(grad_norm)
+        if (not finite and not self.scaler.enabled) or not math.isfinite(loss_sum):
             last = checkpoint.latest(self.run_dir) if self.run_dir else None
             raise NonFiniteLoss(
                 f"step {self.step}: loss {loss_sum} / gradient norm {grad_norm} is not finite on "
@@ -144,7 +175,12 @@ class Trainer:
                 + (f"the last good checkpoint is {last}. " if last else "no checkpoint was written yet. ")
                 + "Lower optim.lr, add schedule.warmup_steps, set train.clip_grad_norm, or check "
                   "the data for NaNs.")
-        self.optimizer.step()
+        self.last_state_bytes = state_bytes(self.model, self.optimizer)  # at the optimizer step
+        if self.scaler.update(finite):
+            self.optimizer.step()
+        else:  # fp16 overflow: skip this step, with a halved loss scale
+            self.skipped_steps += 1
+            self.model.zero_grad(set_to_none=True)
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, lr
 
@@ -160,11 +196,17 @@ class Trainer:
         for batch in DataLoader(val, batch_size=self.micro, sampler=indices,
                                 num_workers=self.config.train.num_workers):
             x, y = self._to_device(batch)
-            for key, value in self.workload.metric_sums(model(x), y).items():
+            with self.precision.autocast():
+                output = model(x)
+            for key, value in self.workload.metric_sums(output.float(), y).items():
                 sums[key] = sums.get(key, 0) + value.detach().double().cpu()
         keys = sorted(sums)
         vector = torch.stack([torch.as_tensor(sums.get(k, 0.0), dtype=torch.float64) for k in keys])
-        all_reduce(vector, self.mesh.axis(*self.workload.metric_axes), tag="metric")
+        # validation samples are split like training batches: over data and shard ranks too
+        axes = tuple(self.workload.metric_axes)
+        if self.mesh.plan.shard > 1 and "shard" not in axes:
+            axes += ("shard",)
+        all_reduce(vector, self.mesh.axis(*axes), tag="metric")
         model.train(was_training)
         return {k: float(v) for k, v in self.workload.finalize(dict(zip(keys, vector))).items()}
 
@@ -179,14 +221,49 @@ class Trainer:
         if self.run_dir:
             checkpoint.save(self.run_dir, self.step, self.model, self.optimizer,
                             {"step": self.step, "plan": str(self.mesh.plan),
-                             "world_size": self.mesh.world_size},
+                             "world_size": self.mesh.world_size,
+                             "zero_stage": self.config.parallel.zero_stage
+                             if self.mesh.plan.shard > 1 else 0,
+                             "precision": self.precision.name,
+                             "loss_scaler": self.scaler.state_dict(),
+                             "skipped_steps": self.skipped_steps},
                             keep=self.config.train.checkpoint_keep)
 
     def resume(self, path: Path) -> None:
         state = checkpoint.load(path, self.model, self.optimizer)
         self.step = int(state["step"])
+        if self.scaler.enabled and "loss_scaler" in state and state.get("precision") == "fp16":
+            self.scaler.load_state_dict(state["loss_scaler"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
+    @property
+    def tokens_per_sample(self) -> int:
+        return int(getattr(self.workload, "tokens_per_sample", 0) or 0)
+
+    def _memory_figures(self) -> dict:
+        """This rank's model-state bytes at the last optimizer step and its peak step memory."""
+        names = {"params": "param_bytes", "grads": "grad_bytes", "optimizer": "optimizer_bytes",
+                 "total": "state_bytes", "offloaded_bytes": "offloaded_bytes"}
+        out = {names[k]: v for k, v in self.last_state_bytes.items()}
+        if self.step_peak.bytes is not None:
+            out.update(peak_activation_bytes=self.step_peak.bytes,
+                       peak_activation_source=self.step_peak.source)
+        return out
+
+    def _throughput(self, samples_per_s: float) -> dict:
+        """Tokens/s, model FLOP/s and MFU against this device's measured matmul rate."""
+        out = {}
+        if self.tokens_per_sample:
+            out["tokens_per_s"] = samples_per_s * self.tokens_per_sample
+        if self.workload.flops_per_sample and math.isfinite(samples_per_s):
+            per_rank = self.workload.flops_per_sample * samples_per_s / self.mesh.world_size
+            peak = measured_matmul_flops(self.mesh.device, self.precision.dtype)
+            out.update(model_flops_per_s=per_rank * self.mesh.world_size,
+                       matmul_flops_per_s_measured=peak, mfu=per_rank / peak)
+        return out
 
     def fit(self) -> dict:
+        self._track_peak = True
         t = self.config.train
         batches = self._batches(self.step)
         ledger = self.mesh.ledger
@@ -218,8 +295,13 @@ class Trainer:
                           "samples_per_s": t.batch_size * n / sum(interval_times),
                           "step_s": statistics.median(interval_times),
                           "peak_mem_bytes": peak, "peak_mem_source": source,
+                          **self._memory_figures(),
                           "bytes_per_step": {a: b // n for a, b in delta.bytes_by_axis().items()},
                           "step_losses": losses.tolist()}
+                if self.tokens_per_sample:
+                    record["tokens_per_s"] = record["samples_per_s"] * self.tokens_per_sample
+                if self.scaler.enabled:
+                    record.update(loss_scale=self.scaler.scale, skipped_steps=self.skipped_steps)
                 self._log(record)
                 if progress:
                     progress.log(record)
@@ -245,7 +327,14 @@ class Trainer:
                    "final_loss": next((h["loss"] for h in reversed(self.history) if "loss" in h), None),
                    "bytes_per_step": next((h["bytes_per_step"] for h in reversed(self.history)
                                            if "bytes_per_step" in h), {}),
+                   **self._memory_figures(),
+                   **self._throughput(t.batch_size / statistics.median(steady)),
+                   "precision": self.precision.name,
                    "wall_s": wall, "run_dir": str(self.run_dir) if self.run_dir else None}
+        if self.mesh.plan.shard > 1:
+            summary["zero_stage"] = self.config.parallel.zero_stage
+        if self.scaler.enabled:
+            summary.update(loss_scale=self.scaler.scale, skipped_steps=self.skipped_steps)
         if self.is_main and self.run_dir:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
