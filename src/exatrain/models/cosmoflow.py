@@ -4,6 +4,9 @@
     flatten -> Linear 128 -> LeakyReLU -> Linear 64 -> LeakyReLU -> Linear 4 -> tanh × 1.2
 
 At 128³×4 input the flattened features are 512 × 4³ and the model has 8,907,556 parameters.
+Weights are initialised as the MLPerf reference (Keras) does: Glorot-uniform kernels, zero biases.
+That matters here: with PyTorch's default init the signal shrinks through the seven layers and
+training sits on a plateau for ~100 extra steps (measured on the synthetic set at 32³).
 Plain PyTorch: it knows nothing of parallelism.
 """
 
@@ -36,6 +39,10 @@ class CosmoFlow(nn.Module):
             nn.Linear(64, out_features), nn.Tanh(),
         )
         self.output_scale = 1.2
+        for module in self.modules():
+            if isinstance(module, (nn.Conv3d, nn.Linear)):
+                nn.init.xavier_uniform_(module.weight)
+                nn.init.zeros_(module.bias)
 
     def forward(self, x):
         return self.head(self.features(x)) * self.output_scale
