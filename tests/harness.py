@@ -1,15 +1,125 @@
-"""Run a function on N spawned gloo ranks and compare results with serial runs."""
+"""Run a function on N gloo ranks and compare results with serial runs.
+
+Starting a rank costs seconds (a fresh interpreter importing torch), and the suite launches
+dozens of multi-rank cases, so ranks are kept in a pool per world size for the whole session.
+Each call gets a fresh rendezvous (env:// variables with a new port), so the function under test
+creates and destroys its own process group exactly as under a real launcher. When a rank fails,
+the others get a grace period (they may be blocked in a collective with the dead rank), then the
+pool is torn down and rebuilt, and `RankFailed` is raised with the failing rank's traceback.
+"""
 
 from __future__ import annotations
 
+import atexit
+import multiprocessing
+import os
+import queue
+import time
+import traceback
+
 import torch
 
-from exatrain.launch import spawn
+from exatrain.launch.local import RankFailed, free_port
+
+
+def _worker(rank: int, world_size: int, tasks, results) -> None:
+    import torch as _torch
+
+    _torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        fn, args, port = task
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+        try:
+            results.put((rank, "ok", fn(*args), "", 0.0))
+        except BaseException as exc:  # report every failure, with its time: the first is the cause
+            try:
+                results.put((rank, "error", exc, traceback.format_exc(), time.time()))
+            except Exception:
+                results.put((rank, "error", None, traceback.format_exc(), time.time()))
+        finally:
+            import torch.distributed as dist
+            if dist.is_initialized():  # a failed test must not leak its group into the next
+                dist.destroy_process_group()
+
+
+class _Pool:
+    def __init__(self, world_size: int):
+        ctx = multiprocessing.get_context("spawn")
+        self.world_size = world_size
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, self.tasks[r], self.results),
+                                  daemon=True) for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, args, timeout_s: float, grace_s: float = 10.0) -> list:
+        port = free_port()
+        for q in self.tasks:
+            q.put((fn, args, port))
+        out: dict[int, tuple] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(out) < self.world_size:
+            failed = any(o[0] == "error" for o in out.values())
+            wait = grace_s if failed else deadline - time.monotonic()
+            try:
+                rank, status, value, tb, when = self.results.get(timeout=max(0.1, wait))
+                out[rank] = (status, value, tb, when)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in out]
+                if failed or dead or time.monotonic() >= deadline:
+                    self.close()
+                    if not failed:
+                        what = f"rank {dead[0]} died" if dead else \
+                            f"no result within {timeout_s:.0f} s (a rank is stuck in a collective)"
+                        raise RankFailed(dead[0] if dead else -1, f"{fn.__name__}: {what}")
+                    break
+        errors = sorted((o[3], r) for r, o in out.items() if o[0] == "error")
+        if errors:
+            rank = errors[0][1]
+            _, exc, tb, _ = out[rank]
+            failure = RankFailed(rank, f"rank {rank} of {self.world_size} failed: "
+                                       f"{type(exc).__name__}: {exc}", tb)
+            failure.original = exc
+            raise failure
+        return [out[r][1] for r in range(self.world_size)]
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(5)
+
+
+_pools: dict[int, _Pool] = {}  # test-session cache of rank pools, keyed by world size
+
+
+@atexit.register
+def _close_pools() -> None:
+    for pool in _pools.values():
+        pool.close()
 
 
 def run_ranks(world_size: int, fn, *args, timeout_s: float = 300.0) -> list:
-    """`fn(*args)` on `world_size` spawned ranks (env:// rendezvous set); results by rank."""
-    return spawn(fn, world_size, args=args, timeout_s=timeout_s)
+    """`fn(*args)` on `world_size` gloo ranks (env:// set); returns the results by rank."""
+    pool = _pools.get(world_size)
+    if pool is None or not pool.alive():
+        pool = _pools[world_size] = _Pool(world_size)
+    try:
+        return pool.run(fn, args, timeout_s)
+    except RankFailed:
+        if not pool.alive():
+            _pools.pop(world_size, None)
+        raise
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -46,11 +46,13 @@ def _child(fn, args, rank: int, nproc: int, port: int, threads: int, result_dir:
     try:
         outcome = ("ok", fn(*args))
     except BaseException as exc:  # report every failure, including KeyboardInterrupt
-        outcome = ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc(), exc)
+        # the time tells the root cause from its echoes: when one rank raises, its peers fail
+        # afterwards with "connection reset" in whatever collective they were waiting in
+        outcome = ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc(), exc, time.time())
         try:
             pickle.dumps(outcome)
         except Exception:
-            outcome = outcome[:3] + (None,)
+            outcome = outcome[:3] + (None, outcome[4])
     with open(path.with_suffix(".tmp"), "wb") as f:
         pickle.dump(outcome, f)
     os.replace(path.with_suffix(".tmp"), path)
@@ -104,7 +106,7 @@ def spawn(fn, nproc: int, args: tuple = (), timeout_s: float | None = None,
             if not path.exists():
                 errors.append((rank, f"rank {rank} exited with code {p.exitcode} without a result "
                                      "(killed, out of memory, or stopped after another rank failed)",
-                               "", None))
+                               "", None, float("inf")))
                 results.append(None)
                 continue
             with open(path, "rb") as f:
@@ -115,9 +117,8 @@ def spawn(fn, nproc: int, args: tuple = (), timeout_s: float | None = None,
                 errors.append((rank,) + tuple(outcome[1:]))
                 results.append(None)
         if errors:
-            # Prefer a rank that raised over ranks that were merely stopped because of it.
-            errors.sort(key=lambda e: (e[2] == "", e[0]))
-            rank, message, tb, exc = errors[0]
+            errors.sort(key=lambda e: (e[4], e[0]))  # the first failure is the cause
+            rank, message, tb, exc, _ = errors[0]
             failure = RankFailed(rank, f"rank {rank} of {nproc} failed: {message}", tb)
             failure.original = exc
             raise failure
