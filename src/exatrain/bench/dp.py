@@ -8,8 +8,9 @@ batches of real CosmoFlow data and run the same training loop; only the wrapper 
   local      the same model and loop with no gradient synchronisation: the compute-only limit that
              perfect overlap of communication with backward could reach
 
-Variants run interleaved in rounds so that machine noise hits all of them alike; each figure is
-the median over the timed steps after warm-up. Writes ddp_step_s, exatrain_step_s, ratio_vs_ddp
+Variants run interleaved step by step so that machine noise hits all of them alike; a step ends
+when the slower rank finishes it, and each figure is
+the median of those over the timed steps after warm-up. Writes ddp_step_s, exatrain_step_s, ratio_vs_ddp
 (exatrain / DDP, lower is better), local_step_s, ratio_vs_local, allreduce_bytes_per_step
 (counted by the ledger) and allreduce_bytes_min (= the gradient bytes, 4 B per fp32 parameter).
 """
@@ -71,18 +72,14 @@ def _rank_main(size: int, steps: int, warmup: int, batch: int, data_dir: str) ->
             for i in range(warmup):
                 step(name, i)
         mesh.ledger.reset()
-        rounds, per_round = max(1, steps // 2), 2
-        for rnd in range(rounds):
+        for i in range(steps):  # interleaved step by step, so drifts in machine load hit all alike
             for name in models:
                 mesh.barrier()
-                for i in range(per_round):
-                    times[name].append(step(name, rnd * per_round + i))
-        counted = mesh.ledger.bytes_by_axis(tag="grad").get("data", 0) / (rounds * per_round)
+                times[name].append(step(name, i))
+        counted = mesh.ledger.bytes_by_axis(tag="grad").get("data", 0) / steps
         grad_bytes = sum(p.numel() * p.element_size() for p in models["local"].parameters())
-        out = {k: statistics.median(v) for k, v in times.items()}
-        return {"ddp_step_s": out["ddp"], "exatrain_step_s": out["exatrain"],
-                "local_step_s": out["local"], "allreduce_bytes_per_step": int(counted),
-                "allreduce_bytes_min": grad_bytes, "timed_steps": rounds * per_round}
+        return {"times": times, "allreduce_bytes_per_step": int(counted),
+                "allreduce_bytes_min": grad_bytes, "timed_steps": steps}
     finally:
         mesh.close()
 
@@ -92,14 +89,17 @@ def run(args) -> dict:
     from ..launch import spawn
 
     size = args.size or 32
-    steps = args.steps or 12
+    steps = args.steps or 20
     batch = 4
     with tempfile.TemporaryDirectory(prefix="exatrain-bench-dp-") as tmp:
         write_cosmoflow(tmp, samples=32, size=size, seed=7)
         per_rank = spawn(_rank_main, 2, args=(size, steps, args.warmup, batch, tmp))
-    # Each rank measured its own steps; a step ends when the slowest rank finishes it.
-    result = {k: max(r[k] for r in per_rank) if k.endswith("_s") else per_rank[0][k]
-              for k in per_rank[0]}
+    # Each rank timed its own steps; a step ends when the slowest rank finishes it.
+    result = {f"{name}_step_s": statistics.median(
+        max(r["times"][name][i] for r in per_rank) for i in range(steps))
+        for name in ("ddp", "exatrain", "local")}
+    result.update({k: per_rank[0][k] for k in ("allreduce_bytes_per_step", "allreduce_bytes_min",
+                                               "timed_steps")})
     result.update(ranks=2, model=f"CosmoFlow {size}^3", batch_per_rank=batch,
                   device=str(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
                   ratio_vs_ddp=result["exatrain_step_s"] / result["ddp_step_s"],
