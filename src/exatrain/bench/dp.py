@@ -9,10 +9,10 @@ batches of real CosmoFlow data and run the same training loop; only the wrapper 
              perfect overlap of communication with backward could reach
 
 Variants run interleaved step by step so that machine noise hits all of them alike; a step ends
-when the slower rank finishes it, and each figure is
-the median of those over the timed steps after warm-up. Writes ddp_step_s, exatrain_step_s, ratio_vs_ddp
-(exatrain / DDP, lower is better), local_step_s, ratio_vs_local, allreduce_bytes_per_step
-(counted by the ledger) and allreduce_bytes_min (= the gradient bytes, 4 B per fp32 parameter).
+when the slower rank finishes it, and each figure is the median of those over the timed steps
+after warm-up. Writes ddp_step_s, exatrain_step_s, ratio_vs_ddp (exatrain / DDP, lower is better),
+local_step_s, ratio_vs_local, allreduce_bytes_per_step (counted by the ledger) and
+allreduce_bytes_min (= the gradient bytes, 4 B per fp32 parameter).
 """
 
 from __future__ import annotations
