@@ -38,3 +38,11 @@ def test_unimplemented_axis_is_refused_not_ignored():
     with pytest.raises(PlanError, match="pipe.*does not implement yet.*pipe=1"):
         Plan(pipe=2).require_implemented()
     Plan(data=8).require_implemented()
+
+
+def test_tensor_composes_with_data_only_in_this_version():
+    Plan(data=2, tensor=(2, 1, 2)).require_implemented()
+    with pytest.raises(PlanError, match="not with shard=2.*tensor_z"):
+        Plan(shard=2, tensor=2).require_implemented()
+    with pytest.raises(PlanError, match=r"not with space=\(1, 2, 1\)"):
+        Plan(space=(1, 2, 1), tensor=2).require_implemented()

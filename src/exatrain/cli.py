@@ -95,12 +95,16 @@ def build_parser() -> argparse.ArgumentParser:
     writers.add_parsers(data)
     data.set_defaults(func=_data)
 
-    from .bench import BENCHMARKS, add_arguments
+    from .bench import BENCHMARKS, add_common_arguments, bench_module
     bench = sub.add_parser("bench", help="side-by-side benchmark against the PyTorch baseline")
-    bench.add_argument("name", choices=sorted(BENCHMARKS))
-    bench.add_argument("--json", metavar="PATH", help="write the figures as JSON")
-    add_arguments(bench)
-    bench.set_defaults(func=_bench)
+    names = bench.add_subparsers(dest="name", required=True)
+    for name in BENCHMARKS:
+        module = bench_module(name)
+        one = names.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
+        one.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+        add_common_arguments(one)
+        module.add_arguments(one)
+        one.set_defaults(func=_bench)
     return parser
 
 

@@ -19,7 +19,7 @@ AXIS_ORDER = ("trainer", "pipe", "data", "shard", "space", "tensor")
 
 # Axes whose strategies exist in this version.  A Plan that needs any other is refused by
 # `require_implemented`, with a message saying so, rather than silently ignored.
-IMPLEMENTED_AXES = frozenset({"data", "space", "shard"})
+IMPLEMENTED_AXES = frozenset({"data", "space", "shard", "tensor"})
 
 
 class PlanError(ValueError):
@@ -118,6 +118,17 @@ class Plan:
                 f"does not implement yet (implemented: {', '.join(sorted(IMPLEMENTED_AXES))}). "
                 f"Set {' and '.join(f'{a}=1' for a in missing)} or use data parallelism."
             )
+        if self.tensor_degree > 1:
+            clash = {k: v for k, v, degree in (("shard", self.shard, self.shard),
+                                               ("pipe", self.pipe, self.pipe),
+                                               ("space", self.space, self.space_degree))
+                     if degree > 1}
+            if clash:
+                what = ", ".join(f"{k}={v}" for k, v in clash.items())
+                raise PlanError(
+                    f"{self}: tensor parallelism composes with data (and trainer) in this version, "
+                    f"not with {what}. Under the 3D grid tensor_z already shards weights and their "
+                    f"gradients (ZeRO-3 style); put those ranks on tensor_z or data instead.")
         return self
 
     def __str__(self) -> str:

@@ -1,7 +1,7 @@
 """Benchmarks: each runs the PyTorch baseline and exatrain in one launch and writes flat JSON.
 
-A benchmark module defines `add_arguments(parser)` and `run(args) -> dict`; `run_benchmark`
-prints the figures as a table.
+A benchmark module defines `add_arguments(parser)` (its own options, besides the common
+--steps/--warmup/--size) and `run(args) -> dict`; `run_benchmark` prints the figures as a table.
 """
 
 from __future__ import annotations
@@ -15,14 +15,18 @@ BENCHMARKS = {"dp": "exatrain.bench.dp", "spatial": "exatrain.bench.spatial",
               "zero": "exatrain.bench.zero", "tensor": "exatrain.bench.tensor"}
 
 
-def add_arguments(parser) -> None:
+def bench_module(name: str):
+    return importlib.import_module(BENCHMARKS[name])
+
+
+def add_common_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, default=0, help="timed steps per variant (0: default)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps per variant")
     parser.add_argument("--size", type=int, default=0, help="model/input size (0: default)")
 
 
 def run_benchmark(name: str, args) -> dict:
-    result = importlib.import_module(BENCHMARKS[name]).run(args)
+    result = bench_module(name).run(args)
     table = Table(title=f"exatrain bench {name}", show_header=True)
     table.add_column("figure")
     table.add_column("value", justify="right")

@@ -39,9 +39,9 @@ def parallelize(model: nn.Module, mesh: Mesh, options=None) -> nn.Module:
         from ..train.config import ParallelOptions
         options = ParallelOptions()
     plan = mesh.plan
-    model = model.to(mesh.device)
-    if plan.tensor_degree > 1:
+    if plan.tensor_degree > 1:  # places the model itself: a meta-device model is built shard by shard
         return _strategy("tensor").parallelize_tensor(model, mesh, options)
+    model = model.to(mesh.device)
     if plan.space_degree > 1:
         model = _strategy("spatial").parallelize_spatial(model, mesh)
     if options.activation_checkpointing != "none" or options.compile:

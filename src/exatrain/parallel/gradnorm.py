@@ -37,14 +37,20 @@ def clip_grad_norm_(parameters, max_norm: float = math.inf) -> float:
         norm = torch.nn.utils.get_total_norm([p.grad for p in dtensor])
         norm = norm.full_tensor() if _is_dtensor(norm) else norm
         total_sq += norm.detach().double().to(device) ** 2
-    by_axes: dict[tuple, torch.Tensor] = {}
+    # keyed by axis names (an Axis holds its group and ledger and is not hashable); the insertion
+    # order follows the parameters, which every rank lists alike, so the all-reduces match
+    by_axes: dict[tuple[str, ...], tuple[tuple, torch.Tensor]] = {}
     for p in params:
         if _is_dtensor(p.grad):
             continue
         axes = tuple(getattr(p, "exatrain_norm_axes", ()))
+        key = tuple(axis.name for axis in axes)
         sq = p.grad.detach().double().pow(2).sum().to(device)
-        by_axes[axes] = by_axes.get(axes, torch.zeros((), dtype=torch.float64, device=device)) + sq
-    for axes, sq in by_axes.items():
+        if key in by_axes:
+            by_axes[key] = (axes, by_axes[key][1] + sq)
+        else:
+            by_axes[key] = (axes, sq)
+    for axes, sq in by_axes.values():
         for axis in axes:
             all_reduce(sq, axis, tag="metric")
         total_sq += sq

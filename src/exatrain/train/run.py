@@ -67,6 +67,7 @@ def setup(config: Config, resume_dir: str | None = None) -> tuple:
         torch.manual_seed(config.run.seed)  # identical initial weights on every rank
         workload = workload_module.build(config, mesh)
         model = parallelize(workload.model, mesh, config.parallel)
+        workload.model = model  # drop the plain model: under tensor plans it is the full size
         console = TrainConsole() if mesh.rank == 0 else None
         trainer = Trainer(mesh, workload, config, model, run_dir=run_dir, console=console)
         if resume_from:

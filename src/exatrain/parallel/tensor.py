@@ -1,0 +1,618 @@
+"""Tensor parallelism on the `tensor` axis: 1D (Megatron) or 3D (AxoNN), composed with `data` (4D).
+
+`parallelize_tensor(model, mesh, options)` is "easy mode": it takes an unmodified model and returns
+a new module tree (the input model is not modified and nothing global is patched) in which
+
+  * every pair of Linears that chains through feature-local operations inside one module (a
+    module whose direct children are ≥ 2 Linears plus activations/dropout, the last Linear reading
+    what the others write: an MLP's fc_in → fc_out, attention's q/k/v → out_proj) becomes a
+    column → row pair (1D) or a plain → transposed 3D chain, with no re-layout in between. A
+    module with an integer `head_dim` attribute is attention: its split must keep whole heads.
+  * every other Linear whose shapes divide the grid becomes a column layer that gathers its
+    output (1D) or a 3D layer that converts activations into and out of its layout (3D);
+  * everything else (embeddings, norms, Linears that do not divide, tied weights) stays whole on
+    every rank, i.e. data-parallel over the tensor group.
+
+Pairs are found from module structure (`find_pairs`) and verified on the first training forward
+on the autograd graph (`_PairCheck`): a structure that does not compute what a pair assumes is
+refused with the module names, never trained wrongly; `pairs=False` splits Linears one at a time.
+
+Sequence parallelism (1D, `options.sequence_parallel`): between the pairs of an nn.ModuleList of
+blocks the activations are split along the tokens; each pair's module gathers them on entry and
+keeps its chunk on exit (see tensor1d.py for the bytes). Blocks whose attention is not a split
+pair, or with modules that are not token-local, are refused.
+
+A model on the meta device is split before anything is allocated: each rank gets uninitialised
+memory for its parts only; load weights with `tensor_state.load_full_state_dict`.
+
+The parallelized model takes the same full batch as the plain one on every rank of a tensor group
+and returns the same full output, so the loss and the Trainer are unchanged. Under 3D the batch
+is split over tensor_z at the model's boundary (zero-padded to a multiple of |z|; the output is
+all-gathered over z and trimmed), which is AxoNN's layout: z acts as data parallelism for the
+non-Linear parts and as ZeRO-3 sharding for the weights. Models with batch norm are refused
+under tensor_z > 1 (per-shard statistics would differ from serial).
+
+Gradient synchronisation (`gradsync.GradSync`) follows each parameter's metadata:
+
+    split weights / biases           mean over data (the 3D weight's reduce-scatter already summed
+                                     over z; a 3D bias also sums over z)
+    whole parameters, 1D             mean over data (the tensor ranks compute identical gradients)
+    whole parameters, 3D             sum over tensor_z (each z-rank saw part of the batch), mean
+                                     over data: one all-reduce over data+tensor_z
+    whole parameters inside a
+    sequence-parallel region         sum over tensor, mean over data
+
+Dropout: at each training forward the tensor group agrees on one seed (an 8-byte broadcast on
+the tensor axis, tag "control", drawn from rank 0's generator, which the Trainer seeds per step),
+offset by the z coordinate, so replicated activations get identical masks on every rank holding
+them. Masks inside split regions (attention heads, sequence shards) come from the same stream,
+so they are valid masks but not the ones a serial run would draw.
+
+Communication per step is the sum of the per-layer formulas in tensor1d.py / tensor3d.py, the
+boundary conversions and the gradient all-reduce; `TensorParallel.bytes_per_step()` evaluates
+it for the shapes of the last step, and `exatrain bench tensor` checks the ledger against it.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+from functools import partial
+
+import torch
+from torch import nn
+
+from ..comm import broadcast
+from ..comm.autograd import gather, scatter
+from ..mesh import Mesh
+from .gradsync import GradSync, set_grad_axes
+from .tensor1d import SEQ_DIM, ColumnParallelLinear, RowParallelLinear, SharedInput
+from .tensor3d import Grid3D, Linear3D, SharedScatter, gather_batch, scatter_batch
+
+# Modules through which features stay where they are (elementwise, or identity).
+FEATURE_LOCAL = (nn.GELU, nn.ReLU, nn.ReLU6, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.LeakyReLU,
+                 nn.ELU, nn.SELU, nn.CELU, nn.Softplus, nn.Hardswish, nn.Hardsigmoid,
+                 nn.Hardtanh, nn.Identity, nn.Dropout)
+
+
+# Modules that treat every token on its own (sequence parallelism may split the tokens for them).
+TOKEN_LOCAL = FEATURE_LOCAL + (nn.LayerNorm, nn.RMSNorm, nn.Linear)
+
+
+# ---------------------------------------------------------------------------- the new tree
+def clone_tree(module: nn.Module, _modules=None, _params=None) -> nn.Module:
+    """A copy of the module tree: new module objects and new Parameter objects that share the
+    original storage (so no memory is copied), hooks and attributes of their own.
+
+    Shared submodules and tied parameters stay shared in the copy. The copy and the original
+    share weights: train one or the other.
+    """
+    _modules = {} if _modules is None else _modules
+    _params = {} if _params is None else _params
+    if id(module) in _modules:
+        return _modules[id(module)]
+    new = copy.copy(module)
+    for key, value in list(new.__dict__.items()):
+        if isinstance(value, dict):
+            new.__dict__[key] = value.copy()
+    _modules[id(module)] = new
+    for name, p in module._parameters.items():
+        if p is not None and id(p) not in _params:
+            _params[id(p)] = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
+        new._parameters[name] = None if p is None else _params[id(p)]
+    for name, child in module._modules.items():
+        new._modules[name] = None if child is None else clone_tree(child, _modules, _params)
+    return new
+
+
+def _head_dim(module: nn.Module) -> int | None:
+    value = getattr(module, "head_dim", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def find_pairs(model: nn.Module) -> list[tuple[str, nn.Module, list[str], str]]:
+    """(parent name, parent, column child names, row child name) for each chainable group.
+
+    A parent qualifies when its direct children are ≥ 2 `nn.Linear` (exact type) and otherwise
+    only FEATURE_LOCAL modules; its last Linear is the row layer; the other Linears, all with the
+    same in_features and out_features == the row's in_features, are the column layers. More than
+    one column layer (q, k, v) is accepted only in attention (a parent with an integer
+    `head_dim`); containers without a forward of their own (ModuleList, ModuleDict) never qualify.
+
+    The structure is a promise the first training forward checks (`_PairCheck`): the row
+    layer's input must be computed from the column layers' outputs, through no norm, reduction
+    or other matrix multiply, and not from the parent's input directly; otherwise that forward
+    raises, naming the modules.
+    """
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            continue
+        linears = [(n, c) for n, c in module.named_children() if type(c) is nn.Linear]
+        others = [c for _n, c in module.named_children() if type(c) is not nn.Linear]
+        if len(linears) < 2 or not all(isinstance(c, FEATURE_LOCAL) for c in others):
+            continue
+        if len(linears) > 2 and (_head_dim(module) is None or isinstance(module, nn.Sequential)):
+            continue
+        row_name, row = linears[-1]
+        columns = linears[:-1]
+        if all(c.out_features == row.in_features and c.in_features == columns[0][1].in_features
+               for _n, c in columns):
+            found.append((name, module, [n for n, _c in columns], row_name))
+    return found
+
+
+# Autograd nodes that must not lie between a column and a row layer: they mix features (norms,
+# reductions, other matrix products), so the split would not commute with them.
+_NOT_FEATURE_LOCAL = ("NativeLayerNormBackward", "NativeGroupNormBackward",
+                      "NativeBatchNormBackward", "CudnnBatchNormBackward", "LinalgVectorNorm",
+                      "NormBackward", "RmsNormBackward", "FusedRmsNormBackward", "MeanBackward",
+                      "SumBackward", "LogSoftmaxBackward", "AddmmBackward", "MmBackward",
+                      "LinearBackward")
+
+
+class _PairCheck:
+    """Checks, on the first forward with autograd on, that a pair's row layer reads what its
+    column layers wrote (see find_pairs), by walking the autograd graph back from the row's
+    input to the columns' outputs; then removes its hooks."""
+
+    def __init__(self, name: str, parent: nn.Module, columns: list[nn.Module], row: nn.Module,
+                 col_names: list[str], row_name: str):
+        self.name, self.col_names, self.row_name = name or "<root>", col_names, row_name
+        self.inputs: set = set()
+        self.outputs: set = set()
+        self.handles = [parent.register_forward_pre_hook(self._parent_input)]
+        self.handles += [c.register_forward_hook(self._column_output) for c in columns]
+        self.handles.append(row.register_forward_pre_hook(self._row_input))
+
+    def _parent_input(self, _module, args):
+        self.inputs = {a.grad_fn for a in args if isinstance(a, torch.Tensor) and a.grad_fn}
+        self.outputs = set()
+
+    def _column_output(self, _module, _args, out):
+        if out.grad_fn is not None:
+            self.outputs.add(out.grad_fn)
+
+    def _row_input(self, _module, args):
+        x = args[0]
+        if not self.outputs:
+            return None                      # no graph to check (no grad): try the next forward
+        where = f"{self.name}: row layer {self.row_name!r} after column layer(s) {self.col_names}"
+        if x.grad_fn is None:
+            raise ValueError(f"{where}: the row layer's input is not computed from the column "
+                             "layers' outputs, so they cannot be split as a column → row pair. "
+                             "Pass pairs=False to parallelize_tensor.")
+        seen, stack, reached = set(), [x.grad_fn], False
+        while stack and len(seen) < 100_000:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            if node in self.outputs:
+                reached = True
+                continue
+            if node in self.inputs:
+                raise ValueError(f"{where}: the row layer's input depends on the module's input "
+                                 "other than through the column layers, so they cannot be split "
+                                 "as a column → row pair. Pass pairs=False to parallelize_tensor.")
+            kind = type(node).__name__
+            if kind.startswith(_NOT_FEATURE_LOCAL):
+                raise ValueError(f"{where}: between them the model applies {kind}, which mixes "
+                                 "features, so they cannot be split as a column → row pair. "
+                                 "Pass pairs=False to parallelize_tensor.")
+            stack.extend(n for n, _ in node.next_functions)
+        if not reached:
+            raise ValueError(f"{where}: the row layer's input is not computed from the column "
+                             "layers' outputs, so they cannot be split as a column → row pair. "
+                             "Pass pairs=False to parallelize_tensor.")
+        for handle in self.handles:
+            handle.remove()
+        return None
+
+
+# ---------------------------------------------------------------------------- the strategy
+class TensorParallel:
+    """What parallelize_tensor did to one model: its layers, axes, hooks and byte formula.
+
+    Reachable as `model.exatrain_tensor` on the returned model.
+    """
+
+    def __init__(self, mesh: Mesh, options, pairs: bool, overlap: bool, prefetch: bool,
+                 device=None):
+        plan = mesh.plan
+        self.device = device if device is not None else mesh.device
+        self.mesh, self.options = mesh, options
+        self.three_d = plan.tensor_3d
+        self.tensor = mesh.axis("tensor")
+        self.sequence_parallel = bool(getattr(options, "sequence_parallel", False))
+        self.use_pairs = pairs
+        if self.three_d:
+            self.grid = Grid3D(mesh.axis("tensor_x"), mesh.axis("tensor_y"),
+                               mesh.axis("tensor_z"), self.tensor, overlap=overlap,
+                               prefetch=prefetch)
+            self.z = self.grid.z
+        else:
+            self.grid = None
+            self.z = None
+        self.layers: list[nn.Module] = []            # every parallel Linear
+        self.shared: list = []                       # SharedInput / SharedScatter objects
+        self.pairs: list[str] = []                   # names of parents whose Linears chain
+        self.split_names: list[str] = []             # names of the Linears that were split
+        self.whole_names: list[str] = []             # Linears left whole (did not divide)
+        self.sp_regions: list[str] = []
+        self._sp_pair_parents: list[nn.Module] = []
+        self.gradsync: GradSync | None = None
+        self._seed = 0
+        self._boundary = {"rows_out": 0, "rows_in_grad": 0, "seed": 0}
+        self._sp_bytes: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ construction
+    def _fits_pair(self, cols: list[nn.Linear], row: nn.Linear, head_dim: int | None) -> bool:
+        if self.three_d:
+            X, Y, Z = self.grid.x.size, self.grid.y.size, self.grid.z.size
+            ok = all(c.out_features % (X * Z) == 0 and c.in_features % Y == 0 for c in cols) and \
+                row.out_features % (Y * Z) == 0 and row.in_features % X == 0
+            heads_split = X
+        else:
+            P = self.tensor.size
+            ok = all(c.out_features % P == 0 for c in cols) and row.in_features % P == 0
+            heads_split = P
+        if ok and head_dim is not None:
+            ok = all((c.out_features // heads_split) % head_dim == 0 for c in cols)
+        return ok
+
+    def _fits_single(self, linear: nn.Linear) -> bool:
+        if self.three_d:
+            X, Y, Z = self.grid.x.size, self.grid.y.size, self.grid.z.size
+            return linear.out_features % (X * Z) == 0 and linear.in_features % Y == 0
+        return linear.out_features % self.tensor.size == 0
+
+    def apply(self, root: nn.Module) -> nn.Module:
+        tied = _tied_parameters(root)
+        done: set[int] = set()
+        replaced: list[nn.Module] = []   # kept alive until the end: their ids stay unique
+        sp_candidates = self._sp_candidates(root) if self.sequence_parallel else []
+        # a list, not only ids: the modules stay alive, so no new module can reuse their ids
+        sp_modules = [m for region in sp_candidates for m in region.modules()]
+        in_sp = {id(m) for m in sp_modules}
+
+        if self.use_pairs:
+            for parent_name, parent, col_names, row_name in find_pairs(root):
+                cols = [getattr(parent, n) for n in col_names]
+                row = getattr(parent, row_name)
+                if any(id(l.weight) in tied for l in (*cols, row)) or \
+                        not self._fits_pair(cols, row, _head_dim(parent)):
+                    continue
+                sp = id(parent) in in_sp
+                if self.three_d:
+                    shared = SharedScatter(self.grid.y)
+                    for n, c in zip(col_names, cols):
+                        setattr(parent, n, Linear3D.from_linear(
+                            c, self.grid, transpose=False, gather_output=False,
+                            shared_input=shared))
+                    setattr(parent, row_name, Linear3D.from_linear(
+                        row, self.grid, transpose=True, scatter_input=False))
+                else:
+                    shared = SharedInput(self.tensor)
+                    for n, c in zip(col_names, cols):
+                        setattr(parent, n, ColumnParallelLinear.from_linear(
+                            c, self.tensor, shared_input=shared))
+                    setattr(parent, row_name, RowParallelLinear.from_linear(row, self.tensor))
+                parent.register_forward_hook(shared.reset)
+                _PairCheck(parent_name, parent, [getattr(parent, n) for n in col_names],
+                           getattr(parent, row_name), col_names, row_name)
+                if sp:
+                    self._sp_pair_parents.append(parent)
+                self.shared.append(shared)
+                self.layers += [getattr(parent, n) for n in (*col_names, row_name)]
+                self.pairs.append(parent_name)
+                prefix = f"{parent_name}." if parent_name else ""
+                self.split_names += [prefix + n for n in (*col_names, row_name)]
+                done |= {id(c) for c in cols} | {id(row)}
+                replaced += [*cols, row]
+
+        for name, module in list(root.named_modules()):
+            for child_name, child in list(module.named_children()):
+                if type(child) is not nn.Linear or id(child) in done:
+                    continue
+                full_name = f"{name}.{child_name}" if name else child_name
+                done.add(id(child))
+                if id(child.weight) in tied or isinstance(module, nn.MultiheadAttention) or \
+                        id(child) in in_sp or not self._fits_single(child):
+                    self.whole_names.append(full_name)
+                    continue
+                if self.three_d:
+                    layer = Linear3D.from_linear(child, self.grid)
+                else:
+                    layer = ColumnParallelLinear.from_linear(child, self.tensor, gather_output=True)
+                setattr(module, child_name, layer)
+                self.layers.append(layer)
+                self.split_names.append(full_name)
+
+        if not self.layers:
+            shapes = sorted({(m.in_features, m.out_features) for m in root.modules()
+                             if isinstance(m, nn.Linear)})
+            raise ValueError(
+                f"{self.mesh.plan}: no Linear of the model divides the tensor grid "
+                f"{self.mesh.plan.tensor} (Linear (in, out) shapes: {shapes[:8]}); tensor "
+                f"parallelism would only replicate the model. Pick degrees that divide the "
+                f"feature sizes, or use data parallelism (tensor=1).")
+
+        _materialize(root, self.device)
+        if self.sequence_parallel:
+            self._install_sequence_parallel(root, sp_candidates)
+        self._set_grad_metadata(root, sp_candidates)
+        if self.three_d and self.z.size > 1:
+            batch_norms = [n for n, m in root.named_modules()
+                           if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+            if batch_norms:
+                raise ValueError(
+                    f"{self.mesh.plan}: tensor_z={self.z.size} splits each batch over z, but the "
+                    f"model has batch norm ({', '.join(batch_norms[:3])}), whose statistics "
+                    "would then differ from serial training. Use tensor_z=1 (e.g. tensor="
+                    f"({self.grid.x.size}, {self.grid.y.size * self.z.size}, 1)).")
+        root.register_forward_pre_hook(self._before, with_kwargs=True)
+        root.register_forward_hook(self._after)
+        bucket = getattr(self.options, "bucket_cap_mb", 25.0)
+        self.gradsync = GradSync(root.parameters(), self.mesh, bucket_cap_mb=bucket)
+        return root
+
+    # ------------------------------------------------------------------ sequence parallelism
+    def _sp_candidates(self, root: nn.Module) -> list[nn.Module]:
+        if self.three_d:
+            raise ValueError("parallel.sequence_parallel applies to 1D tensor parallelism "
+                             "(Plan(tensor=N)); under the 3D grid the batch is already split "
+                             "over tensor_z. Set parallel.sequence_parallel=false.")
+        pair_parents = {id(m) for _n, m, _c, _r in find_pairs(root)} if self.use_pairs else set()
+        regions = []
+        for module in root.modules():
+            if isinstance(module, nn.ModuleList) and len(module) and all(
+                    any(id(m) in pair_parents for m in block.modules()) for block in module):
+                regions.append(module)
+        if not regions:
+            raise ValueError(
+                "parallel.sequence_parallel needs the model's transformer blocks in an "
+                "nn.ModuleList (called one after the other) whose every block holds a "
+                "column → row pair of Linears; this model has none. Set "
+                "parallel.sequence_parallel=false.")
+        return regions
+
+    def _install_sequence_parallel(self, root: nn.Module, regions: list[nn.Module]) -> None:
+        names = {id(m): n for n, m in root.named_modules()}
+        applied = {id(m) for m in self._sp_pair_parents}
+        for region in regions:
+            # outside the split pairs, a block must treat tokens independently: its attention
+            # has to be a split pair (whose input is gathered whole), its leaves token-local
+            stack = list(region.children())
+            while stack:
+                module = stack.pop()
+                if id(module) in applied:
+                    continue
+                leaf = not any(True for _ in module.children())
+                if _head_dim(module) is not None or isinstance(module, nn.MultiheadAttention) \
+                        or leaf and not isinstance(module, TOKEN_LOCAL):
+                    raise ValueError(
+                        f"parallel.sequence_parallel: {names.get(id(module), module)} "
+                        f"({type(module).__name__}) would see a shard of the sequence: "
+                        "attention must be a split column → row pair (its Linears must divide "
+                        f"tensor={self.tensor.size}, heads included) and every other module of "
+                        "the blocks token-local (norms, dropout, activations, Linear). Set "
+                        "parallel.sequence_parallel=false.")
+                stack.extend(module.children())
+        sites = iter(range(10 ** 9))
+        for region in regions:
+            self.sp_regions.append(names.get(id(region), "?"))
+            region[0].register_forward_pre_hook(partial(self._sp_enter, next(sites)))
+            region[len(region) - 1].register_forward_hook(partial(self._sp_exit, next(sites)))
+        for parent in self._sp_pair_parents:
+            parent.register_forward_pre_hook(partial(self._pair_enter, next(sites)))
+            parent.register_forward_hook(partial(self._pair_exit, next(sites)))
+
+    def _reseed(self, shared: bool, site: int) -> None:
+        """Dropout seeds inside a training forward: `shared` ones are equal on the tensor group
+        (replicated activations), the others differ per rank (sequence shards). `site` numbers
+        the hook, so every block draws new masks and a recomputed block (activation
+        checkpointing) draws the same ones again."""
+        if self._is_training:
+            offset = 0 if shared else 1 + self.tensor.rank
+            torch.manual_seed((self._seed + 1_000_003 * (site + 1) + offset) % 2 ** 63)
+
+    def _record(self, key: str, t: torch.Tensor) -> None:
+        self._sp_bytes[key] = self._sp_bytes.get(key, 0) + t.numel() * t.element_size()
+
+    def _sp_enter(self, site, _module, args):
+        x, *rest = args
+        if x.dim() < 2 or x.shape[SEQ_DIM] % self.tensor.size:
+            raise ValueError(
+                f"sequence parallelism splits dim {SEQ_DIM} (the tokens) of the blocks' input "
+                f"{tuple(x.shape)} over tensor={self.tensor.size} ranks (rank {self.tensor.rank})"
+                f": use a sequence length divisible by {self.tensor.size}, or set "
+                "parallel.sequence_parallel=false.")
+        if x.requires_grad and torch.is_grad_enabled():
+            self._record("enter", x)                       # backward all-gather
+        self._reseed(False, site)
+        return (scatter(x, self.tensor, SEQ_DIM), *rest)
+
+    def _sp_exit(self, site, _module, _args, out):
+        full = gather(out, self.tensor, SEQ_DIM)          # forward all-gather
+        self._record("exit", full)
+        self._reseed(True, site)
+        return full
+
+    def _pair_enter(self, site, _module, args):
+        x, *rest = args
+        full = gather(x, self.tensor, SEQ_DIM)            # backward: own chunk (f sums)
+        self._record("pair_enter", full)
+        self._reseed(True, site)
+        return (full, *rest)
+
+    def _pair_exit(self, site, _module, _args, out):
+        if out.requires_grad and torch.is_grad_enabled():
+            self._record("pair_exit", out)                 # backward all-gather
+        self._reseed(False, site)
+        return scatter(out, self.tensor, SEQ_DIM)
+
+    # ------------------------------------------------------------------ gradients
+    def _set_grad_metadata(self, root: nn.Module, sp_regions: list[nn.Module]) -> None:
+        mean = ("data",) if self.mesh.plan.data > 1 else ()
+        sp_params = {id(p) for region in sp_regions for p in region.parameters()}
+        for p in root.parameters():
+            if hasattr(p, "exatrain_grad_sum_axes") or getattr(p, "exatrain_layout", ()):
+                sum_axes = getattr(p, "exatrain_grad_sum_axes", ())  # set by the layer itself
+            elif id(p) in sp_params:
+                sum_axes = ("tensor",)
+            elif self.three_d and self.z.size > 1:
+                sum_axes = ("tensor_z",)
+            else:
+                sum_axes = ()
+            set_grad_axes(p, sum_axes, mean)
+
+    # ------------------------------------------------------------------ model boundary
+    def _before(self, module, args, kwargs):
+        self._is_training = module.training and torch.is_grad_enabled()
+        self._sp_bytes = {}
+        if self._is_training and self.tensor.size > 1:
+            seed = torch.zeros(1, dtype=torch.int64, device=self.mesh.device)
+            if self.tensor.rank == 0:
+                seed.fill_(int(torch.randint(0, 2 ** 62, (1,))))
+            broadcast(seed, self.tensor, src=0, tag="control")
+            self._seed = int(seed)
+            self._boundary["seed"] = seed.numel() * seed.element_size()
+            torch.manual_seed(self._seed + (self.z.rank if self.z is not None else 0))
+        if not self.three_d or self.z.size == 1:
+            return None
+        batch = None
+
+        def split(t):
+            nonlocal batch
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                return t
+            if batch is None:
+                batch = t.shape[0]
+            elif t.shape[0] != batch:
+                raise ValueError(
+                    f"tensor_z={self.z.size} splits the batch (dim 0) of every tensor argument, "
+                    f"but the model got dim-0 sizes {batch} and {t.shape[0]}; pass batch-first "
+                    "tensors of one batch size.")
+            if t.requires_grad and torch.is_grad_enabled():
+                self._boundary["rows_in_grad"] += (-t.shape[0] % self.z.size + t.shape[0]) * \
+                    (t.numel() // max(t.shape[0], 1)) * t.element_size()
+            return scatter_batch(t, self.z)
+
+        self._boundary["rows_in_grad"] = 0
+        args = tuple(split(a) for a in args)
+        kwargs = {k: split(v) for k, v in kwargs.items()}
+        self._batch = batch
+        return args, kwargs
+
+    def _after(self, module, args, output):
+        if not self.three_d or self.z.size == 1 or self._batch is None:
+            return output
+        batch, self._batch = self._batch, None
+        total = 0
+
+        def join(t):
+            nonlocal total
+            if isinstance(t, torch.Tensor) and t.dim() > 0:
+                total += t.numel() * t.element_size() * self.z.size
+                return gather_batch(t, self.z, batch)
+            if isinstance(t, (tuple, list)):
+                return type(t)(join(v) for v in t)
+            if isinstance(t, dict):
+                return {k: join(v) for k, v in t.items()}
+            return t
+
+        output = join(output)
+        self._boundary["rows_out"] = total
+        return output
+
+    _is_training = False
+    _batch = None
+
+    # ------------------------------------------------------------------ the byte formula
+    def bytes_per_step(self) -> dict[str, int]:
+        """Per-axis bytes of one training step (forward + backward + gradient sync), from the
+        formulas of tensor1d / tensor3d / gradsync and the boundary conversions, for the
+        shapes seen in the last forward."""
+        total: dict[str, int] = {}
+
+        def add(parts: dict[str, int]) -> None:
+            for k, v in parts.items():
+                if v:
+                    total[k] = total.get(k, 0) + v
+
+        for layer in self.layers:
+            add(layer.bytes_per_step())
+        for shared in self.shared:
+            element = next(l.weight.element_size() for l in self.layers)
+            add(shared.bytes_per_step(element))
+        if self.tensor.size > 1:
+            add({self.tensor.name: self._boundary["seed"]})
+        if self.three_d and self.z.size > 1:
+            add({self.z.name: self._boundary["rows_out"] + self._boundary["rows_in_grad"]})
+        if self.sp_regions:
+            add({self.tensor.name: sum(self._sp_bytes.values())})
+        add(self.gradsync.bytes_per_step())
+        return total
+
+    def summary(self) -> dict:
+        return {"plan": str(self.mesh.plan), "split": list(self.split_names),
+                "whole": list(self.whole_names), "chained": list(self.pairs),
+                "sequence_parallel_regions": list(self.sp_regions)}
+
+
+def _materialize(root: nn.Module, device) -> None:
+    """Give every meta-device parameter and buffer uninitialised memory on `device` (after the
+    split, so only local parts are allocated), keeping names, ties and exatrain metadata."""
+    done: dict[int, torch.Tensor] = {}
+    for module in root.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in list(table.items()):
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in done:
+                    empty = torch.empty(t.shape, dtype=t.dtype, device=device)
+                    new = nn.Parameter(empty, requires_grad=t.requires_grad) \
+                        if isinstance(t, nn.Parameter) else empty
+                    new.__dict__.update(t.__dict__)
+                    done[id(t)] = new
+                table[name] = done[id(t)]
+
+
+def _tied_parameters(root: nn.Module) -> set[int]:
+    counts: dict[int, int] = {}
+    for _name, p in root.named_parameters(remove_duplicate=False):
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    return {pid for pid, n in counts.items() if n > 1}
+
+
+def parallelize_tensor(model: nn.Module, mesh: Mesh, options=None, *, pairs: bool = True,
+                       overlap: bool = True, prefetch: bool = True) -> nn.Module:
+    """Lay `model` out over the mesh's tensor axes (and data); see the module docstring.
+
+    Returns a new module tree whose parameters have the plain model's names (local parts of split
+    ones, see tensor_state for full-weight state dicts), with gradient synchronisation over data
+    and the replicated axes attached, and `no_sync()` for gradient accumulation. `pairs=False`
+    converts every Linear on its own (no chaining); `overlap` / `prefetch` switch the 3D
+    backward overlap and weight prefetch (for measurement).
+    """
+    if options is None:
+        from ..train.config import ParallelOptions
+        options = ParallelOptions()
+    on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    root = clone_tree(model if on_meta else model.to(mesh.device))
+    state = TensorParallel(mesh, options, pairs, overlap, prefetch, device=mesh.device)
+    root = state.apply(root)
+    if options.activation_checkpointing != "none" or options.compile:
+        try:
+            memory = importlib.import_module("exatrain.parallel.memory")
+        except ModuleNotFoundError:
+            raise ValueError("parallel.activation_checkpointing / parallel.compile are not "
+                             "available in this version; set them to 'none' / false.") from None
+        root = memory.apply_checkpointing_and_compile(root, options)
+    root.exatrain_tensor = state
+    root.no_sync = state.gradsync.no_sync
+    return root
+
+
+__all__ = ["FEATURE_LOCAL", "TensorParallel", "clone_tree", "find_pairs", "parallelize_tensor"]
