@@ -61,7 +61,7 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, axis: Axis, tag:
         output.copy_(tensor)
         return None
     axis.ledger.record(axis.name, "all_gather", nbytes(output), tag)
-    return dist.all_gather_into_tensor(output, tensor, group=axis.group, async_op=async_op)
+    return dist.all_gather_single(output, tensor, group=axis.group, async_op=async_op)
 
 
 def reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, axis: Axis,
@@ -71,7 +71,7 @@ def reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, axis: Axis,
         output.copy_(tensor)
         return None
     axis.ledger.record(axis.name, "reduce_scatter", nbytes(tensor), tag)
-    return dist.reduce_scatter_tensor(output, tensor, op=op, group=axis.group, async_op=async_op)
+    return dist.reduce_scatter_single(output, tensor, op=op, group=axis.group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, axis: Axis, src: int = 0, tag: str = ""):

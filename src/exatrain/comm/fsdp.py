@@ -31,6 +31,10 @@ except ImportError:  # pragma: no cover - older torch: plain base classes with t
 
 from .collectives import Axis, nbytes
 
+# the calls FSDP2's default collectives make (older torch: the deprecated names)
+_all_gather = dist.all_gather_single
+_reduce_scatter = dist.reduce_scatter_single
+
 
 class LedgerAllGather(AllGather):
     """FSDP2's parameter all-gather over `axis`, recorded with tag "param"."""
@@ -44,8 +48,7 @@ class LedgerAllGather(AllGather):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False):
         self.axis.ledger.record(self.axis.name, "all_gather", nbytes(output_tensor), self.tag)
-        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group,
-                                           async_op=async_op)
+        return _all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 class LedgerReduceScatter(ReduceScatter):
@@ -60,5 +63,4 @@ class LedgerReduceScatter(ReduceScatter):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op=dist.ReduceOp.SUM, async_op: bool = False):
         self.axis.ledger.record(self.axis.name, "reduce_scatter", nbytes(input_tensor), self.tag)
-        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
-                                          async_op=async_op)
+        return _reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)

@@ -55,5 +55,9 @@ def data_parallel(model: nn.Module, axis: Axis, replicas: "int | None" = None,
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The plain module inside any data-parallel wrapper."""
-    return model.module if isinstance(model, DistributedDataParallel) else model
+    """The plain module inside any data-parallel wrapper (DDP, ZeRO-1/2); FSDP2 modules are their own."""
+    from .shard import ZeroDataParallel  # here: plain data parallelism need not load ZeRO
+
+    while isinstance(model, (DistributedDataParallel, ZeroDataParallel)):
+        model = model.module
+    return model

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from ..comm import all_reduce
 
@@ -31,7 +32,10 @@ def clip_grad_norm_(parameters, max_norm: float = math.inf) -> float:
     if not params:
         return 0.0
     dtensor = [p for p in params if _is_dtensor(p.grad)]
-    device = params[0].grad.device  # collectives need tensors where the backend lives (NCCL: GPU)
+    # collectives need tensors where the backend lives: the GPU under NCCL, even when gradients
+    # are offloaded to the CPU
+    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     total_sq = torch.zeros((), dtype=torch.float64, device=device)
     if dtensor:
         norm = torch.nn.utils.get_total_norm([p.grad for p in dtensor])

@@ -29,8 +29,10 @@ state-dict hooks and by `torch.distributed.checkpoint`), so checkpoints stay loa
 checkpointing on or off.
 
 Compile (`parallel.compile = true`) compiles each block in place (`nn.Module.compile`): the
-module tree and its parameter names do not change, blocks of equal shape share one compiled
-graph, and FSDP2's hooks at block boundaries stay outside the graphs.
+module tree and its parameter names do not change, blocks of equal shape reuse one compiled
+graph (parameters are graph inputs), and the hooks FSDP2 later puts on a block are skipped by
+the compiler and run eagerly (ZeRO-3 with compiled blocks matched serial training to 1e-7 on
+2 CPU ranks, checked by hand: compiling is too slow here for the test suite).
 """
 
 from __future__ import annotations

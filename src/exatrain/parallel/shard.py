@@ -59,29 +59,16 @@ optimizer steps there, and the new chunks are copied back before the all-gather.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from ..comm import Axis, all_gather_into, all_reduce, reduce_scatter_into
+from ..comm import all_gather_into, all_reduce, reduce_scatter_into
 from ..mesh import Mesh
 from .memory import find_blocks
 
 _WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
-
-
-class _HashableAxis(Axis):
-    """An `Axis` usable as a dict key, by identity: `parallel.gradnorm` groups parameters by
-    their tuple of `exatrain_norm_axes`, and `comm.Axis` hashes its unhashable `Ledger` field.
-    Remove once `Axis` excludes the ledger from its hash."""
-
-    __hash__ = object.__hash__
-
-
-def _hashable(axis: Axis) -> Axis:
-    return _HashableAxis(**{f.name: getattr(axis, f.name) for f in dataclasses.fields(axis)})
 
 
 def clean_fqn(name: str) -> str:
@@ -106,14 +93,15 @@ class _Entry:
     hi: int
     row: int             # elements per row
     shard: nn.Parameter  # what the optimizer steps: a view of param[lo:hi], or a host copy
-    offset: int = 0      # start of this parameter in its bucket (stage 1: full; stage 2: segment)
+    offset: int = 0      # stage 1: start of the full gradient in its bucket's gradient buffer
+    seg_offset: int = 0  # start of its chunk in one rank's segment of the bucket
     host_grad: torch.Tensor | None = None  # offload: the chunk's gradient on the host
 
 
 @dataclass
 class _Bucket:
     entries: list = field(default_factory=list)
-    numel: int = 0            # stage 1: sum of full numels
+    numel: int = 0            # elements of its parameters (the bucket cap counts these)
     segment: int = 0          # elements of one rank's chunks (padded rows)
     grad_flat: torch.Tensor | None = None   # stage 1: full gradients; stage 2: the rank's shard
     ready: int = 0            # gradients arrived in this backward
@@ -145,7 +133,7 @@ class ZeroDataParallel(nn.Module):
         self._sync = True
         self._pending = False
         n, r = shard_axis.size, shard_axis.rank
-        norm_axes = (_hashable(shard_axis),)
+        norm_axes = (shard_axis,)
         entries = []
         for name, p in module.named_parameters():
             if not p.requires_grad:
@@ -153,6 +141,10 @@ class ZeroDataParallel(nn.Module):
             if p.dim() == 0:
                 raise ValueError(f"parameter {clean_fqn(name)!r} is a scalar; ZeRO shards "
                                  "parameters along dim 0. Make it shape (1,), or use plan.shard=1.")
+            if p.dtype != torch.float32:
+                raise ValueError(f"parameter {clean_fqn(name)!r} is {p.dtype}; ZeRO-1/2 keep fp32 "
+                                 "parameters (the master weights). Build the model in fp32 and "
+                                 "set parallel.precision='bf16' or 'fp16' for low-precision compute.")
             if not p.is_contiguous():
                 raise ValueError(f"parameter {clean_fqn(name)!r} is not contiguous; ZeRO needs "
                                  "contiguous parameters (call .contiguous() when creating it).")
@@ -193,7 +185,7 @@ class ZeroDataParallel(nn.Module):
         for b in buckets:
             full, seg = 0, 0
             for e in b.entries:
-                e.offset = full if self.stage == 1 else seg
+                e.offset, e.seg_offset = full, seg
                 full += e.param.numel()
                 seg += e.chunk * e.row
             b.segment = seg
@@ -201,8 +193,9 @@ class ZeroDataParallel(nn.Module):
                 b.grad_flat = torch.zeros(full, dtype=torch.float32, device=self.device)
                 for e in b.entries:
                     e.param.grad = self._full_grad_view(b, e)
-            else:  # persistent buffer of this rank's gradient chunks
+            elif not self.offload:  # persistent buffer of this rank's gradient chunks
                 b.grad_flat = torch.zeros(seg, dtype=torch.float32, device=self.device)
+            # (with offload, stage 2 allocates it per backward and frees it once on the host)
         return buckets
 
     def _full_grad_view(self, b: _Bucket, e: _Entry) -> torch.Tensor:
@@ -211,7 +204,7 @@ class ZeroDataParallel(nn.Module):
     def _shard_grad_view(self, b: _Bucket, e: _Entry) -> torch.Tensor:
         if self.stage == 1:
             return self._full_grad_view(b, e)[e.lo:e.hi]
-        return b.grad_flat[e.offset:e.offset + (e.hi - e.lo) * e.row].view(e.shard.shape)
+        return b.grad_flat[e.seg_offset:e.seg_offset + (e.hi - e.lo) * e.row].view(e.shard.shape)
 
     def shard_parameters(self) -> list[nn.Parameter]:
         """The tensors the optimizer steps: this rank's chunk of every parameter."""
@@ -220,6 +213,16 @@ class ZeroDataParallel(nn.Module):
     # ------------------------------------------------------------------ forward / backward
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the full gradients (stage 1 zeroes its buffers in place, keeping the views)."""
+        if self.stage == 1:
+            for b in self._buckets:
+                b.grad_flat.zero_()
+                for e in b.entries:
+                    e.param.grad = self._full_grad_view(b, e)
+        else:
+            self.module.zero_grad(set_to_none=set_to_none)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -268,13 +271,15 @@ class ZeroDataParallel(nn.Module):
             flat = g.reshape(-1)
             full_rows = e.param.shape[0] // e.chunk  # chunks that are complete
             if full_rows:
-                rows[:full_rows, e.offset:e.offset + width].copy_(
+                rows[:full_rows, e.seg_offset:e.seg_offset + width].copy_(
                     flat[:full_rows * width].view(full_rows, width))
             rest = flat[full_rows * width:]
             if rest.numel():
-                rows[full_rows, e.offset:e.offset + rest.numel()].copy_(rest)
+                rows[full_rows, e.seg_offset:e.seg_offset + rest.numel()].copy_(rest)
             e.param.grad = None  # the full gradient is freed: ZeRO-2 keeps only the chunk
         send.div_(self.replicas)
+        if b.grad_flat is None:
+            b.grad_flat = torch.empty(b.segment, dtype=torch.float32, device=self.device)
         b.work = reduce_scatter_into(b.grad_flat, send, self.shard_axis, tag="grad",
                                      async_op=True)
         b.send = send
@@ -299,6 +304,8 @@ class ZeroDataParallel(nn.Module):
                     e.shard.grad = e.host_grad
                 else:
                     e.shard.grad = g
+            if self.offload and self.stage == 2:
+                b.grad_flat = None  # the gradients now live on the host
 
     # ------------------------------------------------------------------ after the step
     def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -319,7 +326,7 @@ class ZeroDataParallel(nn.Module):
                 if self.offload:
                     e.param.detach()[e.lo:e.hi].copy_(e.shard.detach(), non_blocking=True)
                 own = e.param.detach().reshape(-1)[e.lo * e.row:e.hi * e.row]
-                send[e.offset:e.offset + own.numel()].copy_(own)
+                send[e.seg_offset:e.seg_offset + own.numel()].copy_(own)
             recv = torch.empty(n * b.segment, dtype=torch.float32, device=self.device)
             all_gather_into(recv, send, self.shard_axis, tag="param")
             rows = recv.view(n, b.segment)
@@ -329,10 +336,10 @@ class ZeroDataParallel(nn.Module):
                 full_rows = e.param.shape[0] // e.chunk
                 if full_rows:
                     flat[:full_rows * width].view(full_rows, width).copy_(
-                        rows[:full_rows, e.offset:e.offset + width])
+                        rows[:full_rows, e.seg_offset:e.seg_offset + width])
                 rest = flat[full_rows * width:]
                 if rest.numel():
-                    rest.copy_(rows[full_rows, e.offset:e.offset + rest.numel()])
+                    rest.copy_(rows[full_rows, e.seg_offset:e.seg_offset + rest.numel()])
             if self.stage == 1:
                 b.grad_flat.zero_()
 

@@ -33,6 +33,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
+from ..parallel.tensor_state import for_checkpoint
+
 STATE_FILE = "trainer_state.json"
 
 
@@ -68,7 +70,8 @@ def save(run_dir: str | Path, step: int, model, optimizer, trainer_state: dict, 
         shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save
     dist.barrier()
     model_state, optim_state = _state_dicts(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(partial))
+    dcp.save({"model": for_checkpoint(model, model_state),
+              "optim": for_checkpoint(model, optim_state)}, checkpoint_id=str(partial))
     if rank0:
         _write_atomic(partial / STATE_FILE, json.dumps(trainer_state, indent=1))
         if final.exists():
@@ -90,8 +93,11 @@ def load(path: str | Path, model, optimizer) -> dict:
     if zero is not None:
         _init_optimizer_state(optimizer)  # DCP loads into existing tensors
     model_state, optim_state = _state_dicts(model, optimizer)
+    # tensor-parallel parts become DTensors sharing memory with the local tensors: DCP loads
+    # straight into model_state / optim_state, resharding from whatever grid wrote them
+    dcp.load({"model": for_checkpoint(model, model_state),
+              "optim": for_checkpoint(model, optim_state)}, checkpoint_id=str(path))
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(path))
     if zero is not None:
         set_model_state_dict(zero.module, state["model"])
         zero.load_optimizer_state_dict(optimizer, state["optim"])

@@ -8,7 +8,8 @@ Model state, `state_bytes(model, optimizer)` — counted, on every device:
   is a view of the full parameter adds nothing), by its allocated size (so FSDP2's dim-0 padding
   counts, and a parameter FSDP2 has freed by resizing its storage to 0 counts 0). Storages on the
   CPU while the model runs on a GPU are also reported as `offloaded_bytes`. The Trainer measures
-  this right before `optimizer.step()`, when gradients and optimizer state are both alive.
+  this at the optimizer step — right after `optimizer.step()` and before the gradients are
+  released — when parameters, gradients and the (lazily created) optimizer state are all alive.
 
 Peak step memory, `StepPeak` — the most memory held at once during forward and backward, above
 what was allocated when the step began (parameters, optimizer state, persistent buffers):
@@ -20,7 +21,8 @@ what was allocated when the step began (parameters, optimizer state, persistent 
          Memory allocated outside PyTorch's dispatcher is not seen: kernel-internal scratch
          space and FSDP2's unsharded parameters, which it re-materialises by resizing storage
          in place (they are parameters, not activations; `state_bytes` counts them if alive).
-         The tracker slows the step it watches, so the Trainer tracks one step per run.
+         The tracker slows the step it watches, so the Trainer tracks one step per `fit` (the
+         second: the first also allocates persistent buffers and initialises FSDP2).
   Both figures are dominated by activations (what autograd saves for backward, and what
   checkpointing recomputes); they also include gradients that backward allocates anew and
   transient communication buffers.
@@ -44,7 +46,9 @@ def _plain_tensors(t):
     if is_traceable_wrapper_subclass(t):
         names, _ = t.__tensor_flatten__()
         for name in names:
-            yield from _plain_tensors(getattr(t, name))
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):  # (DTensor also lists its DeviceMesh)
+                yield from _plain_tensors(inner)
     else:
         yield t
 

@@ -10,14 +10,14 @@ of R equal slices and splits it into `grad_accum` micro-batches. The replicas ar
 `data` × `shard` (sharded data parallelism splits the batch too). With R = 1 the same samples form
 the same step, which is what makes data-parallel training equal serial training.
 
-Precision (`train.precision`): the forward pass runs under autocast in the compute dtype, the loss
-in fp32 on `output.float()`, and with fp16 the loss is scaled; a step whose gradients overflow is
-skipped and counted (`skipped_steps`).
+Precision (`parallel.precision`, see `train.precision`): the forward pass runs under autocast in
+the compute dtype, the loss in fp32 on `output.float()`, and with fp16 the loss is scaled; a step
+whose gradients overflow is skipped and counted (`skipped_steps`).
 
 Memory (`train.memory`): every logged record carries the bytes of parameters, gradients and
 optimizer state held by the rank at the optimizer step (`state_bytes`), and the peak memory of
 forward + backward above the resident state (`peak_activation_bytes`, measured by the CUDA
-allocator on GPUs, tracked per storage on CPU for the first step of each `fit`).
+allocator on GPUs every step, tracked per storage on CPU for the second step of each `fit`).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class Trainer:
         self.console = console
         self.is_main = mesh.rank == 0
         # the batch is split over data replicas and over the ranks of a sharded group
-        self.data_axis = mesh.axis("data", "shard")
+        self.data_axis = mesh.axis("data", "shard") if mesh.plan.shard > 1 else mesh.axis("data")
         self.replicas = self.data_axis.size
         self.micro = micro_batch_size(config, self.replicas)
         t = config.train
@@ -101,7 +101,7 @@ class Trainer:
             keep_norms_fp32(model)
         self.scaler = self.precision.loss_scaler()
         self.step_peak = StepPeak(mesh.device)
-        self._track_peak = True          # the first step of each fit()
+        self._track_step = 0             # which step the CPU peak tracker watches (see fit)
         self.last_state_bytes: dict = {}
         self.skipped_steps = 0
         self.step = 0
@@ -149,7 +149,9 @@ class Trainer:
         torch.manual_seed(hash((self.config.run.seed, self.step, self.mesh.rank)) % 2 ** 63)
         self.model.train()
         loss_sum = 0.0
-        track = self.step_peak.track() if self._track_peak else contextlib.nullcontext()
+        # CUDA: the allocator's peak, every step for free; CPU: the tracker, one step per fit
+        watch = self.mesh.device.type == "cuda" or self.step == self._track_step
+        track = self.step_peak.track() if watch else contextlib.nullcontext()
         with track:
             for micro in range(accum):
                 x, y = self._to_device(next(batches))
@@ -160,7 +162,6 @@ class Trainer:
                     loss = self.workload.loss_fn(output.float(), y) / accum  # fp32 loss
                     self.scaler.scale_loss(loss).backward()
                 loss_sum += loss.detach().item()
-        self._track_peak = False
         self.scaler.unscale_(self.opt_params)
         # The gradient norm is global (the same on every rank), so every rank reaches the same
         # verdict on finiteness without another collective.
@@ -175,10 +176,12 @@ class Trainer:
                 + (f"the last good checkpoint is {last}. " if last else "no checkpoint was written yet. ")
                 + "Lower optim.lr, add schedule.warmup_steps, set train.clip_grad_norm, or check "
                   "the data for NaNs.")
-        self.last_state_bytes = state_bytes(self.model, self.optimizer)  # at the optimizer step
         if self.scaler.update(finite):
             self.optimizer.step()
+            # at the optimizer step: gradients still alive, optimizer state (lazily) created
+            self.last_state_bytes = state_bytes(self.model, self.optimizer)
         else:  # fp16 overflow: skip this step, with a halved loss scale
+            self.last_state_bytes = state_bytes(self.model, self.optimizer)
             self.skipped_steps += 1
             self.model.zero_grad(set_to_none=True)
         self.optimizer.zero_grad(set_to_none=True)
@@ -238,7 +241,7 @@ class Trainer:
 
     @property
     def tokens_per_sample(self) -> int:
-        return int(getattr(self.workload, "tokens_per_sample", 0) or 0)
+        return self.workload.tokens_per_sample
 
     def _memory_figures(self) -> dict:
         """This rank's model-state bytes at the last optimizer step and its peak step memory."""
@@ -263,7 +266,9 @@ class Trainer:
         return out
 
     def fit(self) -> dict:
-        self._track_peak = True
+        # the second step: the first one also allocates what persists (communication buckets,
+        # FSDP2's lazy initialisation), which is not activation memory
+        self._track_step = self.step + (1 if self.total_steps - self.step > 1 else 0)
         t = self.config.train
         batches = self._batches(self.step)
         ledger = self.mesh.ledger

@@ -24,3 +24,5 @@ class Workload:
     metric_axes: tuple[str, ...] = ("data",)
     # Model FLOPs of one training sample (forward + backward), for MFU; 0 = unknown.
     flops_per_sample: float = 0.0
+    # Tokens in one sample (sequence models), for tokens/s; 0 = not a sequence model.
+    tokens_per_sample: int = 0
