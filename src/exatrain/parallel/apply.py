@@ -50,6 +50,7 @@ def parallelize(model: nn.Module, mesh: Mesh, options=None) -> nn.Module:
         return _strategy("shard").parallelize_shard(model, mesh, options)
     if plan.space_degree > 1:
         return data_parallel(model, mesh.axis("data", "space"), replicas=plan.data,
-                             bucket_cap_mb=options.bucket_cap_mb, device=mesh.device)
+                             bucket_cap_mb=options.bucket_cap_mb, device=mesh.device,
+                             broadcast_buffers=False)
     return data_parallel(model, mesh.axis("data"), bucket_cap_mb=options.bucket_cap_mb,
                          device=mesh.device)

@@ -36,9 +36,12 @@ def _ledger_allreduce_hook(state: _HookState, bucket) -> torch.futures.Future[to
 
 
 def data_parallel(model: nn.Module, axis: Axis, replicas: "int | None" = None,
-                  bucket_cap_mb: float = 25.0, device: "torch.device | None" = None) -> nn.Module:
+                  bucket_cap_mb: float = 25.0, device: "torch.device | None" = None,
+                  broadcast_buffers: bool = True) -> nn.Module:
     """Wrap `model` so its gradients are averaged over `axis` during backward.
 
+    `broadcast_buffers=False` where buffers are already equal on every member (spatial
+    BatchNorm keeps global statistics), so DDP need not re-send them each forward.
     Returns `model` itself when the axis has one member: there is nothing to synchronise.
     """
     if axis.size == 1:
@@ -49,6 +52,7 @@ def data_parallel(model: nn.Module, axis: Axis, replicas: "int | None" = None,
         process_group=axis.group,
         bucket_cap_mb=bucket_cap_mb,
         gradient_as_bucket_view=True,  # no extra copy of each gradient into the bucket
+        forward_sync_buffers=broadcast_buffers,  # still synced once, at construction
     )
     ddp.register_comm_hook(_HookState(axis, replicas or axis.size), _ledger_allreduce_hook)
     return ddp

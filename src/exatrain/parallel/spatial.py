@@ -45,11 +45,13 @@ from .spatial_layers import (SpatialBatchNorm, SpatialConv, SpatialConvTranspose
                              SpatialFlatten, SpatialGlobalAvgPool, SpatialLayer, SpatialPool,
                              SpatialSplitError, SpatialUpsample)
 
-__all__ = ["parallelize_spatial", "SpatialSplitError", "SpatialBlocks", "block_region",
-           "split_input", "gather_output", "spatial_layers", "DEFAULT_OVERLAP"]
+__all__ = ["parallelize_spatial", "SpatialSplitError", "SpatialBlocks", "block_region", "block_slices",
+           "split_input", "gather_output", "describe_spatial", "DEFAULT_OVERLAP"]
 
-# Overlap the interior convolution with the halo transfer? Measured by `exatrain bench spatial`
-# (step_s_spatial vs step_s_spatial_overlap); see docs/spatial.md for the figures on this machine.
+# Overlap each convolution's interior with its halo transfer? Measured by `exatrain bench spatial`
+# (step_s_spatial vs step_s_spatial_overlap): on a 2-core CPU, gloo's transfers share the cores with
+# the convolution and it is 3-4 % slower (CosmoFlow 128³: 2.08 s vs 2.14 s), so it is off by
+# default; `parallelize_spatial(..., overlap=True)` turns it on. See docs/spatial.md.
 DEFAULT_OVERLAP = False
 
 _CONVERT: dict[type, type] = {
@@ -66,8 +68,7 @@ _CONVERT: dict[type, type] = {
 _GLOBAL_POOLS = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)
 _POINTWISE = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
               nn.Mish, nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.Sigmoid, nn.Tanh,
-              nn.Softplus, nn.Softsign, nn.Tanhshrink, nn.LogSigmoid, nn.Identity, nn.Threshold,
-              nn.PReLU)
+              nn.Softplus, nn.Softsign, nn.Tanhshrink, nn.LogSigmoid, nn.Identity, nn.Threshold)
 SUPPORTED = ("Conv1d/2d/3d, ConvTranspose1d/2d/3d, MaxPool/AvgPool1d/2d/3d, BatchNorm1d/2d/3d, "
              "nearest Upsample, Dropout/Dropout1d/2d/3d, Softmax/LogSoftmax over channels, "
              "pointwise activations, Identity; nn.Flatten and AdaptiveAvgPool(1) end the split")
@@ -115,7 +116,12 @@ class SpatialRuntime:
 
     # ---------------------------------------------------------------- gradient bookkeeping
     def note_mode(self, module: nn.Module, replicated: bool, name: str = "") -> None:
-        """Record whether `module` runs on split or gathered tensors; scale replicated grads."""
+        """Record whether `module` runs on split or gathered tensors; scale replicated grads.
+
+        A module that runs replicated (on the whole tensor, identically on every spatial rank)
+        gets its parameters' gradients scaled by 1/S, once, so the sum over `space` counts them
+        once. Its mode may not change later: that would need the hook added or removed.
+        """
         key = id(module)
         seen = self._modes.get(key)
         if seen is None:
@@ -130,10 +136,9 @@ class SpatialRuntime:
                 f"on {'gathered' if replicated else 'split'} tensors now; the spatial layout of a "
                 f"model must not change between calls (did the input size change?).")
 
-    def tracker(self, name: str):
-        def hook(module, _args):
-            self.note_mode(module, self.gathered, name)
-        return hook
+    def modes(self) -> list[tuple[str, bool]]:
+        """(layer name, runs replicated?) of every layer with parameters that has run so far."""
+        return list(self._modes.values())
 
 
 def _direct_params(module: nn.Module) -> list[str]:
@@ -203,7 +208,7 @@ def parallelize_spatial(model: nn.Module, mesh: Mesh, overlap: bool | None = Non
                     f"({', '.join(_direct_params(module))}) that its own forward uses; exatrain "
                     f"cannot tell whether they act on split blocks or on gathered tensors. Move "
                     f"them into a layer module, or set space=(1, 1, 1).")
-            module.register_forward_pre_hook(rt.tracker(name))
+            rt.note_mode(module, replicated=True, name=name)  # wholly after the transition
     done: dict[int, nn.Module] = {}
     root = model
     for name, module in leaves:
@@ -217,7 +222,9 @@ def parallelize_spatial(model: nn.Module, mesh: Mesh, overlap: bool | None = Non
             new = done[id(module)] = _convert(name or type(module).__name__, module, rt,
                                               may_gather, name in split_names)
             if new is module and _direct_params(module):
-                module.register_forward_pre_hook(rt.tracker(name))
+                # a plain layer with parameters can only sit after the transition (the split
+                # region refuses it): it runs on the gathered tensor on every spatial rank
+                rt.note_mode(module, replicated=True, name=name)
         if new is not module:
             if not name:
                 root = new
@@ -229,9 +236,24 @@ def parallelize_spatial(model: nn.Module, mesh: Mesh, overlap: bool | None = Non
     return root
 
 
-def spatial_layers(model: nn.Module) -> list[SpatialLayer]:
-    """The distributed layers of a model returned by `parallelize_spatial` (after unwrapping)."""
-    return [m for m in model.modules() if isinstance(m, SpatialLayer)]
+def describe_spatial(model: nn.Module) -> str:
+    """What each distributed layer did so far: mode per input shape and halo elements received.
+
+    Modes: split (ran on blocks), gather (gathered its input first; the reason follows), and
+    replicated (ran on the gathered tensor). Run one forward pass first.
+    """
+    model = getattr(model, "module", model)  # a data-parallel wrapper
+    lines = []
+    for m in model.modules():
+        if not isinstance(m, SpatialLayer):
+            continue
+        for shape, (mode, plan) in m._plans.items():
+            halo = getattr(plan, "halo", None)
+            received = halo.recv_elements if halo is not None else 0
+            line = (f"{m.qualname:<28} {m.source_type:<16} {mode:<10} input {list(shape)}"
+                    f"  halo {received} elements")
+            lines.append(line + (f"\n    because {m.gather_reason}" if mode == "gather" else ""))
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------- data layout
@@ -240,19 +262,25 @@ def block_region(sample_shape: tuple[int, ...], mesh: Mesh) -> tuple[slice, ...]
 
     Blocks are equal: each spatial size must be divisible by its degree.
     """
+    return block_slices(sample_shape, tuple(mesh.plan.space),
+                        tuple(mesh.coords[f"space_{a}"] for a in "dhw"))
+
+
+def block_slices(sample_shape: tuple[int, ...], space: tuple[int, int, int],
+                 coords: tuple[int, int, int]) -> tuple[slice, ...]:
+    """The block at grid `coords` (d, h, w) of a sample split by `space` (d, h, w)."""
     k = len(sample_shape)
-    parts = tuple(mesh.plan.space)
+    parts = tuple(space)
     if any(p > 1 for p in parts[:3 - k]):
         raise SpatialSplitError(f"samples of spatial shape {tuple(sample_shape)} have {k} spatial "
                                 f"dims but the plan splits space={parts} (d, h, w); use "
                                 f"space={(1,) * (3 - k) + parts[3 - k:]}.")
     region = []
-    for n, p, a in zip(sample_shape, parts[3 - k:], "dhw"[3 - k:]):
+    for n, p, c, a in zip(sample_shape, parts[3 - k:], coords[3 - k:], "dhw"[3 - k:]):
         if n % p:
             ok = [q for q in range(1, min(n, 64) + 1) if n % q == 0]
             raise SpatialSplitError(f"the samples are {n} long along {a}, which space_{a}={p} does "
                                     f"not divide into equal blocks; use one of {ok}.")
-        c = mesh.coords[f"space_{a}"]
         region.append(slice(c * n // p, (c + 1) * n // p))
     return tuple(region)
 

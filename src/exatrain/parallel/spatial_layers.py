@@ -106,7 +106,11 @@ def _ntuple(value, n: int) -> tuple[int, ...]:
 
 # --------------------------------------------------------------------------- base
 class SpatialLayer(nn.Module):
-    """Common machinery: per input shape, plan the split (or decide to gather) once, then run."""
+    """Common machinery: per input shape, decide the mode (and plan the split) once, then run.
+
+    The decision is made at the first call with a given input shape and then kept, so that a
+    block recomputed during backward (activation checkpointing) runs exactly as it did forward.
+    """
 
     def __init__(self, source: nn.Module, name: str, runtime, may_gather: bool = False):
         super().__init__()
@@ -119,25 +123,31 @@ class SpatialLayer(nn.Module):
         self.train(source.training)
 
     def forward(self, x):
-        rt = self.runtime
-        if not rt.gathered:
-            plan = self._plans.get(tuple(x.shape))
-            if plan is None:
-                plan = self._plans[tuple(x.shape)] = self._plan_or_gather(tuple(x.shape))
-            if plan is not GATHER:
-                rt.note_mode(self, replicated=False)
-                return self.split_forward(x, plan)
-            x = rt.gather(x)
-        rt.note_mode(self, replicated=True)
+        mode, plan = self.enter(x)
+        if mode == "split":
+            return self.split_forward(x, plan)
+        if mode == GATHER:
+            x = self.runtime.gather(x)
         return self.replicated_forward(x)
 
-    def _plan_or_gather(self, shape):
+    def enter(self, x) -> tuple[str, object]:
+        """(mode, plan) for input `x`: "split", GATHER (gather it, then replicated) or "replicated"."""
+        key = tuple(x.shape)
+        entry = self._plans.get(key)
+        if entry is None:
+            entry = self._plans[key] = self._decide(key)
+        self.runtime.note_mode(self, replicated=entry[0] != "split")
+        return entry
+
+    def _decide(self, shape) -> tuple[str, object]:
+        if self.runtime.gathered:
+            return "replicated", None
         try:
-            return self.plan(shape)
+            return "split", self.plan(shape)
         except SpatialSplitError as err:
             if self.may_gather:
                 self.gather_reason = str(err)
-                return GATHER
+                return GATHER, None
             raise
 
     # subclasses
@@ -163,8 +173,8 @@ class SpatialLayer(nn.Module):
         space = list(self.runtime.parts)
         space[3 - k + i] = max([p for p in valid if p <= parts] or [1])
         hint = "" if self.may_gather else (
-            " (A layer inside an nn.Sequential of a model that gathers at an nn.Flatten or "
-            "global pool would instead run on the gathered tensor.)")
+            " (In a model that gathers at an nn.Flatten or global pooling, a layer of an "
+            "nn.Sequential whose blocks get too small gathers them instead of failing.)")
         raise SpatialSplitError(
             f"{self.source_type} '{self.qualname}' ({self.describe()}) cannot be split {parts} ways "
             f"along {dim} (space_{dim}) of its input of length {n}: {reason}. At this input size "
@@ -571,12 +581,14 @@ class SpatialBatchNorm(SpatialLayer):
 
     def forward(self, x):
         rt = self.runtime
-        rt.note_mode(self, replicated=rt.gathered)
+        mode, _ = self.enter(x)
+        if mode == GATHER:
+            x = rt.gather(x)
         use_batch = self.training or self.running_mean is None
         if not use_batch:
             return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
                                 False, 0.0, self.eps)
-        axis = rt.data_axis if rt.gathered else rt.batch_axis
+        axis = rt.batch_axis if mode == "split" else rt.data_axis
         y, mean, var, count = BatchNormStats.apply(x, self.weight, self.bias, self.eps, axis)
         if self.training and self.track_running_stats:
             with torch.no_grad():
@@ -608,16 +620,18 @@ class SpatialDropout(SpatialLayer):
         return f"p={self.p}" + (", channels" if self.channelwise else "")
 
     def forward(self, x):
+        mode, _ = self.enter(x)
+        if mode == GATHER:
+            x = self.runtime.gather(x)
         if not self.training or self.p == 0.0:
             return x
-        rt = self.runtime
         if self.channelwise:
             shape = tuple(x.shape[:2]) + (1,) * (x.dim() - 2)
-        elif not rt.gathered:
+        elif mode == "split":
             return F.dropout(x, self.p, True)
         else:
             shape = tuple(x.shape)
-        return x * shared_mask(shape, 1.0 - self.p, rt.space, x)
+        return x * shared_mask(shape, 1.0 - self.p, self.runtime.space, x)
 
 
 # --------------------------------------------------------------------------- transitions
@@ -629,7 +643,8 @@ class SpatialFlatten(SpatialLayer):
         self.start_dim, self.end_dim = flat.start_dim, flat.end_dim
 
     def forward(self, x):
-        if not self.runtime.gathered:
+        mode, _ = self.enter(x)
+        if mode != "replicated":
             x = self.runtime.gather(x)
         return torch.flatten(x, self.start_dim, self.end_dim)
 
@@ -640,7 +655,8 @@ class SpatialGlobalAvgPool(SpatialLayer):
     def forward(self, x):
         rt = self.runtime
         k = x.dim() - 2
-        if rt.gathered:
+        mode, _ = self.enter(x)
+        if mode == "replicated":
             return x.mean(dim=tuple(range(2, x.dim())), keepdim=True)
         parts, _, _ = rt.layout(k, self)
         count = math.prod(x.shape[2:]) * math.prod(parts)

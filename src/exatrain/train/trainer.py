@@ -336,6 +336,9 @@ class Trainer:
                    **self._throughput(t.batch_size / statistics.median(steady)),
                    "precision": self.precision.name,
                    "wall_s": wall, "run_dir": str(self.run_dir) if self.run_dir else None}
+        bytes_read = getattr(self.workload.train_set, "bytes_read", None)
+        if bytes_read is not None:  # this rank's input bytes read from files (a spatial block)
+            summary["input_bytes_read_per_rank"] = int(bytes_read)
         if self.mesh.plan.shard > 1:
             summary["zero_stage"] = self.config.parallel.zero_stage
         if self.scaler.enabled:

@@ -1,0 +1,181 @@
+"""DeepCAM workload: climate segmentation (background / tropical cyclone / atmospheric river).
+
+Model `models.deepcam.DeepCAM` (a small DeepLabv3+), data `data.deepcam` (the DeepCAM HDF5 layout,
+synthetic or real), class-weighted cross-entropy, validation mean IoU.
+
+Loss. Serial weighted cross-entropy is the weighted mean  L = Σ_i w_{y_i} ℓ_i / Σ_i w_{y_i}  over
+every pixel of the batch. Here each rank holds a block of the pixels of its data replica's samples
+(spatial parallelism) and the replicas hold different samples, so each rank computes its numerator,
+divides by the denominator summed over all data and spatial ranks, and multiplies by the number of
+data replicas R (the data-parallel all-reduce divides gradients by R):
+
+    l_r = R · Σ_{i in block r} w ℓ_i / Σ_{all ranks} w,        L = (1/R) Σ_replicas Σ_blocks l_r
+
+The loss value each rank returns is summed over the spatial ranks (forward all-reduce, identity
+backward), so every rank reports its replica's loss while backpropagating only its own pixels.
+With R = 1 and no split this is exactly `F.cross_entropy(..., weight=w)`; with data parallelism
+it makes the global batch's weighted mean exact (a per-replica mean of means would not be).
+
+Metric. The confusion matrix (counts) is summed over blocks, batches and ranks
+(`metric_axes = ("data", "space")`), and mean IoU computed from the total.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..comm import all_reduce
+from ..data.deepcam import CLASS_NAMES, DeepCAMDataset, write_deepcam
+from ..models.deepcam import DeepCAM, class_weights_from_frequencies, iou_from_confusion
+from ..parallel.spatial_functions import sum_over_axis
+from .base import Workload
+
+
+@dataclass
+class ModelOptions:
+    width: int = 16                       # base channel width w (DeepCAM(width=w))
+    aspp_rates: list[int] = field(default_factory=lambda: [1, 2, 3])
+    dropout: float = 0.1                  # Dropout2d in ASPP
+
+
+@dataclass
+class DataOptions:
+    path: str = "data/deepcam-96x144"     # out_dir of `exatrain data deepcam` (train/, val/, stats)
+    generate: bool = True                 # write a synthetic set there if it is missing
+    samples: int = 256                    # samples to generate (train + val)
+    height: int = 96
+    width: int = 144
+    channels: int = 16
+    seed: int = 0
+    class_weights: bool = True            # inverse-sqrt-frequency class weights (as DeepCAM)
+
+
+def prepare(config, progress=None) -> Path:
+    """Generate the synthetic set once if asked and missing (run on one process, before build)."""
+    d = config.data
+    path = Path(d.path)
+    if d.generate and not any((path / "train").glob("data-*.h5")):
+        write_deepcam(path, samples=d.samples, height=d.height, width=d.width,
+                      channels=d.channels, seed=d.seed)
+    return path
+
+
+def _split_dir(path: Path, name: str) -> Path:
+    """Ours: train/ and val/; the MLPerf DeepCAM layout: train/ and validation/."""
+    if name == "val" and not (path / "val").is_dir() and (path / "validation").is_dir():
+        return path / "validation"
+    return path / name
+
+
+def segmentation_loss(class_weights: torch.Tensor | None, mesh):
+    """Weighted cross-entropy over split outputs (see the module doc); a loss_fn(logits, labels)."""
+    norm_axis = mesh.axis("data", "space")
+    space_axis = mesh.axis("space")
+    replicas = mesh.axis("data").size
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        labels = labels.long()
+        if class_weights is None:
+            weights = None
+            den = torch.tensor(float(labels.numel()), dtype=torch.float64, device=logits.device)
+        else:
+            weights = class_weights.to(device=logits.device, dtype=logits.dtype)
+            den = weights[labels].sum(dtype=torch.float64)
+        num = F.cross_entropy(logits, labels, weight=weights, reduction="sum")
+        all_reduce(den, norm_axis, tag="loss")
+        return sum_over_axis(num * (replicas / den).to(num.dtype), space_axis, tag="loss")
+
+    return loss_fn
+
+
+def deepcam_forward_flops(model: nn.Module, channels: int, height: int, width: int) -> float:
+    """Forward FLOPs of one sample (2 × multiply-adds of convolutions), by a shape-only pass."""
+    flops = 0.0
+
+    def count(module, inputs, output):
+        nonlocal flops
+        if isinstance(module, nn.Conv2d):
+            per_out = module.in_channels // module.groups * module.kernel_size[0] * module.kernel_size[1]
+            flops += 2.0 * output.numel() * per_out
+        elif isinstance(module, nn.ConvTranspose2d):
+            per_in = module.out_channels // module.groups * module.kernel_size[0] * module.kernel_size[1]
+            flops += 2.0 * inputs[0].numel() * per_in
+
+    meta = copy.deepcopy(model).to("meta")
+    hooks = [m.register_forward_hook(count) for m in meta.modules()
+             if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d))]
+    with torch.no_grad():
+        meta.eval()(torch.empty(1, channels, height, width, device="meta"))
+    for h in hooks:
+        h.remove()
+    return flops
+
+
+def build(config, mesh) -> Workload:
+    m, d = config.model, config.data
+    path = Path(d.path)
+    train_set = DeepCAMDataset(_split_dir(path, "train"))
+    val_set = DeepCAMDataset(_split_dir(path, "val"))
+    channels, height, width = train_set.sample_shape
+    model = DeepCAM(in_channels=channels, num_classes=len(CLASS_NAMES), width=m.width,
+                    aspp_rates=tuple(m.aspp_rates), dropout=m.dropout)
+    if height % DeepCAM.output_stride or width % DeepCAM.output_stride:
+        raise ValueError(f"DeepCAM samples are {height}x{width}; both must be divisible by the "
+                         f"model's output stride {DeepCAM.output_stride} (data.height/data.width).")
+    flops = 3 * deepcam_forward_flops(model, channels, height, width)
+    freqs = train_set.class_frequencies
+    if mesh.plan.space_degree > 1:
+        # spatial parallelism: each rank reads only its block of every sample (HDF5 hyperslab)
+        from ..parallel.spatial import SpatialBlocks, block_region
+        region = block_region((height, width), mesh)
+        stride = DeepCAM.output_stride
+        for n, p, a in ((height, mesh.plan.space[1], "h"), (width, mesh.plan.space[2], "w")):
+            if (n // p) % stride:
+                ok = [q for q in range(1, n // stride + 1) if n % (q * stride) == 0]
+                raise ValueError(
+                    f"plan.space splits the {n}-pixel {'height' if a == 'h' else 'width'} of the "
+                    f"DeepCAM fields {p} ways into blocks of {n // p}, which the model's output "
+                    f"stride {stride} does not divide; use space_{a} in {ok}, or fields whose "
+                    f"size is a multiple of {p * stride}.")
+        train_set, val_set = SpatialBlocks(train_set, region), SpatialBlocks(val_set, region)
+
+    weights = None
+    if d.class_weights:
+        if freqs is None:
+            raise ValueError(f"data.class_weights=true needs class frequencies in the stats file "
+                             f"next to {path}; set data.class_weights=false or regenerate the data.")
+        weights = class_weights_from_frequencies(freqs)
+    k = len(CLASS_NAMES)
+
+    def metric_sums(output, target):
+        pred = output.argmax(1).flatten()
+        true = target.long().flatten()
+        cm = torch.bincount(true * k + pred, minlength=k * k).double()
+        return {f"cm_{i}_{j}": cm[i * k + j] for i in range(k) for j in range(k)}
+
+    def finalize(s):
+        cm = torch.tensor([[float(s[f"cm_{i}_{j}"]) for j in range(k)] for i in range(k)])
+        tp = cm.diagonal()
+        union = cm.sum(0) + cm.sum(1) - tp
+        out = {"val_mean_iou": iou_from_confusion(cm),
+               "val_pixel_accuracy": float(tp.sum() / cm.sum().clamp_min(1))}
+        for i, name in enumerate(CLASS_NAMES):
+            out[f"val_iou_{name}"] = float(tp[i] / union[i]) if union[i] > 0 else float("nan")
+        return out
+
+    baselines = {}
+    if freqs is not None:
+        present = sum(1 for f in freqs if f > 0)
+        # predicting background everywhere: IoU = background fraction for it, 0 for the others
+        baselines["baseline_mean_iou"] = float(freqs[0]) / max(present, 1)
+
+    return Workload(model=model, train_set=train_set, val_set=val_set,
+                    loss_fn=segmentation_loss(weights, mesh), metric_sums=metric_sums,
+                    finalize=finalize, baselines=baselines, metric_axes=("data", "space"),
+                    flops_per_sample=flops)
