@@ -56,3 +56,16 @@ def test_same_seed_same_curve_other_seed_other_curve(tiny_config):
     assert a["losses"] == b["losses"]
     assert max_rel_err_state(a["state"], b["state"]) == 0.0
     assert a["losses"] != c["losses"]
+
+
+def test_uneven_validation_split_under_zero3_matches_serial(tiny_config):
+    """6 validation samples over 4 FSDP ranks (2, 2, 1, 1): every rank must run the same number of
+    sharded forwards (the short ones pad and ignore the padding), and the metric equals serial's."""
+    sgd = ("train.steps=2", "optim.name='sgd'", "optim.lr=0.05", "train.batch_size=4")  # 1 per rank
+    serial = train_and_report(tiny_config(*sgd))
+    sharded = run_ranks(4, train_and_report, tiny_config(*sgd, "plan.shard=4",
+                                                         "parallel.zero_stage=3"), timeout_s=120)
+    assert serial["summary"]["val_mae"] > 0
+    for rank_result in sharded:
+        assert abs(rank_result["summary"]["val_mae"] - serial["summary"]["val_mae"]) <= \
+            1e-5 * serial["summary"]["val_mae"]

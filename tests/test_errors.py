@@ -47,7 +47,7 @@ def test_corrupt_data_file_is_named(tmp_path, capsys):
 
 
 def test_plan_that_does_not_fit_is_refused_before_any_rank_starts(tmp_path, capsys):
-    code = main(["run", "--nproc", "2", "--set", "plan.data=3", "--set", f"run.out_dir={tmp_path}"])
+    code = main(["run", "--nproc", "2", "--set", "plan.data=3", "--set", f"run.out_dir={tmp_path}/runs"])
     err = capsys.readouterr().err
     assert code == 2 and "needs 3 ranks but the job has 2" in err and "Use data=2" in err
     assert not (tmp_path / "runs").exists()

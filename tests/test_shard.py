@@ -27,7 +27,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from exatrain.data.text import write_text_corpus
-from exatrain.parallel.shard import inner_module
+from exatrain.parallel import unwrap as inner_module
 from exatrain.train.config import load_config
 from exatrain.train.memory import zero_state_formula
 from exatrain.train.run import setup

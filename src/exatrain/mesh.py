@@ -81,6 +81,8 @@ class Mesh:
         if size > 1:
             if size == self.world_size:
                 group = dist.group.WORLD
+            elif len(key) == 1:  # the DeviceMesh made this dimension's groups already
+                group = self.device_mesh.get_group(key[0])
             else:
                 # new_group is collective over the whole world: create every row, keep ours.
                 for row in rows:

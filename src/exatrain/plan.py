@@ -129,6 +129,9 @@ class Plan:
                     f"{self}: tensor parallelism composes with data (and trainer) in this version, "
                     f"not with {what}. Under the 3D grid tensor_z already shards weights and their "
                     f"gradients (ZeRO-3 style); put those ranks on tensor_z or data instead.")
+        if self.shard > 1 and self.space_degree > 1:
+            raise PlanError(f"{self}: sharding (shard > 1) together with spatial parallelism is not "
+                            "implemented; use shard=1 with space, or space=(1, 1, 1) with shard.")
         return self
 
     def __str__(self) -> str:

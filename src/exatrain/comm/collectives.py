@@ -7,6 +7,7 @@ records nothing. Asynchronous calls return the backend's work handle (or None fo
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 
 import torch
@@ -104,5 +105,5 @@ def broadcast_object(obj, axis: Axis, src: int = 0, tag: str = "control"):
         return obj
     holder = [obj]
     dist.broadcast_object_list(holder, src=axis.global_rank(src), group=axis.group)
-    axis.ledger.record(axis.name, "broadcast", len(repr(holder[0]).encode()), tag)
+    axis.ledger.record(axis.name, "broadcast", len(pickle.dumps(holder[0])), tag)
     return holder[0]

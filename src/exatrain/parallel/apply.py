@@ -24,6 +24,7 @@ from torch import nn
 
 from ..mesh import Mesh
 from .data import data_parallel
+from .options import ParallelOptions
 
 
 def _strategy(name: str):
@@ -36,7 +37,6 @@ def parallelize(model: nn.Module, mesh: Mesh, options=None) -> nn.Module:
     `options` is a `ParallelOptions` (the config's [parallel] section); None means defaults.
     """
     if options is None:
-        from ..train.config import ParallelOptions
         options = ParallelOptions()
     plan = mesh.plan
     if plan.tensor_degree > 1:  # places the model itself: a meta-device model is built shard by shard

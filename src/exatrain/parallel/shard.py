@@ -406,14 +406,6 @@ def build_optimizer_for(model: nn.Module, build) -> torch.optim.Optimizer:
     return build([p for p in model.parameters() if p.requires_grad])
 
 
-def inner_module(model: nn.Module) -> nn.Module:
-    """The plain module inside ZeroDataParallel / DDP wrappers (FSDP2 modules are their own)."""
-    from torch.nn.parallel import DistributedDataParallel
-    while isinstance(model, (ZeroDataParallel, DistributedDataParallel)):
-        model = model.module
-    return model
-
-
 # ---------------------------------------------------------------------- stage 3: FSDP2
 def _fully_shard(model: nn.Module, mesh: Mesh, options) -> nn.Module:
     from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
@@ -469,11 +461,7 @@ def _fully_shard(model: nn.Module, mesh: Mesh, options) -> nn.Module:
 
 def parallelize_shard(model: nn.Module, mesh: Mesh, options) -> nn.Module:
     """Shard `model`'s training state over `shard` (× replicate over `data`): ZeRO-1, 2 or 3."""
-    plan = mesh.plan
-    if plan.space_degree > 1:
-        raise ValueError(f"{plan}: sharding (shard > 1) together with spatial parallelism is not "
-                         "implemented; use shard=1 with space, or space=(1, 1, 1) with shard.")
-    stage = options.zero_stage
+    stage = options.zero_stage  # (Plan.require_implemented refuses shard with space or tensor)
     if stage == 3:
         return _fully_shard(model, mesh, options)
     if stage not in (1, 2):
@@ -485,5 +473,5 @@ def parallelize_shard(model: nn.Module, mesh: Mesh, options) -> nn.Module:
                             bucket_cap_mb=options.bucket_cap_mb)
 
 
-__all__ = ["ZeroDataParallel", "build_optimizer_for", "clean_fqn", "inner_module",
+__all__ = ["ZeroDataParallel", "build_optimizer_for", "clean_fqn",
            "parallelize_shard"]

@@ -597,7 +597,7 @@ def parallelize_tensor(model: nn.Module, mesh: Mesh, options=None, *, pairs: boo
     backward overlap and weight prefetch (for measurement).
     """
     if options is None:
-        from ..train.config import ParallelOptions
+        from .options import ParallelOptions
         options = ParallelOptions()
     on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
     root = clone_tree(model if on_meta else model.to(mesh.device))

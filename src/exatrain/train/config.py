@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..parallel.options import ParallelOptions
 from ..plan import Plan
 
 
@@ -87,18 +88,6 @@ class ScheduleOptions:
     min_lr_ratio: float = 0.0
     lr_scaling: str = "none"    # none | linear | sqrt: scale lr by (batch / base_batch_size)^(1 | 1/2)
     base_batch_size: int = 0    # 0 = the configured batch size (no scaling)
-
-
-@dataclass
-class ParallelOptions:
-    """How strategies are applied beyond the Plan's degrees (see exatrain.parallel.apply)."""
-    zero_stage: int = 3             # with plan.shard > 1: 1, 2 or 3 (3 = FSDP)
-    offload: bool = False           # CPU offload of sharded parameters and optimizer state
-    precision: str = "fp32"         # fp32 | bf16 | fp16 (fp32 master weights and reductions)
-    activation_checkpointing: str = "none"  # none | full | selective
-    compile: bool = False           # torch.compile each block
-    sequence_parallel: bool = False  # 1D tensor parallelism: split norms/dropout over the sequence
-    bucket_cap_mb: float = 25.0     # gradient all-reduce bucket size
 
 
 FIXED_SECTIONS = {"run": RunOptions, "plan": PlanOptions, "train": TrainOptions,

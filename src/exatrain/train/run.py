@@ -55,8 +55,18 @@ def setup(config: Config, resume_dir: str | None = None) -> tuple:
     mesh = init(plan, backend=backend, timeout_s=config.run.timeout_s)
     try:
         workload_module = get_workload(config.run.workload)
+        failure = None
         if mesh.rank == 0:
-            workload_module.prepare(config)
+            try:
+                workload_module.prepare(config)
+            except Exception as exc:  # tell the others now, or they wait out run.timeout_s
+                failure = exc
+        message = broadcast_object(f"{type(failure).__name__}: {failure}" if failure else None,
+                                   mesh.world)
+        if failure is not None:
+            raise failure
+        if message is not None:
+            raise RuntimeError(f"rank 0 could not prepare the data: {message}")
         resume_from = find_resume_checkpoint(resume_dir) if resume_dir else None
         if mesh.rank == 0:
             run_dir = Path(resume_dir) if resume_dir else make_run_dir(config)

@@ -168,7 +168,8 @@ class Trainer:
         max_norm = t.clip_grad_norm if t.clip_grad_norm > 0 else math.inf
         grad_norm = clip_grad_norm_(self.opt_params, max_norm)
         finite = math.isfinite(grad_norm)
-        if (not finite and not self.scaler.enabled) or not math.isfinite(loss_sum):
+        # (the local loss is only reported: deciding on it could stop one rank and strand the rest)
+        if not finite and not self.scaler.enabled:
             last = checkpoint.latest(self.run_dir) if self.run_dir else None
             raise NonFiniteLoss(
                 f"step {self.step}: loss {loss_sum} / gradient norm {grad_norm} is not finite on "
@@ -195,21 +196,32 @@ class Trainer:
         model.eval()
         val = self.workload.val_set
         indices = list(range(len(val)))[self.data_axis.rank::self.replicas]
+        # Every rank runs the same number of batches, because a sharded or split model's forward
+        # is itself collective: the short ranks pad with a repeated sample and ignore its output.
+        valid = len(indices)
+        indices += indices[:1] * (-(-len(val) // self.replicas) - valid)
         sums: dict[str, torch.Tensor] = {}
+        seen = 0
         for batch in DataLoader(val, batch_size=self.micro, sampler=indices,
                                 num_workers=self.config.train.num_workers):
             x, y = self._to_device(batch)
             with self.precision.autocast():
                 output = model(x)
-            for key, value in self.workload.metric_sums(output.float(), y).items():
+            keep = max(0, min(len(y), valid - seen))
+            seen += len(y)
+            if keep == 0:
+                continue
+            for key, value in self.workload.metric_sums(output[:keep].float(), y[:keep]).items():
                 sums[key] = sums.get(key, 0) + value.detach().double().cpu()
         keys = sorted(sums)
-        vector = torch.stack([torch.as_tensor(sums.get(k, 0.0), dtype=torch.float64) for k in keys])
+        vector = torch.stack([torch.as_tensor(sums.get(k, 0.0), dtype=torch.float64)
+                              for k in keys]).to(self.mesh.device)
         # validation samples are split like training batches: over data and shard ranks too
         axes = tuple(self.workload.metric_axes)
         if self.mesh.plan.shard > 1 and "shard" not in axes:
             axes += ("shard",)
         all_reduce(vector, self.mesh.axis(*axes), tag="metric")
+        vector = vector.cpu()
         model.train(was_training)
         return {k: float(v) for k, v in self.workload.finalize(dict(zip(keys, vector))).items()}
 
@@ -276,50 +288,54 @@ class Trainer:
         mark, start = ledger.snapshot(), time.perf_counter()
         eval_metrics: dict[str, float] = {}
         progress = self.console.progress(self.total_steps, self.step) if self.console else None
-        while self.step < self.total_steps:
-            t0 = time.perf_counter()
-            loss, lr = self._train_step(batches)
-            if self.mesh.device.type == "cuda":
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            self.step += 1
-            interval_losses.append(loss)
-            interval_times.append(dt)
-            step_times.append(dt)
+        try:
+            while self.step < self.total_steps:
+                t0 = time.perf_counter()
+                loss, lr = self._train_step(batches)
+                if self.mesh.device.type == "cuda":
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                self.step += 1
+                interval_losses.append(loss)
+                interval_times.append(dt)
+                step_times.append(dt)
+                if progress:
+                    progress.advance(loss)
+                last = self.step == self.total_steps
+                if self.step % t.log_every == 0 or last:
+                    # on the mesh device: NCCL reduces only GPU tensors
+                    losses = torch.tensor(interval_losses, dtype=torch.float64, device=self.mesh.device)
+                    all_reduce(losses, self.data_axis, tag="metric")
+                    losses = losses.cpu() / self.replicas
+                    delta = ledger.since(mark)
+                    n = len(interval_times)
+                    peak, source = peak_memory_bytes(self.mesh.device)
+                    record = {"step": self.step, "loss": float(losses.mean()), "lr": lr,
+                              "samples_per_s": t.batch_size * n / sum(interval_times),
+                              "step_s": statistics.median(interval_times),
+                              "peak_mem_bytes": peak, "peak_mem_source": source,
+                              **self._memory_figures(),
+                              "bytes_per_step": {a: b // n for a, b in delta.bytes_by_axis().items()},
+                              "step_losses": losses.tolist()}
+                    if self.tokens_per_sample:
+                        record["tokens_per_s"] = record["samples_per_s"] * self.tokens_per_sample
+                    if self.scaler.enabled:
+                        record.update(loss_scale=self.scaler.scale, skipped_steps=self.skipped_steps)
+                    self._log(record)
+                    if progress:
+                        progress.log(record)
+                    interval_losses, interval_times, mark = [], [], ledger.snapshot()
+                if (t.eval_every and self.step % t.eval_every == 0) or last:
+                    eval_metrics = self.evaluate()
+                    self._log({"step": self.step, **eval_metrics})
+                    if progress:
+                        progress.log({"step": self.step, **eval_metrics})
+                if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or last:
+                    self._save()
+        finally:  # a failed step must not leave a live progress bar or loader workers
             if progress:
-                progress.advance(loss)
-            last = self.step == self.total_steps
-            if self.step % t.log_every == 0 or last:
-                losses = torch.tensor(interval_losses, dtype=torch.float64)
-                all_reduce(losses, self.data_axis, tag="metric")
-                losses /= self.replicas
-                delta = ledger.since(mark)
-                n = len(interval_times)
-                peak, source = peak_memory_bytes(self.mesh.device)
-                record = {"step": self.step, "loss": float(losses.mean()), "lr": lr,
-                          "samples_per_s": t.batch_size * n / sum(interval_times),
-                          "step_s": statistics.median(interval_times),
-                          "peak_mem_bytes": peak, "peak_mem_source": source,
-                          **self._memory_figures(),
-                          "bytes_per_step": {a: b // n for a, b in delta.bytes_by_axis().items()},
-                          "step_losses": losses.tolist()}
-                if self.tokens_per_sample:
-                    record["tokens_per_s"] = record["samples_per_s"] * self.tokens_per_sample
-                if self.scaler.enabled:
-                    record.update(loss_scale=self.scaler.scale, skipped_steps=self.skipped_steps)
-                self._log(record)
-                if progress:
-                    progress.log(record)
-                interval_losses, interval_times, mark = [], [], ledger.snapshot()
-            if (t.eval_every and self.step % t.eval_every == 0) or last:
-                eval_metrics = self.evaluate()
-                self._log({"step": self.step, **eval_metrics})
-                if progress:
-                    progress.log({"step": self.step, **eval_metrics})
-            if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or last:
-                self._save()
-        if progress:
-            progress.close()
+                progress.close()
+            batches.close()
         if not eval_metrics:
             eval_metrics = self.evaluate()
         wall = time.perf_counter() - start

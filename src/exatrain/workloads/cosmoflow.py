@@ -65,6 +65,9 @@ def standardizer(train_set: CosmoFlowDataset, samples: int = 16, region=None,
         block = train_set.read(i, region)[0].double()
         sums += torch.stack([torch.tensor(float(block.numel()), dtype=torch.float64),
                              block.sum(), (block * block).sum()])
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        and torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+    sums = sums.to(device)  # NCCL reduces only GPU tensors
     all_reduce(sums, axis, tag="metric")
     count, total, squares = sums.tolist()
     mean = total / count
