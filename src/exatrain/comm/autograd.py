@@ -13,11 +13,8 @@ reduce_scatter = the full input.
 | reduce_from(x)        | all-reduce (sum)          | identity                      | s(x) / 0        |
 | gather(x, dim)        | all-gather along dim      | own chunk (grad replicated)   | P·s(x) / 0      |
 | scatter(x, dim)       | own chunk                 | all-gather along dim          | 0 / s(x)        |
-| gather_sum(x, dim)    | all-gather along dim      | reduce-scatter along dim      | P·s(x) / P·s(x) |
-| reduce_scatter(x,dim) | reduce-scatter along dim  | all-gather along dim          | s(x) / s(x)     |
 
-`copy_to`/`reduce_from` are Megatron's f and g; `gather_sum`/`reduce_scatter` its sequence-parallel
-pair; `scatter`/`gather` move replicated activations into and out of a split layout. `gather` and
+`copy_to`/`reduce_from` are Megatron's f and g; `scatter`/`gather` move replicated activations into and out of a split layout. `gather` and
 `scatter` assume that the tensor they see in backward (the gradient of a gathered output, or of a
 replicated input) is identical on every member, which holds when the computation downstream is
 replicated over the axis; that is how the strategies use them.
@@ -129,32 +126,6 @@ class _Scatter(torch.autograd.Function):
         return all_gather_dim(grad, ctx.axis, ctx.dim, ctx.tag), None, None, None
 
 
-class _GatherSum(torch.autograd.Function):
-    """Forward all-gather along dim; backward reduce-scatter along dim. Bytes: P·s(x) / P·s(x)."""
-
-    @staticmethod
-    def forward(ctx, x, axis, dim, tag):
-        ctx.axis, ctx.dim, ctx.tag = axis, dim, tag
-        return all_gather_dim(x, axis, dim, tag)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_dim(grad, ctx.axis, ctx.dim, ctx.tag), None, None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    """Forward reduce-scatter along dim; backward all-gather along dim. Bytes: s(x) / s(x)."""
-
-    @staticmethod
-    def forward(ctx, x, axis, dim, tag):
-        ctx.axis, ctx.dim, ctx.tag = axis, dim, tag
-        return reduce_scatter_dim(x, axis, dim, tag)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_dim(grad, ctx.axis, ctx.dim, ctx.tag), None, None, None
-
-
 # ------------------------------------------------------------------ public face
 def copy_to(x: torch.Tensor, axis: Axis, tag: str = "act") -> torch.Tensor:
     """Megatron's f: identity forward, all-reduce of the gradient backward."""
@@ -176,15 +147,5 @@ def scatter(x: torch.Tensor, axis: Axis, dim: int, tag: str = "act") -> torch.Te
     return x if axis.size == 1 else _Scatter.apply(x, axis, dim, tag)
 
 
-def gather_sum(x: torch.Tensor, axis: Axis, dim: int, tag: str = "act") -> torch.Tensor:
-    """All-gather along `dim`; backward reduce-scatters (sequence parallelism's entry)."""
-    return x if axis.size == 1 else _GatherSum.apply(x, axis, dim, tag)
-
-
-def reduce_scatter(x: torch.Tensor, axis: Axis, dim: int, tag: str = "act") -> torch.Tensor:
-    """Reduce-scatter along `dim`; backward all-gathers (sequence parallelism's exit)."""
-    return x if axis.size == 1 else _ReduceScatter.apply(x, axis, dim, tag)
-
-
-__all__ = ["all_gather_dim", "chunk_dim", "copy_to", "gather", "gather_sum", "reduce_from",
-           "reduce_scatter", "reduce_scatter_dim", "scatter"]
+__all__ = ["all_gather_dim", "chunk_dim", "copy_to", "gather", "reduce_from",
+           "reduce_scatter_dim", "scatter"]

@@ -24,10 +24,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-try:  # FSDP2's interfaces; present in every torch this package supports (>= 2.8)
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-except ImportError:  # pragma: no cover - older torch: plain base classes with the same shape
-    AllGather = ReduceScatter = object
+# FSDP2's interfaces for custom collectives (torch >= 2.8; this package needs >= 2.13)
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from .collectives import Axis, nbytes
 

@@ -28,9 +28,10 @@ def _is_dtensor(t) -> bool:
 
 def clip_grad_norm_(parameters, max_norm: float = math.inf) -> float:
     """Scale gradients so their global 2-norm is at most `max_norm`; return the norm before."""
-    params = [p for p in parameters if p.grad is not None]
-    if not params:
-        return 0.0
+    # Every parameter takes part, with or without a gradient on this rank: which all-reduces run
+    # must not depend on what one rank happened to use, or the ranks would stop matching.
+    everything = list(parameters)
+    params = [p for p in everything if p.grad is not None]
     dtensor = [p for p in params if _is_dtensor(p.grad)]
     # collectives need tensors where the backend lives: the GPU under NCCL, even when gradients
     # are offloaded to the CPU
@@ -44,12 +45,13 @@ def clip_grad_norm_(parameters, max_norm: float = math.inf) -> float:
     # keyed by axis names (an Axis holds its group and ledger and is not hashable); the insertion
     # order follows the parameters, which every rank lists alike, so the all-reduces match
     by_axes: dict[tuple[str, ...], tuple[tuple, torch.Tensor]] = {}
-    for p in params:
-        if _is_dtensor(p.grad):
+    for p in everything:
+        if _is_dtensor(p) or (p.grad is not None and _is_dtensor(p.grad)):
             continue
         axes = tuple(getattr(p, "exatrain_norm_axes", ()))
         key = tuple(axis.name for axis in axes)
-        sq = p.grad.detach().double().pow(2).sum().to(device)
+        sq = (p.grad.detach().double().pow(2).sum().to(device) if p.grad is not None
+              else torch.zeros((), dtype=torch.float64, device=device))
         if key in by_axes:
             by_axes[key] = (axes, by_axes[key][1] + sq)
         else:

@@ -32,7 +32,7 @@ import contextlib
 import math
 
 import torch
-from torch import nn
+
 
 from ..comm import all_reduce
 
@@ -140,8 +140,11 @@ class GradSync:
             offset = 0
             for p in bucket.params:
                 n = p.numel()
+                reduced = bucket.buffer[offset:offset + n].view_as(p)
                 if p.grad is not None:
-                    p.grad.copy_(bucket.buffer[offset:offset + n].view_as(p.grad))
+                    p.grad.copy_(reduced)
+                else:  # unused here but not on a peer: take the sum, or this replica drifts
+                    p.grad = reduced.clone()
                 offset += n
             bucket.work = None
 
@@ -167,7 +170,3 @@ class GradSync:
             h.remove()
         self._handles = []
 
-
-def synced_parameters(model: nn.Module):
-    """Parameters of `model` that carry gradient-sync metadata."""
-    return [p for p in model.parameters() if any(grad_axes(p))]

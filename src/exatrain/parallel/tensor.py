@@ -56,7 +56,6 @@ it for the shapes of the last step, and `exatrain bench tensor` checks the ledge
 from __future__ import annotations
 
 import copy
-import importlib
 from functools import partial
 
 import torch
@@ -604,12 +603,8 @@ def parallelize_tensor(model: nn.Module, mesh: Mesh, options=None, *, pairs: boo
     state = TensorParallel(mesh, options, pairs, overlap, prefetch, device=mesh.device)
     root = state.apply(root)
     if options.activation_checkpointing != "none" or options.compile:
-        try:
-            memory = importlib.import_module("exatrain.parallel.memory")
-        except ModuleNotFoundError:
-            raise ValueError("parallel.activation_checkpointing / parallel.compile are not "
-                             "available in this version; set them to 'none' / false.") from None
-        root = memory.apply_checkpointing_and_compile(root, options)
+        from .memory import apply_checkpointing_and_compile
+        root = apply_checkpointing_and_compile(root, options)
     root.exatrain_tensor = state
     root.no_sync = state.gradsync.no_sync
     return root

@@ -123,6 +123,5 @@ def build(config, mesh) -> Workload:
                                                          cfg.vocab_size),
                    "params": float(model.num_params())},
         flops_per_sample=float(cfg.block_size * flops_per_token(cfg, cfg.block_size)))
-    # Read by the Trainer for tokens/s (a field of Workload once the lead adds it to base.py).
-    workload.tokens_per_sample = cfg.block_size
+    workload.tokens_per_sample = cfg.block_size  # for the Trainer's tokens/s
     return workload
