@@ -73,8 +73,11 @@ class SharedInput:
         if self._x is not x:
             self.rows, self.features = x.numel() // x.shape[-1], x.shape[-1]
             self.requires_grad = x.requires_grad
-            self._x, self._y = x, copy_to(x, self.axis)
+            self._x, self._y = x, self._communicate(x)
         return self._y
+
+    def _communicate(self, x: torch.Tensor) -> torch.Tensor:
+        return copy_to(x, self.axis)
 
     def reset(self, *_args) -> None:
         self._x = self._y = None

@@ -45,6 +45,7 @@ from torch import nn
 
 from ..comm import Axis, all_gather_into, all_reduce, reduce_scatter_into
 from ..comm.autograd import gather, scatter
+from .tensor1d import SharedInput
 from .tensor_state import shard_of
 
 
@@ -133,30 +134,12 @@ class _Matmul3D(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
-class SharedScatter:
+class SharedScatter(SharedInput):
     """The input chunking shared by the plain layers of one chain that read the same tensor
     (q, k, v): the chunk is taken once, so its backward all-gathers once (n·in·s on in_axis)."""
 
-    def __init__(self, axis: Axis):
-        self.axis = axis
-        self._x = self._y = None
-        self.rows = self.features = 0
-        self.requires_grad = False
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._x is not x:
-            self.rows, self.features = x.numel() // x.shape[-1], x.shape[-1]
-            self.requires_grad = x.requires_grad
-            self._x, self._y = x, scatter(x, self.axis, -1)
-        return self._y
-
-    def reset(self, *_args) -> None:
-        self._x = self._y = None
-
-    def bytes_per_step(self, element_size: int) -> dict[str, int]:
-        if self.axis.size == 1 or not self.requires_grad:
-            return {}
-        return {self.axis.name: self.rows * self.features * element_size}
+    def _communicate(self, x: torch.Tensor) -> torch.Tensor:
+        return scatter(x, self.axis, -1)
 
 
 class Linear3D(nn.Module):
