@@ -1,10 +1,13 @@
-"""Shared fixtures: a small real CosmoFlow data set, and a tiny-model config builder."""
+"""Shared fixtures: small real data sets (CosmoFlow, the stdlib text corpus), a tiny-model config
+builder, and a one-thread switch for in-process training tests."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from exatrain.data.cosmoflow import write_cosmoflow
+from exatrain.data.text import write_text_corpus
 from exatrain.train.config import load_config
 
 TINY = ["model.size=16", "model.conv_layers=4", "model.base_channels=4", "data.size=16",
@@ -26,3 +29,23 @@ def tiny_config(cosmo_data, tmp_path):
         return load_config(None, [*TINY, f"data.path={cosmo_data}", f"run.out_dir={tmp_path}/runs",
                                   *overrides])
     return make
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """300 kB of the Python standard library's source as byte tokens (10% validation)."""
+    path = tmp_path_factory.mktemp("text")
+    write_text_corpus(path, max_bytes=300_000, val_fraction=0.1)
+    return path
+
+
+@pytest.fixture
+def one_thread():
+    """Run torch on one thread, restored afterwards: tiny models are faster on one, and on a
+    shared 2-core machine intra-op threads contending with other processes cost ~10x."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -30,14 +30,7 @@ from exatrain.models.deepcam import (
 CH = {name: i for i, name in enumerate(CHANNEL_NAMES)}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Run with one intra-op thread: on a small shared CPU, torch's default thread
-    pool oversubscribes the cores and slows training steps by an order of magnitude."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -54,20 +54,6 @@ def corpus(tmp_path_factory):
     return out, meta
 
 
-@pytest.fixture
-def one_thread():
-    """Run a test single-threaded, restoring the previous setting afterwards.
-
-    Tiny models are faster on one thread, and on a shared 2-core machine
-    intra-op threads contend with other processes (measured ~10x slowdown).
-    """
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
 
 # --------------------------------------------------------------------------- model
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 from torch import nn
 
-from exatrain.data.text import write_text_corpus
 from exatrain.models.cosmoflow import CosmoFlow
 from exatrain.models.gpt import GPT, GPTConfig
 from exatrain.parallel.memory import apply_checkpointing_and_compile, find_blocks
@@ -20,12 +19,6 @@ GPT_ACT = ["run.workload='gpt'", "data.generate=false", "model.block_size=128", 
            "model.n_embd=64", "model.n_head=4", "model.dropout=0.1", "train.batch_size=16",
            "train.steps=3", "train.log_every=1", "data.val_samples=8"]
 
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("text")
-    write_text_corpus(path, max_bytes=300_000, val_fraction=0.1)
-    return path
 
 
 def _run(corpus, tmp_path, *overrides):

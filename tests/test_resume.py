@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from exatrain.train import checkpoint
 from exatrain.train.run import ResumeError, find_resume_checkpoint, run_job

@@ -22,11 +22,9 @@ stages: test_shard_resume.py (they share this file's helpers).
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from exatrain.data.text import write_text_corpus
 from exatrain.parallel import unwrap as inner_module
 from exatrain.train.config import load_config
 from exatrain.train.memory import zero_state_formula
@@ -37,12 +35,6 @@ GPT_TINY = ["run.workload='gpt'", "data.generate=false", "model.block_size=32", 
             "model.n_embd=64", "model.n_head=4", "train.batch_size=8", "train.steps=3",
             "train.log_every=1", "data.val_samples=8"]
 
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("text")
-    write_text_corpus(path, max_bytes=200_000, val_fraction=0.1)
-    return path
 
 
 def gpt_config(corpus, out_dir, *overrides):

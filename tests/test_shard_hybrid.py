@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import math
 
-from test_shard import HYBRID_VARIANTS, check_variants, corpus  # noqa: F401 (fixture)
+from test_shard import HYBRID_VARIANTS, check_variants
 
 
-def test_hybrid_sgd_and_mixed_precision_equal_serial(corpus, tmp_path):  # noqa: F811
+def test_hybrid_sgd_and_mixed_precision_equal_serial(corpus, tmp_path):
     ranks = check_variants(corpus, tmp_path, HYBRID_VARIANTS)["ranks"]
     # hybrid: the reduced shard is all-reduced over data, through the ledger
     assert ranks[0]["hybrid_zero3"]["grad_bytes"]["data"] > 0

@@ -15,7 +15,7 @@ import pytest
 
 from exatrain.train.run import setup
 from harness import run_ranks
-from test_shard import ADAMW, corpus, gpt_config  # noqa: F401 (fixture)
+from test_shard import ADAMW, gpt_config
 
 
 def resume_rank(jobs: list) -> list:
@@ -44,7 +44,7 @@ def _cut_after(run_dir: Path, tmp: Path, step: int, name: str) -> Path:
     return cut
 
 
-def test_checkpoint_moves_between_stages_and_world_sizes(corpus, tmp_path):  # noqa: F811
+def test_checkpoint_moves_between_stages_and_world_sizes(corpus, tmp_path):
     """Save under ZeRO-3 on 4 ranks / hybrid ZeRO-2, resume under DP, ZeRO-1, ZeRO-3 on 2 ranks:
     the remaining losses continue the uninterrupted curve (relative 1e-5)."""
     out = tmp_path / "runs"

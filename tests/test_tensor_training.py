@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
-from harness import max_rel_err_state, rel_err, run_ranks
+from harness import rel_err, run_ranks
 
 GPT_SHAPE = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
 VIT_SHAPE = dict(img_size=(8, 16), patch_size=4, in_channels=3, out_channels=3, embed_dim=32,

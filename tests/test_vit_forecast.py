@@ -23,17 +23,6 @@ from exatrain.models.vit import (
 H, W = 32, 64  # small grid for the data tests; the physics is resolution independent
 
 
-@pytest.fixture
-def one_thread():
-    """Run torch on one thread: on a shared 2-core box, intra-op threads fighting
-    other processes make tiny kernels ~10x slower. Restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
