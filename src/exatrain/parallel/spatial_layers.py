@@ -157,8 +157,8 @@ class SpatialLayer(nn.Module):
     def split_forward(self, x, plan):
         return self.replicated_forward(x)
 
-    def replicated_forward(self, x):
-        raise NotImplementedError
+    def replicated_forward(self, x):  # the serial computation; every concrete layer defines it
+        raise NotImplementedError(f"{type(self).__name__} defines no replicated_forward")
 
     def describe(self) -> str:
         return ""

@@ -88,7 +88,18 @@ class SharedInput:
         return {self.axis.name: self.rows * self.features * element_size}
 
 
-class ColumnParallelLinear(nn.Module):
+class _SplitLinear(nn.Module):
+    """What column and row layers share: construction from a plain Linear's full weights."""
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, axis: Axis, **kwargs):
+        layer = cls(linear.in_features, linear.out_features, axis, linear.bias is not None,
+                    device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
+        layer.load_full(linear.weight, linear.bias)
+        return layer
+
+
+class ColumnParallelLinear(_SplitLinear):
     """Linear with its output features split over `axis`; see the module docstring."""
 
     def __init__(self, in_features: int, out_features: int, axis: Axis, bias: bool = True,
@@ -105,13 +116,6 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _mark(nn.Parameter(torch.empty(out_features // axis.size, device=device,
                                                    dtype=dtype)), layout, (axis,)) if bias else None
         self._rows, self._input_grad = 0, False
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, axis: Axis, **kwargs) -> "ColumnParallelLinear":
-        layer = cls(linear.in_features, linear.out_features, axis, linear.bias is not None,
-                    device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
-        layer.load_full(linear.weight, linear.bias)
-        return layer
 
     @torch.no_grad()
     def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -140,7 +144,7 @@ class ColumnParallelLinear(nn.Module):
                 f"gather_output={self.gather_output}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_SplitLinear):
     """Linear with its input features split over `axis`; see the module docstring."""
 
     def __init__(self, in_features: int, out_features: int, axis: Axis, bias: bool = True,
@@ -158,13 +162,6 @@ class RowParallelLinear(nn.Module):
             # added after the all-reduce: whole and identical on every rank of the axis
             self.bias.exatrain_grad_sum_axes = ()
         self._rows, self._input_grad = 0, False
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, axis: Axis, **kwargs) -> "RowParallelLinear":
-        layer = cls(linear.in_features, linear.out_features, axis, linear.bias is not None,
-                    device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
-        layer.load_full(linear.weight, linear.bias)
-        return layer
 
     @torch.no_grad()
     def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
