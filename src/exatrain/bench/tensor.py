@@ -198,10 +198,14 @@ def run(args) -> dict:
                     for a in axes}
                 result["rel_err_vs_serial"][key] = first["rel_err_vs_serial"]
                 result["noise_tensors"][key] = first["noise_tensors"]
+    # counted / formula for every plan and axis where either is non-zero: the worst over-count is
+    # bytes_ratio, the worst under-count bytes_ratio_min (a missed collective would show there)
     ratios = [c / result["bytes_formula_by_axis"][k][a] if result["bytes_formula_by_axis"][k][a]
               else float("inf")
-              for k, counted in result["bytes_by_axis"].items() for a, c in counted.items() if c]
+              for k, counted in result["bytes_by_axis"].items() for a, c in counted.items()
+              if c or result["bytes_formula_by_axis"][k][a]]
     result["bytes_ratio"] = max(ratios) if ratios else float("nan")
+    result["bytes_ratio_min"] = min(ratios) if ratios else float("nan")
     result["max_rel_err_vs_serial"] = max(result["rel_err_vs_serial"].values())
     for world in worlds:
         for name in names:
