@@ -131,3 +131,29 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def max_rel_err_state(a: dict, b: dict) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max(rel_err(a[k], b[k]) for k in a)
+
+
+def logged_losses(run_dir) -> dict[int, float]:
+    """step -> training loss, from a run directory's metrics.jsonl."""
+    import json
+    from pathlib import Path
+
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+
+
+def interrupted_copy(run_dir, dest, stopped_at: int, later: int):
+    """A copy of a finished run as if it had stopped right after the checkpoint of `stopped_at`:
+    the later checkpoint `later` and the metrics after `stopped_at` are gone."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    dest = Path(dest)
+    shutil.copytree(run_dir, dest)
+    shutil.rmtree(dest / "checkpoints" / f"step_{later:08d}")
+    (dest / "checkpoints" / "latest").write_text(f"step_{stopped_at:08d}")
+    kept = [line for line in (dest / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line)["step"] <= stopped_at]
+    (dest / "metrics.jsonl").write_text("\n".join(kept) + "\n")
+    return dest

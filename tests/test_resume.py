@@ -3,23 +3,13 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
 from exatrain.train import checkpoint
 from exatrain.train.run import ResumeError, find_resume_checkpoint, run_job
-from harness import run_ranks
-
-
-def _losses(run_dir: Path) -> dict[int, float]:
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "loss" in record:
-            out[record["step"]] = record["loss"]
-    return out
+from harness import interrupted_copy, logged_losses, run_ranks
 
 
 def test_resume_continues_the_same_curve(tiny_config, tmp_path):
@@ -29,17 +19,10 @@ def test_resume_continues_the_same_curve(tiny_config, tmp_path):
     full_dir = Path(full["run_dir"])
     assert sorted(p.name for p in (full_dir / "checkpoints").glob("step_*")) == \
         ["step_00000003", "step_00000006"]
-    # Make an interrupted copy: it stopped right after the step-3 checkpoint.
-    cut = tmp_path / "interrupted"
-    shutil.copytree(full_dir, cut)
-    shutil.rmtree(cut / "checkpoints" / "step_00000006")
-    (cut / "checkpoints" / "latest").write_text("step_00000003")
-    lines = [l for l in (cut / "metrics.jsonl").read_text().splitlines()
-             if json.loads(l)["step"] <= 3]
-    (cut / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    cut = interrupted_copy(full_dir, tmp_path / "interrupted", stopped_at=3, later=6)
     resumed = run_ranks(2, run_job, config, str(cut))[0]
     assert resumed["steps"] == 6
-    assert _losses(cut) == _losses(full_dir)  # exactly, steps 1..6
+    assert logged_losses(cut) == logged_losses(full_dir)  # exactly, steps 1..6
     assert resumed["val_mae"] == pytest.approx(full["val_mae"], rel=1e-6)
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from exatrain.train.config import load_config
-from harness import run_ranks
+from harness import interrupted_copy, logged_losses, run_ranks
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "vit-forecast.toml"
 TINY = ["data.trajectories=10", "data.steps=8", "data.height=16", "data.width=32",
@@ -91,37 +91,20 @@ def test_tensor_parallel_checkpoint_resumes_on_the_same_and_on_another_plan(tiny
     """Saved under data=2 × tensor=2, resumed there (the same curve, exactly) and under plain
     data=2 on the same 4 ranks (the same curve up to rounding): the checkpoint holds full tensors,
     not one rank's shards."""
-    import json
-    import shutil
-
     from exatrain.train.run import run_job
 
     config = tiny("train.steps=6", "train.checkpoint_every=3", "train.checkpoint_keep=3",
                   "train.log_every=1", "optim.name='sgd'", "optim.lr=0.05")
     full = Path(run_ranks(4, run_job, config)[0]["run_dir"])
 
-    def losses(run_dir):
-        return {r["step"]: r["loss"] for r in map(json.loads,
-                (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
-
-    def interrupted_copy(name):
-        cut = tmp_path / name
-        shutil.copytree(full, cut)
-        shutil.rmtree(cut / "checkpoints" / "step_00000006")
-        (cut / "checkpoints" / "latest").write_text("step_00000003")
-        kept = [l for l in (cut / "metrics.jsonl").read_text().splitlines()
-                if json.loads(l)["step"] <= 3]
-        (cut / "metrics.jsonl").write_text("\n".join(kept) + "\n")
-        return cut
-
-    same = interrupted_copy("same-plan")
+    same = interrupted_copy(full, tmp_path / "same-plan", stopped_at=3, later=6)
     run_ranks(4, run_job, config, str(same))
-    assert losses(same) == losses(full)
+    assert logged_losses(same) == logged_losses(full)
 
-    other = interrupted_copy("data-only")
+    other = interrupted_copy(full, tmp_path / "data-only", stopped_at=3, later=6)
     run_ranks(4, run_job, tiny("train.steps=6", "train.log_every=1", "optim.name='sgd'",
                                "optim.lr=0.05", "plan.tensor=[1]"), str(other))
-    expected, got = losses(full), losses(other)
+    expected, got = logged_losses(full), logged_losses(other)
     assert got.keys() == expected.keys()
     for step in (4, 5, 6):
         assert got[step] == pytest.approx(expected[step], rel=1e-5)
