@@ -20,7 +20,7 @@ import torch
 from exatrain.data.text import write_text_corpus
 from exatrain.models.gpt import GPT, GPTConfig
 from exatrain.train.config import load_config
-from exatrain.train.precision import DynamicLossScaler, Precision, keep_norms_fp32
+from exatrain.parallel.precision import DynamicLossScaler, Precision, keep_norms_fp32
 from exatrain.train.run import setup
 
 GPT_TINY = ["run.workload='gpt'", "data.generate=false", "model.block_size=32", "model.n_layer=2",

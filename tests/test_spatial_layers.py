@@ -279,7 +279,7 @@ def test_layers_four_ranks():
 
 def test_geometry_formulas():
     """Halo widths from the closed forms equal a brute-force scan of which inputs each block reads."""
-    from exatrain.parallel.spatial_layers import Window, transpose_geometry, window_geometry
+    from exatrain.parallel.spatial.layers import Window, transpose_geometry, window_geometry
 
     for n, parts, k, s, p, d in [(16, 2, 3, 1, 1, 1), (16, 4, 5, 2, 2, 1), (24, 2, 5, 2, 0, 1),
                                  (16, 2, 3, 1, 2, 2), (16, 4, 1, 2, 0, 1), (16, 2, 2, 2, 0, 1)]:
@@ -301,7 +301,7 @@ def test_geometry_formulas():
 
 @pytest.mark.parametrize("bad", ["circular"])
 def test_unsupported_padding_mode_is_refused(bad):
-    from exatrain.parallel.spatial_layers import SpatialConv, SpatialSplitError
+    from exatrain.parallel.spatial.layers import SpatialConv, SpatialSplitError
 
     with pytest.raises(SpatialSplitError, match="padding_mode='circular'"):
         SpatialConv(nn.Conv2d(1, 1, 3, padding=1, padding_mode=bad), "c", None)

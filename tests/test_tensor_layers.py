@@ -36,7 +36,7 @@ class MLP(nn.Module):
 
 def _compare(layer_fn, linear: nn.Linear, x: torch.Tensor) -> dict:
     """Errors of (output, dx, dW, db) of `layer_fn` against `linear`, gradients gathered whole."""
-    from exatrain.parallel.tensor_state import gather_full, layout_of
+    from exatrain.parallel.tensor.state import gather_full, layout_of
 
     ref = copy.deepcopy(linear)
     xr = x.detach().clone().requires_grad_()
@@ -84,9 +84,9 @@ class NormBetween(nn.Module):
 def layers_on_grids(grids, batches=(4, 5, 3)) -> dict:
     from exatrain.mesh import init
     from exatrain.parallel.tensor import parallelize_tensor
-    from exatrain.parallel.tensor1d import ColumnParallelLinear, RowParallelLinear
-    from exatrain.parallel.tensor3d import Grid3D, Linear3D, gather_batch, scatter_batch
-    from exatrain.parallel.tensor_state import full_state_dict, load_full_state_dict
+    from exatrain.parallel.tensor.linear1d import ColumnParallelLinear, RowParallelLinear
+    from exatrain.parallel.tensor.linear3d import Grid3D, Linear3D, gather_batch, scatter_batch
+    from exatrain.parallel.tensor.state import full_state_dict, load_full_state_dict
 
     results = {}
     for degrees in grids:
@@ -137,7 +137,7 @@ def layers_on_grids(grids, batches=(4, 5, 3)) -> dict:
         ys.square().sum().backward()
         errs["model.out"] = rel_err(y, ys)
         full_grads = {}
-        from exatrain.parallel.tensor_state import gather_full, layout_of
+        from exatrain.parallel.tensor.state import gather_full, layout_of
         for n, p in par.named_parameters():
             full_grads[n] = gather_full(p.grad, layout_of(p))
         for n, p in serial.named_parameters():

@@ -25,7 +25,7 @@ SHAPE = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
 def load_run_save(degrees_list, checkpoint_dir: str) -> dict:
     from exatrain.mesh import init
     from exatrain.parallel.tensor import parallelize_tensor
-    from exatrain.parallel.tensor_state import (dtensor_state_dict, full_state_dict,
+    from exatrain.parallel.tensor.state import (dtensor_state_dict, full_state_dict,
                                                 load_full_state_dict)
     from exatrain.plan import Plan
 
@@ -65,13 +65,13 @@ def load_run_save(degrees_list, checkpoint_dir: str) -> dict:
                      "exp_avg": dtensor_state_dict(par, moments, mesh)}
             dcp.save(state, checkpoint_id=checkpoint_dir)
             result["full_after_step"] = full_state_dict(par)
-            from exatrain.parallel.tensor_state import gather_full, layout_of
+            from exatrain.parallel.tensor.state import gather_full, layout_of
             params = dict(par.named_parameters())
             result["exp_avg"] = {k: gather_full(v, layout_of(params[k])).cpu()
                                  for k, v in moments.items()}
         else:
             # resume on another grid: the (2,1,2) checkpoint loads into this tensor=4 model
-            from exatrain.parallel.tensor_state import for_checkpoint
+            from exatrain.parallel.tensor.state import for_checkpoint
             local = par.state_dict()
             dcp.load({"model": for_checkpoint(par, local)}, checkpoint_id=checkpoint_dir)
             result["resumed"] = full_state_dict(par)

@@ -77,7 +77,7 @@ def train(degrees: dict, name: str, optim: str, batch: int, overrides=()) -> dic
     """Three Trainer steps under `degrees`; returns losses and the full weights (every rank)."""
     from exatrain.mesh import init
     from exatrain.parallel import parallelize
-    from exatrain.parallel.tensor_state import full_state_dict
+    from exatrain.parallel.tensor.state import full_state_dict
     from exatrain.plan import Plan
     from exatrain.train.trainer import Trainer
 

@@ -16,7 +16,7 @@ Figures (keys "<model> w<W> <plan>"):
   samples_per_s            global batch / step_s
   bytes_by_axis            counted by the ledger per training step, per mesh axis
   bytes_formula_by_axis    the algorithms' formulas for the same step (`TensorParallel.
-                           bytes_per_step`: tensor1d, tensor3d, gradsync, boundary conversions)
+                           bytes_per_step`: linear1d, linear3d, gradsync, boundary conversions)
   rel_err_vs_serial        worst per-tensor max|w - w_serial| / max|w_serial| over all weights
                            after the last step (tensors that are rounding noise in the serial run,
                            max|w| < 1e-6 — the attention key bias, whose gradient is zero in exact
@@ -97,7 +97,7 @@ def _rank_main(world: int, names: list[str], width: int, batch: int, steps: int,
 
     from ..mesh import init
     from ..parallel.tensor import parallelize_tensor
-    from ..parallel.tensor_state import full_state_dict
+    from ..parallel.tensor.state import full_state_dict
     from ..plan import Plan
 
     out: dict = {}

@@ -6,7 +6,7 @@ an overlapping pooling window) needs, besides its own block, a thin shell of its
 inputs: the halo. Along one split dim a rank at grid coordinate c needs `left[c]` elements below
 its block and `right[c]` above it (a negative width means the layer does not read that many of
 its own edge elements: they are cropped). The widths follow from kernel, stride, dilation,
-padding and the block offset; `exatrain.parallel.spatial_layers` computes them.
+padding and the block offset; `exatrain.parallel.spatial.layers` computes them.
 
 The extended block `ext` a layer computes on is, along each split dim,
 

@@ -108,7 +108,7 @@ def apply_checkpointing_and_compile(model: nn.Module, options) -> nn.Module:
             "'none' and parallel.compile=false, or group its layers into an nn.ModuleList.")
     if options.precision != "fp32":
         # norms must carry their fp32 input cast into the compiled graphs
-        from ..train.precision import keep_norms_fp32
+        from .precision import keep_norms_fp32
         keep_norms_fp32(model)
     mode = options.activation_checkpointing
     for parent, name, block in blocks:

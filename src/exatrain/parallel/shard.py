@@ -412,7 +412,7 @@ def _fully_shard(model: nn.Module, mesh: Mesh, options) -> nn.Module:
                                         OffloadPolicy, fully_shard)
 
     from ..comm.fsdp import LedgerAllGather, LedgerReduceScatter
-    from ..train.precision import compute_dtype, is_norm
+    from .precision import compute_dtype, is_norm
 
     shard_axis, data_axis = mesh.axis("shard"), mesh.axis("data")
     shard_mesh = mesh.device_mesh["shard"]
@@ -467,7 +467,7 @@ def parallelize_shard(model: nn.Module, mesh: Mesh, options) -> nn.Module:
     if stage not in (1, 2):
         raise ValueError(f"parallel.zero_stage={stage} must be 1, 2 or 3 with plan.shard > 1.")
     if options.precision != "fp32":
-        from ..train.precision import keep_norms_fp32
+        from .precision import keep_norms_fp32
         keep_norms_fp32(model)
     return ZeroDataParallel(model, mesh, stage, offload=options.offload,
                             bucket_cap_mb=options.bucket_cap_mb)

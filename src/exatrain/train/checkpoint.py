@@ -33,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
-from ..parallel.tensor_state import for_checkpoint
+from ..parallel.tensor.state import for_checkpoint
 
 STATE_FILE = "trainer_state.json"
 

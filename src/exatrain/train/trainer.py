@@ -10,7 +10,7 @@ of R equal slices and splits it into `grad_accum` micro-batches. The replicas ar
 `data` × `shard` (sharded data parallelism splits the batch too). With R = 1 the same samples form
 the same step, which is what makes data-parallel training equal serial training.
 
-Precision (`parallel.precision`, see `train.precision`): the forward pass runs under autocast in
+Precision (`parallel.precision`, see `parallel.precision`): the forward pass runs under autocast in
 the compute dtype, the loss in fp32 on `output.float()`, and with fp16 the loss is scaled; a step
 whose gradients overflow is skipped and counted (`skipped_steps`).
 
@@ -44,7 +44,7 @@ from ..workloads.base import Workload
 from . import checkpoint
 from .config import Config, micro_batch_size
 from .memory import StepPeak, state_bytes
-from .precision import Precision, keep_norms_fp32, measured_matmul_flops
+from ..parallel.precision import Precision, keep_norms_fp32, measured_matmul_flops
 from .schedule import lr_at, scaled_lr
 
 

@@ -33,7 +33,7 @@ from torch import nn
 from ..comm import all_reduce
 from ..data.deepcam import CLASS_NAMES, DeepCAMDataset, write_deepcam
 from ..models.deepcam import DeepCAM, class_weights_from_frequencies, iou_from_confusion
-from ..parallel.spatial_functions import sum_over_axis
+from ..parallel.spatial.functions import sum_over_axis
 from .base import Workload
 
 

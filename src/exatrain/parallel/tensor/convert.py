@@ -19,11 +19,11 @@ refused with the module names, never trained wrongly; `pairs=False` splits Linea
 
 Sequence parallelism (1D, `options.sequence_parallel`): between the pairs of an nn.ModuleList of
 blocks the activations are split along the tokens; each pair's module gathers them on entry and
-keeps its chunk on exit (see tensor1d.py for the bytes). Blocks whose attention is not a split
+keeps its chunk on exit (see linear1d.py for the bytes). Blocks whose attention is not a split
 pair, or with modules that are not token-local, are refused.
 
 A model on the meta device is split before anything is allocated: each rank gets uninitialised
-memory for its parts only; load weights with `tensor_state.load_full_state_dict`.
+memory for its parts only; load weights with `state.load_full_state_dict`.
 
 The parallelized model takes the same full batch as the plain one on every rank of a tensor group
 and returns the same full output, so the loss and the Trainer are unchanged. Under 3D the batch
@@ -48,7 +48,7 @@ offset by the z coordinate, so replicated activations get identical masks on eve
 them. Masks inside split regions (attention heads, sequence shards) come from the same stream,
 so they are valid masks but not the ones a serial run would draw.
 
-Communication per step is the sum of the per-layer formulas in tensor1d.py / tensor3d.py, the
+Communication per step is the sum of the per-layer formulas in linear1d.py / linear3d.py, the
 boundary conversions and the gradient all-reduce; `TensorParallel.bytes_per_step()` evaluates
 it for the shapes of the last step, and `exatrain bench tensor` checks the ledger against it.
 """
@@ -61,12 +61,12 @@ from functools import partial
 import torch
 from torch import nn
 
-from ..comm import broadcast
-from ..comm.autograd import gather, scatter
-from ..mesh import Mesh
-from .gradsync import GradSync, set_grad_axes
-from .tensor1d import SEQ_DIM, ColumnParallelLinear, RowParallelLinear, SharedInput
-from .tensor3d import Grid3D, Linear3D, SharedScatter, gather_batch, scatter_batch
+from ...comm import broadcast
+from ...comm.autograd import gather, scatter
+from ...mesh import Mesh
+from ..gradsync import GradSync, set_grad_axes
+from .linear1d import SEQ_DIM, ColumnParallelLinear, RowParallelLinear, SharedInput
+from .linear3d import Grid3D, Linear3D, SharedScatter, gather_batch, scatter_batch
 
 # Modules through which features stay where they are (elementwise, or identity).
 FEATURE_LOCAL = (nn.GELU, nn.ReLU, nn.ReLU6, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.LeakyReLU,
@@ -531,7 +531,7 @@ class TensorParallel:
     # ------------------------------------------------------------------ the byte formula
     def bytes_per_step(self) -> dict[str, int]:
         """Per-axis bytes of one training step (forward + backward + gradient sync), from the
-        formulas of tensor1d / tensor3d / gradsync and the boundary conversions, for the
+        formulas of linear1d / linear3d / gradsync and the boundary conversions, for the
         shapes seen in the last forward."""
         total: dict[str, int] = {}
 
@@ -590,20 +590,20 @@ def parallelize_tensor(model: nn.Module, mesh: Mesh, options=None, *, pairs: boo
     """Lay `model` out over the mesh's tensor axes (and data); see the module docstring.
 
     Returns a new module tree whose parameters have the plain model's names (local parts of split
-    ones, see tensor_state for full-weight state dicts), with gradient synchronisation over data
+    ones, see state.py for full-weight state dicts), with gradient synchronisation over data
     and the replicated axes attached, and `no_sync()` for gradient accumulation. `pairs=False`
     converts every Linear on its own (no chaining); `overlap` / `prefetch` switch the 3D
     backward overlap and weight prefetch (for measurement).
     """
     if options is None:
-        from .options import ParallelOptions
+        from ..options import ParallelOptions
         options = ParallelOptions()
     on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
     root = clone_tree(model if on_meta else model.to(mesh.device))
     state = TensorParallel(mesh, options, pairs, overlap, prefetch, device=mesh.device)
     root = state.apply(root)
     if options.activation_checkpointing != "none" or options.compile:
-        from .memory import apply_checkpointing_and_compile
+        from ..memory import apply_checkpointing_and_compile
         root = apply_checkpointing_and_compile(root, options)
     root.exatrain_tensor = state
     root.no_sync = state.gradsync.no_sync

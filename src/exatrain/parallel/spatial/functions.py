@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import Axis, all_gather_into, all_reduce, broadcast
+from ...comm import Axis, all_gather_into, all_reduce, broadcast
 
 
 def _block_slices(full_shape, parts, coords) -> tuple[slice, ...]:

@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm.halo import Halo, SplitDim, halo_exchange
-from .spatial_functions import BatchNormStats, shared_mask, sum_over_axis
+from ...comm.halo import Halo, SplitDim, halo_exchange
+from .functions import BatchNormStats, shared_mask, sum_over_axis
 
 GATHER = "gather"  # a layer plan meaning: gather the blocks and run replicated
 

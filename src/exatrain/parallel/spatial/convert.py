@@ -4,7 +4,7 @@
 
 `parallelize_spatial(model, mesh)` returns a copy of a plain PyTorch conv net in which every layer
 that sees spatially split tensors is replaced by its distributed version
-(`exatrain.parallel.spatial_layers`), with the same parameter and buffer names, so the state dict
+(`exatrain.parallel.spatial.layers`), with the same parameter and buffer names, so the state dict
 and checkpoints are those of the serial model. The model's own forward runs unchanged; its input
 on each rank is that rank's block of each sample (`SpatialBlocks` reads it from HDF5 with a
 hyperslab, or `split_input` cuts it from a whole sample), laid out row-major over
@@ -39,9 +39,9 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..mesh import Mesh
-from .spatial_functions import GatherBlocks, ScaleGrad, SplitBlocks
-from .spatial_layers import (SpatialBatchNorm, SpatialConv, SpatialConvTranspose, SpatialDropout,
+from ...mesh import Mesh
+from .functions import GatherBlocks, ScaleGrad, SplitBlocks
+from .layers import (SpatialBatchNorm, SpatialConv, SpatialConvTranspose, SpatialDropout,
                              SpatialFlatten, SpatialGlobalAvgPool, SpatialLayer, SpatialPool,
                              SpatialSplitError, SpatialUpsample)
 

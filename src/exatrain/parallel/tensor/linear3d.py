@@ -43,10 +43,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..comm import Axis, all_gather_into, all_reduce, reduce_scatter_into
-from ..comm.autograd import gather, scatter
-from .tensor1d import SharedInput
-from .tensor_state import shard_of
+from ...comm import Axis, all_gather_into, all_reduce, reduce_scatter_into
+from ...comm.autograd import gather, scatter
+from .linear1d import SharedInput
+from .state import shard_of
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -34,7 +34,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from ..comm.autograd import all_gather_dim
+from ...comm.autograd import all_gather_dim
 
 Layout = tuple  # tuple[tuple[int, Axis], ...]
 

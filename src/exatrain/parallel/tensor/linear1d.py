@@ -38,9 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm import Axis
-from ..comm.autograd import copy_to, gather, reduce_from, scatter
-from .tensor_state import shard_of
+from ...comm import Axis
+from ...comm.autograd import copy_to, gather, reduce_from, scatter
+from .state import shard_of
 
 SEQ_DIM = -2  # the token dimension of (..., tokens, features) activations
 

@@ -1,0 +1,13 @@
+"""Spatial parallelism (the `space` axis): distributed convolutions with halo exchange.
+
+  convert.py     parallelize_spatial: swap the layers that see split tensors; block reading helpers
+  layers.py      the distributed layers (conv, pooling, norms, transitions) and their halo geometry
+  functions.py   autograd Functions: split/gather blocks, BatchNorm statistics, shared masks
+"""
+
+from .convert import (SpatialBlocks, SpatialRuntime, block_region, block_slices, describe_spatial,
+                      gather_output, parallelize_spatial, split_input)
+from .layers import SpatialSplitError
+
+__all__ = ["SpatialBlocks", "SpatialRuntime", "SpatialSplitError", "block_region", "block_slices",
+           "describe_spatial", "gather_output", "parallelize_spatial", "split_input"]
