@@ -78,7 +78,9 @@ def prepare(config, progress=None) -> Path:
     """Generate the synthetic set once if asked and missing (run on one process, before build)."""
     options = config.data
     path = Path(options.path)
-    if options.generate and not (path / "train.h5").exists() and not any(path.glob("*/*.h5")):
+    given = (path / "train.h5").exists() or any(path.glob("*/*.h5")) or any(path.glob("*/*.hdf5")) \
+        or any(path.glob("*/*_data.npy"))
+    if options.generate and not given:
         write_cosmoflow(path, samples=options.samples, size=options.size, seed=options.seed,
                         progress=progress)
     return path
@@ -99,6 +101,11 @@ def build(config, mesh) -> Workload:
     path = Path(d.path)
     train_set = CosmoFlowDataset(_split(path, "train"))
     val_set = CosmoFlowDataset(_split(path, "val"))
+    for split in (train_set, val_set):
+        if split.sample_shape[0] != m.size:
+            raise ValueError(f"data {split.path} holds {split.sample_shape[0]}³ cubes but "
+                             f"model.size={m.size}: set model.size={split.sample_shape[0]} (and "
+                             f"data.size), or point data.path at {m.size}³ data.")
     region = None
     if mesh.plan.space_degree > 1:
         # spatial parallelism: each rank reads only its block of every sample (HDF5 hyperslab)
