@@ -362,10 +362,15 @@ def predict_mean_baseline_mae(train_set, val_set) -> float:
 
     A model must beat this number to have learnt anything; for uniform targets in [-1, 1] it is ~0.5.
     """
+    return float(predict_mean_baseline_per_target(train_set, val_set).mean())
+
+
+def predict_mean_baseline_per_target(train_set, val_set) -> np.ndarray:
+    """The same baseline for each target separately: (4,) MAEs in PARAM_NAMES order."""
     def ys(ds):
         if hasattr(ds, "targets"):
             return np.asarray(ds.targets(), dtype=np.float64)
         return np.stack([np.asarray(ds[i][1], dtype=np.float64) for i in range(len(ds))])
 
     mean = ys(train_set).mean(axis=0)
-    return float(np.abs(ys(val_set) - mean).mean())
+    return np.abs(ys(val_set) - mean).mean(axis=0)
