@@ -197,9 +197,39 @@ def test_a_population_lifts_its_broken_trainers_and_selection_strategies(tiny_co
         assert events[worst][i]["from"] == pairing.ranking(scores, ["val_mse"], ["lower"])[0]
 
 
+def test_regularized_evolution_and_throughput_mode(tiny_config):
+    """Evolution: at every tournament the oldest trainer (and only it) takes a mutated copy of
+    the best of the sample. Throughput mode: no exchanges; every trainer stops at the target."""
+    common = ["plan.trainer=4", "train.steps=6", "population.interval=2", "train.eval_every=2",
+              "train.log_every=2", "population.lr=[0.003, 1.0, 0.003, 1.0]"]
+    evo = run_ranks(4, run_population, tiny_config(*common, "population.strategy=evolution",
+                                                   "population.sample_size=3"))[0]
+    events = {k: _tournaments(evo["run_dir"], k) for k in range(4)}
+    births = [0] * 4
+    for i in range(3):
+        scores = [{"val_mse": events[k][i]["tournament_val_mse"]} for k in range(4)]
+        parent, oldest = pairing.evolution_step(scores, births, ["val_mse"], ["lower"], 3, 0, i + 1)
+        births[oldest] = i + 1
+        assert [k for k in range(4) if events[k][i]["adopted"]] == [oldest]
+        assert events[oldest][i]["from"] == parent
+        assert events[oldest][i]["hp_lr"] != events[parent][i]["hp_lr"] or parent == oldest
+    throughput = run_ranks(4, run_population, tiny_config(
+        "plan.trainer=4", "train.eval_every=2", "train.log_every=2", "population.strategy=none",
+        "population.target=0.41", "train.steps=20",
+        "population.lr=[0.003, 0.001, 0.003, 0.0003]"))[0]
+    assert throughput["transfers"] == 0 and throughput["exchange_bytes"] == 0
+    assert throughput["models_reached_target"] == 4 and throughput["models_per_hour"] > 0
+    for k in range(4):  # each stopped at its first evaluation at or below the target
+        lines = _lines(throughput["run_dir"], k)
+        evals = [x["val_mse"] for x in lines if "val_mse" in x and "loss" not in x]
+        assert evals[-1] <= 0.41 and all(v > 0.41 for v in evals[:-1])
+        assert throughput["steps_by_trainer"][k] == 2 * len(evals)
+    assert len(set(throughput["steps_by_trainer"])) > 1  # at different steps: no lock-step
+
+
 def _comparable(line: dict) -> dict:
-    timing = ("samples_per_s", "step_s", "peak_mem_bytes", "peak_activation_bytes", "peak_activation_source",
-              "tokens_per_s")
+    timing = ("samples_per_s", "step_s", "peak_mem_bytes", "peak_activation_bytes",
+              "peak_activation_source", "elapsed_s", "tokens_per_s")
     return {k: v for k, v in line.items() if k not in timing}
 
 
@@ -241,3 +271,21 @@ def test_one_trainer_is_ordinary_training_bit_for_bit(tiny_config):
     assert logged_losses(Path(population["run_dir"]) / "trainer_00") == \
         logged_losses(ordinary["run_dir"])
     assert population["final_val_mse_by_trainer"] == [ordinary["val_mse"]]
+
+
+def test_bench_ltfb_counts_the_exchanged_bytes(tmp_path):
+    from exatrain.cli import main
+
+    out = tmp_path / "ltfb.json"
+    assert main(["bench", "ltfb", "--json", str(out), "--steps", "4", "--batch", "4",
+                 "--samples", "96", "--interval", "2", "--eval-every", "2",
+                 "--target", "10", "--also", "0"]) == 0
+    r = json.loads(out.read_text())
+    for key in ("target", "steps_to_target_single", "steps_to_target_population",
+                "wall_s_single", "wall_s_population", "trainers", "exchange_bytes",
+                "exchange_bytes_formula"):
+        assert key in r, key
+    assert r["steps_to_target_single"] == r["steps_to_target_population"] == 2  # any MSE < 10
+    assert r["steps_to_0_single"] is None and r["wall_s_to_0_population"] is None
+    assert r["exchange_bytes_formula"] > 0  # 2 tournaments x 2 models sent
+    assert r["exchange_bytes_formula"] <= r["exchange_bytes"] <= 1.05 * r["exchange_bytes_formula"]

@@ -52,7 +52,8 @@ def initial(options: PopulationOptions, trainer: int, lr: float, weight_decay: f
     return Hyperparameters(**pick)
 
 
-def mutate(hp: Hyperparameters, options: PopulationOptions, rng: np.random.Generator) -> Hyperparameters:
+def mutate(hp: Hyperparameters, options: PopulationOptions,
+           rng: np.random.Generator) -> Hyperparameters:
     """`hp` with every key in population.mutate scaled by a random factor, within its bounds."""
     changes = {}
     for key in options.mutate:

@@ -38,7 +38,8 @@ def validate(options: PopulationOptions, trainers: int) -> None:
     """Raise ValueError naming the key and a value that works."""
     o = options
     if o.strategy not in STRATEGIES:
-        raise ValueError(f"population.strategy={o.strategy!r} is not one of {', '.join(STRATEGIES)}.")
+        raise ValueError(f"population.strategy={o.strategy!r} is not one of "
+                         f"{', '.join(STRATEGIES)}.")
     if o.interval < 1:
         raise ValueError(f"population.interval={o.interval} must be at least 1 (steps between "
                          "tournaments).")
@@ -49,7 +50,8 @@ def validate(options: PopulationOptions, trainers: int) -> None:
     if bad:
         raise ValueError(f"population.direction={o.direction}: each must be 'lower' or 'higher'.")
     if not 0 < o.tournament_fraction < 1:
-        raise ValueError(f"population.tournament_fraction={o.tournament_fraction} must be in (0, 1).")
+        raise ValueError(f"population.tournament_fraction={o.tournament_fraction} must be in "
+                         "(0, 1).")
     unknown = [k for k in o.mutate if k not in HPARAMS]
     if unknown:
         raise ValueError(f"population.mutate={o.mutate}: {unknown} unknown; choose from {HPARAMS}.")
@@ -58,7 +60,8 @@ def validate(options: PopulationOptions, trainers: int) -> None:
     for key in HPARAMS:
         lo_hi = getattr(o, f"{key}_bounds")
         if len(lo_hi) != 2 or lo_hi[0] > lo_hi[1]:
-            raise ValueError(f"population.{key}_bounds={lo_hi} must be [low, high] with low ≤ high.")
+            raise ValueError(f"population.{key}_bounds={lo_hi} must be [low, high] with "
+                             "low ≤ high.")
         values = getattr(o, key)
         if values and len(values) != trainers:
             raise ValueError(f"population.{key} has {len(values)} values for {trainers} trainers "

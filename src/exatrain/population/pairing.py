@@ -68,7 +68,8 @@ def evolution_step(scores: list[dict], births: list[int], metrics: list[str],
                    directions: list[str], sample_size: int, seed: int,
                    tournament: int) -> tuple[int, int]:
     """(parent, replaced): the best of a random sample, and the oldest trainer it replaces."""
-    sample = sorted(_rng(seed, tournament, 3).choice(len(scores), sample_size, replace=False).tolist())
+    rng = _rng(seed, tournament, 3)
+    sample = sorted(rng.choice(len(scores), sample_size, replace=False).tolist())
     parent = ranking([scores[k] for k in sample], metrics, directions)[0]
     oldest = min(range(len(births)), key=lambda k: (births[k], k))
     return sample[parent], oldest

@@ -17,7 +17,6 @@ def plot_curves(curves: dict[int, list[tuple[int, float]]],
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    labelled = False
     for k in sorted(curves):
         color = colors[k % len(colors)]
         steps = [s for s, _ in curves[k]]
@@ -27,15 +26,20 @@ def plot_curves(curves: dict[int, list[tuple[int, float]]],
             before = [v for s, v in curves[k] if s <= step]
             if not before:
                 continue
-            ax.plot([step], [before[-1]], "v", color=color, ms=7, mec="black", mew=0.6,
-                    label=None if labelled else "took the model of trainer (number)")
+            ax.plot([step], [before[-1]], "v", color=color, ms=7, mec="black", mew=0.6)
             ax.annotate(str(donor), (step, before[-1]), textcoords="offset points",
                         xytext=(4, 4), fontsize=7, color=color)
-            labelled = True
+    if any(adoptions.values()):
+        ax.plot([], [], "v", color="0.6", ms=7, mec="black", mew=0.6,
+                label="took the model of trainer (number)")
     ax.set_xlabel("step")
     ax.set_ylabel(f"validation {metric}")
     if all(v > 0 for c in curves.values() for _, v in c):
+        from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
         ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 3.0, 5.0)))
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_formatter(NullFormatter())
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title or "population", fontsize=10)

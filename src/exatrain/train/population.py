@@ -5,7 +5,8 @@ intra-trainer Plan (data, shard, space, tensor) as if it were its own job: its o
 with run.seed + trainer id), its own disjoint partition of the training set with its own
 tournament set held out of it, its own hyperparameters, its own run directory
 (RUN_DIR/trainer_KK/: metrics.jsonl, summary.json, checkpoints/). Every metrics line carries the
-trainer id and its hyperparameters (`trainer`, `hp_lr`, `hp_weight_decay`, `hp_dropout`).
+trainer id, its hyperparameters (`trainer`, `hp_lr`, `hp_weight_decay`, `hp_dropout`) and the wall
+time since its training began (`elapsed_s`).
 
 Tournaments (`population.strategy`), after every `population.interval` steps, evaluated on each
 trainer's own tournament set (`population.metric`, `population.direction`):
@@ -102,7 +103,9 @@ class PopulationTrainer(Trainer):
         return super().fit()
 
     def _log(self, record: dict) -> None:
+        # elapsed_s: wall time since fit began (tournaments included), for time-to-quality
         super()._log({**record, "trainer": self.trainer_id,
+                      "elapsed_s": time.perf_counter() - self._started,
                       **{f"hp_{k}": v for k, v in self.hparams.as_dict().items()}})
 
     def after_step(self) -> None:
@@ -368,6 +371,7 @@ def finish(mesh, trainer: PopulationTrainer, fit: dict) -> dict:
     summary = {"trainers": view.trainers, "strategy": options.strategy,
                "plan": str(mesh.plan), "trainer_plan": str(view.plan),
                "world_size": mesh.world_size, "steps": fit["steps"],
+               "steps_by_trainer": [r["steps"] for r in records],
                "best_trainer": best, f"best_{metric}": records[best]["final"][metric],
                f"final_{metric}_by_trainer": [r["final"][metric] for r in records],
                "final_lr_by_trainer": [r["hparams"]["lr"] for r in records],

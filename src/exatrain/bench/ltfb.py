@@ -1,0 +1,120 @@
+"""`exatrain bench ltfb`: a population of K trainers (LTFB) against one trainer with a K× batch.
+
+Same ranks, same sample budget, same real regression task (CosmoFlow, 16³ by default):
+
+  single      one trainer on all K ranks (Plan(data=K)), global batch K·b, S steps
+  population  K trainers of one rank each (Plan(trainer=K)), batch b each on its own partition of
+              the training set (a tenth held out for tournaments), S steps, random pairwise
+              exchange every `--interval` steps
+
+Both start from the same seed, learning rate and schedule (the single trainer's learning rate is
+not scaled with its batch: the comparison asks what K× more samples per step buy). Every
+`--eval-every` steps each trainer evaluates the same validation set; the time to target is the
+wall time since training began (`elapsed_s` of the metrics line, tournaments included) at the
+first evaluation whose validation MSE is at or below `--target`, for the population the first of
+any of its trainers. Steps to target count optimizer steps (of that trainer).
+
+Writes target, steps_to_target_single, steps_to_target_population, wall_s_single,
+wall_s_population (the times to target; null when not reached), trainers, exchange_bytes (the
+model bytes sent between trainers, counted by the ledger on the `trainer` axis) and
+exchange_bytes_formula = model parameter bytes × models sent (every tournament pair sends one
+model each way), and the final validation MSE of each; the same two figures for the further
+targets `--also` (steps_to_<target>_single, wall_s_to_<target>_population, ...), which show where
+along the curve each side is ahead.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--trainers", type=int, default=2, help="K: trainers = ranks (default 2)")
+    parser.add_argument("--batch", type=int, default=32, help="batch per trainer (default 32)")
+    parser.add_argument("--target", type=float, default=0.27, help="target validation MSE")
+    parser.add_argument("--also", type=float, nargs="*", default=[0.30, 0.25, 0.24, 0.22],
+                        help="further targets reported as steps/wall_s_to_<target>_<variant>")
+    parser.add_argument("--interval", type=int, default=10, help="steps between tournaments")
+    parser.add_argument("--eval-every", type=int, default=10, help="steps between evaluations")
+    parser.add_argument("--samples", type=int, default=2048, help="samples generated")
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (both)")
+    parser.add_argument("--out", default="", help="keep data and runs here (default: a temporary "
+                                                  "directory, removed at the end)")
+
+
+def _curve(trainer_dir: Path) -> list[tuple[int, float, float]]:
+    """(step, elapsed_s, val_mse) of a trainer's evaluations."""
+    lines = [json.loads(x) for x in (trainer_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(x["step"], x["elapsed_s"], x["val_mse"]) for x in lines
+            if "val_mse" in x and "loss" not in x and "tournament" not in x]
+
+
+def _to_target(curves: list, target: float) -> tuple[int | None, float | None]:
+    """(steps, seconds) at the first evaluation of any curve at or below `target`."""
+    hits = [(elapsed, step) for curve in curves for step, elapsed, mse in curve if mse <= target]
+    if not hits:
+        return None, None
+    elapsed, step = min(hits)
+    return step, elapsed
+
+
+def run(args) -> dict:
+    if args.out:
+        return _run(args, Path(args.out))
+    with tempfile.TemporaryDirectory(prefix="exatrain-bench-ltfb-") as work:
+        return _run(args, Path(work))
+
+
+def _run(args, work: Path) -> dict:
+    from ..data.cosmoflow import write_cosmoflow
+    from ..launch import spawn
+    from ..models.cosmoflow import CosmoFlow
+    from ..train.config import load_config
+    from ..train.population import run_population
+
+    k, b = args.trainers, args.batch
+    size, steps = args.size or 16, args.steps or 150
+    write_cosmoflow(work / "data", samples=args.samples, size=size, seed=5)
+    common = [f"model.size={size}", "model.conv_layers=4", "model.base_channels=8",
+              f"data.size={size}", f"data.path={work / 'data'}", "data.generate=false",
+              f"train.steps={steps}", f"train.eval_every={args.eval_every}",
+              f"train.log_every={args.eval_every}", f"optim.lr={args.lr}",
+              f"run.out_dir={work / 'runs'}", "run.seed=0"]
+    single = load_config(None, [*common, f"plan.data={k}", f"train.batch_size={k * b}",
+                                "run.name=single"])
+    population = load_config(None, [*common, f"plan.trainer={k}", f"train.batch_size={b}",
+                                    "population.strategy=pairwise",
+                                    f"population.interval={args.interval}", "run.name=population"])
+    # K=1 population = ordinary training (tested bit for bit); it logs elapsed_s like the others
+    single_summary = spawn(run_population, k, args=(single,))[0]
+    pop_summary = spawn(run_population, k, args=(population,))[0]
+
+    single_curve = _curve(Path(single_summary["run_dir"]) / "trainer_00")
+    pop_curves = [_curve(Path(pop_summary["run_dir"]) / f"trainer_{t:02d}") for t in range(k)]
+    steps_single, wall_single = _to_target([single_curve], args.target)
+    steps_pop, wall_pop = _to_target(pop_curves, args.target)
+    sweep = {}
+    for target in args.also:
+        for name, curves in (("single", [single_curve]), ("population", pop_curves)):
+            sweep[f"steps_to_{target:g}_{name}"], sweep[f"wall_s_to_{target:g}_{name}"] = \
+                _to_target(curves, target)
+    model_bytes = 4 * sum(p.numel() for p in CosmoFlow(size=size, conv_layers=4,
+                                                       base_channels=8).parameters())
+    return {"target": args.target, "trainers": k, "ranks": k,
+            "batch_single": k * b, "batch_per_trainer": b, "steps": steps,
+            "samples_per_step": k * b,
+            "steps_to_target_single": steps_single, "steps_to_target_population": steps_pop,
+            "wall_s_single": wall_single, "wall_s_population": wall_pop,
+            "final_val_mse_single": single_summary["final_val_mse_by_trainer"][0],
+            "final_val_mse_population_best": pop_summary["best_val_mse"],
+            "wall_s_total_single": single_summary["wall_s"],
+            "wall_s_total_population": pop_summary["wall_s"],
+            "exchange_bytes": pop_summary["exchange_bytes"],
+            "exchange_bytes_formula": model_bytes * pop_summary["transfers"],
+            "exchange_bytes_ratio": pop_summary["exchange_bytes"] /
+            max(1, model_bytes * pop_summary["transfers"]),
+            **sweep,
+            **({"run_dir_single": single_summary["run_dir"],
+                "run_dir_population": pop_summary["run_dir"]} if args.out else {})}
