@@ -113,7 +113,10 @@ def _exchange_case(config):
     trainer.fit()
     tensors = model_tensors(trainer.model, trainer.optimizer)
     sent = mesh.ledger.entries[("trainer", "send", "exchange")].bytes
+    view = trainer.mesh  # every group a strategy can ask for stays inside the trainer
+    groups = {a: view.axis(a).global_ranks for a in ("data", "shard", "space", "tensor", "pipe")}
     return mesh, {"trainer": trainer.trainer_id, "rank_in_trainer": trainer.mesh.rank,
+                  "world": view.world.global_ranks, "groups": groups,
                   "digest": _digest(tensors), "sent": sent, "expected": state_bytes(tensors),
                   "lr": trainer.hparams.lr, "run_dir": str(trainer.run_dir.parent)}
 
@@ -144,6 +147,10 @@ def test_the_winner_is_bit_identical_on_both_trainers_under_every_plan(tiny_conf
     for name in configs:
         by_rank = [r[name] for r in results]
         assert [r["trainer"] for r in by_rank] == [0, 0, 1, 1], name
+        for rank, r in enumerate(by_rank):
+            own = (0, 1) if rank < 2 else (2, 3)
+            assert r["world"] == own, (name, r["world"])
+            assert all(set(g) <= set(own) for g in r["groups"].values()), (name, r["groups"])
         for c in (0, 1):  # rank c of trainer 0 and rank c of trainer 1 hold the same pieces
             a, b = by_rank[c], by_rank[2 + c]
             assert a["rank_in_trainer"] == b["rank_in_trainer"] == c

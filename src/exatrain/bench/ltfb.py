@@ -1,14 +1,16 @@
 """`exatrain bench ltfb`: a population of K trainers (LTFB) against one trainer with a K× batch.
 
-Same ranks, same sample budget, same real regression task (CosmoFlow, 16³ by default):
+Same ranks, same sample budget, same real regression task (CosmoFlow 16³ by default: 4096
+generated samples, 3584 for training, 512 for validation):
 
   single      one trainer on all K ranks (Plan(data=K)), global batch K·b, S steps
   population  K trainers of one rank each (Plan(trainer=K)), batch b each on its own partition of
               the training set (a tenth held out for tournaments), S steps, random pairwise
               exchange every `--interval` steps
 
-Both start from the same seed, learning rate and schedule (the single trainer's learning rate is
-not scaled with its batch: the comparison asks what K× more samples per step buy). Every
+Both start from the same learning rate and schedule (the single trainer's learning rate is not
+scaled with its batch: the comparison asks what K× more samples per step buy); the single trainer
+and trainer 0 start from the same weights (run.seed), trainer k from run.seed + k. Every
 `--eval-every` steps each trainer evaluates the same validation set; the time to target is the
 wall time since training began (`elapsed_s` of the metrics line, tournaments included) at the
 first evaluation whose validation MSE is at or below `--target`, for the population the first of
@@ -32,14 +34,16 @@ from pathlib import Path
 
 def add_arguments(parser) -> None:
     parser.add_argument("--trainers", type=int, default=2, help="K: trainers = ranks (default 2)")
-    parser.add_argument("--batch", type=int, default=32, help="batch per trainer (default 32)")
-    parser.add_argument("--target", type=float, default=0.27, help="target validation MSE")
-    parser.add_argument("--also", type=float, nargs="*", default=[0.30, 0.25, 0.24, 0.22],
+    parser.add_argument("--batch", type=int, default=256, help="batch per trainer (default 256)")
+    parser.add_argument("--target", type=float, default=0.25, help="target validation MSE")
+    parser.add_argument("--also", type=float, nargs="*", default=[0.30, 0.27, 0.24, 0.23],
                         help="further targets reported as steps/wall_s_to_<target>_<variant>")
-    parser.add_argument("--interval", type=int, default=10, help="steps between tournaments")
+    parser.add_argument("--interval", type=int, default=20, help="steps between tournaments")
     parser.add_argument("--eval-every", type=int, default=10, help="steps between evaluations")
-    parser.add_argument("--samples", type=int, default=2048, help="samples generated")
+    parser.add_argument("--samples", type=int, default=4096, help="samples generated")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (both)")
+    parser.add_argument("--backend", default="auto", help="auto | gloo | nccl (gloo on a machine "
+                                                          "with fewer GPUs than ranks)")
     parser.add_argument("--out", default="", help="keep data and runs here (default: a temporary "
                                                   "directory, removed at the end)")
 
@@ -75,13 +79,13 @@ def _run(args, work: Path) -> dict:
     from ..train.population import run_population
 
     k, b = args.trainers, args.batch
-    size, steps = args.size or 16, args.steps or 150
+    size, steps = args.size or 16, args.steps or 80
     write_cosmoflow(work / "data", samples=args.samples, size=size, seed=5)
     common = [f"model.size={size}", "model.conv_layers=4", "model.base_channels=8",
               f"data.size={size}", f"data.path={work / 'data'}", "data.generate=false",
               f"train.steps={steps}", f"train.eval_every={args.eval_every}",
               f"train.log_every={args.eval_every}", f"optim.lr={args.lr}",
-              f"run.out_dir={work / 'runs'}", "run.seed=0"]
+              f"run.out_dir={work / 'runs'}", "run.seed=0", f"run.backend={args.backend}"]
     single = load_config(None, [*common, f"plan.data={k}", f"train.batch_size={k * b}",
                                 "run.name=single"])
     population = load_config(None, [*common, f"plan.trainer={k}", f"train.batch_size={b}",
