@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -232,6 +233,18 @@ def test_regularized_evolution_and_throughput_mode(tiny_config):
         assert evals[-1] <= 0.41 and all(v > 0.41 for v in evals[:-1])
         assert throughput["steps_by_trainer"][k] == 2 * len(evals)
     assert len(set(throughput["steps_by_trainer"])) > 1  # at different steps: no lock-step
+
+
+def test_a_diverged_trainer_skips_steps_loses_and_is_replaced(tiny_config):
+    config = tiny_config("plan.trainer=2", "train.steps=4", "population.interval=2",
+                         "optim.name=sgd", "population.lr=[0.003, 1e30]", "train.eval_every=2")
+    s = run_ranks(2, run_population, config)[0]
+    assert s["diverged_steps_by_trainer"][0] == 0 and s["diverged_steps_by_trainer"][1] >= 1
+    first = _tournaments(s["run_dir"], 1)[0]
+    assert first["adopted"] and first["from"] == 0
+    assert all(math.isfinite(v) for v in s["final_val_mse_by_trainer"])
+    losses = logged_losses(Path(s["run_dir"]) / "trainer_01")
+    assert math.isnan(losses[2]) and math.isfinite(losses[4])  # diverged, then replaced
 
 
 def _comparable(line: dict) -> dict:

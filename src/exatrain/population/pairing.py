@@ -14,10 +14,13 @@ shared seeded shuffle").
                             ties) is replaced by a mutated copy of the parent (Real et al. 2019)
 
 Scores are dicts {metric: value}; `directions` says per metric whether lower or higher is
-better. Ranking is lexicographic over the metrics, ties broken by trainer id.
+better. Ranking is lexicographic over the metrics, ties broken by trainer id. A non-finite score
+(a diverged model) is worse than any finite one.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -35,8 +38,15 @@ def pairwise_partners(seed: int, tournament: int, trainers: int) -> list[int]:
     return partner
 
 
+def _cost(value: float, direction: str) -> float:
+    """Lower is better; NaN and ±inf become +inf (the worst)."""
+    if not math.isfinite(value):
+        return math.inf
+    return value if direction == "lower" else -value
+
+
 def _better(a: float, b: float, direction: str) -> bool:
-    return a < b if direction == "lower" else a > b
+    return _cost(a, direction) < _cost(b, direction)
 
 
 def partner_wins(local: dict, partner: dict, metrics: list[str], directions: list[str]) -> bool:
@@ -48,10 +58,9 @@ def partner_wins(local: dict, partner: dict, metrics: list[str], directions: lis
 def ranking(scores: list[dict], metrics: list[str], directions: list[str]) -> list[int]:
     """Trainer ids from best to worst."""
     directions = directions * len(metrics) if len(directions) == 1 else directions
-    sign = {"lower": 1.0, "higher": -1.0}
 
     def key(k):
-        return tuple(sign[d] * scores[k][m] for m, d in zip(metrics, directions)) + (k,)
+        return tuple(_cost(scores[k][m], d) for m, d in zip(metrics, directions)) + (k,)
     return sorted(range(len(scores)), key=key)
 
 

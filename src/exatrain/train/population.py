@@ -22,7 +22,9 @@ trainer's own tournament set (`population.metric`, `population.direction`):
               `population.target`; the summary reports models trained per hour
 
 A trainer that adopts another's model takes its hyperparameters too (exchange_hyperparameters)
-and mutates those named in `population.mutate` (`population.hparams`).
+and mutates those named in `population.mutate` (`population.hparams`). A trainer whose loss or
+gradient turns non-finite skips its steps (counted, `diverged_steps`) until a tournament replaces
+its model: its NaN scores lose every tournament, so one bad learning rate never stops the job.
 
 Lock-step by construction: a tournament happens inside `after_step` at the steps that are
 multiples of the interval, which every trainer reaches (all run the same `train.steps`); the only
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import time
 from pathlib import Path
 
@@ -53,7 +56,7 @@ from . import checkpoint
 from .config import Config, ConfigError
 from .console import TrainConsole
 from .run import ResumeError, join, prepare_run
-from .trainer import Trainer
+from .trainer import NonFiniteLoss, Trainer
 
 
 def member_config(config: Config, trainer: int) -> Config:
@@ -91,6 +94,7 @@ class PopulationTrainer(Trainer):
         self.adoptions = 0                  # tournaments after which this trainer took a model
         self.transfers_sent = 0             # models this trainer sent (for the byte formula)
         self.reached: dict | None = None    # throughput mode: when the target was reached
+        self.diverged_steps = 0             # steps skipped for a non-finite loss or gradient
         self._started = time.perf_counter()
 
     @property
@@ -108,6 +112,19 @@ class PopulationTrainer(Trainer):
                       "elapsed_s": time.perf_counter() - self._started,
                       **{f"hp_{k}": v for k, v in self.hparams.as_dict().items()}})
 
+    def _train_step(self, batches) -> tuple[float, float]:
+        """A step; in a population a diverged trainer skips its steps until a tournament
+        replaces its model (its NaN scores lose every one) instead of stopping the job."""
+        try:
+            return super()._train_step(batches)
+        except NonFiniteLoss:
+            if not self.tournaments_on:
+                raise
+            self.optimizer.zero_grad(set_to_none=True)
+            self.model.zero_grad(set_to_none=True)
+            self.diverged_steps += 1
+            return math.nan, self.optimizer.param_groups[0]["lr"]
+
     def after_step(self) -> None:
         if self.tournaments_on and self.step % self.options.interval == 0:
             self.tournament(self.step // self.options.interval)
@@ -119,7 +136,8 @@ class PopulationTrainer(Trainer):
                 "population": {"trainer": self.trainer_id, "hparams": self.hparams.as_dict(),
                                "hp_history": self.hp_history, "births": self.births,
                                "adoptions": self.adoptions,
-                               "transfers_sent": self.transfers_sent, "reached": self.reached}}
+                               "transfers_sent": self.transfers_sent, "reached": self.reached,
+                               "diverged_steps": self.diverged_steps}}
 
     def resume(self, path: Path) -> dict:
         state = super().resume(path)
@@ -127,7 +145,7 @@ class PopulationTrainer(Trainer):
         self.set_hparams(hparams.Hyperparameters(**saved["hparams"]), record=False)
         self.hp_history, self.births = saved["hp_history"], saved["births"]
         self.adoptions, self.transfers_sent = saved["adoptions"], saved["transfers_sent"]
-        self.reached = saved["reached"]
+        self.reached, self.diverged_steps = saved["reached"], saved["diverged_steps"]
         return state
 
     # ------------------------------------------------------------------ hyperparameters
@@ -352,7 +370,8 @@ def finish(mesh, trainer: PopulationTrainer, fit: dict) -> dict:
     final = trainer.evaluate()
     record = {"trainer": trainer.trainer_id, "final": final, "hparams": trainer.hparams.as_dict(),
               "hp_history": trainer.hp_history, "steps": fit["steps"], "wall_s": fit["wall_s"],
-              "transfers_sent": trainer.transfers_sent, "reached": trainer.reached}
+              "transfers_sent": trainer.transfers_sent, "reached": trainer.reached,
+              "diverged_steps": trainer.diverged_steps}
     records = all_gather_object(record, trainer.trainer_axis)
     metric, direction = options.metric[0], options.direction[0]
     best = pairing.ranking([r["final"] for r in records], [metric], [direction])[0]
@@ -376,6 +395,7 @@ def finish(mesh, trainer: PopulationTrainer, fit: dict) -> dict:
                f"final_{metric}_by_trainer": [r["final"][metric] for r in records],
                "final_lr_by_trainer": [r["hparams"]["lr"] for r in records],
                "transfers": sum(r["transfers_sent"] for r in records),
+               "diverged_steps_by_trainer": [r["diverged_steps"] for r in records],
                "exchange_bytes": int(counted.item()),
                "wall_s": max(r["wall_s"] for r in records),
                "run_dir": str(run_dir), "best_model": str(run_dir / "best_model.pt")}
