@@ -131,8 +131,9 @@ class TrainerMesh:
         self.parent = parent
         self.plan = parent.plan.intra_trainer()
         self.device, self.backend = parent.device, parent.backend
-        self.device_mesh, self.local_rank, self.ledger = parent.device_mesh, parent.local_rank, \
-            parent.ledger
+        self.local_rank, self.ledger = parent.local_rank, parent.ledger
+        # slicing it by dim names (FSDP2's shard mesh, the tensor dims) gives this rank's sub-mesh
+        self.device_mesh = parent.device_mesh
         self.trainers = parent.plan.trainer
         self.trainer_axis = parent.axis("trainer")
         self.trainer = self.trainer_axis.rank
