@@ -173,7 +173,9 @@ def test_a_population_lifts_its_broken_trainers_and_selection_strategies(tiny_co
     common = ["plan.trainer=4", "train.steps=8", "population.interval=2", "train.eval_every=2",
               "train.log_every=2", "population.lr=[0.003, 1.0, 0.003, 1.0]", "run.seed=4"]
     pairwise = tiny_config(*common)
-    truncation = tiny_config(*common, "population.strategy=truncation", "population.truncation_k=1")
+    # in epochs of the smallest partition (42 samples: 11, 11, 10, 10, less 2 or 1 held out)
+    truncation = tiny_config(*common, "train.steps=0", "train.epochs=4", "train.batch_size=4",
+                             "population.strategy=truncation", "population.truncation_k=1")
     s = run_ranks(4, run_population, pairwise)[0]
     run_dir = s["run_dir"]
     events = {k: _tournaments(run_dir, k) for k in range(4)}
@@ -197,6 +199,7 @@ def test_a_population_lifts_its_broken_trainers_and_selection_strategies(tiny_co
     assert {k: v.shape for k, v in best.items()} == {k: v.shape for k, v in plain.items()}
 
     t = run_ranks(4, run_population, truncation)[0]
+    assert t["steps_by_trainer"] == [8, 8, 8, 8]
     events = {k: _tournaments(t["run_dir"], k) for k in range(4)}
     for i in range(4):
         scores = [{"val_mse": events[k][i]["tournament_val_mse"]} for k in range(4)]

@@ -27,7 +27,8 @@ gradient turns non-finite skips its steps (counted, `diverged_steps`) until a to
 its model: its NaN scores lose every tournament, so one bad learning rate never stops the job.
 
 Lock-step by construction: a tournament happens inside `after_step` at the steps that are
-multiples of the interval, which every trainer reaches (all run the same `train.steps`); the only
+multiples of the interval, which every trainer reaches (all run the same `train.steps`; with
+`train.epochs`, the epochs of the smallest partition, the same number for all); the only
 communication between trainers is at those points, so no rank can wait for a partner that never
 comes. (Throughput mode has no such points: trainers may stop at different steps.)
 
@@ -292,9 +293,18 @@ def setup_population(config: Config, resume_dir: str | None = None) -> tuple:
         workload = workload_module.build(member, view)
         tournaments = view.trainers > 1 and options.strategy != "none"
         replicas = view.plan.data * view.plan.shard
-        train, held = partition(len(workload.train_set), view.trainers, k,
-                                options.tournament_fraction, config.run.seed, tournaments,
-                                min_tournament=replicas)
+        parts = [partition(len(workload.train_set), view.trainers, j,
+                           options.tournament_fraction, config.run.seed, tournaments,
+                           min_tournament=replicas) for j in range(view.trainers)]
+        train, held = parts[k]
+        if member.train.steps == 0:  # epochs: of the smallest partition, the same for everyone
+            smallest = min(len(p[0]) for p in parts)
+            member.train.steps = member.train.epochs * (smallest // member.train.batch_size)
+            if member.train.steps == 0:
+                raise ConfigError(
+                    f"train.batch_size={member.train.batch_size} is larger than the smallest "
+                    f"trainer's training partition ({smallest} samples of "
+                    f"{len(workload.train_set)} over {view.trainers} trainers); lower it.")
         workload.train_set, tournament_set = split(workload.train_set, train, held)
         model = parallelize(workload.model, view, member.parallel)
         workload.model = model
