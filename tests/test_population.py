@@ -19,6 +19,8 @@ from exatrain.population.exchange import model_tensors, state_bytes
 from exatrain.population.hparams import Hyperparameters, mutate
 from exatrain.population.options import PopulationOptions
 from exatrain.population.partition import partition
+from exatrain.plan import Plan
+from exatrain.train.config import ConfigError
 from exatrain.train.population import run_population, setup_population
 from exatrain.train.run import run_job
 from harness import logged_losses, run_ranks
@@ -97,6 +99,18 @@ def test_mutation_stays_within_bounds_and_leaves_other_keys():
         assert out.weight_decay == 0.01
         seen.add(out.lr)
     assert seen == {2.5e-3, 1e-2}
+
+
+def test_plans_and_options_with_trainers(tiny_config):
+    plan = Plan(trainer=2, data=2, shard=2).require_implemented()
+    assert plan.world_size == 8 and plan.intra_trainer() == Plan(data=2, shard=2)
+    for bad, message in (("population.strategy=ltfb", "strategy='ltfb'"),
+                         ("population.lr=[0.1, 0.2, 0.3]", "population.lr has 3 values"),
+                         ("population.truncation_k=2", "truncation_k=2 with 2 trainers"),
+                         ("population.direction=[\"down\"]", "'lower' or 'higher'")):
+        extra = ["population.strategy=truncation"] if "truncation_k" in bad else []
+        with pytest.raises(ConfigError, match=message):
+            tiny_config("plan.trainer=2", *extra, bad)
 
 
 # ---------------------------------------------------------------------- exchanges, 4 ranks

@@ -201,6 +201,13 @@ class PopulationTrainer(Trainer):
                 self._evolution(index, scores)
         self._log({"step": self.step, "tournament": index,
                    **{f"tournament_{k}": v for k, v in local.items()}, **event})
+        if self.console:  # rank 0: its own trainer's side of the tournament
+            metric = self.options.metric[0]
+            verdict = f"took the model of trainer {event['from']}" if event["adopted"] else \
+                "kept its model"
+            self.console.print(f"tournament {index} (step {self.step}): trainer {self.trainer_id} "
+                               f"{verdict} ({metric} {local[metric]:.4g} on its tournament set)",
+                               highlight=False)
 
     def _pairwise(self, index: int, local: dict) -> dict:
         o = self.options
