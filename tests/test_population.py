@@ -316,7 +316,7 @@ def test_bench_ltfb_counts_the_exchanged_bytes(tmp_path):
     out = tmp_path / "ltfb.json"
     assert main(["bench", "ltfb", "--json", str(out), "--steps", "4", "--batch", "4",
                  "--samples", "96", "--interval", "2", "--eval-every", "2",
-                 "--target", "10", "--also", "0"]) == 0
+                 "--target", "10", "--also", "0", "--repeats", "1"]) == 0
     r = json.loads(out.read_text())
     for key in ("target", "steps_to_target_single", "steps_to_target_population",
                 "wall_s_single", "wall_s_population", "trainers", "exchange_bytes",

@@ -16,6 +16,9 @@ wall time since training began (`elapsed_s` of the metrics line, tournaments inc
 first evaluation whose validation MSE is at or below `--target`, for the population the first of
 any of its trainers. Steps to target count optimizer steps (of that trainer).
 
+Each variant runs `--repeats` times, alternating with the other; steps to a target are the same in
+every repeat (training is deterministic; the bench checks), times are medians over repeats.
+
 Writes target, steps_to_target_single, steps_to_target_population, wall_s_single,
 wall_s_population (the times to target; null when not reached), trainers, exchange_bytes (the
 model bytes sent between trainers, counted by the ledger on the `trainer` axis) and
@@ -28,6 +31,7 @@ along the curve each side is ahead.
 from __future__ import annotations
 
 import json
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -42,6 +46,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--eval-every", type=int, default=10, help="steps between evaluations")
     parser.add_argument("--samples", type=int, default=4096, help="samples generated")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (both)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of each variant, alternating; times are medians (default 3)")
     parser.add_argument("--backend", default="auto", help="auto | gloo | nccl (gloo on a machine "
                                                           "with fewer GPUs than ranks)")
     parser.add_argument("--out", default="", help="keep data and runs here (default: a temporary "
@@ -91,19 +97,33 @@ def _run(args, work: Path) -> dict:
     population = load_config(None, [*common, f"plan.trainer={k}", f"train.batch_size={b}",
                                     "population.strategy=pairwise",
                                     f"population.interval={args.interval}", "run.name=population"])
-    # K=1 population = ordinary training (tested bit for bit); it logs elapsed_s like the others
-    single_summary = spawn(run_population, k, args=(single,))[0]
-    pop_summary = spawn(run_population, k, args=(population,))[0]
+    # K=1 population = ordinary training (tested bit for bit); it logs elapsed_s like the others.
+    # Repeats alternate the two, so that machine noise hits both alike.
+    runs: dict[str, list] = {"single": [], "population": []}
+    for _ in range(args.repeats):
+        for name, config in (("single", single), ("population", population)):
+            summary = spawn(run_population, k, args=(config,))[0]
+            curves = [_curve(Path(summary["run_dir"]) / f"trainer_{t:02d}")
+                      for t in range(summary["trainers"])]
+            runs[name].append((summary, curves))
 
-    single_curve = _curve(Path(single_summary["run_dir"]) / "trainer_00")
-    pop_curves = [_curve(Path(pop_summary["run_dir"]) / f"trainer_{t:02d}") for t in range(k)]
-    steps_single, wall_single = _to_target([single_curve], args.target)
-    steps_pop, wall_pop = _to_target(pop_curves, args.target)
+    def at(target: float, name: str) -> tuple:
+        """(steps, median seconds over repeats) to `target`; steps must agree over repeats."""
+        hits = [_to_target(curves, target) for _, curves in runs[name]]
+        if len({steps for steps, _ in hits}) > 1:
+            raise RuntimeError(f"bench ltfb: {name} reached {target} at different steps in "
+                               f"repeats ({hits}); training is not deterministic here.")
+        walls = [wall for _, wall in hits]
+        return hits[0][0], statistics.median(walls) if None not in walls else None
+
+    steps_single, wall_single = at(args.target, "single")
+    steps_pop, wall_pop = at(args.target, "population")
     sweep = {}
     for target in args.also:
-        for name, curves in (("single", [single_curve]), ("population", pop_curves)):
+        for name in runs:
             sweep[f"steps_to_{target:g}_{name}"], sweep[f"wall_s_to_{target:g}_{name}"] = \
-                _to_target(curves, target)
+                at(target, name)
+    single_summary, pop_summary = runs["single"][0][0], runs["population"][0][0]
     model_bytes = 4 * sum(p.numel() for p in CosmoFlow(size=size, conv_layers=4,
                                                        base_channels=8).parameters())
     return {"target": args.target, "trainers": k, "ranks": k,
@@ -113,8 +133,10 @@ def _run(args, work: Path) -> dict:
             "wall_s_single": wall_single, "wall_s_population": wall_pop,
             "final_val_mse_single": single_summary["final_val_mse_by_trainer"][0],
             "final_val_mse_population_best": pop_summary["best_val_mse"],
-            "wall_s_total_single": single_summary["wall_s"],
-            "wall_s_total_population": pop_summary["wall_s"],
+            "wall_s_total_single": statistics.median(r[0]["wall_s"] for r in runs["single"]),
+            "wall_s_total_population": statistics.median(r[0]["wall_s"]
+                                                         for r in runs["population"]),
+            "repeats": args.repeats,
             "exchange_bytes": pop_summary["exchange_bytes"],
             "exchange_bytes_formula": model_bytes * pop_summary["transfers"],
             "exchange_bytes_ratio": pop_summary["exchange_bytes"] /
