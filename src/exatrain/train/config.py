@@ -23,6 +23,7 @@ from typing import Any
 from ..parallel.options import ParallelOptions
 from ..plan import Plan
 from ..population.options import PopulationOptions
+from ..population.options import validate as validate_population
 
 
 class ConfigError(ValueError):
@@ -223,7 +224,6 @@ def validate(config: Config) -> None:
                           "(stage 0 is plain data parallelism: set plan.shard=1).")
     if o.lr <= 0:
         raise ConfigError(f"optim.lr={o.lr} must be positive.")
-    from ..population.options import validate as validate_population
     try:
         validate_population(config.population, config.plan.trainer)
     except ValueError as exc:
