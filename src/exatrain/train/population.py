@@ -5,8 +5,9 @@ intra-trainer Plan (data, shard, space, tensor) as if it were its own job: its o
 with run.seed + trainer id), its own disjoint partition of the training set with its own
 tournament set held out of it, its own hyperparameters, its own run directory
 (RUN_DIR/trainer_KK/: metrics.jsonl, summary.json, checkpoints/). Every metrics line carries the
-trainer id, its hyperparameters (`trainer`, `hp_lr`, `hp_weight_decay`, `hp_dropout`) and the wall
-time since its training began (`elapsed_s`).
+trainer id, its hyperparameters (`trainer`, `hp_lr`, `hp_weight_decay`, `hp_dropout`), the wall
+time since its training began (`elapsed_s`) and the part of it spent in validation passes
+(`val_eval_s`; tournament scoring counts as training).
 
 Tournaments (`population.strategy`), after every `population.interval` steps, evaluated on each
 trainer's own tournament set (`population.metric`, `population.direction`):
@@ -97,6 +98,7 @@ class PopulationTrainer(Trainer):
         self.reached: dict | None = None    # throughput mode: when the target was reached
         self.diverged_steps = 0             # steps skipped for a non-finite loss or gradient
         self._started = time.perf_counter()
+        self.val_eval_s = 0.0               # time in validation passes since fit began
 
     @property
     def tournaments_on(self) -> bool:
@@ -104,13 +106,24 @@ class PopulationTrainer(Trainer):
 
     # ------------------------------------------------------------------ hooks
     def fit(self) -> dict:
-        self._started = time.perf_counter()
+        self._started, self.val_eval_s = time.perf_counter(), 0.0
         return super().fit()
 
+    def evaluate(self, dataset=None) -> dict[str, float]:
+        if dataset is not None:  # a tournament's scoring: part of training
+            return super().evaluate(dataset)
+        start = time.perf_counter()
+        try:
+            return super().evaluate()
+        finally:
+            self.val_eval_s += time.perf_counter() - start
+
     def _log(self, record: dict) -> None:
-        # elapsed_s: wall time since fit began (tournaments included), for time-to-quality
+        # elapsed_s: wall time since fit began (tournaments and validation included), and
+        # val_eval_s the part of it spent on validation passes, for time-to-quality
         super()._log({**record, "trainer": self.trainer_id,
                       "elapsed_s": time.perf_counter() - self._started,
+                      "val_eval_s": self.val_eval_s,
                       **{f"hp_{k}": v for k, v in self.hparams.as_dict().items()}})
 
     def _train_step(self, batches) -> tuple[float, float]:
