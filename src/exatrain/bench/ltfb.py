@@ -67,13 +67,11 @@ def _curve(trainer_dir: Path) -> list[tuple[int, float, float, float]]:
 
 def _to_target(curves: list, target: float) -> tuple:
     """(steps, training seconds, seconds with validation) at the first evaluation of any curve
-    at or below `target` (Nones when none is)."""
-    hits = [(train_s, step, with_eval) for curve in curves
+    at or below `target` (Nones when none is): the earliest step, and of the trainers reaching
+    it there, the earliest time."""
+    hits = [(step, train_s, with_eval) for curve in curves
             for step, train_s, with_eval, mse in curve if mse <= target]
-    if not hits:
-        return None, None, None
-    train_s, step, with_eval = min(hits)
-    return step, train_s, with_eval
+    return min(hits) if hits else (None, None, None)
 
 
 def run(args) -> dict:

@@ -441,6 +441,7 @@ def run_population(config: Config, resume_dir: str | None = None) -> dict:
     """Train a population per `config` on this rank; returns the population summary."""
     mesh, trainer = setup_population(config, resume_dir)
     try:
+        mesh.barrier()  # every trainer starts its clock (elapsed_s) at the same moment
         return finish(mesh, trainer, trainer.fit())
     finally:
         mesh.close()
