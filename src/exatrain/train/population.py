@@ -106,8 +106,18 @@ class PopulationTrainer(Trainer):
 
     # ------------------------------------------------------------------ hooks
     def fit(self) -> dict:
+        if self.tournaments_on:  # a metric the workload lacks fails now, not at the 1st tournament
+            self._checked(self.score())
         self._started, self.val_eval_s = time.perf_counter(), 0.0
         return super().fit()
+
+    def _checked(self, scores: dict) -> dict:
+        missing = [m for m in self.options.metric if m not in scores]
+        if missing:  # the same verdict on every rank: they all computed the same metric names
+            raise ValueError(f"population.metric={self.options.metric}: the "
+                             f"{self.config.run.workload} workload reports {sorted(scores)}, not "
+                             f"{missing}; pick from those.")
+        return scores
 
     def evaluate(self, dataset=None) -> dict[str, float]:
         if dataset is not None:  # a tournament's scoring: part of training
@@ -204,7 +214,7 @@ class PopulationTrainer(Trainer):
         return tensors, received, hparams.Hyperparameters.from_tensor(hp[0]) if hp else None
 
     def tournament(self, index: int) -> None:
-        local = self.score()
+        local = self._checked(self.score())
         strategy = self.options.strategy
         if strategy == "pairwise":
             event = self._pairwise(index, local)
