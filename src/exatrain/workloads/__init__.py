@@ -8,6 +8,7 @@ import importlib
 WORKLOAD_MODULES = {
     "cosmoflow": "exatrain.workloads.cosmoflow",
     "deepcam": "exatrain.workloads.deepcam",
+    "gcn": "exatrain.workloads.gcn",
     "gpt": "exatrain.workloads.gpt",
     "vit": "exatrain.workloads.vit",
 }
