@@ -10,6 +10,7 @@ WORKLOAD_MODULES = {
     "deepcam": "exatrain.workloads.deepcam",
     "gcn": "exatrain.workloads.gcn",
     "gpt": "exatrain.workloads.gpt",
+    "qm9": "exatrain.workloads.qm9",
     "vit": "exatrain.workloads.vit",
 }
 
