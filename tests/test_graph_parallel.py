@@ -164,3 +164,21 @@ def test_balancing_evens_the_nonzeros_of_a_skewed_graph():
     after = nnz_imbalance(adjacency, (2, 2, 2), layers=3,
                           permutations=balancing_permutations(4000, seed=0))
     assert before > 1.5 and after < 1.1, (before, after)
+
+
+def test_bench_graph_writes_its_figures(tmp_path):
+    import json
+
+    from exatrain.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "graph", "--worlds", "4", "--nodes", "3000", "--size", "16",
+                 "--steps", "1", "--warmup", "0", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    for key in ("max_rel_err_vs_serial", "nnz_imbalance_before", "nnz_imbalance_after",
+                "bytes_by_axis", "bytes_formula_by_axis", "epoch_s", "cores"):
+        assert key in r, key
+    assert r["bytes_ratio"] == r["bytes_ratio_min"] == 1.0       # counted = formula, every axis
+    assert r["nnz_imbalance_after"] <= 1.10 < r["nnz_imbalance_before"]
+    assert r["max_rel_err_vs_serial"] <= 1e-5
+    assert set(r["epoch_s"]) == {"serial", "grid=(2,2,1)"}
