@@ -39,30 +39,6 @@ def _graph(seed: int = 0):
     return adjacency, x, labels
 
 
-def _full_grads(model) -> dict:
-    from exatrain.parallel.tensor.state import gather_full
-
-    out = {}
-    for name, p in model.named_parameters():
-        full = gather_full(p.grad, p.exatrain_layout)
-        conv = model.convs[int(name.split(".")[1])]
-        out[name] = full[:conv.in_features, :conv.out_features] if full.dim() == 2 \
-            else full[:conv.out_features]
-    return out
-
-
-def _full_weights(model) -> dict:
-    from exatrain.parallel.tensor.state import gather_full
-
-    out = {}
-    for name, p in model.named_parameters():
-        full = gather_full(p.detach(), p.exatrain_layout)
-        conv = model.convs[int(name.split(".")[1])]
-        out[name] = full[:conv.in_features, :conv.out_features] if full.dim() == 2 \
-            else full[:conv.out_features]
-    return out
-
-
 def _loss(logits, labels):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                            ignore_index=-1)
@@ -93,7 +69,7 @@ def graph_cases(plans, steps: int = 3) -> dict:
             (yd * weight).sum().backward()
             errs["layer out"] = rel_err(yd, ys)
             errs["layer dx"] = rel_err(xd.grad, xs.grad)
-            for name, grad in _full_grads(dist_one).items():
+            for name, grad in dist_one.plain_state_dict(grads=True).items():
                 errs[f"layer d{name}"] = rel_err(grad, dict(one.named_parameters())[name].grad)
             # ---- 3 layers, Adam steps; data replicas take equal shares of the labelled nodes
             torch.manual_seed(2)
@@ -125,7 +101,7 @@ def graph_cases(plans, steps: int = 3) -> dict:
                 opt_d.zero_grad()
             with torch.no_grad():
                 errs["trained predictions"] = rel_err(model(x), serial(x))
-            for name, w in _full_weights(model).items():
+            for name, w in model.plain_state_dict().items():
                 errs[f"trained {name}"] = rel_err(w, dict(serial.named_parameters())[name])
             results[key] = {"errs": errs, "counted": counted, "formula": formula}
     return results

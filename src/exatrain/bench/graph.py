@@ -64,12 +64,16 @@ def _loss(logits, labels):
     return torch.nn.functional.cross_entropy(logits, labels, ignore_index=-1)
 
 
-def _train(model, x, labels, steps: int, warmup: int, device, barrier=None) -> list[float]:
+def _train(model, x, labels, steps: int, warmup: int, device, barrier=None,
+           at_warm=None) -> list[float]:
+    """Epoch times of `steps` SGD steps after `warmup` ones; `at_warm()` runs when timing starts."""
     optim = torch.optim.SGD(model.parameters(), lr=0.5)
     times = []
     for i in range(warmup + steps):
         if barrier:
             barrier()
+        if i == warmup and at_warm:
+            at_warm()
         t0 = time.perf_counter()
         _loss(model(x), labels).backward()
         optim.step()
@@ -79,18 +83,6 @@ def _train(model, x, labels, steps: int, warmup: int, device, barrier=None) -> l
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return times
-
-
-def _weights(model) -> dict[str, torch.Tensor]:
-    from ..parallel.tensor.state import gather_full
-
-    out = {}
-    for name, p in model.named_parameters():
-        full = gather_full(p.detach(), getattr(p, "exatrain_layout", ()))
-        conv = model.convs[int(name.split(".")[1])]
-        out[name] = (full[:conv.in_features, :conv.out_features] if full.dim() == 2
-                     else full[:conv.out_features]).cpu()
-    return out
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -128,29 +120,17 @@ def _rank_main(world: int, nodes: int, features: int, steps: int, warmup: int) -
         with torch.no_grad():
             reference = {"predictions": serial(x), **dict(serial.named_parameters())}
     dist.barrier()
-    mark = None
-    times = []
-    optim = torch.optim.SGD(model.parameters(), lr=0.5)
-    for i in range(warmup + steps):
-        dist.barrier()
-        if i == warmup:
-            mark = mesh.ledger.snapshot()
-        t0 = time.perf_counter()
-        _loss(model(xd), labels_d).backward()
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    delta = mesh.ledger.since(mark)
+    marks = []
+    times = _train(model, xd, labels_d, steps, warmup, device, barrier=dist.barrier,
+                   at_warm=lambda: marks.append(mesh.ledger.snapshot()))
+    delta = mesh.ledger.since(marks[0])
     out["times"] = times
     out["bytes_by_axis"] = {a: b // steps for a, b in delta.bytes_by_axis().items()}
     out["bytes_formula_by_axis"] = model.bytes_per_step()
     out["nnz_per_layer"] = [conv.block.nnz for conv in model.convs]
     with torch.no_grad():
         predictions = model(xd).cpu()
-    weights = _weights(model)
+    weights = model.plain_state_dict()
     if reference is not None:
         errs = {"predictions": _rel(predictions, reference["predictions"])}
         errs.update({k: _rel(w, reference[k]) for k, w in weights.items()})

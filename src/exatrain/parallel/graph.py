@@ -367,6 +367,19 @@ class GCN3D(nn.Module):
             total[self.tensor.name] = total.get(self.tensor.name, 0) + self._seed_bytes
         return total
 
+    def plain_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """The plain GCN's state dict (padding cut off), gathered whole on every rank; with
+        `grads`, the parameters' gradients instead. Collective over the tensor grid."""
+        from .tensor.state import gather_full
+
+        out = {}
+        for name, p in self.named_parameters():
+            conv = self.convs[int(name.split(".")[1])]
+            full = gather_full(p.grad if grads else p.detach(), p.exatrain_layout)
+            out[name] = full[:conv.in_features, :conv.out_features] if full.dim() == 2 \
+                else full[:conv.out_features]
+        return out
+
     def nnz_per_rank(self) -> int:
         """Nonzeros this rank multiplies per forward (all layers)."""
         return sum(conv.block.nnz for conv in self.convs)
