@@ -9,6 +9,8 @@ and 5 classes (padded on every grid). Per grid, with and without the balancing p
   training  a 3-layer GCN, 3 Adam steps on masked cross-entropy: predictions (in the original
             node order) and weights against serial, fp32 relative ≤ 1e-5
   bytes     the ledger's count of one training step equals the docstring formula, per axis
+  checkpoint  the trained weights saved as DTensors (as the Trainer does) read back whole
+            exactly (the cube's weight layouts need strided DTensor placements)
 """
 
 from __future__ import annotations
@@ -44,7 +46,28 @@ def _loss(logits, labels):
                            ignore_index=-1)
 
 
-def graph_cases(plans, steps: int = 3) -> dict:
+def _checkpoint_round_trip(model, path) -> float:
+    """Save the split model as DTensors (what the Trainer's checkpoints do), read it back as
+    whole tensors: worst error against the gathered weights (0 unless a layout is misread)."""
+    import torch.distributed.checkpoint as dcp
+
+    from exatrain.parallel.tensor.state import for_checkpoint, full_shape
+
+    dcp.save({"model": for_checkpoint(model, model.state_dict())}, checkpoint_id=str(path))
+    whole = {k: torch.zeros(full_shape(p.shape, p.exatrain_layout))
+             for k, p in model.named_parameters()}
+    dcp.load({"model": whole}, checkpoint_id=str(path))
+    errs = []
+    for name, w in model.plain_state_dict().items():
+        conv = model.convs[int(name.split(".")[1])]
+        full = whole[name]
+        full = full[:conv.in_features, :conv.out_features] if full.dim() == 2 \
+            else full[:conv.out_features]
+        errs.append(float((full - w).abs().max()))
+    return max(errs)
+
+
+def graph_cases(plans, folder, steps: int = 3) -> dict:
     from exatrain.mesh import init
     from exatrain.models.gcn import GCN
     from exatrain.parallel.graph import parallelize_graph
@@ -103,6 +126,7 @@ def graph_cases(plans, steps: int = 3) -> dict:
                 errs["trained predictions"] = rel_err(model(x), serial(x))
             for name, w in model.plain_state_dict().items():
                 errs[f"trained {name}"] = rel_err(w, dict(serial.named_parameters())[name])
+            errs["checkpoint"] = _checkpoint_round_trip(model, f"{folder}/{len(results)}")
             results[key] = {"errs": errs, "counted": counted, "formula": formula}
     return results
 
@@ -115,17 +139,19 @@ def _check(results):
             assert r["counted"] == r["formula"], (key, r["counted"], r["formula"])
 
 
-def test_graph_conv_on_lines_of_two():
+def test_graph_conv_on_lines_of_two(tmp_path):
     _check(run_ranks(2, graph_cases, [dict(tensor=(2, 1, 1)), dict(tensor=(1, 2, 1)),
-                                      dict(tensor=(1, 1, 2))]))
+                                      dict(tensor=(1, 1, 2))], str(tmp_path)))
 
 
-def test_graph_conv_on_a_square_and_with_data():
-    _check(run_ranks(4, graph_cases, [dict(tensor=(2, 2, 1)), dict(data=2, tensor=(2, 1, 1))]))
+def test_graph_conv_on_a_square_and_with_data(tmp_path):
+    _check(run_ranks(4, graph_cases, [dict(tensor=(2, 2, 1)), dict(data=2, tensor=(2, 1, 1))],
+                     str(tmp_path)))
 
 
-def test_graph_conv_on_the_cube():
-    _check(run_ranks(8, graph_cases, [dict(tensor=(2, 2, 2))]))
+def test_graph_conv_on_the_cube(tmp_path):
+    # the weights' depth shard lies across the mesh order here: checkpoints need _StridedShard
+    _check(run_ranks(8, graph_cases, [dict(tensor=(2, 2, 2))], str(tmp_path)))
 
 
 def test_balancing_evens_the_nonzeros_of_a_skewed_graph():
