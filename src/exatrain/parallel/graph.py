@@ -14,7 +14,7 @@ over the rows axis (ZeRO-3 style). One layer (`_GraphConv3D`):
     forward   W_blk = all-gather_rows(W_shard)
               H_blk = all-reduce_cols(Â_blk · F_blk)            (n_r × d_i)
               Q_blk = all-reduce_feats(H_blk · W_blk) + b_blk   (n_r × d_o)
-    backward  dW_shard = reduce-scatter_rows(H_blkᵀ · dQ_blk)
+    backward  dW_shard = reduce-scatter_rows(H_blkᵀ · dQ_blk)       (asynchronous, overlapped)
               dH_blk = all-reduce_cols(dQ_blk · W_blkᵀ)
               dF_blk = all-reduce_rows(Â_blkᵀ · dH_blk)         (only when F needs a gradient)
               db: summed over rows by the gradient sync (each rows-rank saw its nodes only)
@@ -162,17 +162,19 @@ class _GraphConv3D(torch.autograd.Function):
         layer = ctx.layer
         roles = layer.roles
         grad_q = grad_q.contiguous()
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            block = h.t() @ grad_q
+        grad_w = work = None
+        if ctx.needs_input_grad[1]:   # asynchronous: overlaps the dH and dF work below
             grad_w = torch.empty_like(layer.weight)
-            reduce_scatter_into(grad_w, block, roles.rows, tag="weight")
+            block = h.t() @ grad_q           # kept alive until the wait below
+            work = reduce_scatter_into(grad_w, block, roles.rows, tag="weight", async_op=True)
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_h = grad_q @ w.t()
             all_reduce(grad_h, roles.cols, tag="act")
             grad_x = torch.sparse.mm(layer.block.transposed, grad_h)   # dH serves only dF
             all_reduce(grad_x, roles.rows, tag="act")
+        if work is not None:
+            work.wait()
         return grad_x, grad_w, None
 
 
