@@ -132,3 +132,23 @@ def test_gcn_and_qm9_workloads_learn_through_the_trainer(tmp_path, qm9_dir):
     summary = run_job(qm9)
     assert summary["val_gap_mae_ev"] < 1.5 * summary["baseline_mae"]   # runs; learning: README
     assert summary["published_schnet_gap_mae_ev"] == 0.063
+
+
+def test_schnet_sees_each_molecule_alone(qm9_dir):
+    """A molecule's prediction does not depend on the batch around it (padding, pair building,
+    scatters) nor on rotating it (distances only)."""
+    from exatrain.data.qm9 import QM9Dataset, load_qm9
+    from exatrain.models.schnet import SchNet
+
+    data = QM9Dataset(load_qm9(qm9_dir), [0, 5, 130_830, 77])
+    torch.manual_seed(0)
+    model = SchNet(features=16, interactions=2, rbf=8)
+    batch = model(data.atoms)
+    alone = torch.cat([model(data.atoms[i:i + 1]) for i in range(4)])
+    torch.testing.assert_close(batch, alone, rtol=1e-5, atol=1e-6)
+    angle = torch.tensor(0.7)
+    rotation = torch.tensor([[angle.cos(), -angle.sin(), 0], [angle.sin(), angle.cos(), 0],
+                             [0, 0, 1]])
+    turned = data.atoms.clone()
+    turned[..., 1:] = turned[..., 1:] @ rotation.T
+    torch.testing.assert_close(model(turned), batch, rtol=1e-5, atol=1e-5)

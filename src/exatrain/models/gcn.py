@@ -118,12 +118,14 @@ class GCN(nn.Module):
             raise ValueError(f"GCN layers={layers}: need at least one layer.")
         self.num_nodes = adjacency.shape[0]
         self.adjacency = adjacency.coalesce()          # the COO Â, for strategies to partition
-        self._operator = SparseOperator(self.adjacency)
+        self._operator: SparseOperator | None = None   # CSR copies, built on first forward
         dims = [in_features] + [hidden] * (layers - 1) + [classes]
         self.convs = nn.ModuleList(GraphConv(a, b) for a, b in zip(dims[:-1], dims[1:]))
         self.dropout = nn.Dropout(dropout)
 
     def operator(self, device) -> SparseOperator:
+        if self._operator is None:
+            self._operator = SparseOperator(self.adjacency)
         self._operator = self._operator.to(device)
         return self._operator
 
