@@ -60,6 +60,7 @@ this for the last forward.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -394,18 +395,24 @@ def has_graph_convs(model: nn.Module) -> bool:
 def parallelize_graph(model: GCN, mesh: Mesh, options=None, permute: bool | None = None,
                       seed: int = 0) -> GCN3D:
     """Lay a GCN out over the mesh's 3D tensor grid (and replicate over data); see the module
-    docstring. The result's parameters keep the plain model's names (local, padded parts; see
-    `tensor.state.full_state_dict` for the full padded tensors)."""
+    docstring. The result's parameters keep the plain model's names (local parts of the padded
+    tensors; `GCN3D.plain_state_dict()` gathers the plain model's). `permute` (default:
+    options.graph_balance) switches the balancing permutations, seeded by `seed`."""
     if permute is None:
         permute = bool(getattr(options, "graph_balance", True))
     model = model.to(mesh.device)
     graph = GCN3D(model, mesh, permute=permute, seed=seed)
-    graph.exatrain_tensor = _Checkpointing(mesh)
+    graph.exatrain_tensor = GraphParallel(mesh, graph)
     return graph
 
 
-class _Checkpointing:
-    """What `tensor.state.for_checkpoint` needs to save split parameters as DTensors."""
+class GraphParallel:
+    """What parallelize_graph did, as `model.exatrain_tensor` (like the tensor strategy's record):
+    the mesh (checkpoints save split parameters as DTensors on it) and the byte formula."""
 
-    def __init__(self, mesh: Mesh):
+    def __init__(self, mesh: Mesh, model: GCN3D):
         self.mesh = mesh
+        self._model = weakref.ref(model)      # no reference cycle through the module tree
+
+    def bytes_per_step(self) -> dict[str, int]:
+        return self._model().bytes_per_step()
