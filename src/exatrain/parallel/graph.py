@@ -82,9 +82,14 @@ class Roles:
     feats: Axis
 
 
+# (rows, cols, feats) as indices into (x, y, z), per layer modulo 3
+_ROLE_INDEX = [(0, 1, 2), (2, 0, 1), (1, 2, 0)]
+
+
 def layer_roles(x: Axis, y: Axis, z: Axis, layer: int) -> Roles:
     """(x, y, z) → (z, x, y) → (y, z, x), repeating: layer l's output layout is l+1's input."""
-    return [Roles(x, y, z), Roles(z, x, y), Roles(y, z, x)][layer % 3]
+    axes = (x, y, z)
+    return Roles(*(axes[i] for i in _ROLE_INDEX[layer % 3]))
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -130,10 +135,6 @@ def nnz_imbalance(adjacency: torch.Tensor, grid: tuple[int, int, int], layers: i
         counts = block_counts(rows, cols, n_pad, sizes[0], sizes[1]).double()
         worst = max(worst, float(counts.max() / counts.mean()))
     return worst
-
-
-# (rows, cols, feats) as indices into (x, y, z), per layer modulo 3
-_ROLE_INDEX = [(0, 1, 2), (2, 0, 1), (1, 2, 0)]
 
 
 def _orders(permutations, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
