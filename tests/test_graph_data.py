@@ -5,12 +5,15 @@ in-process through the Trainer."""
 from __future__ import annotations
 
 import gzip
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from exatrain.data.graph import GraphFileError, generate_graph, load_graph, write_graph
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 @pytest.fixture(scope="module")
@@ -118,14 +121,14 @@ def test_gcn_and_qm9_workloads_learn_through_the_trainer(tmp_path, qm9_dir):
     from exatrain.train.run import run_job
 
     torch.set_num_threads(1)
-    gcn = load_config("examples/gcn.toml", [
+    gcn = load_config(EXAMPLES / "gcn.toml", [
         f"data.path={tmp_path}/graph", "data.nodes=3000", "plan.tensor=[1]", "train.steps=30",
         "train.eval_every=0", f"run.out_dir={tmp_path}/runs", "train.checkpoint_every=0"])
     from exatrain.workloads import gcn as gcn_workload
     gcn_workload.prepare(gcn)
     summary = run_job(gcn)
     assert summary["val_accuracy"] > 0.8 > 3 * summary["majority_class_accuracy"]
-    qm9 = load_config("examples/qm9.toml", [
+    qm9 = load_config(EXAMPLES / "qm9.toml", [
         f"data.path={qm9_dir}", "data.train_molecules=640", "data.val_molecules=64",
         "train.steps=20", "train.eval_every=0", "model.features=16", "model.interactions=1",
         f"run.out_dir={tmp_path}/runs"])
