@@ -11,7 +11,7 @@ Rank (i, j, k) holds Â[rows-block, cols-block] (as CSR, with its transpose for 
 F[cols-block, feats-block], and the W block W[feats-block, cols-block] sharded once more by rows
 over the rows axis (ZeRO-3 style). One layer (`_GraphConv3D`):
 
-    forward   W_blk = all-gather_rows(W_shard)
+    forward   W_blk = all-gather_rows(W_shard)                    (prefetched one layer ahead)
               H_blk = all-reduce_cols(Â_blk · F_blk)            (n_r × d_i)
               Q_blk = all-reduce_feats(H_blk · W_blk) + b_blk   (n_r × d_o)
     backward  dW_shard = reduce-scatter_rows(H_blkᵀ · dQ_blk)       (asynchronous, overlapped)
@@ -203,11 +203,30 @@ class GraphConv3D(nn.Module):
             self.bias.exatrain_layout = ((0, roles.cols),)
             self.bias.exatrain_norm_axes = (roles.cols,)
         self._input_grad = False
+        self._pending = None       # (block, work, weight version) of a prefetched all-gather
+
+    def prefetch_weight(self) -> None:
+        """Start this layer's weight all-gather now, asynchronously (the model calls it one layer
+        ahead, so the gather overlaps the previous layer's SpMM and GEMM)."""
+        rows = self.roles.rows
+        if rows.size > 1 and self._pending is None:
+            block = self.weight.new_empty((self.weight.shape[0] * rows.size,
+                                           self.weight.shape[1]))
+            work = all_gather_into(block, self.weight.detach(), rows, tag="weight", async_op=True)
+            self._pending = (block, work, self.weight._version)
 
     def gather_weight(self) -> torch.Tensor:
+        """The W block gathered over rows: the prefetched one if the weight has not changed since
+        (its version counter), else gathered now."""
         rows = self.roles.rows
         if rows.size == 1:
             return self.weight.detach()
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            block, work, version = pending
+            work.wait()
+            if version == self.weight._version:
+                return block
         block = self.weight.new_empty((self.weight.shape[0] * rows.size, self.weight.shape[1]))
         all_gather_into(block, self.weight.detach(), rows, tag="weight")
         return block
@@ -328,6 +347,8 @@ class GCN3D(nn.Module):
             self._seed_bytes += 8 if self.tensor.size > 1 else 0
         h = self._input_block(x)
         for i, conv in enumerate(self.convs):
+            if i + 1 < len(self.convs):
+                self.convs[i + 1].prefetch_weight()
             h = conv(h)
             if i < len(self.convs) - 1:
                 h = torch.relu(h)
