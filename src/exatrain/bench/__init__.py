@@ -13,7 +13,7 @@ from rich.table import Table
 
 BENCHMARKS = {"dp": "exatrain.bench.dp", "spatial": "exatrain.bench.spatial",
               "zero": "exatrain.bench.zero", "tensor": "exatrain.bench.tensor",
-              "ltfb": "exatrain.bench.ltfb"}
+              "graph": "exatrain.bench.graph", "ltfb": "exatrain.bench.ltfb"}
 
 
 def bench_module(name: str):

@@ -18,3 +18,4 @@ class ParallelOptions:
     compile: bool = False           # torch.compile each block
     sequence_parallel: bool = False  # 1D tensor parallelism: split norms/dropout over the sequence
     bucket_cap_mb: float = 25.0     # gradient all-reduce bucket size
+    graph_balance: bool = True      # 3D GCN: random row/column permutations of the adjacency
