@@ -57,6 +57,13 @@ def _merge_into(shell: nn.Module, part: nn.Module) -> None:
             _merge_into(mine, child)
 
 
+def check_microbatches(batch: int, microbatches: int) -> None:
+    if batch % microbatches:
+        raise ValueError(
+            f"parallel.microbatches={microbatches} does not divide the per-replica batch of {batch} "
+            f"samples; choose a divisor of {batch} (or change train.batch_size).")
+
+
 def stage_shapes(modules: list[nn.Module], micro: torch.Tensor, autocast) -> list[tuple]:
     """(inputs, outputs) of each stage for one micro-batch, as meta tensors (fake execution)."""
     shapes = []
@@ -86,11 +93,7 @@ class PipelineModel(nn.Module):
             _merge_into(self, all_modules[i])
         for p in self.parameters():  # the gradient norm sums over the stages' ranks too
             p.exatrain_norm_axes = tuple(getattr(p, "exatrain_norm_axes", ())) + (axis,)
-        if example.shape[0] % microbatches:
-            raise ValueError(
-                f"parallel.microbatches={microbatches} does not divide the per-replica batch of "
-                f"{example.shape[0]} samples; choose a divisor of {example.shape[0]} (or change "
-                "train.batch_size).")
+        check_microbatches(example.shape[0], microbatches)
         self.batch = example.shape[0]
         micro = example[: self.batch // microbatches]
         shapes = stage_shapes(all_modules, micro, autocast)

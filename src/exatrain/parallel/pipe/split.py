@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import inspect
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -80,7 +81,9 @@ def trace_layers(model: nn.Module, example: torch.Tensor) -> Layers:
     tracer = _LayerTracer(model)
     name = next(iter(inspect.signature(model.forward).parameters))
     try:
-        graph = tracer.trace(model, meta_args={name: example.to("meta")})
+        with warnings.catch_warnings():  # the tracer's notes on shapes it need not know
+            warnings.filterwarnings("ignore", message="Could not compute metadata")
+            graph = tracer.trace(model, meta_args={name: example.to("meta")})
         _drop_unused(graph)
     except Exception as exc:
         raise PipeSplitError(
