@@ -41,6 +41,8 @@ def parallelize(model: nn.Module, mesh: Mesh, options=None, example=None) -> nn.
     if options is None:
         options = ParallelOptions()
     plan = mesh.plan
+    if plan.tensor_degree > 1 and _strategy("graph").has_graph_convs(model):  # 3D GCN (Plexus)
+        return _strategy("graph").parallelize_graph(model, mesh, options)
     if plan.tensor_degree > 1:  # places the model itself: a meta-device model is built shard by shard
         return _strategy("tensor").parallelize_tensor(model, mesh, options)
     model = model.to(mesh.device)

@@ -26,3 +26,4 @@ class ParallelOptions:
     pipe_virtual_stages: int = 2
     pipe_split: list[int] = field(default_factory=list)
     pipe_balance: str = "params"
+    graph_balance: bool = True      # 3D GCN: random row/column permutations of the adjacency
