@@ -115,10 +115,10 @@ def broadcast_object(obj, axis: Axis, src: int = 0, tag: str = "control"):
 
 
 def all_gather_object(obj, axis: Axis, tag: str = "control") -> list:
-    """Every member's picklable `obj`, by position on the axis (small control data only)."""
+    """Every member's picklable `obj`, in axis order, on every member."""
     if axis.size == 1:
         return [obj]
-    gathered = [None] * axis.size
-    dist.all_gather_object(gathered, obj, group=axis.group)
-    axis.ledger.record(axis.name, "all_gather", sum(len(pickle.dumps(o)) for o in gathered), tag)
-    return gathered
+    out = [None] * axis.size
+    dist.all_gather_object(out, obj, group=axis.group)
+    axis.ledger.record(axis.name, "all_gather", sum(len(pickle.dumps(o)) for o in out), tag)
+    return out

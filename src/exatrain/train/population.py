@@ -57,7 +57,7 @@ from ..population.partition import partition, split
 from . import checkpoint
 from .config import Config, ConfigError
 from .console import TrainConsole
-from .run import ResumeError, join, prepare_run
+from .run import ResumeError, join, pipeline_example, prepare_run
 from .trainer import NonFiniteLoss, Trainer
 
 
@@ -336,7 +336,8 @@ def setup_population(config: Config, resume_dir: str | None = None) -> tuple:
                     f"trainer's training partition ({smallest} samples of "
                     f"{len(workload.train_set)} over {view.trainers} trainers); lower it.")
         workload.train_set, tournament_set = split(workload.train_set, train, held)
-        model = parallelize(workload.model, view, member.parallel)
+        model = parallelize(workload.model, view, member.parallel,
+                            example=pipeline_example(workload, member, view.plan))
         workload.model = model
         console = TrainConsole() if mesh.rank == 0 else None
         trainer = PopulationTrainer(view, workload, member, model, tournament_set,

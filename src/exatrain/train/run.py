@@ -47,6 +47,14 @@ def find_resume_checkpoint(run_dir: str | Path) -> Path:
     return path
 
 
+def pipeline_example(workload, config: Config, plan) -> "torch.Tensor | None":
+    """One per-replica batch of inputs, from which `pipe` traces the model and sizes its stages."""
+    if plan.pipe == 1:
+        return None
+    per_replica = config.train.batch_size // (plan.data * plan.shard)
+    return torch.stack([workload.train_set[i][0] for i in range(per_replica)])
+
+
 def join(config: Config):
     """Join the job: the mesh of the configured Plan over this launch's ranks."""
     from ..launch import detect
@@ -89,7 +97,8 @@ def setup(config: Config, resume_dir: str | None = None) -> tuple:
         workload_module, run_dir = prepare_run(config, mesh, resume_dir)
         torch.manual_seed(config.run.seed)  # identical initial weights on every rank
         workload = workload_module.build(config, mesh)
-        model = parallelize(workload.model, mesh, config.parallel)
+        model = parallelize(workload.model, mesh, config.parallel,
+                            example=pipeline_example(workload, config, mesh.plan))
         workload.model = model  # drop the plain model: under tensor plans it is the full size
         console = TrainConsole() if mesh.rank == 0 else None
         trainer = Trainer(mesh, workload, config, model, run_dir=run_dir, console=console)
