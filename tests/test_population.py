@@ -157,6 +157,7 @@ def test_the_winner_is_bit_identical_on_both_trainers_under_every_plan(tiny_conf
         "zero3": tiny_config(*common, "plan.shard=2", "parallel.zero_stage=3"),
         "space": tiny_config(*common, "plan.space=[1, 1, 2]"),
         "tensor": tiny_config(*common, "plan.tensor=2"),
+        "pipe": tiny_config(*common, "plan.pipe=2"),
     }
     results = run_ranks(4, _exchange_cases, configs)
     for name in configs:

@@ -3,7 +3,8 @@
 Two trainers run the same intra-trainer Plan, so rank c of one holds exactly the pieces of the
 model that rank c of the other holds: the full parameters under data parallelism and ZeRO-1/2,
 its dim-0 chunk under ZeRO-3 (FSDP2 DTensors), its block of every split weight under tensor
-parallelism, the full (replicated) weights under spatial parallelism. A transfer therefore sends
+parallelism, the full (replicated) weights under spatial parallelism, its stage's layers under
+pipe. A transfer therefore sends
 each rank's local tensors, in the model's parameter order, to the rank at the same position of the
 other trainer: the `trainer` axis of the mesh (`TrainerMesh.trainer_axis`, position = trainer id).
 No rank gathers or scatters anything, whatever the layout.

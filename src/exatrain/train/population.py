@@ -1,7 +1,7 @@
 """Population training: K trainers on the `trainer` axis, with tournaments every N steps.
 
 `Plan(trainer=K, ...)` splits the job into K trainers (`mesh.TrainerMesh`), each running the
-intra-trainer Plan (data, shard, space, tensor) as if it were its own job: its own model (seeded
+intra-trainer Plan (pipe, data, shard, space, tensor) as if it were its own job: its own model (seeded
 with run.seed + trainer id), its own disjoint partition of the training set with its own
 tournament set held out of it, its own hyperparameters, its own run directory
 (RUN_DIR/trainer_KK/: metrics.jsonl, summary.json, checkpoints/). Every metrics line carries the
