@@ -42,6 +42,8 @@ def test_every_axis_is_implemented_and_clashes_are_refused():
     Plan(pipe=2, data=4).require_implemented()
     with pytest.raises(PlanError, match="pipe=1 with space"):
         Plan(pipe=2, space=(1, 1, 2)).require_implemented()
+    with pytest.raises(PlanError, match="data instead of shard"):
+        Plan(pipe=2, shard=2).require_implemented()
 
 
 def test_tensor_composes_with_data_only_in_this_version():
