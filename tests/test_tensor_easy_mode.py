@@ -9,7 +9,7 @@ attribute set to the local count; the nanoGPT original spelling `C // self.n_hea
 reshape `view(B, T, self.hidden_size)` are refused when the model is parallelized, naming the
 module, the attribute and the fix. With dropout, a training forward + backward leaves the global
 RNG state exactly as it was, both tensor ranks draw the same masks, and successive forwards draw
-new ones.
+new ones; under activation checkpointing the recomputation replays the forward's masks.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ class HFAttention(nn.Module):
 class TitanAttention(nn.Module):
     def __init__(self):
         super().__init__()
-        self.n_heads, self.head_dim = HEADS, WIDTH // HEADS
+        self.n_heads, self.n_kv_heads, self.head_dim = HEADS, HEADS, WIDTH // HEADS
+        self.n_rep = self.n_heads // self.n_kv_heads
         self.wq, self.wk, self.wv, self.wo = (nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(4))
 
     def forward(self, x):
@@ -108,6 +109,19 @@ class Block(nn.Module):
         return x + self.attn(self.norm(x))
 
 
+class _Stack(nn.Module):
+    """Two dropout attention blocks in an nn.ModuleList (what activation checkpointing wraps)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(HFAttention(dropout=0.5)) for _ in range(2)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
 ATTENTIONS = {"hf": HFAttention, "titan": TitanAttention, "nanogpt": NanoAttention}
 REFUSED = {"nanogpt_original": NanoOriginal, "full_width_reshape": FullWidthReshape}
 
@@ -115,6 +129,7 @@ REFUSED = {"nanogpt_original": NanoOriginal, "full_width_reshape": FullWidthResh
 def easy_mode(_unused) -> dict:
     from exatrain.mesh import init
     from exatrain.parallel.tensor import parallelize_tensor
+    from exatrain.parallel.tensor.heads import head_count_attrs
     from exatrain.parallel.tensor.state import gather_full, layout_of
 
     mesh = init(Plan(tensor=2))
@@ -122,7 +137,9 @@ def easy_mode(_unused) -> dict:
     for name, cls in ATTENTIONS.items():
         torch.manual_seed(1)
         serial = Block(cls())
-        par = parallelize_tensor(copy.deepcopy(serial), mesh)
+        plain = copy.deepcopy(serial)
+        par = parallelize_tensor(plain, mesh)
+        out.setdefault("plain_untouched", []).append(head_count_attrs(plain.attn))
         summary = par.exatrain_tensor.summary()
         out["local_heads"][name] = summary["local_heads"]
         out["chained"][name] = summary["chained"]
@@ -174,6 +191,17 @@ def easy_mode(_unused) -> dict:
     serial_draw = torch.rand(5)                # what the user's next draw is
     torch.manual_seed(11)
     expected_draw = torch.rand(5)
+    # activation checkpointing replays the forward's masks in the backward: same gradients
+    from exatrain.parallel.options import ParallelOptions
+    grads = []
+    for mode in ("none", "full"):
+        torch.manual_seed(7)
+        checkpointed = parallelize_tensor(
+            _Stack(), mesh, ParallelOptions(activation_checkpointing=mode))
+        torch.manual_seed(11)
+        checkpointed(x).square().sum().backward()
+        grads.append([p.grad.clone() for p in checkpointed.parameters()])
+    out["recompute_err"] = max(rel_err(a, b) for a, b in zip(*grads))
     return {**out, "rng_untouched": untouched, "next_draw_equal": torch.equal(serial_draw, expected_draw),
             "first": first.detach(), "second": second.detach()}
 
@@ -190,8 +218,11 @@ def test_usual_attention_spellings_train_like_serial(results):
             assert worst <= TOL, f"rank {rank} {name}: {errs}"
         assert result["chained"] == {n: ["attn"] for n in ATTENTIONS}, result["chained"]
     assert results[0]["local_heads"] == {"hf": {"attn": {"num_heads": 2}},
-                                         "titan": {"attn": {"n_heads": 2}},
+                                         "titan": {"attn": {"n_heads": 2, "n_kv_heads": 2}},
                                          "nanogpt": {"attn": {"n_head": 2}}}
+    # the user's model keeps its own head counts (easy mode works on a copy of the tree)
+    assert results[0]["plain_untouched"] == [{"num_heads": 4}, {"n_heads": 4, "n_kv_heads": 4},
+                                             {"n_head": 4}]
 
 
 def test_spellings_that_cannot_split_are_refused_with_the_fix(results):
@@ -209,6 +240,8 @@ def test_dropout_leaves_the_user_stream_and_agrees_over_the_group(results):
     # replicated activations: the same masks on both tensor ranks
     assert torch.equal(results[0]["first"], results[1]["first"])
     assert torch.equal(results[0]["second"], results[1]["second"])
+    # activation checkpointing recomputes with the forward's masks
+    assert results[0]["recompute_err"] <= TOL, results[0]["recompute_err"]
     # dropout is active, and a second forward draws new masks
     assert (results[0]["first"] == 0).any()
     assert not torch.equal(results[0]["first"], results[0]["second"])

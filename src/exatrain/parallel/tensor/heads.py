@@ -27,8 +27,10 @@ import textwrap
 
 from torch import nn
 
-# Attributes that hold a module's number of (query) attention heads.
-HEAD_COUNT_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads")
+# Attributes that hold a module's number of attention heads (query heads, and key/value heads:
+# in a split pair all projections have one width, so there are as many kv heads as q heads).
+HEAD_COUNT_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "n_kv_heads",
+                    "num_key_value_heads")
 # Attributes that hold the module's full model width (heads × head_dim).
 WIDTH_ATTRS = ("n_embd", "embed_dim", "hidden_size", "d_model", "all_head_size")
 
