@@ -77,6 +77,26 @@ class NanoAttention(nn.Module):
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1))
 
 
+class NanoFused(nn.Module):
+    """nanoGPT's attention as written there: one fused q/k/v Linear, the head size from the
+    input's width. Its Linears do not chain (3C → C), so each is split on its own."""
+
+    def __init__(self, dropout=0.0):
+        super().__init__()
+        self.n_head, self.n_embd, self.dropout = HEADS, WIDTH, dropout
+        self.c_attn = nn.Linear(WIDTH, 3 * WIDTH)
+        self.c_proj = nn.Linear(WIDTH, WIDTH)
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+                   for t in self.c_attn(x).split(self.n_embd, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0)
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
+
+
 class NanoOriginal(NanoAttention):
     """nanoGPT's own spelling: the head size from the full width read off the input."""
 
@@ -122,7 +142,8 @@ class _Stack(nn.Module):
         return x
 
 
-ATTENTIONS = {"hf": HFAttention, "titan": TitanAttention, "nanogpt": NanoAttention}
+ATTENTIONS = {"hf": HFAttention, "titan": TitanAttention, "nanogpt": NanoAttention,
+              "nanogpt_fused": NanoFused}
 REFUSED = {"nanogpt_original": NanoOriginal, "full_width_reshape": FullWidthReshape}
 
 
@@ -143,6 +164,7 @@ def easy_mode(_unused) -> dict:
         summary = par.exatrain_tensor.summary()
         out["local_heads"][name] = summary["local_heads"]
         out["chained"][name] = summary["chained"]
+        out.setdefault("split", {})[name] = summary["split"]
         x = torch.randn(3, 6, WIDTH)
         xs, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
         ys, yp = serial(xs), par(xp)
@@ -179,8 +201,9 @@ def easy_mode(_unused) -> dict:
 
     # dropout: exatrain's stream inside the forward, the user's stream untouched
     torch.manual_seed(7)
-    model = parallelize_tensor(nn.Sequential(Block(HFAttention(dropout=0.5)), nn.Dropout(0.5)),
-                               mesh)
+    # (nn.Dropout modules, and SDPA's functional dropout_p in the fused nanoGPT block)
+    model = parallelize_tensor(nn.Sequential(Block(HFAttention(dropout=0.5)),
+                                             Block(NanoFused(dropout=0.5)), nn.Dropout(0.5)), mesh)
     x = torch.randn(2, 4, WIDTH)
     torch.manual_seed(11)                      # the user's stream, e.g. for augmentation
     before = torch.get_rng_state()
@@ -216,13 +239,15 @@ def test_usual_attention_spellings_train_like_serial(results):
         for name, errs in result["errs"].items():
             worst = max(errs.values())
             assert worst <= TOL, f"rank {rank} {name}: {errs}"
-        assert result["chained"] == {n: ["attn"] for n in ATTENTIONS}, result["chained"]
+        assert result["chained"] == {**{n: ["attn"] for n in ATTENTIONS}, "nanogpt_fused": []}
+        assert result["split"]["nanogpt_fused"] == ["attn.c_attn", "attn.c_proj"]
     assert results[0]["local_heads"] == {"hf": {"attn": {"num_heads": 2}},
                                          "titan": {"attn": {"n_heads": 2, "n_kv_heads": 2}},
-                                         "nanogpt": {"attn": {"n_head": 2}}}
+                                         "nanogpt": {"attn": {"n_head": 2}},
+                                         "nanogpt_fused": {}}
     # the user's model keeps its own head counts (easy mode works on a copy of the tree)
     assert results[0]["plain_untouched"] == [{"num_heads": 4}, {"n_heads": 4, "n_kv_heads": 4},
-                                             {"n_head": 4}]
+                                             {"n_head": 4}, {"n_head": 4}]
 
 
 def test_spellings_that_cannot_split_are_refused_with_the_fix(results):
