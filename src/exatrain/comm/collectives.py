@@ -112,3 +112,13 @@ def broadcast_object(obj, axis: Axis, src: int = 0, tag: str = "control"):
     dist.broadcast_object_list(holder, src=axis.global_rank(src), group=axis.group)
     axis.ledger.record(axis.name, "broadcast", len(pickle.dumps(holder[0])), tag)
     return holder[0]
+
+
+def all_gather_object(obj, axis: Axis, tag: str = "control") -> list:
+    """Every member's picklable `obj`, in axis order, on every member."""
+    if axis.size == 1:
+        return [obj]
+    out = [None] * axis.size
+    dist.all_gather_object(out, obj, group=axis.group)
+    axis.ledger.record(axis.name, "all_gather", sum(len(pickle.dumps(o)) for o in out), tag)
+    return out
