@@ -270,3 +270,30 @@ def test_dropout_leaves_the_user_stream_and_agrees_over_the_group(results):
     # dropout is active, and a second forward draws new masks
     assert (results[0]["first"] == 0).any()
     assert not torch.equal(results[0]["first"], results[0]["second"])
+
+
+def test_forward_seeds_follow_the_users_seed_not_the_process_history():
+    from exatrain.parallel.tensor.rng import ForwardRng
+
+    original = ForwardRng()
+    torch.manual_seed(3)
+    step3 = [original.next_seed() for _ in range(2)]     # two micro-batches of one step
+    torch.manual_seed(4)
+    step4 = original.next_seed()
+    assert step3[0] != step3[1] and step4 not in step3
+    resumed = ForwardRng()                                # a new process resuming at step 4
+    torch.manual_seed(4)
+    assert resumed.next_seed() == step4
+
+
+def test_a_forward_that_raised_still_gives_the_user_state_back():
+    from exatrain.parallel.tensor.rng import ForwardRng
+
+    rng = ForwardRng()
+    torch.manual_seed(11)
+    user = torch.get_rng_state()
+    rng.enter(123)               # the forward raises: no exit
+    torch.rand(3)
+    rng.enter(456)               # the next forward starts
+    rng.exit()
+    assert torch.equal(torch.get_rng_state(), user)
