@@ -1,15 +1,18 @@
-"""Easy mode under tensor=2 for attention written the usual ways, and dropout that leaves the
+"""Easy mode under tensor for attention written the usual ways, and dropout that leaves the
 user's random stream alone.
 
-One 2-rank launch: HF-style (`num_heads`, `head_dim`, `view(B, T, self.num_heads, self.head_dim)`),
-torchtitan-style (`n_heads`, `view(bs, seqlen, -1, self.head_dim)`) and nanoGPT-style with a
-`head_dim` (`view(B, T, self.n_head, self.head_dim)`) attention train like serial (outputs,
-gradients, 3 SGD steps; fp32 rel ≤ 1e-5) with their q/k/v/out split as a pair and the head-count
-attribute set to the local count; the nanoGPT original spelling `C // self.n_head` and a full-width
-reshape `view(B, T, self.hidden_size)` are refused when the model is parallelized, naming the
-module, the attribute and the fix. With dropout, a training forward + backward leaves the global
-RNG state exactly as it was, both tensor ranks draw the same masks, and successive forwards draw
-new ones; under activation checkpointing the recomputation replays the forward's masks.
+A 2-rank launch (tensor=2) and a 4-rank one (tensor=(2, 1, 2)): HF-style (`num_heads`,
+`head_dim`, `view(B, T, self.num_heads, self.head_dim)`), torchtitan-style (`n_heads`,
+`n_kv_heads`, `view(bs, seqlen, -1, self.head_dim)`) and nanoGPT-style with a `head_dim`
+(`view(B, T, self.n_head, self.head_dim)`) attention train like serial (outputs, gradients, 3 SGD
+steps; fp32 rel ≤ 1e-5) with q/k/v/out split as a pair and the head-count attributes set to the
+local count; nanoGPT's fused attention as written there trains like serial with its Linears split
+one at a time. On 2 ranks: the spelling `C // self.n_head` (with q/k/v split by heads) and a
+full-width reshape `view(B, T, self.hidden_size)` are refused when the model is parallelized,
+naming the module, the attribute and the fix; with dropout (nn.Dropout and SDPA's dropout_p) a
+training forward + backward leaves the global RNG state exactly as it was, both tensor ranks draw
+the same masks, successive forwards draw new ones, and activation checkpointing replays the
+forward's masks in the recomputation.
 """
 
 from __future__ import annotations
@@ -147,14 +150,13 @@ ATTENTIONS = {"hf": HFAttention, "titan": TitanAttention, "nanogpt": NanoAttenti
 REFUSED = {"nanogpt_original": NanoOriginal, "full_width_reshape": FullWidthReshape}
 
 
-def easy_mode(_unused) -> dict:
-    from exatrain.mesh import init
+def compare_spellings(mesh) -> dict:
+    """Each of ATTENTIONS in a block, parallelized on `mesh`, against the serial block."""
     from exatrain.parallel.tensor import parallelize_tensor
     from exatrain.parallel.tensor.heads import head_count_attrs
     from exatrain.parallel.tensor.state import gather_full, layout_of
 
-    mesh = init(Plan(tensor=2))
-    out: dict = {"errs": {}, "local_heads": {}, "chained": {}, "refusals": {}}
+    out: dict = {"errs": {}, "local_heads": {}, "chained": {}}
     for name, cls in ATTENTIONS.items():
         torch.manual_seed(1)
         serial = Block(cls())
@@ -191,6 +193,20 @@ def easy_mode(_unused) -> dict:
             pair = errs.pop(f"loss{step}")
             errs[f"loss{step}"] = rel_err(pair["p"], pair["s"])
         out["errs"][name] = errs
+    return out
+
+
+def spellings_3d(_unused) -> dict:
+    from exatrain.mesh import init
+    return compare_spellings(init(Plan(tensor=(2, 1, 2))))
+
+
+def easy_mode(_unused) -> dict:
+    from exatrain.mesh import init
+    from exatrain.parallel.tensor import parallelize_tensor
+
+    mesh = init(Plan(tensor=2))
+    out = {**compare_spellings(mesh), "refusals": {}}
     for name, cls in REFUSED.items():
         torch.manual_seed(1)
         try:
@@ -234,14 +250,20 @@ def results():
     return run_ranks(2, easy_mode, None)
 
 
-def test_usual_attention_spellings_train_like_serial(results):
-    for rank, result in enumerate(results):
+@pytest.fixture(scope="module")
+def results_3d():
+    return run_ranks(4, spellings_3d, None)
+
+
+def test_usual_attention_spellings_train_like_serial(results, results_3d):
+    for rank, result in enumerate(results + results_3d):
         for name, errs in result["errs"].items():
             worst = max(errs.values())
             assert worst <= TOL, f"rank {rank} {name}: {errs}"
         assert result["chained"] == {**{n: ["attn"] for n in ATTENTIONS}, "nanogpt_fused": []}
         assert result["split"]["nanogpt_fused"] == ["attn.c_attn", "attn.c_proj"]
-    assert results[0]["local_heads"] == {"hf": {"attn": {"num_heads": 2}},
+    # 1D: heads / tensor; 3D (2, 1, 2): heads / tensor_x
+    assert results[0]["local_heads"] == results_3d[0]["local_heads"] == {"hf": {"attn": {"num_heads": 2}},
                                          "titan": {"attn": {"n_heads": 2, "n_kv_heads": 2}},
                                          "nanogpt": {"attn": {"n_head": 2}},
                                          "nanogpt_fused": {}}
