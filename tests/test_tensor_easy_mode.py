@@ -74,6 +74,8 @@ class NanoAttention(nn.Module):
 
     def forward(self, x):
         B, T, C = x.size()
+        # self.head_dim, not C // self.n_head: split by heads, n_head is the local count
+        # (this comment must not be mistaken for code by the check)
         q, k, v = (p(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
                    for p in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -277,6 +279,7 @@ def test_spellings_that_cannot_split_are_refused_with_the_fix(results):
     nano = refusals["nanogpt_original"]
     assert "'attn'" in nano and "NanoOriginal" in nano and "C // self.n_head" in nano
     assert "self.head_dim" in nano and "pairs=False" in nano
+    assert "each rank holds 2 of its 4 heads" in nano
     full = refusals["full_width_reshape"]
     assert "self.hidden_size" in full and "view(B, T, -1)" in full and "'attn'" in full
 

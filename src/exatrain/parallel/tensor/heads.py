@@ -21,6 +21,7 @@ a compiled class, only the attributes are set.) No communication.
 
 from __future__ import annotations
 
+import ast
 import inspect
 import re
 import textwrap
@@ -46,21 +47,30 @@ def head_count_attrs(module: nn.Module) -> dict[str, int]:
 
 
 def _forward_source(module: nn.Module) -> str | None:
+    """The code of `type(module).forward`, without comments and docstrings (so that prose
+    mentioning `C // self.n_head` is not taken for code); None when it cannot be read."""
     try:
-        return textwrap.dedent(inspect.getsource(type(module).forward))
-    except (OSError, TypeError):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(module).forward)))
+    except (OSError, TypeError, SyntaxError):
         return None
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and \
+                isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.unparse(tree)
 
 
 def _refusal(name: str, module: nn.Module, attr: str, found: str, split: int, axis: str,
              fix: str) -> ValueError:
+    heads = max(head_count_attrs(module).values(), default=0)
     return ValueError(
         f"tensor parallelism splits attention module {name!r} ({type(module).__name__}) by "
-        f"heads: each rank holds {module.__dict__.get(attr, '?')} // {split} heads of its q/k/v "
-        f"({axis}={split}), and exatrain sets self.{attr} to that local count. But its forward "
-        f"uses `{found}`, which then computes the wrong size. Fix: {fix} (the code then runs "
-        f"unchanged serially), or leave this module whole with parallelize_tensor(..., "
-        f"pairs=False).")
+        f"heads: with {axis}={split} each rank holds {heads // split} of its {heads} heads, and "
+        f"exatrain sets its head-count attributes to the local count. But its forward uses "
+        f"`{found}`, which then computes the wrong size. Fix: {fix} (the code then runs "
+        f"unchanged serially), or split its Linears one at a time (more communication) with "
+        f"parallelize_tensor(..., pairs=False).")
 
 
 def check_forward(name: str, module: nn.Module, split: int, axis: str) -> None:
