@@ -147,6 +147,31 @@ class _Stack(nn.Module):
         return x
 
 
+class NanoBlock(nn.Module):
+    """A transformer block with fused nanoGPT attention and an MLP (a pair)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = Block(NanoFused())
+        self.mlp = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(),
+                                 nn.Linear(2 * WIDTH, WIDTH))
+
+    def forward(self, x):
+        x = self.attn(x)
+        return x + self.mlp(x)
+
+
+class NanoBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(NanoBlock() for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
 ATTENTIONS = {"hf": HFAttention, "titan": TitanAttention, "nanogpt": NanoAttention,
               "nanogpt_fused": NanoFused}
 REFUSED = {"nanogpt_original": NanoOriginal, "full_width_reshape": FullWidthReshape}
@@ -217,6 +242,15 @@ def easy_mode(_unused) -> dict:
         except ValueError as exc:
             out["refusals"][name] = str(exc)
 
+    # sequence parallelism must not split the tokens of attention it cannot pair
+    from exatrain.parallel.options import ParallelOptions
+    torch.manual_seed(1)
+    try:
+        parallelize_tensor(NanoBlocks(), mesh, ParallelOptions(sequence_parallel=True))
+        out["refusals"]["sequence_parallel"] = ""
+    except ValueError as exc:
+        out["refusals"]["sequence_parallel"] = str(exc)
+
     # dropout: exatrain's stream inside the forward, the user's stream untouched
     torch.manual_seed(7)
     # (nn.Dropout modules, and SDPA's functional dropout_p in the fused nanoGPT block)
@@ -280,6 +314,8 @@ def test_spellings_that_cannot_split_are_refused_with_the_fix(results):
     assert "'attn'" in nano and "NanoOriginal" in nano and "C // self.n_head" in nano
     assert "self.head_dim" in nano and "pairs=False" in nano
     assert "each rank holds 2 of its 4 heads" in nano
+    sp = refusals["sequence_parallel"]
+    assert "attn.attn (NanoFused)" in sp and "sequence_parallel=false" in sp
     full = refusals["full_width_reshape"]
     assert "self.hidden_size" in full and "view(B, T, -1)" in full and "'attn'" in full
 

@@ -409,7 +409,9 @@ class TensorParallel:
                 if id(module) in applied:
                     continue
                 leaf = not any(True for _ in module.children())
-                if _head_dim(module) is not None or isinstance(module, nn.MultiheadAttention) \
+                # attention: a head size, or a head count (nanoGPT's fused c_attn has only n_head)
+                if _head_dim(module) is not None or head_count_attrs(module) or \
+                        isinstance(module, nn.MultiheadAttention) \
                         or leaf and not isinstance(module, TOKEN_LOCAL):
                     raise ValueError(
                         f"parallel.sequence_parallel: {names.get(id(module), module)} "
