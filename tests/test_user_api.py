@@ -173,7 +173,12 @@ def test_data_model_size_mismatch_is_refused_at_build(tiny_config, cosmo_data):
     config = tiny_config("model.size=32", "data.size=32")
     mesh = et.init(et.Plan())
     try:
-        with pytest.raises(ValueError, match=r"16³ cubes but model.size=32.*model.size=16"):
+        with pytest.raises(ValueError, match=r"model.size=32[\s\S]*16×16×16[\s\S]*set model.size=16"):
             cosmoflow.build(config, mesh)
+        workload = cosmoflow.build(tiny_config(), mesh)   # per-target MAE and baselines
+        assert {f"baseline_mae_{n}" for n in ("Omega_m", "sigma_8", "n_s", "H0")} <= set(workload.baselines)
+        metrics = workload.finalize({k: torch.tensor(1.0) for k in
+                                     workload.metric_sums(torch.zeros(2, 4), torch.ones(2, 4))})
+        assert metrics["val_mae_H0"] == pytest.approx(4.0) and "val_mae_Omega_m" in metrics
     finally:
         mesh.close()

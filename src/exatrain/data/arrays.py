@@ -29,10 +29,9 @@ from torch.utils.data import Dataset
 
 
 def _as_tensors(x, y):
-    x = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    x = torch.from_numpy(np.array(x, dtype=np.float32))   # a copy: memory maps are read-only
     y = np.asarray(y)
-    y = torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64 if y.dtype.kind in "iub"
-                                              else np.float32))
+    y = torch.from_numpy(np.array(y, dtype=np.int64 if y.dtype.kind in "iub" else np.float32))
     return x, y
 
 

@@ -22,6 +22,8 @@ from typing import Any
 
 from ..parallel.options import ParallelOptions
 from ..plan import Plan
+from ..population.options import PopulationOptions
+from ..population.options import validate as validate_population
 
 
 class ConfigError(ValueError):
@@ -92,7 +94,7 @@ class ScheduleOptions:
 
 FIXED_SECTIONS = {"run": RunOptions, "plan": PlanOptions, "train": TrainOptions,
                   "optim": OptimOptions, "schedule": ScheduleOptions,
-                  "parallel": ParallelOptions}
+                  "parallel": ParallelOptions, "population": PopulationOptions}
 
 
 @dataclass
@@ -103,6 +105,7 @@ class Config:
     optim: OptimOptions
     schedule: ScheduleOptions
     parallel: ParallelOptions
+    population: PopulationOptions
     model: Any
     data: Any
 
@@ -216,11 +219,31 @@ def validate(config: Config) -> None:
             raise ConfigError(f"{where}={value} must be at least 1.")
     if t.steps < 0 or t.epochs < 1 and t.steps == 0:
         raise ConfigError(f"train.steps={t.steps}, train.epochs={t.epochs}: give steps > 0 or epochs ≥ 1.")
+    if config.plan.pipe > 1:
+        from ..parallel.pipe.schedules import check_schedule
+        check_schedule(config.parallel.pipe_schedule)
+        if t.grad_accum != 1:
+            raise ConfigError(f"train.grad_accum={t.grad_accum} with plan.pipe={config.plan.pipe}: "
+                              "the pipeline already accumulates over micro-batches; set "
+                              "train.grad_accum=1 and parallel.microbatches instead.")
+        if config.parallel.precision == "fp16":
+            raise ConfigError("parallel.precision='fp16' with plan.pipe > 1 is not supported (no "
+                              "loss scaling across stages); use 'bf16' or 'fp32'.")
+        if config.parallel.pipe_balance not in ("params", "time"):
+            raise ConfigError(f"parallel.pipe_balance={config.parallel.pipe_balance!r} must be "
+                              "'params' or 'time'.")
+        if config.parallel.microbatches < 0:
+            raise ConfigError(f"parallel.microbatches={config.parallel.microbatches} must be >= 1 "
+                              "(or 0: two per stage).")
     if config.parallel.zero_stage not in (1, 2, 3):
         raise ConfigError(f"parallel.zero_stage={config.parallel.zero_stage} must be 1, 2 or 3 "
                           "(stage 0 is plain data parallelism: set plan.shard=1).")
     if o.lr <= 0:
         raise ConfigError(f"optim.lr={o.lr} must be positive.")
+    try:
+        validate_population(config.population, config.plan.trainer)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def micro_batch_size(config: Config, replicas: int) -> int:

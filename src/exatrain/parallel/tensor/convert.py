@@ -42,19 +42,17 @@ Gradient synchronisation (`gradsync.GradSync`) follows each parameter's metadata
     whole parameters inside a
     sequence-parallel region         sum over tensor, mean over data
 
-Dropout: at each training forward the tensor group agrees on one seed (an 8-byte broadcast on
-the tensor axis, tag "control", derived from rank 0's global generator without advancing it,
-and from a count of forwards since it last changed, so micro-batches draw new masks), offset by
-the z coordinate, so replicated activations get identical masks on every rank holding them.
-Every nn.Dropout is replaced by a SeededDropout drawing from the model's own generator
-(dropout.py); functional dropout inside the forward (SDPA's dropout_p) draws from the global
-generator, which is seeded for the forward and restored after it, so the user's random stream
-is the same after a forward as before. Masks inside split regions (attention heads, sequence
-shards) are valid masks but not the ones a serial run would draw.
+Attention heads: a split attention module's head-count attributes (`n_head`, `n_heads`,
+`num_heads`, `num_attention_heads`) are set to the rank's local head count, and a forward that
+cannot run on a share of the heads (`C // self.n_head`) is refused before training (heads.py).
 
-Attention: head-count attributes (n_head, num_heads, n_heads, ...) of a split attention module
-are set to the local head count, and a forward that still reshapes with the full width is
-refused before training (heads.py).
+Dropout: at each training forward the tensor group agrees on one seed (an 8-byte broadcast on
+the tensor axis, tag "control", derived on rank 0 from its last torch.manual_seed without drawing
+from its stream), offset by the z coordinate, so replicated activations get identical masks on
+every rank holding them. The forward draws from exatrain's stream and the user's global random
+state is restored when the forward returns (rng.py). Masks inside split regions (attention
+heads, sequence shards) come from the same stream, so they are valid masks but not the ones a
+serial run would draw.
 
 Communication per step is the sum of the per-layer formulas in linear1d.py / linear3d.py, the
 boundary conversions and the gradient all-reduce; `TensorParallel.bytes_per_step()` evaluates
@@ -73,10 +71,10 @@ from ...comm import broadcast
 from ...comm.autograd import gather, scatter
 from ...mesh import Mesh
 from ..gradsync import GradSync, set_grad_axes
-from .dropout import DropoutStream, replace_dropout
-from .heads import check_runs_split, head_counts, heads_divide, localize_heads
+from .heads import head_count_attrs, localize_heads
 from .linear1d import SEQ_DIM, ColumnParallelLinear, RowParallelLinear, SharedInput
 from .linear3d import Grid3D, Linear3D, SharedScatter, gather_batch, scatter_batch
+from .rng import ForwardRng
 
 # Modules through which features stay where they are (elementwise, or identity).
 FEATURE_LOCAL = (nn.GELU, nn.ReLU, nn.ReLU6, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.LeakyReLU,
@@ -126,7 +124,7 @@ def find_pairs(model: nn.Module) -> list[tuple[str, nn.Module, list[str], str]]:
     only FEATURE_LOCAL modules; its last Linear is the row layer; the other Linears, all with the
     same in_features and out_features == the row's in_features, are the column layers. More than
     one column layer (q, k, v) is accepted only in attention (a parent with an integer
-    `head_dim` or a head-count attribute such as `n_head`, see heads.py); containers without a forward of their own (ModuleList, ModuleDict) never qualify.
+    `head_dim`); containers without a forward of their own (ModuleList, ModuleDict) never qualify.
 
     The structure is a promise the first training forward checks (`_PairCheck`): the row
     layer's input must be computed from the column layers' outputs, through no norm, reduction
@@ -141,8 +139,7 @@ def find_pairs(model: nn.Module) -> list[tuple[str, nn.Module, list[str], str]]:
         others = [c for _n, c in module.named_children() if type(c) is not nn.Linear]
         if len(linears) < 2 or not all(isinstance(c, FEATURE_LOCAL) for c in others):
             continue
-        attention = _head_dim(module) is not None or bool(head_counts(module))
-        if len(linears) > 2 and (not attention or isinstance(module, nn.Sequential)):
+        if len(linears) > 2 and (_head_dim(module) is None or isinstance(module, nn.Sequential)):
             continue
         row_name, row = linears[-1]
         columns = linears[:-1]
@@ -253,13 +250,17 @@ class TensorParallel:
         self._sp_pair_parents: list[nn.Module] = []
         self.gradsync: GradSync | None = None
         self._seed = 0
-        self.dropout = DropoutStream(self.device)
-        self._attention: list = []                   # split attention: (name, module, changed, d)
-        self._peeked, self._forwards, self._saved_rng = None, 0, None
+        self.rng = ForwardRng()
+        self.local_heads: dict[str, dict[str, int]] = {}  # module name -> {attribute: heads}
         self._boundary = {"rows_out": 0, "rows_in_grad": 0, "seed": 0}
         self._sp_bytes: dict[str, int] = {}
 
     # ------------------------------------------------------------------ construction
+    @property
+    def _heads_split(self) -> tuple[int, str]:
+        """How many parts a split attention module's heads go into, and over which axis."""
+        return (self.grid.x.size, "tensor_x") if self.three_d else (self.tensor.size, "tensor")
+
     def _fits_pair(self, cols: list[nn.Linear], row: nn.Linear, head_dim: int | None) -> bool:
         if self.three_d:
             X, Y, Z = self.grid.x.size, self.grid.y.size, self.grid.z.size
@@ -293,15 +294,15 @@ class TensorParallel:
             for parent_name, parent, col_names, row_name in find_pairs(root):
                 cols = [getattr(parent, n) for n in col_names]
                 row = getattr(parent, row_name)
-                split = self.grid.x.size if self.three_d else self.tensor.size
+                heads = head_count_attrs(parent)
+                head_dim = _head_dim(parent) or (cols[0].out_features // min(heads.values())
+                                                 if heads else None)
                 if any(id(l.weight) in tied for l in (*cols, row)) or \
-                        not self._fits_pair(cols, row, _head_dim(parent)) or \
-                        not heads_divide(parent, split):
+                        not self._fits_pair(cols, row, head_dim):
                     continue
-                changed = localize_heads(parent, split)
-                if changed or _head_dim(parent) is not None:
-                    self._attention.append((parent_name, parent, changed, cols[0].in_features,
-                                            cols[0].weight.dtype))
+                if heads:  # before anything is split: a refusal leaves nothing half-done
+                    self.local_heads[parent_name] = localize_heads(parent_name, parent,
+                                                                   *self._heads_split)
                 sp = id(parent) in in_sp
                 if self.three_d:
                     shared = SharedScatter(self.grid.y)
@@ -358,10 +359,6 @@ class TensorParallel:
                 f"feature sizes, or use data parallelism (tensor=1).")
 
         _materialize(root, self.device)
-        replace_dropout(root, self.dropout)
-        if not self.three_d:  # (3D layers expect their boundary layout: not probed)
-            for name, module, changed, width, dtype in self._attention:
-                check_runs_split(name, module, changed, width, self.tensor.size, self.device, dtype)
         if self.sequence_parallel:
             self._install_sequence_parallel(root, sp_candidates)
         self._set_grad_metadata(root, sp_candidates)
@@ -412,7 +409,9 @@ class TensorParallel:
                 if id(module) in applied:
                     continue
                 leaf = not any(True for _ in module.children())
-                if _head_dim(module) is not None or isinstance(module, nn.MultiheadAttention) \
+                # attention: a head size, or a head count (nanoGPT's fused c_attn has only n_head)
+                if _head_dim(module) is not None or head_count_attrs(module) or \
+                        isinstance(module, nn.MultiheadAttention) \
                         or leaf and not isinstance(module, TOKEN_LOCAL):
                     raise ValueError(
                         f"parallel.sequence_parallel: {names.get(id(module), module)} "
@@ -438,9 +437,7 @@ class TensorParallel:
         checkpointing) draws the same ones again."""
         if self._is_training:
             offset = 0 if shared else 1 + self.tensor.rank
-            seed = (self._seed + 1_000_003 * (site + 1) + offset) % 2 ** 63
-            self.dropout.seed(seed)
-            torch.manual_seed(seed)  # functional dropout; the global state is restored in _after
+            self.rng.reseed((self._seed + 1_000_003 * (site + 1) + offset) % 2 ** 63)
 
     def _record(self, key: str, t: torch.Tensor) -> None:
         self._sp_bytes[key] = self._sp_bytes.get(key, 0) + t.numel() * t.element_size()
@@ -498,15 +495,12 @@ class TensorParallel:
         self._sp_bytes = {}
         if self._is_training and self.tensor.size > 1:
             seed = torch.zeros(1, dtype=torch.int64, device=self.mesh.device)
-            self._saved_rng = _global_rng_state(self.mesh.device)
             if self.tensor.rank == 0:
-                seed.fill_(self._next_seed())
+                seed.fill_(self.rng.next_seed())
             broadcast(seed, self.tensor, src=0, tag="control")
             self._seed = int(seed)
             self._boundary["seed"] = seed.numel() * seed.element_size()
-            local = self._seed + (self.z.rank if self.z is not None else 0)
-            self.dropout.seed(local)
-            torch.manual_seed(local)  # for functional dropout; restored after the forward
+            self.rng.enter(self._seed + (self.z.rank if self.z is not None else 0))
         if not self.three_d or self.z.size == 1:
             return None
         batch = None
@@ -533,20 +527,8 @@ class TensorParallel:
         self._batch = batch
         return args, kwargs
 
-    def _next_seed(self) -> int:
-        """A seed from the global generator's next draw, which is then undrawn, and the number
-        of forwards since that draw last changed (the Trainer reseeds every step)."""
-        state = torch.get_rng_state()
-        peeked = int(torch.randint(0, 2 ** 62, (1,)))
-        torch.set_rng_state(state)
-        self._forwards = self._forwards + 1 if peeked == self._peeked else 0
-        self._peeked = peeked
-        return (peeked + 7_919 * self._forwards) % 2 ** 62
-
     def _after(self, module, args, output):
-        if self._saved_rng is not None:
-            _restore_global_rng(self._saved_rng, self.mesh.device)
-            self._saved_rng = None
+        self.rng.exit()  # the user's random state, as it was before the forward
         if not self.three_d or self.z.size == 1 or self._batch is None:
             return output
         batch, self._batch = self._batch, None
@@ -599,18 +581,8 @@ class TensorParallel:
     def summary(self) -> dict:
         return {"plan": str(self.mesh.plan), "split": list(self.split_names),
                 "whole": list(self.whole_names), "chained": list(self.pairs),
+                "local_heads": dict(self.local_heads),
                 "sequence_parallel_regions": list(self.sp_regions)}
-
-
-def _global_rng_state(device) -> tuple:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-def _restore_global_rng(state: tuple, device) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
 
 
 def _materialize(root: nn.Module, device) -> None:
