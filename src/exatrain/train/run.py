@@ -57,6 +57,7 @@ def setup(config: Config, resume_dir: str | None = None) -> tuple:
     """Join the job, build workload, model and Trainer on this rank. Returns (mesh, trainer)."""
     from ..launch import detect
 
+    setup_times = {"init_start": time.time()}  # MLPerf's init and staging phases
     launch = detect()
     plan = config.plan.resolve(launch.world_size if launch else 1)
     backend = None if config.run.backend == "auto" else config.run.backend
@@ -66,7 +67,9 @@ def setup(config: Config, resume_dir: str | None = None) -> tuple:
         failure = None
         if mesh.rank == 0:
             try:
+                setup_times["staging_start"] = time.time()
                 workload_module.prepare(config)
+                setup_times["staging_stop"] = time.time()
             except Exception as exc:  # tell the others now, or they wait out run.timeout_s
                 failure = exc
         message = broadcast_object(f"{type(failure).__name__}: {failure}" if failure else None,
@@ -89,6 +92,8 @@ def setup(config: Config, resume_dir: str | None = None) -> tuple:
         workload.model = model  # drop the plain model: under tensor plans it is the full size
         console = TrainConsole() if mesh.rank == 0 else None
         trainer = Trainer(mesh, workload, config, model, run_dir=run_dir, console=console)
+        trainer.observer.setup_times.update(setup_times,
+                                            local_world_size=launch.local_world_size if launch else 1)
         if resume_from:
             trainer.resume(resume_from)
             if console:
