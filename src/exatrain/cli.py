@@ -21,7 +21,8 @@ def _run(args) -> int:
     if args.resume:
         find_resume_checkpoint(args.resume)  # fail now, before any rank starts
         config_path = config_path or str(Path(args.resume) / "config.toml")
-    config = load_config(config_path, args.set or [])
+    overrides = (args.set or []) + ([f"observe.profile_steps={args.profile}"] if args.profile else [])
+    config = load_config(config_path, overrides)
     launch = detect()
     if launch is not None:  # under torchrun / srun / flux / jsrun / mpirun: this is one rank
         summary = run_job(config, args.resume)
@@ -79,6 +80,14 @@ def _data(args) -> int:
     return 0
 
 
+def _report(args) -> int:
+    from .observe.report import build_report
+
+    made = build_report(args.paths, args.out)
+    Console(stderr=True).print(f"report: [bold]{made['report']}[/] ({len(made) - 1} figures)")
+    return 0
+
+
 def _bench(args) -> int:
     from .bench import run_benchmark
 
@@ -100,7 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="override a config value; repeatable")
     run.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its "
                                                          "latest checkpoint")
+    run.add_argument("--profile", type=int, metavar="STEPS", help="record a torch.profiler "
+                     "trace of STEPS steps on every rank into RUN_DIR/profile/ (observe.profile_*)")
     run.set_defaults(func=_run)
+
+    report = sub.add_parser("report", help="figures and a summary of finished runs or benchmarks")
+    report.add_argument("paths", nargs="+", metavar="RUN_DIR|BENCH.json")
+    report.add_argument("--out", metavar="DIR", help="where to write (default: RUN_DIR/report "
+                                                     "for one run, ./report for several)")
+    report.set_defaults(func=_report)
 
     from .data import writers
     data = sub.add_parser("data", help="write a data set as HDF5")

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ..comm import all_gather_object
 from ..comm.timing import named_range
 from ..parallel.precision import measured_matmul_flops
 from .target import Target
@@ -171,7 +172,7 @@ class StepObserver:
 
     def summary(self, fit_start_s: float) -> dict:
         """Figures for the run summary; closes the log, the writer and the profiler."""
-        out: dict = {}
+        out: dict = {"memory_per_rank": self._memory_per_rank()}
         if self.target:
             out["target"] = str(self.target)
             out["target_reached"] = self.reached_at is not None
@@ -185,6 +186,16 @@ class StepObserver:
             out["time_to_train_s"] = self.time_to_train_s
         self.close()
         return out
+
+    def _memory_per_rank(self) -> list[dict]:
+        """Every rank's state and peak bytes (one small all-gather at the end of fit)."""
+        from .trainer import peak_memory_bytes
+        t = self.trainer
+        figures = t._memory_figures()
+        mine = {"rank": t.mesh.rank, "state_bytes": figures.get("state_bytes"),
+                "peak_activation_bytes": figures.get("peak_activation_bytes"),
+                "peak_mem_bytes": peak_memory_bytes(t.mesh.device)[0]}
+        return all_gather_object(mine, t.mesh.world)
 
     def close(self) -> None:
         if self.profiler:
