@@ -45,10 +45,10 @@ def human_value(key: str, value) -> str:
     """A metrics/summary value formatted by what its key says it is."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return str(value)
-    if key.endswith("bytes") or key.endswith("_bytes_per_rank") or key == "peak_mem_bytes":
-        return human_bytes(value)
     if key.endswith("bytes_per_s"):
         return human_rate(value, "B/s")
+    if "bytes" in key and "ratio" not in key and "formula" not in key:
+        return human_bytes(value)
     if key.endswith("flops_per_s") or key.endswith("flops_per_s_measured"):
         return human_rate(value, "FLOP/s")
     if key.endswith("samples_per_s"):
