@@ -57,7 +57,7 @@ def human_value(key: str, value) -> str:
         return human_rate(value, "tokens/s")
     if key.endswith("_s") or key.endswith("_s_median"):
         return human_seconds(value)
-    if key in ("mfu",) or key.endswith("_fraction"):
+    if key == "mfu" or "_fraction" in key:
         return f"{100 * value:.1f} %"
     if isinstance(value, float):
         return f"{value:.5g}"
