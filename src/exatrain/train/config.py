@@ -23,6 +23,8 @@ from typing import Any
 from ..parallel.options import ParallelOptions
 from ..plan import Plan
 from .observe_options import MLPerfOptions, ObserveOptions
+from ..population.options import PopulationOptions
+from ..population.options import validate as validate_population
 
 
 class ConfigError(ValueError):
@@ -94,7 +96,8 @@ class ScheduleOptions:
 
 FIXED_SECTIONS = {"run": RunOptions, "plan": PlanOptions, "train": TrainOptions,
                   "optim": OptimOptions, "schedule": ScheduleOptions,
-                  "parallel": ParallelOptions, "observe": ObserveOptions, "mlperf": MLPerfOptions}
+                  "parallel": ParallelOptions, "population": PopulationOptions,
+                  "observe": ObserveOptions, "mlperf": MLPerfOptions}
 
 
 @dataclass
@@ -107,6 +110,7 @@ class Config:
     parallel: ParallelOptions
     observe: ObserveOptions
     mlperf: MLPerfOptions
+    population: PopulationOptions
     model: Any
     data: Any
 
@@ -247,6 +251,10 @@ def validate(config: Config) -> None:
             Target.parse(t.target)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+    try:
+        validate_population(config.population, config.plan.trainer)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def micro_batch_size(config: Config, replicas: int) -> int:
