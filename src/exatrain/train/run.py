@@ -105,6 +105,8 @@ def setup(config: Config, resume_dir: str | None = None) -> tuple:
         workload.model = model  # drop the plain model: under tensor plans it is the full size
         console = TrainConsole() if mesh.rank == 0 else None
         trainer = Trainer(mesh, workload, config, model, run_dir=run_dir, console=console)
+        from ..launch import detect
+        launch = detect()
         trainer.observer.setup_times.update(setup_times,
                                             local_world_size=launch.local_world_size if launch else 1)
         if resume_from:
