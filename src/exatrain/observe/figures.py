@@ -41,9 +41,13 @@ def _labels(runs: list[RunRecord]) -> dict[int, str]:
 
 def curves(runs: list[RunRecord], path: Path) -> Path:
     """Training loss per step (and its running mean) beside every validation metric."""
-    eval_keys = sorted({k for r in runs for e in r.evals for k in e if k != "step"})[:3]
+    keys = sorted({k for r in runs for e in r.evals for k in e if k != "step"})
+    # a metric named after another plus a suffix (val_mae_H0 after val_mae) shares its panel
+    eval_keys = [k for k in keys if not any(k.startswith(p + "_") for p in keys)][:3]
+    parts = {k: [p for p in keys if p.startswith(k + "_")] if len(runs) == 1 else []
+             for k in eval_keys}
     fig, axes = plt.subplots(1, 1 + len(eval_keys), figsize=(4.2 * (1 + len(eval_keys)), 3.8),
-                             squeeze=False)
+                             squeeze=False, sharex=True)  # the same steps under every panel
     loss_ax, val_axes = axes[0][0], axes[0][1:]
     labels = _labels(runs)
     for run in runs:
@@ -60,7 +64,11 @@ def curves(runs: list[RunRecord], path: Path) -> Path:
         for ax, key in zip(val_axes, eval_keys):
             pts = [(e["step"], e[key]) for e in run.evals if key in e]
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=labels[id(run)])
+                ax.plot(*zip(*pts), marker="o", lw=2,
+                        label=labels[id(run)] if not parts[key] else key)
+            for part in parts[key]:
+                pts = [(e["step"], e[part]) for e in run.evals if part in e]
+                ax.plot(*zip(*pts), marker=".", lw=1, alpha=0.7, label=part)
     baselines = runs[0].summary
     for ax, key in zip(val_axes, eval_keys):
         base = baselines.get("baseline_" + key.removeprefix("val_"))
