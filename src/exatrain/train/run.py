@@ -93,10 +93,13 @@ def prepare_run(config: Config, mesh, resume_dir: str | None):
 
 def setup(config: Config, resume_dir: str | None = None) -> tuple:
     """Join the job, build workload, model and Trainer on this rank. Returns (mesh, trainer)."""
+    setup_times = {"init_start": time.time()}  # MLPerf's init and staging phases
     mesh = join(config)
     try:
         resume_from = find_resume_checkpoint(resume_dir) if resume_dir else None
+        setup_times["staging_start"] = time.time()
         workload_module, run_dir = prepare_run(config, mesh, resume_dir)
+        setup_times["staging_stop"] = time.time()
         torch.manual_seed(config.run.seed)  # identical initial weights on every rank
         workload = workload_module.build(config, mesh)
         model = parallelize(workload.model, mesh, config.parallel,
@@ -104,6 +107,10 @@ def setup(config: Config, resume_dir: str | None = None) -> tuple:
         workload.model = model  # drop the plain model: under tensor plans it is the full size
         console = TrainConsole() if mesh.rank == 0 else None
         trainer = Trainer(mesh, workload, config, model, run_dir=run_dir, console=console)
+        from ..launch import detect
+        launch = detect()
+        trainer.observer.setup_times.update(setup_times,
+                                            local_world_size=launch.local_world_size if launch else 1)
         if resume_from:
             trainer.resume(resume_from)
             if console:
