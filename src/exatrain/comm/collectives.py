@@ -40,7 +40,7 @@ def all_reduce(tensor: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM, tag: str 
                async_op: bool = False):
     if axis.size == 1:
         return None
-    axis.ledger.record(axis.name, "all_reduce", nbytes(tensor), tag)
+    axis.ledger.record(axis.name, "all_reduce", nbytes(tensor), tag, peers=axis.global_ranks)
     return dist.all_reduce(tensor, op=op, group=axis.group, async_op=async_op)
 
 
@@ -50,7 +50,7 @@ def all_reduce_future(tensor: torch.Tensor, axis: Axis, tag: str = "") -> torch.
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(tensor)
         return fut
-    axis.ledger.record(axis.name, "all_reduce", nbytes(tensor), tag)
+    axis.ledger.record(axis.name, "all_reduce", nbytes(tensor), tag, peers=axis.global_ranks)
     work = dist.all_reduce(tensor, group=axis.group, async_op=True)
     return work.get_future().then(lambda f: f.value()[0])
 
@@ -61,7 +61,7 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, axis: Axis, tag:
     if axis.size == 1:
         output.copy_(tensor)
         return None
-    axis.ledger.record(axis.name, "all_gather", nbytes(output), tag)
+    axis.ledger.record(axis.name, "all_gather", nbytes(output), tag, peers=axis.global_ranks)
     return dist.all_gather_single(output, tensor, group=axis.group, async_op=async_op)
 
 
@@ -71,7 +71,7 @@ def reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, axis: Axis,
     if axis.size == 1:
         output.copy_(tensor)
         return None
-    axis.ledger.record(axis.name, "reduce_scatter", nbytes(tensor), tag)
+    axis.ledger.record(axis.name, "reduce_scatter", nbytes(tensor), tag, peers=axis.global_ranks)
     return dist.reduce_scatter_single(output, tensor, op=op, group=axis.group, async_op=async_op)
 
 
@@ -79,7 +79,7 @@ def broadcast(tensor: torch.Tensor, axis: Axis, src: int = 0, tag: str = ""):
     """Broadcast from the member at position `src` on this axis."""
     if axis.size == 1:
         return None
-    axis.ledger.record(axis.name, "broadcast", nbytes(tensor), tag)
+    axis.ledger.record(axis.name, "broadcast", nbytes(tensor), tag, peers=axis.global_ranks)
     return dist.broadcast(tensor, src=axis.global_rank(src), group=axis.group)
 
 
@@ -91,10 +91,12 @@ def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tens
     """
     ops = []
     for tensor, peer in sends:
-        axis.ledger.record(axis.name, "send", nbytes(tensor), tag)
+        axis.ledger.record(axis.name, "send", nbytes(tensor), tag,
+                           peers=(axis.global_rank(peer),))
         ops.append(dist.P2POp(dist.isend, tensor, axis.global_rank(peer), group=axis.group))
     for tensor, peer in recvs:
-        axis.ledger.record(axis.name, "recv", nbytes(tensor), tag)
+        axis.ledger.record(axis.name, "recv", nbytes(tensor), tag,
+                           peers=(axis.global_rank(peer),))
         ops.append(dist.P2POp(dist.irecv, tensor, axis.global_rank(peer), group=axis.group))
     return dist.batch_isend_irecv(ops) if ops else []
 
@@ -105,5 +107,6 @@ def broadcast_object(obj, axis: Axis, src: int = 0, tag: str = "control"):
         return obj
     holder = [obj]
     dist.broadcast_object_list(holder, src=axis.global_rank(src), group=axis.group)
-    axis.ledger.record(axis.name, "broadcast", len(pickle.dumps(holder[0])), tag)
+    axis.ledger.record(axis.name, "broadcast", len(pickle.dumps(holder[0])), tag,
+                       peers=axis.global_ranks)
     return holder[0]

@@ -1,4 +1,9 @@
-"""run_job: what every rank executes for `exatrain run` (under any launcher)."""
+"""run_job: what every rank executes for `exatrain run` (under any launcher).
+
+Restarts (`train.restart`): a run directory that outlives its processes -- EXATRAIN_RUN_DIR (set by
+`exatrain run --max-restarts`) or, under torchrun, one named by TORCHELASTIC_RUN_ID -- is resumed
+from its last complete checkpoint whenever the ranks start again.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from ..workloads import get_workload
 from . import checkpoint
 from .config import Config
 from .console import TrainConsole
+from .restart import cleanup_failed_start, record_failure, stable_run_dir
 from .trainer import Trainer
 
 
@@ -22,7 +28,10 @@ class ResumeError(FileNotFoundError):
     pass
 
 
-def make_run_dir(config: Config) -> Path:
+def make_run_dir(config: Config, stable: Path | None = None) -> Path:
+    if stable is not None:
+        stable.mkdir(parents=True, exist_ok=True)
+        return stable
     stamp = time.strftime("%Y%m%d-%H%M%S")
     base = Path(config.run.out_dir) / f"{config.run.name or config.run.workload}-{stamp}"
     path, n = base, 1
@@ -67,15 +76,21 @@ def setup(config: Config, resume_dir: str | None = None) -> tuple:
             raise failure
         if message is not None:
             raise RuntimeError(f"rank 0 could not prepare the data: {message}")
+        stable = stable_run_dir(config)
+        if resume_dir is None and stable is not None and checkpoint.latest(stable) is not None:
+            resume_dir = str(stable)  # restarted: go on from the last complete checkpoint
         resume_from = find_resume_checkpoint(resume_dir) if resume_dir else None
         if mesh.rank == 0:
-            run_dir = Path(resume_dir) if resume_dir else make_run_dir(config)
+            run_dir = Path(resume_dir) if resume_dir else make_run_dir(config, stable)
             (run_dir / "config.toml").write_text(tomli_w.dumps(config.to_dict()))
         else:
             run_dir = None
         run_dir = Path(broadcast_object(str(run_dir) if run_dir else None, mesh.world))
         torch.manual_seed(config.run.seed)  # identical initial weights on every rank
         workload = workload_module.build(config, mesh)
+        if config.run.init_from and not resume_from:
+            from .export import load_initial_weights
+            load_initial_weights(workload.model, config.run.init_from)
         model = parallelize(workload.model, mesh, config.parallel)
         workload.model = model  # drop the plain model: under tensor plans it is the full size
         console = TrainConsole() if mesh.rank == 0 else None
@@ -95,5 +110,9 @@ def run_job(config: Config, resume_dir: str | None = None) -> dict:
     mesh, trainer = setup(config, resume_dir)
     try:
         return trainer.fit()
+    except BaseException as exc:
+        record_failure(trainer, exc)
+        cleanup_failed_start(trainer, resumed=resume_dir is not None)
+        raise
     finally:
         mesh.close()

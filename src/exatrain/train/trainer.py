@@ -46,6 +46,10 @@ from .config import Config, micro_batch_size
 from .memory import StepPeak, state_bytes
 from ..parallel.precision import Precision, keep_norms_fp32, measured_matmul_flops
 from .schedule import lr_at, scaled_lr
+from .faults import FaultInjector
+from .policies import out_of_memory_advice, skip_nonfinite
+from .stop import StopOnSignal
+from .watchdog import Watchdog
 
 
 class NonFiniteLoss(RuntimeError):
@@ -104,6 +108,10 @@ class Trainer:
         self._track_step = 0             # which step the CPU peak tracker watches (see fit)
         self.last_state_bytes: dict = {}
         self.skipped_steps = 0
+        self.nonfinite_skipped = 0       # steps skipped under train.on_nonfinite = "skip"
+        self.stopped_by_signal = False
+        self.faults = FaultInjector(mesh.rank, self.run_dir)
+        self.checkpoint_writer = checkpoint.Writer(config.train.checkpoint_async)
         self.step = 0
         self.history: list[dict] = []
 
@@ -169,6 +177,8 @@ class Trainer:
         grad_norm = clip_grad_norm_(self.opt_params, max_norm)
         finite = math.isfinite(grad_norm)
         # (the local loss is only reported: deciding on it could stop one rank and strand the rest)
+        if not finite and not self.scaler.enabled and skip_nonfinite(self, loss_sum, grad_norm):
+            return loss_sum, lr
         if not finite and not self.scaler.enabled:
             last = checkpoint.latest(self.run_dir) if self.run_dir else None
             raise NonFiniteLoss(
@@ -234,15 +244,17 @@ class Trainer:
 
     def _save(self) -> None:
         if self.run_dir:
-            checkpoint.save(self.run_dir, self.step, self.model, self.optimizer,
+            self.checkpoint_writer.save(self.run_dir, self.step, self.model, self.optimizer,
                             {"step": self.step, "plan": str(self.mesh.plan),
                              "world_size": self.mesh.world_size,
                              "zero_stage": self.config.parallel.zero_stage
                              if self.mesh.plan.shard > 1 else 0,
                              "precision": self.precision.name,
                              "loss_scaler": self.scaler.state_dict(),
-                             "skipped_steps": self.skipped_steps},
-                            keep=self.config.train.checkpoint_keep)
+                             "skipped_steps": self.skipped_steps,
+                             "nonfinite_skipped": self.nonfinite_skipped},
+                            keep=self.config.train.checkpoint_keep, config=self.config.to_dict(),
+                            before_commit=lambda: self.faults.in_save(self.step))
 
     def resume(self, path: Path) -> None:
         state = checkpoint.load(path, self.model, self.optimizer)
@@ -250,6 +262,9 @@ class Trainer:
         if self.scaler.enabled and "loss_scaler" in state and state.get("precision") == "fp16":
             self.scaler.load_state_dict(state["loss_scaler"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.nonfinite_skipped = int(state.get("nonfinite_skipped", 0))
+        if self.is_main and self.run_dir:  # lines past the checkpoint are written again
+            checkpoint.truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
 
     @property
     def tokens_per_sample(self) -> int:
@@ -288,10 +303,18 @@ class Trainer:
         mark, start = ledger.snapshot(), time.perf_counter()
         eval_metrics: dict[str, float] = {}
         progress = self.console.progress(self.total_steps, self.step) if self.console else None
+        stop = StopOnSignal().install()
+        watchdog = Watchdog(ledger, self.mesh.rank, self.run_dir, self.config.run.timeout_s).start()
         try:
             while self.step < self.total_steps:
+                self.faults.at_step(self.step)
+                ledger.step = self.step
+                watchdog.beat()
                 t0 = time.perf_counter()
-                loss, lr = self._train_step(batches)
+                try:
+                    loss, lr = self._train_step(batches)
+                except torch.OutOfMemoryError as exc:
+                    raise torch.OutOfMemoryError(out_of_memory_advice(self, exc)) from exc
                 if self.mesh.device.type == "cuda":
                     torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
@@ -330,13 +353,23 @@ class Trainer:
                     self._log({"step": self.step, **eval_metrics})
                     if progress:
                         progress.log({"step": self.step, **eval_metrics})
-                if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or last:
+                stopping = not last and stop.agreed(self.mesh)
+                if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or last or stopping:
+                    watchdog.beat()
                     self._save()
+                    watchdog.beat()
+                if stopping:
+                    self.stopped_by_signal = True
+                    stop.announce(self)
+                    break
+            self.checkpoint_writer.wait()
         finally:  # a failed step must not leave a live progress bar or loader workers
+            stop.restore()
+            watchdog.stop()
             if progress:
                 progress.close()
             batches.close()
-        if not eval_metrics:
+        if not eval_metrics and not self.stopped_by_signal:
             eval_metrics = self.evaluate()
         wall = time.perf_counter() - start
         # The first steps pay for warm-up (allocator, DDP bucket rebuild): leave them out.
@@ -351,6 +384,9 @@ class Trainer:
                    **self._memory_figures(),
                    **self._throughput(t.batch_size / statistics.median(steady)),
                    "precision": self.precision.name,
+                   "stopped_by_signal": self.stopped_by_signal,
+                   "nonfinite_skipped": self.nonfinite_skipped,
+                   "checkpoint_blocked_s": self.checkpoint_writer.blocked_s,
                    "wall_s": wall, "run_dir": str(self.run_dir) if self.run_dir else None}
         bytes_read = getattr(self.workload.train_set, "bytes_read", None)
         if bytes_read is not None:  # this rank's input bytes read from files (a spatial block)
