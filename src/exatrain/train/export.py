@@ -39,7 +39,7 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None) ->
     tensors = {key: value.contiguous() for key, value in state.items()
                if isinstance(value, torch.Tensor)}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out), metadata={"exatrain_checkpoint": str(path)})
+    save_file(tensors, str(out), metadata={"exatrain_step": path.name.removeprefix("step_")})
     return {"checkpoint": str(path), "out": str(out), "tensors": len(tensors),
             "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 

@@ -7,12 +7,59 @@ stay those of an uninterrupted run), counts it in `nonfinite_skipped` and logs t
 metrics.jsonl uses; after `train.max_nonfinite_skips` skips the next one stops the run. The
 verdict uses the global gradient norm, identical on every rank, so all ranks skip together.
 
+Corrupt or out-of-range sample (`train.on_bad_sample`): "stop" (the default) lets the reader's
+error through (it names file and index); "skip" (`SkipBadSamples`) logs file, index and error to
+RUN_DIR/bad_samples.jsonl and serves the next readable sample in its place, so the batch keeps its
+size and every rank its step count; more than `MAX_BAD_IN_A_ROW` unreadable samples in a row stop
+the run (the data set itself is broken).
+
 Out of memory: the error names what in this run's Plan and options would lower memory.
 """
 
 from __future__ import annotations
 
+import json
 import sys
+import time
+
+from torch.utils.data import Dataset
+
+MAX_BAD_IN_A_ROW = 8
+
+
+class SkipBadSamples(Dataset):
+    """A map-style data set that replaces unreadable samples by the next readable one (logged)."""
+
+    def __init__(self, dataset, run_dir, rank: int):
+        self.dataset, self.run_dir, self.rank = dataset, run_dir, rank
+        self.skipped = 0
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getattr__(self, name):  # bytes_read, baselines ... of the wrapped set
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def __getitem__(self, index):
+        for offset in range(MAX_BAD_IN_A_ROW + 1):
+            i = (index + offset) % len(self.dataset)
+            try:
+                return self.dataset[i]
+            except (ValueError, IndexError, OSError) as exc:
+                self.skipped += 1
+                self._log(i, exc)
+        raise RuntimeError(f"{MAX_BAD_IN_A_ROW + 1} unreadable samples in a row from index "
+                           f"{index}; the data set is broken (see bad_samples.jsonl).")
+
+    def _log(self, index: int, exc: BaseException) -> None:
+        print(f"exatrain: rank {self.rank}: skipped sample {index}: {exc}", file=sys.stderr,
+              flush=True)
+        if self.run_dir is not None:
+            with open(self.run_dir / "bad_samples.jsonl", "a") as f:
+                f.write(json.dumps({"rank": self.rank, "index": index, "time": time.time(),
+                                    "error": f"{type(exc).__name__}: {exc}"}) + "\n")
 
 
 def skip_nonfinite(trainer, loss: float, grad_norm: float) -> bool:

@@ -85,14 +85,18 @@ def supervise(run_job, config, nproc: int, resume_dir: str | None, max_restarts:
 
     run_dir = Path(resume_dir) if resume_dir else planned_run_dir(config)
     env = {RUN_DIR_ENV: str(run_dir)}
-    restarts = 0
+    history: list[dict] = []  # per restart: the last step logged, the step resumed from
     while True:
         try:
             summary = spawn(run_job, nproc, args=(config, None), env=env)[0]
-            summary["restarts"] = restarts
+            summary["restarts"] = len(history)
+            summary["restart_history"] = history
+            summary["lost_steps"] = sum(h["failed_after_step"] - h["resumed_from_step"]
+                                        for h in history)
             return summary
         except RankFailed as exc:
             exc.diagnosis = diagnose(run_dir, nproc) if run_dir.is_dir() else None
+            restarts = len(history)
             if exc.diagnosis or restarts >= max_restarts or \
                     is_user_error(getattr(exc, "original", None), exc.remote_traceback):
                 if run_dir.is_dir() and not resume_dir and checkpoint.latest(run_dir) is None \
@@ -102,7 +106,20 @@ def supervise(run_job, config, nproc: int, resume_dir: str | None, max_restarts:
                 raise
             restarts += 1
             last = checkpoint.latest(run_dir)
+            history.append({"failed_after_step": _last_logged_step(run_dir),
+                            "resumed_from_step": int(last.name.removeprefix("step_")) if last else 0,
+                            "failure": str(exc).splitlines()[0]})
             if last is None and (run_dir / "metrics.jsonl").exists():
                 (run_dir / "metrics.jsonl").unlink()  # starting over: its lines are written again
             report(f"exatrain: {str(exc).splitlines()[0]}; restart {restarts} of {max_restarts} "
                    f"from {last or 'the beginning'}")
+
+
+def _last_logged_step(run_dir: Path) -> int:
+    """The highest step in metrics.jsonl (train.log_every=1: the last step completed)."""
+    import json
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    return max((json.loads(line).get("step", 0) for line in path.read_text().splitlines()
+                if line.strip()), default=0)

@@ -47,7 +47,7 @@ from .memory import StepPeak, state_bytes
 from ..parallel.precision import Precision, keep_norms_fp32, measured_matmul_flops
 from .schedule import lr_at, scaled_lr
 from .faults import FaultInjector
-from .policies import out_of_memory_advice, skip_nonfinite
+from .policies import SkipBadSamples, out_of_memory_advice, skip_nonfinite
 from .stop import StopOnSignal
 from .watchdog import Watchdog
 
@@ -112,6 +112,8 @@ class Trainer:
         self.stopped_by_signal = False
         self.faults = FaultInjector(mesh.rank, self.run_dir)
         self.checkpoint_writer = checkpoint.Writer(config.train.checkpoint_async)
+        if config.train.on_bad_sample == "skip":
+            workload.train_set = SkipBadSamples(workload.train_set, self.run_dir, mesh.rank)
         self.step = 0
         self.history: list[dict] = []
 
@@ -307,8 +309,8 @@ class Trainer:
         watchdog = Watchdog(ledger, self.mesh.rank, self.run_dir, self.config.run.timeout_s).start()
         try:
             while self.step < self.total_steps:
-                self.faults.at_step(self.step)
-                ledger.step = self.step
+                ledger.step = self.step + 1  # the step number metrics.jsonl will give it
+                self.faults.at_step(self.step + 1)
                 watchdog.beat()
                 t0 = time.perf_counter()
                 try:
@@ -387,6 +389,7 @@ class Trainer:
                    "stopped_by_signal": self.stopped_by_signal,
                    "nonfinite_skipped": self.nonfinite_skipped,
                    "checkpoint_blocked_s": self.checkpoint_writer.blocked_s,
+                   "checkpoint_saves": self.checkpoint_writer.saves,
                    "wall_s": wall, "run_dir": str(self.run_dir) if self.run_dir else None}
         bytes_read = getattr(self.workload.train_set, "bytes_read", None)
         if bytes_read is not None:  # this rank's input bytes read from files (a spatial block)
