@@ -2,10 +2,12 @@
 
 User-input errors: a config value or key (`ConfigError`), a Plan (`PlanError`), resuming
 (`ResumeError`), a checkpoint the manifest refuses (`CheckpointError`), a launcher environment
-(`LaunchError`), and missing or corrupt data: a `FileNotFoundError`, or a `ValueError` /
-`IndexError` raised inside `exatrain.data` (the readers name file and sample). Anything else --
-a `ValueError` from inside the model, a bug in exatrain -- is internal: the CLI says so and keeps
-the traceback (printed, and in the run directory's `error_rank<R>.log`).
+(`LaunchError`), and a `FileNotFoundError`. A `ValueError` / `IndexError` is the user's when it
+was raised where input is checked: inside `exatrain.data` (the readers name file and sample) or
+`exatrain.workloads`, or in a constructor (`__init__`, `__post_init__`) of `exatrain.models` (a
+model option that does not fit). Anything else -- a `ValueError` from a model's forward, a bug in
+exatrain -- is internal: the CLI says so and keeps the traceback (printed, and in the run
+directory's `error_rank<R>.log`).
 """
 
 from __future__ import annotations
@@ -15,14 +17,19 @@ import traceback
 USER_ERROR_NAMES = frozenset({"ConfigError", "PlanError", "ResumeError", "CheckpointError",
                               "LaunchError", "FileNotFoundError", "NonFiniteLoss", "InitFromError",
                               "BadSampleError"})
-_DATA_MODULE = "/exatrain/data/"
+_INPUT_MODULES = ("/exatrain/data/", "/exatrain/workloads/")
+_CONSTRUCTORS = (" in __init__", " in __post_init__")
 
 
-def _raised_in_data(tb_text: str) -> bool:
-    """The innermost exatrain frame of a formatted traceback lies in exatrain/data/."""
+def _raised_checking_input(tb_text: str) -> bool:
+    """The innermost exatrain frame of a formatted traceback checks input (see above)."""
     frames = [line for line in tb_text.splitlines() if line.strip().startswith('File "')
               and "/exatrain/" in line]
-    return bool(frames) and _DATA_MODULE in frames[-1]
+    if not frames:
+        return False
+    last = frames[-1]
+    return any(m in last for m in _INPUT_MODULES) or \
+        ("/exatrain/models/" in last and last.rstrip().endswith(_CONSTRUCTORS))
 
 
 def is_user_error(exc: BaseException | None, tb_text: str = "") -> bool:
@@ -33,5 +40,5 @@ def is_user_error(exc: BaseException | None, tb_text: str = "") -> bool:
         return True
     if isinstance(exc, (ValueError, IndexError)):
         tb_text = tb_text or "".join(traceback.format_tb(exc.__traceback__))
-        return _raised_in_data(tb_text)
+        return _raised_checking_input(tb_text)
     return False

@@ -7,6 +7,7 @@ from its last complete checkpoint whenever the ranks start again.
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -62,6 +63,7 @@ def setup(config: Config, resume_dir: str | None = None) -> tuple:
     plan = config.plan.resolve(launch.world_size if launch else 1)
     backend = None if config.run.backend == "auto" else config.run.backend
     mesh = init(plan, backend=backend, timeout_s=config.run.timeout_s)
+    run_dir = stable = None
     try:
         workload_module = get_workload(config.run.workload)
         failure = None
@@ -101,6 +103,8 @@ def setup(config: Config, resume_dir: str | None = None) -> tuple:
                 console.print(f"resumed from {resume_from} at step {trainer.step}")
         return mesh, trainer
     except BaseException:
+        if mesh.rank == 0 and run_dir is not None and not resume_dir and stable is None:
+            shutil.rmtree(run_dir, ignore_errors=True)  # failed before its first step: no trace
         mesh.close()
         raise
 

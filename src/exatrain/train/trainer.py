@@ -184,7 +184,7 @@ class Trainer:
         if not finite and not self.scaler.enabled:
             last = checkpoint.latest(self.run_dir) if self.run_dir else None
             raise NonFiniteLoss(
-                f"step {self.step}: loss {loss_sum} / gradient norm {grad_norm} is not finite on "
+                f"step {self.step + 1}: loss {loss_sum} / gradient norm {grad_norm} is not finite on "
                 f"rank {self.mesh.rank}. Stopped before the optimizer step; "
                 + (f"the last good checkpoint is {last}. " if last else "no checkpoint was written yet. ")
                 + "Lower optim.lr, add schedule.warmup_steps, set train.clip_grad_norm, or check "
