@@ -201,3 +201,10 @@ def test_user_errors_are_one_line_and_bugs_are_called_internal(tmp_path, capsys)
     with pytest.raises(ValueError) as in_constructor:
         GPTConfig(vocab_size=0)
     assert is_user_error(in_constructor.value)
+
+
+def test_a_lost_peer_is_called_an_echo():
+    from exatrain.errors import is_peer_loss, is_user_error
+
+    echo = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1")
+    assert is_peer_loss(echo) and not is_user_error(echo)

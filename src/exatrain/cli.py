@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from .errors import is_user_error
+    from .errors import is_peer_loss, is_user_error
     from .launch.local import RankFailed
 
     args = build_parser().parse_args(argv)
@@ -173,6 +173,11 @@ def main(argv=None) -> int:
         if is_user_error(exc):
             print(f"exatrain: error: {exc}", file=sys.stderr)
             return 2
+        if is_peer_loss(exc):  # under torchrun/srun: the launcher names the rank that died first
+            print(f"exatrain: this rank lost its connection to another rank, which failed first; "
+                  f"its own error (or the launcher's report) is the cause. ({str(exc)[:200]})",
+                  file=sys.stderr)
+            return 1
         import traceback
         traceback.print_exc()
         print(f"exatrain: internal error (a bug in exatrain or in the model code, not in your "

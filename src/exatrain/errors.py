@@ -42,3 +42,12 @@ def is_user_error(exc: BaseException | None, tb_text: str = "") -> bool:
         tb_text = tb_text or "".join(traceback.format_tb(exc.__traceback__))
         return _raised_checking_input(tb_text)
     return False
+
+
+_PEER_LOSS = ("connection closed by peer", "connection reset by peer", "remote worker crashing",
+              "broken pipe")
+
+
+def is_peer_loss(exc: BaseException | None) -> bool:
+    """A collective failed because another rank went away: an echo, not the cause."""
+    return exc is not None and any(text in str(exc).lower() for text in _PEER_LOSS)
