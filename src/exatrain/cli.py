@@ -24,8 +24,11 @@ def _run(args) -> int:
     config = load_config(config_path, args.set or [])
     if args.print_batch_script:
         return _print_batch_script(args, config)
-    if detect() is not None:  # under torchrun / srun / flux / jsrun / mpirun: this is one rank
-        run_job(config, args.resume)
+    launch = detect()
+    if launch is not None:  # under torchrun / srun / flux / jsrun / mpirun: this is one rank
+        summary = run_job(config, args.resume)
+        if launch.rank == 0:
+            _draw_timeline(summary.get("run_dir"))
         return 0
     nproc = args.nproc or config.run.nproc
     config.plan.resolve(nproc)  # refuse a Plan that does not fit before any rank starts
@@ -38,6 +41,7 @@ def _run(args) -> int:
                             report=lambda text: console.print(text, highlight=False))
     else:
         summary = run_job(config, args.resume)
+    _draw_timeline(summary.get("run_dir"))
     _print_summary(console, summary)
     return 0
 
@@ -58,6 +62,14 @@ def _export(args) -> int:
     print(f"exported {info['tensors']} tensors ({info['bytes'] / 2**20:.1f} MiB) from "
           f"{info['checkpoint']} to {info['out']}", file=sys.stderr)
     return 0
+
+
+def _draw_timeline(run_dir) -> None:
+    """A pipelined run keeps the picture of its last logged step beside the JSON."""
+    path = Path(run_dir or ".") / "pipeline_timeline.json"
+    if run_dir and path.is_file():
+        from .observe.timeline import plot_timeline
+        plot_timeline(path)
 
 
 def _progress(console: Console, label: str):
