@@ -338,7 +338,8 @@ class Trainer:
         eval_metrics: dict[str, float] = {}
         progress = self.console.progress(self.total_steps, self.step) if self.console else None
         stop = StopOnSignal().install()
-        watchdog = Watchdog(ledger, self.mesh.rank, self.run_dir, self.config.run.timeout_s).start()
+        watchdog = Watchdog(ledger, self.mesh.rank, self.run_dir, self.config.run.timeout_s).start(
+            self.mesh.world_size)
         try:
             while self.step < self.total_steps:
                 ledger.step = self.step + 1  # the step number metrics.jsonl will give it
@@ -385,15 +386,15 @@ class Trainer:
                         progress.log(record)
                     interval_losses, interval_times, mark = [], [], ledger.snapshot()
                 if (t.eval_every and self.step % t.eval_every == 0) or last:
-                    eval_metrics = self.evaluate()
+                    with watchdog.paused():  # long and collective-free under plain data parallelism
+                        eval_metrics = self.evaluate()
                     self._log({"step": self.step, **eval_metrics})
                     if progress:
                         progress.log({"step": self.step, **eval_metrics})
                 stopping = not last and stop.agreed(self.mesh)
                 if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or last or stopping:
-                    watchdog.beat()
-                    self._save()
-                    watchdog.beat()
+                    with watchdog.paused():  # file system time; the backend's timeout still holds
+                        self._save()
                 if stopping:
                     self.stopped_by_signal = True
                     stop.announce(self)

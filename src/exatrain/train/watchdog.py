@@ -6,11 +6,14 @@ backend cannot see: a rank stuck outside any collective (an endless data read, a
 code), or a backend that never times out. Progress is any operation recorded in the ledger or a
 `beat()` from the training loop; after `timeout_s + grace_s` without either, the thread writes
 this rank's flight record and ends the process with exit code 124, so every rank of a hung job
-exits within timeout + grace.
+exits within timeout + grace. It is paused while the rank evaluates or writes a checkpoint (long,
+legitimately, with few collectives; the backend's own timeout still covers those), and not started
+for a one-rank job (nothing to wait for).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -26,12 +29,23 @@ class Watchdog:
         self.ledger, self.rank, self.run_dir = ledger, rank, run_dir
         self.limit = timeout_s + grace_s
         self._beat = time.time()
+        self._paused = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="exatrain-watchdog", daemon=True)
 
-    def start(self) -> "Watchdog":
-        self._thread.start()
+    def start(self, world_size: int = 2) -> "Watchdog":
+        if world_size > 1:
+            self._thread.start()
         return self
+
+    @contextlib.contextmanager
+    def paused(self):
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+            self.beat()
 
     def stop(self) -> None:
         self._stop.set()
@@ -42,7 +56,7 @@ class Watchdog:
     def _watch(self) -> None:
         while not self._stop.wait(min(1.0, self.limit / 4)):
             idle = time.time() - max(self._beat, self.ledger.last_time)
-            if idle > self.limit:
+            if idle > self.limit and not self._paused:
                 reason = f"watchdog: no progress for {idle:.0f} s (limit {self.limit:.0f} s)"
                 path = write_record(self.run_dir, self.rank, self.ledger, reason) \
                     if self.run_dir else None
