@@ -76,52 +76,56 @@ def latest(run_dir: str | Path) -> Path | None:
 
 
 def save(run_dir: str | Path, step: int, model, optimizer, trainer_state: dict, keep: int = 2,
-         config: dict | None = None, before_commit=None) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint path."""
-    return Writer(asynchronous=False).save(run_dir, step, model, optimizer, trainer_state, keep,
-                                           config, before_commit)
+         config: dict | None = None, before_commit=None, group=None) -> Path:
+    """Collective over `group` (None: every rank). Returns the final checkpoint path."""
+    return Writer(asynchronous=False, group=group).save(run_dir, step, model, optimizer,
+                                                        trainer_state, keep, config, before_commit)
 
 
 class Writer:
     """Saves checkpoints synchronously or (asynchronous=True) in the background; see above."""
 
-    def __init__(self, asynchronous: bool = False):
+    def __init__(self, asynchronous: bool = False, group=None):
         self.asynchronous = asynchronous
+        self.group = group        # the ranks that save together (None: all; LTFB: one trainer)
         self.blocked_s = 0.0      # time the caller spent inside save() and wait()
         self.saves = 0
         self._pending = None      # (future, commit) of an asynchronous save still writing
         self._group = None
 
     def save(self, run_dir, step: int, model, optimizer, trainer_state: dict, keep: int = 2,
-             config: dict | None = None, before_commit=None) -> Path:
+             config: dict | None = None, before_commit=None, group=None) -> Path:
         t0 = time.perf_counter()
+        self.group = group if group is not None else self.group
         self._finish_pending()
         root = checkpoint_dir(run_dir)
         final = root / f"step_{step:08d}"
         partial = root / f"step_{step:08d}.partial"
-        if dist.get_rank() == 0:
+        if dist.get_rank(self.group) == 0:
             root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save
-        dist.barrier()
+        dist.barrier(group=self.group)
         model_state, optim_state = _state_dicts(model, optimizer)
         state = {"model": for_checkpoint(model, model_state),
                  "optim": for_checkpoint(model, optim_state)}
         chunks = manifests.local_chunks(state, "")
         info = {"step": step, "plan": trainer_state.get("plan", ""),
-                "world_size": dist.get_world_size(), "config_sha256": manifests.config_hash(config)}
+                "world_size": dist.get_world_size(self.group),
+                "config_sha256": manifests.config_hash(config)}
 
         def commit() -> None:
             if before_commit is not None:
                 before_commit()
-            _commit(root, partial, final, trainer_state, info, chunks, keep)
+            _commit(root, partial, final, trainer_state, info, chunks, keep, self.group)
 
         if self.asynchronous:
             if self._group is None:  # a collective: every rank creates it at its first save
-                self._group = dist.new_group(backend="gloo")
+                ranks = None if self.group is None else dist.get_process_group_ranks(self.group)
+                self._group = dist.new_group(ranks=ranks, backend="gloo")
             future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._group)
             self._pending = (future, commit)
         else:
-            dcp.save(state, checkpoint_id=str(partial))
+            dcp.save(state, checkpoint_id=str(partial), process_group=self.group)
             commit()
         self.saves += 1
         self.blocked_s += time.perf_counter() - t0
@@ -144,11 +148,13 @@ class Writer:
 
 
 def _commit(root: Path, partial: Path, final: Path, trainer_state: dict, info: dict,
-            chunks: dict, keep: int) -> None:
-    """Collective: after every rank's files are written, rank 0 seals the checkpoint."""
-    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(chunks, gathered, dst=0)  # also: every rank has finished writing
-    if dist.get_rank() == 0:
+            chunks: dict, keep: int, group=None) -> None:
+    """Collective over `group`: after every member's files are written, its rank 0 seals the
+    checkpoint."""
+    rank0 = dist.get_rank(group) == 0
+    gathered = [None] * dist.get_world_size(group) if rank0 else None
+    dist.gather_object(chunks, gathered, group=group, group_dst=0)  # also: all have written
+    if rank0:
         _write_atomic(partial / STATE_FILE, json.dumps(trainer_state, indent=1))
         manifests.write(partial, info, manifests.merge_chunks(gathered))
         if final.exists():
@@ -157,7 +163,7 @@ def _commit(root: Path, partial: Path, final: Path, trainer_state: dict, info: d
         _write_atomic(root / "latest", final.name)
         for old in sorted(p for p in root.glob("step_*") if not p.name.endswith(".partial"))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    dist.barrier(group=group)
 
 
 def verify(path: str | Path) -> dict:
@@ -197,8 +203,9 @@ def full_model_state(path: str | Path) -> dict[str, torch.Tensor]:
     return model
 
 
-def load(path: str | Path, model, optimizer) -> dict:
-    """Collective: load model and optimizer state in place; return the trainer state."""
+def load(path: str | Path, model, optimizer, group=None) -> dict:
+    """Collective over `group` (None: every rank): load model and optimizer state in place;
+    return the trainer state."""
     path = Path(path)
     if not (path / STATE_FILE).is_file():
         raise CheckpointError(f"{path} is not a complete exatrain checkpoint (no {STATE_FILE}).")
@@ -213,7 +220,8 @@ def load(path: str | Path, model, optimizer) -> dict:
     # tensor-parallel parts become DTensors sharing memory with the local tensors: DCP loads
     # straight into model_state / optim_state, resharding from whatever grid wrote them
     dcp.load({"model": for_checkpoint(model, model_state),
-              "optim": for_checkpoint(model, optim_state)}, checkpoint_id=str(path))
+              "optim": for_checkpoint(model, optim_state)}, checkpoint_id=str(path),
+             process_group=group)
     if live_groups is not None:
         optim_state["param_groups"] = live_groups
     state = {"model": model_state, "optim": optim_state}

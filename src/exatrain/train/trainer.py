@@ -117,6 +117,8 @@ class Trainer:
             workload.train_set = SkipBadSamples(workload.train_set, self.run_dir, mesh.rank)
         self.step = 0
         self.history: list[dict] = []
+        # the ranks that write a checkpoint together: the job, or one trainer of a population
+        self.checkpoint_group = mesh.group
 
     # ------------------------------------------------------------------ data
     def _rank_indices(self, epoch: int, first_step: int) -> list[int]:
@@ -207,11 +209,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self, dataset=None) -> dict[str, float]:
+        """The workload's metrics on the validation set (or on `dataset`, e.g. a tournament set)."""
         model = unwrap(self.model)
         was_training = model.training
         model.eval()
-        val = self.workload.val_set
+        val = self.workload.val_set if dataset is None else dataset
         indices = list(range(len(val)))[self.data_axis.rank::self.replicas]
         # Every rank runs the same number of batches, because a sharded or split model's forward
         # is itself collective: the short ranks pad with a repeated sample and ignore its output.
@@ -256,22 +259,27 @@ class Trainer:
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
 
+    def checkpoint_state(self) -> dict:
+        """What a checkpoint stores besides model and optimizer (subclasses add theirs)."""
+        return {"step": self.step, "plan": str(self.mesh.plan),
+                "world_size": self.mesh.world_size,
+                "zero_stage": self.config.parallel.zero_stage if self.mesh.plan.shard > 1 else 0,
+                "precision": self.precision.name,
+                "loss_scaler": self.scaler.state_dict(),
+                "skipped_steps": self.skipped_steps,
+                "nonfinite_skipped": self.nonfinite_skipped}
+
     def _save(self) -> None:
         if self.run_dir:
             self.checkpoint_writer.save(self.run_dir, self.step, self.model, self.optimizer,
-                            {"step": self.step, "plan": str(self.mesh.plan),
-                             "world_size": self.mesh.world_size,
-                             "zero_stage": self.config.parallel.zero_stage
-                             if self.mesh.plan.shard > 1 else 0,
-                             "precision": self.precision.name,
-                             "loss_scaler": self.scaler.state_dict(),
-                             "skipped_steps": self.skipped_steps,
-                             "nonfinite_skipped": self.nonfinite_skipped},
-                            keep=self.config.train.checkpoint_keep, config=self.config.to_dict(),
-                            before_commit=lambda: self.faults.in_save(self.step))
+                                        self.checkpoint_state(),
+                                        keep=self.config.train.checkpoint_keep,
+                                        config=self.config.to_dict(),
+                                        before_commit=lambda: self.faults.in_save(self.step),
+                                        group=self.checkpoint_group)
 
-    def resume(self, path: Path) -> None:
-        state = checkpoint.load(path, self.model, self.optimizer)
+    def resume(self, path: Path) -> dict:
+        state = checkpoint.load(path, self.model, self.optimizer, group=self.checkpoint_group)
         self.step = int(state["step"])
         if self.scaler.enabled and "loss_scaler" in state and state.get("precision") == "fp16":
             self.scaler.load_state_dict(state["loss_scaler"])
@@ -279,6 +287,11 @@ class Trainer:
         self.nonfinite_skipped = int(state.get("nonfinite_skipped", 0))
         if self.is_main and self.run_dir:  # lines past the checkpoint are written again
             checkpoint.truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
+        return state
+
+    def after_step(self) -> None:
+        """Called after every step's logging and evaluation, before its checkpoint (a hook for
+        subclasses: the population's tournaments)."""
 
     @property
     def tokens_per_sample(self) -> int:
@@ -391,6 +404,7 @@ class Trainer:
                     self._log({"step": self.step, **eval_metrics})
                     if progress:
                         progress.log({"step": self.step, **eval_metrics})
+                self.after_step()
                 stopping = not last and stop.agreed(self.mesh)
                 if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or last or stopping:
                     with watchdog.paused():  # file system time; the backend's timeout still holds
