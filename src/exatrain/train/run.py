@@ -34,7 +34,9 @@ def make_run_dir(config: Config, stable: Path | None = None) -> Path:
         stable.mkdir(parents=True, exist_ok=True)
         return stable
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    base = Path(config.run.out_dir) / f"{config.run.name or config.run.workload}-{stamp}"
+    # a user workload is named by its file or module: "dir/unet.py:build" -> "unet"
+    name = config.run.name or Path(config.run.workload.split(":")[0]).name.removesuffix(".py")
+    base = Path(config.run.out_dir) / f"{name.split('.')[-1]}-{stamp}"
     path, n = base, 1
     while path.exists():
         path, n = Path(f"{base}-{n}"), n + 1
