@@ -14,7 +14,7 @@ from rich.table import Table
 BENCHMARKS = {"dp": "exatrain.bench.dp", "spatial": "exatrain.bench.spatial",
               "zero": "exatrain.bench.zero", "tensor": "exatrain.bench.tensor",
               "graph": "exatrain.bench.graph", "pipeline": "exatrain.bench.pipeline",
-              "ltfb": "exatrain.bench.ltfb"}
+              "ltfb": "exatrain.bench.ltfb", "faults": "exatrain.bench.faults"}
 
 
 def bench_module(name: str):

@@ -47,7 +47,7 @@ def all_reduce(tensor: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM, tag: str 
                async_op: bool = False):
     if axis.size == 1:
         return None
-    axis.ledger.record(axis.name, "all_reduce", nbytes(tensor), tag)
+    axis.ledger.record(axis.name, "all_reduce", nbytes(tensor), tag, peers=axis.global_ranks)
     with comm_range(axis.ledger, axis.name, "all_reduce", tag):
         work = dist.all_reduce(tensor, op=op, group=axis.group, async_op=async_op)
     return timed(work, axis.ledger, axis.name, "all_reduce", tag)
@@ -59,7 +59,7 @@ def all_reduce_future(tensor: torch.Tensor, axis: Axis, tag: str = "") -> torch.
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(tensor)
         return fut
-    axis.ledger.record(axis.name, "all_reduce", nbytes(tensor), tag)
+    axis.ledger.record(axis.name, "all_reduce", nbytes(tensor), tag, peers=axis.global_ranks)
     # DDP's reducer waits on this future inside C++, out of our sight: the span from launch to
     # completion is recorded instead (see Ledger.drain_async_tail)
     launched = time.perf_counter()
@@ -78,7 +78,7 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, axis: Axis, tag:
     if axis.size == 1:
         output.copy_(tensor)
         return None
-    axis.ledger.record(axis.name, "all_gather", nbytes(output), tag)
+    axis.ledger.record(axis.name, "all_gather", nbytes(output), tag, peers=axis.global_ranks)
     with comm_range(axis.ledger, axis.name, "all_gather", tag):
         work = all_gather_single(output, tensor, group=axis.group, async_op=async_op)
     return timed(work, axis.ledger, axis.name, "all_gather", tag)
@@ -90,7 +90,7 @@ def reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, axis: Axis,
     if axis.size == 1:
         output.copy_(tensor)
         return None
-    axis.ledger.record(axis.name, "reduce_scatter", nbytes(tensor), tag)
+    axis.ledger.record(axis.name, "reduce_scatter", nbytes(tensor), tag, peers=axis.global_ranks)
     with comm_range(axis.ledger, axis.name, "reduce_scatter", tag):
         work = reduce_scatter_single(output, tensor, op=op, group=axis.group, async_op=async_op)
     return timed(work, axis.ledger, axis.name, "reduce_scatter", tag)
@@ -100,7 +100,7 @@ def broadcast(tensor: torch.Tensor, axis: Axis, src: int = 0, tag: str = ""):
     """Broadcast from the member at position `src` on this axis."""
     if axis.size == 1:
         return None
-    axis.ledger.record(axis.name, "broadcast", nbytes(tensor), tag)
+    axis.ledger.record(axis.name, "broadcast", nbytes(tensor), tag, peers=axis.global_ranks)
     with comm_range(axis.ledger, axis.name, "broadcast", tag):
         return dist.broadcast(tensor, src=axis.global_rank(src), group=axis.group)
 
@@ -113,10 +113,12 @@ def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tens
     """
     ops = []
     for tensor, peer in sends:
-        axis.ledger.record(axis.name, "send", nbytes(tensor), tag)
+        axis.ledger.record(axis.name, "send", nbytes(tensor), tag,
+                           peers=(axis.global_rank(peer),))
         ops.append(dist.P2POp(dist.isend, tensor, axis.global_rank(peer), group=axis.group))
     for tensor, peer in recvs:
-        axis.ledger.record(axis.name, "recv", nbytes(tensor), tag)
+        axis.ledger.record(axis.name, "recv", nbytes(tensor), tag,
+                           peers=(axis.global_rank(peer),))
         ops.append(dist.P2POp(dist.irecv, tensor, axis.global_rank(peer), group=axis.group))
     if not ops:
         return []
@@ -132,7 +134,8 @@ def broadcast_object(obj, axis: Axis, src: int = 0, tag: str = "control"):
     holder = [obj]
     with comm_range(axis.ledger, axis.name, "broadcast", tag):
         dist.broadcast_object_list(holder, src=axis.global_rank(src), group=axis.group)
-    axis.ledger.record(axis.name, "broadcast", len(pickle.dumps(holder[0])), tag)
+    axis.ledger.record(axis.name, "broadcast", len(pickle.dumps(holder[0])), tag,
+                       peers=axis.global_ranks)
     return holder[0]
 
 
@@ -143,5 +146,6 @@ def all_gather_object(obj, axis: Axis, tag: str = "control") -> list:
     out = [None] * axis.size
     with comm_range(axis.ledger, axis.name, "all_gather", tag):
         dist.all_gather_object(out, obj, group=axis.group)
-    axis.ledger.record(axis.name, "all_gather", sum(len(pickle.dumps(o)) for o in out), tag)
+    axis.ledger.record(axis.name, "all_gather", sum(len(pickle.dumps(o)) for o in out), tag,
+                       peers=axis.global_ranks)
     return out

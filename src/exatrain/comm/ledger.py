@@ -13,8 +13,11 @@ Byte convention (payload, per rank, independent of the algorithm the backend use
 
 from __future__ import annotations
 
-from collections import defaultdict
+import time
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
+
+FLIGHT_LENGTH = 64  # operations kept for the flight record (see comm.flight)
 
 
 @dataclass
@@ -54,10 +57,22 @@ class Ledger:
             return 0.0
         return max(0.0, max(d for _, d in spans) - max(launch for launch, _ in spans))
 
-    def record(self, axis: str, op: str, nbytes: int, tag: str = "") -> None:
+    # the last operations, newest last, for the flight record written when one hangs
+    recent: deque = field(default_factory=lambda: deque(maxlen=FLIGHT_LENGTH))
+    step: int = 0                 # set by the Trainer: the step the next operations belong to
+    calls_on: dict = field(default_factory=lambda: defaultdict(int))  # per (axis, peers)
+    last_time: float = field(default_factory=time.time)
+
+    def record(self, axis: str, op: str, nbytes: int, tag: str = "", peers: tuple = ()) -> None:
         entry = self.entries[(axis, op, tag)]
         entry.calls += 1
         entry.bytes += int(nbytes)
+        group = (axis, tuple(peers))
+        self.calls_on[group] += 1
+        self.last_time = time.time()
+        self.recent.append({"seq": self.calls_on[group], "op": op, "axis": axis, "tag": tag,
+                            "bytes": int(nbytes), "step": self.step, "peers": list(peers),
+                            "time": self.last_time})
 
     def bytes_by_axis(self, tag: str | None = None) -> dict[str, int]:
         out: dict[str, int] = defaultdict(int)
