@@ -1,0 +1,352 @@
+"""The cost model: memory per rank and step time of one Plan for one model on one system.
+
+Memory per rank (bytes), for Ψ parameters held by the rank (after the tensor and pipe splits):
+
+  model state      `train.memory.zero_state_formula(stage, Ψ, shard)`: 16Ψ unsharded (fp32 AdamW:
+                   4 parameters + 4 gradients + 8 moments), ZeRO 1/2/3 as in `parallel.shard`;
+                   ZeRO-3's chunks padded to whole rows per rank, as FSDP2 pads them
+  activations      `ModelSpec.act_bytes_per_sample` × samples per micro-batch, divided over the
+                   space ranks; under 1D tensor parallelism the split share (Korthikanti et al.
+                   2022, Table 2) divided by the tensor degree; under full checkpointing only
+                   block inputs plus one block's internals; a pipeline stage holds 1/p of the
+                   layers for min(m, p) micro-batches in flight (1F1B) or m (GPipe)
+  comm buffers     one gradient bucket (data, ZeRO-1/2), two gathered blocks (ZeRO-3, prefetch)
+
+Step time (seconds):
+
+  compute          training FLOPs of the rank's share of the batch / achievable rate (the system's
+                   peak × efficiency for matmul or conv), × 4/3 under full checkpointing
+  communication    every collective of the strategies' byte formulas (`bytes_by_axis` below, in
+                   the ledger's convention) on the link its axis lands on (`systems.System.link`,
+                   from the mesh order and ranks per node), ring costs (`systems.collective_time`)
+  overlap          the gradient all-reduce (data, ZeRO-1/2 buckets) overlaps backward (2/3 of the
+                   compute); ZeRO-3's gathers are prefetched under compute; tensor, halo and
+                   pipe messages are on the critical path
+  pipeline bubble  (p-1)/(m+p-1) of the step idle for GPipe and 1F1B, (p-1)/(v·m+p-1) interleaved
+  optimizer        reading and writing the rank's optimizer state once (memory bandwidth)
+
+The byte formulas are the strategies' own (imported, not rewritten): `zero_state_formula`,
+`parallel.tensor.linear1d.{shared_input,column,row}_bytes`, `parallel.spatial.volume`'s halo
+volume. A Plan's bytes agree with the ledger's counts exactly for data, shard, space and 1D tensor
+(`tests/test_planner_measured.py`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..plan import Plan
+from ..train.memory import zero_state_formula
+from .spec import ModelSpec
+from .systems import System, collective_time
+
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+PRECISION_RATE = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "tf32": "tf32"}
+
+
+@dataclass(frozen=True)
+class Options:
+    """How a Plan is run beyond its degrees (the config's [parallel] and [train] that matter)."""
+    batch: int = 8                     # global batch per optimizer step
+    precision: str = "fp32"
+    zero_stage: int = 3                # with shard > 1
+    checkpointing: str = "none"        # none | full
+    microbatches: int = 0              # with pipe > 1 (0: 4 per stage)
+    schedule: str = "1f1b"             # gpipe | 1f1b | interleaved
+    virtual_stages: int = 1            # interleaved
+    optimizer: str = "adamw"           # adamw | adam | sgd
+    bucket_cap_mb: float = 25.0
+    compute_dtype: str = ""            # overrides the rate's dtype (e.g. tf32 for fp32 on GPUs)
+
+    def label(self) -> str:
+        parts = []
+        if self.zero_stage != 3:
+            parts.append(f"zero{self.zero_stage}")
+        if self.checkpointing != "none":
+            parts.append(f"ckpt={self.checkpointing}")
+        if self.microbatches:
+            parts.append(f"m={self.microbatches}")
+        if self.schedule != "1f1b":
+            parts.append(self.schedule + (f"(v={self.virtual_stages})" if self.virtual_stages > 1
+                                          else ""))
+        return " ".join(parts)
+
+
+@dataclass
+class Comm:
+    axis: str          # the ledger's axis name ("data", "data+space", "tensor", ...)
+    op: str
+    nbytes: float      # per step, ledger convention
+    calls: int
+    size: int          # ranks in the group
+    stride: int        # rank distance between group members
+    overlap: str = ""  # "backward" | "compute" | ""
+
+
+@dataclass
+class Prediction:
+    plan: Plan
+    options: Options
+    memory: dict               # params, grads, optimizer, activations, buffers, total
+    step_s: float
+    parts_s: dict              # compute, comm_exposed, bubble, optimizer
+    comms: list = field(default_factory=list)
+
+    @property
+    def bytes_by_axis(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for c in self.comms:
+            if c.nbytes:
+                out[c.axis] = out.get(c.axis, 0) + int(c.nbytes)
+        return out
+
+    def to_dict(self) -> dict:
+        return {"plan": str(self.plan), "degrees": self.plan.to_dict(), "options":
+                self.options.label(), "step_s": self.step_s, "memory_per_rank": self.memory,
+                "time_parts_s": self.parts_s, "bytes_by_axis": self.bytes_by_axis}
+
+
+# ------------------------------------------------------------------------------- shapes of Plans
+def strides(plan: Plan) -> dict[str, int]:
+    """Rank distance between neighbours of every mesh dimension (row-major, innermost last)."""
+    out, step = {}, 1
+    for name, degree in reversed(list(plan.degrees().items())):
+        out[name] = step
+        step *= degree
+    return out
+
+
+def group(plan: Plan, *axes: str) -> tuple[str, int, int]:
+    """(ledger name, size, smallest stride) of the group over the named top-level axes."""
+    dims = plan.degrees()
+    st = strides(plan)
+    members = [d for d in dims if d in axes or d.split("_")[0] in axes]
+    size = math.prod(dims[d] for d in members)
+    used = [d for d in members if dims[d] > 1]
+    stride = min((st[d] for d in used), default=1)
+    # the group's span decides its link: all of its members' dims together
+    span_stride = max((st[d] for d in used), default=1)
+    span = span_stride * (dims[max(used, key=lambda d: st[d])] if used else 1)
+    return "+".join(axes), size, max(stride, span // max(size, 1))
+
+
+def samples_per_rank(plan: Plan, options: Options) -> float:
+    """Samples one rank's replica processes per step (data and shard split the batch)."""
+    return options.batch / (plan.data * plan.shard)
+
+
+# ----------------------------------------------------------------------------------- parameters
+def local_params(spec: ModelSpec, plan: Plan) -> tuple[int, list]:
+    """(Ψ held by the busiest rank, its parameter shapes) after the tensor and pipe splits."""
+    shapes = list(spec.param_shapes)
+    t = plan.tensor_degree
+    if t > 1:
+        shapes = [(s[0] // t,) + tuple(s[1:]) if _tensor_splits(spec, s, t) else s
+                  for s in shapes]
+    if plan.pipe > 1 and spec.block_ranges:
+        # blocks are dealt out to stages in order; the first stage also holds what precedes the
+        # blocks (embeddings), the last what follows them (final norm, head)
+        ranges = spec.block_ranges
+        here = math.ceil(len(ranges) / plan.pipe)
+        first = shapes[:ranges[here - 1][1]]
+        last = shapes[ranges[len(ranges) - here][0]:]
+        shapes = max(first, last, key=lambda ss: sum(math.prod(s) for s in ss))
+    return sum(math.prod(s) for s in shapes), shapes
+
+
+def _tensor_splits(spec: ModelSpec, shape: tuple, t: int) -> bool:
+    """Whether 1D tensor parallelism splits this parameter: the Linears inside the blocks (their
+    weights and column biases); embeddings, norms and row biases stay whole."""
+    if spec.family != "gpt":
+        return False
+    E = spec.extra["n_embd"]
+    return len(shape) == 2 and shape != (spec.extra["vocab_size"], E) and shape[0] % t == 0 \
+        or len(shape) == 1 and shape[0] != E and shape[0] % t == 0
+
+
+def _root_share(spec: ModelSpec) -> float:
+    """Share of the parameters outside every block (FSDP2's root unit, gathered once)."""
+    total = sum(math.prod(s) for s in spec.param_shapes)
+    inside = sum(math.prod(s) for a, b in spec.block_ranges for s in spec.param_shapes[a:b])
+    return 1 - inside / total
+
+
+# ---------------------------------------------------------------------------- byte formulas
+def comms(spec: ModelSpec, plan: Plan, options: Options, psi: int, shapes: list) -> list[Comm]:
+    """Every collective of one training step on the busiest rank, ledger convention."""
+    from ..parallel.tensor.linear1d import column_bytes, row_bytes, shared_input_bytes
+
+    out: list[Comm] = []
+    grad = 4  # gradients are reduced in fp32 under every precision policy
+    mb = samples_per_rank(plan, options)
+    m = _microbatches(plan, options)
+
+    def add(axes, op, nbytes, calls, overlap=""):
+        name, size, stride = group(plan, *axes)
+        if size > 1 and nbytes > 0:
+            out.append(Comm(name, op, nbytes, calls, size, stride, overlap))
+
+    buckets = max(1, math.ceil(psi * grad / (options.bucket_cap_mb * 2 ** 20)))
+    if plan.shard > 1:
+        n = plan.shard
+        padded = sum(math.ceil(s[0] / n) * n * math.prod(s[1:]) for s in shapes) * grad
+        if options.zero_stage == 1:
+            add(("data", "shard"), "all_reduce", psi * grad, buckets, "backward")
+            add(("shard",), "all_gather", padded, buckets)
+        elif options.zero_stage == 2:
+            add(("shard",), "reduce_scatter", padded, buckets, "backward")
+            add(("data",), "all_reduce", padded / n, buckets, "backward")
+            add(("shard",), "all_gather", padded, buckets)
+        else:
+            units = len(spec.block_ranges) + 1
+            root = padded * _root_share(spec)
+            add(("shard",), "all_gather", 2 * padded - root, 2 * units - 1, "compute")
+            add(("shard",), "reduce_scatter", padded, units, "backward")
+            add(("data",), "all_reduce", padded / n, units, "backward")
+    elif plan.space_degree > 1:
+        add(("data", "space"), "all_reduce", psi * grad, buckets, "backward")
+    elif plan.tensor_degree == 1:
+        add(("data",), "all_reduce", psi * grad, buckets, "backward")
+
+    if plan.space_degree > 1:
+        halo = _halo_bytes(spec, plan.space) / plan.space_degree * mb
+        # halos move both ways (send and receive are both counted)
+        add(("space",), "send", 2 * halo, 2 * _conv_layers(spec), "")
+        flat = spec.extra.get("flatten_elements", 0) * 4 * mb
+        add(("space",), "all_gather", flat, 1)
+
+    t = plan.tensor_degree
+    if t > 1 and spec.family == "gpt":
+        s = PRECISION_BYTES[options.precision]
+        rows = int(mb * spec.tokens)
+        E, V = spec.extra["n_embd"], spec.extra["vocab_size"]
+        per_block = 2 * (shared_input_bytes(rows, E, s) + row_bytes(rows, E, E, s, False))
+        total = spec.blocks * per_block + 8   # + the dropout seed broadcast
+        if V % t == 0:
+            total += column_bytes(rows, E, V, s, gather_output=True, own_f=True)
+        add(("tensor",), "all_reduce", total, 4 * spec.blocks + 2)
+        add(("data",), "all_reduce", psi * grad, buckets, "backward")
+
+    if plan.pipe > 1:
+        s = PRECISION_BYTES[options.precision]
+        act = spec.boundary_bytes / 4 * s * mb / m
+        add(("pipe",), "send", 2 * act * m, 2 * m)
+    return out
+
+
+def _microbatches(plan: Plan, options: Options) -> int:
+    if plan.pipe == 1:
+        return 1
+    return options.microbatches or 4 * plan.pipe
+
+
+_HALO_CACHE: dict = {}
+
+
+def _geometry(spec: ModelSpec):
+    key = (spec.name, spec.spatial_shape)
+    if key not in _HALO_CACHE:
+        from ..models.cosmoflow import CosmoFlow
+        from ..parallel.spatial.volume import layer_geometry
+        c = spec.extra.get("in_channels", 4)
+        model = CosmoFlow(size=spec.extra["size"], in_channels=c) if \
+            spec.spatial_shape[0] <= 64 else None
+        if model is None:
+            import torch
+            with torch.device("meta"):
+                model = CosmoFlow(size=spec.extra["size"], in_channels=c)
+        _HALO_CACHE[key] = layer_geometry(model, (1, c) + tuple(spec.spatial_shape))
+    return _HALO_CACHE[key]
+
+
+def _halo_bytes(spec: ModelSpec, space: tuple) -> float:
+    from ..parallel.spatial.volume import halo_bytes_of_layers
+    return float(halo_bytes_of_layers(_geometry(spec), space))
+
+
+def _conv_layers(spec: ModelSpec) -> int:
+    return len(_geometry(spec)) if spec.spatial_shape else 0
+
+
+# ----------------------------------------------------------------------------------- the model
+def activation_bytes(spec: ModelSpec, plan: Plan, options: Options) -> float:
+    """Bytes of activations alive at the peak of one step on the busiest rank (module doc)."""
+    m = _microbatches(plan, options)
+    mb = samples_per_rank(plan, options) / m
+    scale = PRECISION_BYTES[options.precision] / 4
+    act = spec.act_bytes_per_sample
+    if options.checkpointing == "full":
+        non_block = max(0.0, act - spec.blocks * spec.block_act_bytes)
+        act = min(act, non_block + spec.blocks * spec.block_input_bytes + spec.block_act_bytes)
+    t = plan.tensor_degree
+    if t > 1:
+        f = spec.tensor_split_fraction
+        act *= (1 - f) + f / t
+        if plan.tensor_3d:
+            act /= plan.tensor[2]
+    act /= plan.space_degree
+    if plan.pipe > 1:
+        in_flight = m if options.schedule == "gpipe" else min(m, plan.pipe)
+        act = act / plan.pipe * in_flight
+    return act * scale * mb
+
+
+def predict(spec: ModelSpec, plan: Plan, system: System, options: Options,
+            world: int | None = None) -> Prediction:
+    """Memory per rank and step time of `plan` (see the module doc)."""
+    psi, shapes = local_params(spec, plan)
+    stage = options.zero_stage if plan.shard > 1 else 0
+    mixed = options.precision != "fp32"
+    optim_per_param = {"adamw": 8, "adam": 8, "sgd": 4}.get(options.optimizer, 8)
+    if plan.shard > 1 and stage == 3:
+        n = plan.shard
+        psi_state = sum(math.ceil(s[0] / n) * n * math.prod(s[1:]) for s in shapes)
+    else:
+        psi_state = psi
+    state = zero_state_formula(stage, psi_state, plan.shard, mixed)
+    if optim_per_param != 8:   # the formula is AdamW's; other optimizers keep less state
+        state -= (8 - optim_per_param) * psi_state / (plan.shard if stage else 1)
+    acts = activation_bytes(spec, plan, options)
+    biggest_block = max(sum(math.prod(s) for s in shapes) / max(spec.blocks, 1), 1)
+    if plan.shard > 1 and stage == 3:
+        buffers = 2 * biggest_block * 4
+    else:
+        buffers = min(psi * 4, options.bucket_cap_mb * 2 ** 20)
+    memory = {"state": state, "activations": acts, "buffers": buffers,
+              "total": state + acts + buffers}
+
+    rate = system.rate(options.compute_dtype or PRECISION_RATE[options.precision],
+                       spec.compute_kind)
+    world = world or plan.world_size
+    cores = system.measured.get("cores") if system.measured else None
+    if cores:   # ranks of one node sharing fewer cores than ranks (this CPU machine)
+        rate *= min(1.0, cores / min(world, system.ranks_per_node))
+    flops = spec.flops_per_sample * options.batch / world
+    if options.checkpointing == "full":
+        flops *= 4 / 3
+    compute = flops / rate
+    backward = compute * 2 / 3
+    comm_list = comms(spec, plan, options, psi, shapes)
+    exposed = 0.0
+    hidden_pool = {"backward": backward, "compute": compute}
+    for c in comm_list:
+        link = system.link(c.stride, c.size)
+        t = collective_time(c.op, c.nbytes / max(c.calls, 1), c.size, link) * c.calls
+        if c.overlap:
+            hide = min(t * (1 - 1 / max(c.calls, 1)), hidden_pool[c.overlap])
+            hidden_pool[c.overlap] -= hide
+            t -= hide
+        exposed += t
+    m = _microbatches(plan, options)
+    bubble = 0.0
+    if plan.pipe > 1:
+        v = options.virtual_stages if options.schedule == "interleaved" else 1
+        bubble = compute * (plan.pipe - 1) / (v * m)
+    mem_bw = system.measured.get("memory_bandwidth", 0) or getattr(system, "memory_bandwidth", 0) \
+        or 1e12
+    optimizer = 3 * state / mem_bw
+    step = compute + exposed + bubble + optimizer
+    return Prediction(plan, options, memory, step,
+                      {"compute": compute, "comm_exposed": exposed, "bubble": bubble,
+                       "optimizer": optimizer}, comm_list)
