@@ -141,9 +141,12 @@ def local_params(spec: ModelSpec, plan: Plan) -> tuple[int, list]:
     """(Ψ held by the busiest rank, its parameter shapes) after the tensor and pipe splits."""
     shapes = list(spec.param_shapes)
     t = plan.tensor_degree
-    if t > 1:
-        shapes = [(s[0] // t,) + tuple(s[1:]) if _tensor_splits(spec, s, t) else s
-                  for s in shapes]
+    if t > 1 and spec.tensor_dims:
+        def split(s, d):
+            if d < 0 or s[d] % t:
+                return s
+            return tuple(n // t if i == d else n for i, n in enumerate(s))
+        shapes = [split(s, d) for s, d in zip(shapes, spec.tensor_dims)]
     if plan.pipe > 1 and spec.block_ranges:
         # blocks are dealt out to stages in order; the first stage also holds what precedes the
         # blocks (embeddings), the last what follows them (final norm, head)
@@ -153,23 +156,6 @@ def local_params(spec: ModelSpec, plan: Plan) -> tuple[int, list]:
         last = shapes[ranges[len(ranges) - here][0]:]
         shapes = max(first, last, key=lambda ss: sum(math.prod(s) for s in ss))
     return sum(math.prod(s) for s in shapes), shapes
-
-
-def _tensor_splits(spec: ModelSpec, shape: tuple, t: int) -> bool:
-    """Whether 1D tensor parallelism splits this parameter: the Linears inside the blocks (their
-    weights and column biases); embeddings, norms and row biases stay whole."""
-    if spec.family != "gpt":
-        return False
-    E = spec.extra["n_embd"]
-    return len(shape) == 2 and shape != (spec.extra["vocab_size"], E) and shape[0] % t == 0 \
-        or len(shape) == 1 and shape[0] != E and shape[0] % t == 0
-
-
-def _root_share(spec: ModelSpec) -> float:
-    """Share of the parameters outside every block (FSDP2's root unit, gathered once)."""
-    total = sum(math.prod(s) for s in spec.param_shapes)
-    inside = sum(math.prod(s) for a, b in spec.block_ranges for s in spec.param_shapes[a:b])
-    return 1 - inside / total
 
 
 # ---------------------------------------------------------------------------- byte formulas
@@ -200,8 +186,8 @@ def comms(spec: ModelSpec, plan: Plan, options: Options, psi: int, shapes: list)
             add(("shard",), "all_gather", padded, buckets)
         else:
             units = len(spec.block_ranges) + 1
-            root = padded * _root_share(spec)
-            add(("shard",), "all_gather", 2 * padded - root, 2 * units - 1, "compute")
+            # every unit, the root too, is gathered in forward and again in backward
+            add(("shard",), "all_gather", 2 * padded, 2 * units, "compute")
             add(("shard",), "reduce_scatter", padded, units, "backward")
             add(("data",), "all_reduce", padded / n, units, "backward")
     elif plan.space_degree > 1:
@@ -233,6 +219,7 @@ def comms(spec: ModelSpec, plan: Plan, options: Options, psi: int, shapes: list)
         act = spec.boundary_bytes / 4 * s * mb / m
         add(("pipe",), "send", 2 * act * m, 2 * m)
     return out
+
 
 
 def _microbatches(plan: Plan, options: Options) -> int:
@@ -281,8 +268,12 @@ def activation_bytes(spec: ModelSpec, plan: Plan, options: Options) -> float:
         act = min(act, non_block + spec.blocks * spec.block_input_bytes + spec.block_act_bytes)
     t = plan.tensor_degree
     if t > 1:
+        # the split share applies inside the blocks; embeddings, logits and loss stay whole
         f = spec.tensor_split_fraction
-        act *= (1 - f) + f / t
+        in_blocks = min(act, spec.blocks * spec.block_act_bytes)
+        if options.checkpointing == "full":
+            in_blocks = spec.block_act_bytes
+        act -= in_blocks * f * (1 - 1 / t)
         if plan.tensor_3d:
             act /= plan.tensor[2]
     act /= plan.space_degree
@@ -307,12 +298,17 @@ def predict(spec: ModelSpec, plan: Plan, system: System, options: Options,
     state = zero_state_formula(stage, psi_state, plan.shard, mixed)
     if optim_per_param != 8:   # the formula is AdamW's; other optimizers keep less state
         state -= (8 - optim_per_param) * psi_state / (plan.shard if stage else 1)
+    if options.optimizer in ("adamw", "adam"):
+        state += 4 * len(shapes)   # Adam's step counter: one fp32 scalar per parameter tensor
     acts = activation_bytes(spec, plan, options)
+    comm_list = comms(spec, plan, options, psi, shapes)
     biggest_block = max(sum(math.prod(s) for s in shapes) / max(spec.blocks, 1), 1)
     if plan.shard > 1 and stage == 3:
         buffers = 2 * biggest_block * 4
-    else:
+    elif any(c.overlap == "backward" for c in comm_list):   # a bucketed gradient reduction
         buffers = min(psi * 4, options.bucket_cap_mb * 2 ** 20)
+    else:
+        buffers = 0.0
     memory = {"state": state, "activations": acts, "buffers": buffers,
               "total": state + acts + buffers}
 
@@ -320,14 +316,14 @@ def predict(spec: ModelSpec, plan: Plan, system: System, options: Options,
                        spec.compute_kind)
     world = world or plan.world_size
     cores = system.measured.get("cores") if system.measured else None
-    if cores:   # ranks of one node sharing fewer cores than ranks (this CPU machine)
-        rate *= min(1.0, cores / min(world, system.ranks_per_node))
+    if cores:   # a CPU system: rates are per core; local ranks get cores // ranks threads each
+        local = min(world, system.ranks_per_node)
+        rate *= max(1, cores // local) * min(1.0, cores / local)
     flops = spec.flops_per_sample * options.batch / world
     if options.checkpointing == "full":
         flops *= 4 / 3
     compute = flops / rate
     backward = compute * 2 / 3
-    comm_list = comms(spec, plan, options, psi, shapes)
     exposed = 0.0
     hidden_pool = {"backward": backward, "compute": compute}
     for c in comm_list:

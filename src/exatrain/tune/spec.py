@@ -62,6 +62,7 @@ class ModelSpec:
     boundary_bytes: float
     blocks: int
     block_ranges: list = field(default_factory=list)  # [start, end) in param_shapes, per block
+    tensor_dims: list = field(default_factory=list)    # per parameter: dim 1D tensor splits, or -1
     compute_kind: str = "matmul"   # matmul | conv: which device rate applies
     # GPT: heads and widths that tensor parallelism must divide; CosmoFlow: the sample's grid
     heads: int = 0
@@ -77,6 +78,19 @@ class ModelSpec:
 
 
 # ------------------------------------------------------------------------------------------ GPT
+def _gpt_tensor_dims(cfg) -> list[int]:
+    """Per parameter (registration order), the dim 1D tensor parallelism splits, -1 if whole:
+    q/k/v and fc_in are column layers (weight and bias split on dim 0), out_proj and fc_out row
+    layers (weight split on dim 1, bias whole); lm_head a column layer (`parallel.tensor.convert`:
+    a Linear outside a pair is split when its shapes divide); embeddings and norms stay whole."""
+    b = cfg.bias
+    ln = [-1, -1] if b else [-1]
+    col = [0, 0] if b else [0]
+    row = [1, -1] if b else [1]
+    block = ln + col * 3 + row + ln + col + row
+    return [-1, -1] + block * cfg.n_layer + ln + ([] if cfg.tie_weights else [0])
+
+
 def _gpt_block_shapes(cfg) -> list[tuple]:
     E, Hm, b = cfg.n_embd, cfg.mlp_hidden, cfg.bias
     ln = [(E,), (E,)] if b else [(E,)]
@@ -113,13 +127,13 @@ def gpt_spec(cfg, name: str = "") -> ModelSpec:
     per_block = two - one
     act = one + (cfg.n_layer - 1) * per_block
     x_bytes = cfg.block_size * cfg.n_embd * 4
-    # Korthikanti et al. 2022, Table 2: of a layer's sbh(34 + 5as/h) activation bytes, all but
-    # 10sbh (layer-norm inputs, dropout masks, residuals) lie inside the tensor-split regions.
-    a_s_h = cfg.n_head * cfg.block_size / cfg.n_embd
-    split = (24 + 5 * a_s_h) / (34 + 5 * a_s_h)
+    # What 1D tensor parallelism does not split inside a block (as in Korthikanti et al. 2022,
+    # Table 2): the two layer norms' inputs and outputs, 4 fp32 tensors of T × E per sample;
+    # everything else a block saves (q, k, v, attention output, the MLP's hidden) is split.
+    split = max(0.0, 1 - 4 * x_bytes / per_block) if per_block else 0.0
     return ModelSpec(
         family="gpt", name=name or f"GPT {cfg.n_layer}x{cfg.n_embd}",
-        param_shapes=gpt_param_shapes(cfg),
+        param_shapes=gpt_param_shapes(cfg), tensor_dims=_gpt_tensor_dims(cfg),
         flops_per_sample=float(cfg.block_size * flops_per_token(cfg, cfg.block_size)),
         act_bytes_per_sample=float(act), block_input_bytes=float(x_bytes),
         block_act_bytes=float(per_block), boundary_bytes=float(x_bytes), blocks=cfg.n_layer,
