@@ -63,8 +63,6 @@ def plan_command(args) -> int:
         path = calibrate(out=args.calibrate_out, quick=args.quick)
         print(f"wrote {path}")
         return 0
-    if not args.config:
-        raise ValueError("exatrain plan: give a CONFIG (see examples/*.toml), or --calibrate")
     config = load_config(args.config, args.set or [])
     world = args.world or config.run.nproc
     if args.dry_run is not None:
@@ -158,7 +156,8 @@ def tune_command(args) -> int:
 def add_parsers(sub) -> None:
     plan = sub.add_parser("plan", help="every valid Plan ranked by predicted step time; "
                                        "--dry-run RANK, --calibrate")
-    plan.add_argument("config", nargs="?", help="TOML config (examples/*.toml)")
+    plan.add_argument("config", nargs="?", help="TOML config (examples/*.toml; none: the built-in "
+                                                "CosmoFlow example, changed with --set)")
     plan.add_argument("--world", type=int, default=0, help="ranks (default: run.nproc)")
     plan.add_argument("--system", default="cpu-local", help="system name or TOML path")
     plan.add_argument("--json", nargs="?", const="-", metavar="PATH",

@@ -51,7 +51,7 @@ class Options:
     batch: int = 8                     # global batch per optimizer step
     precision: str = "fp32"
     zero_stage: int = 3                # with shard > 1
-    checkpointing: str = "none"        # none | full
+    checkpointing: str = "none"        # none | full | selective (memory as none here)
     microbatches: int = 0              # with pipe > 1 (0: 4 per stage)
     schedule: str = "1f1b"             # gpipe | 1f1b | interleaved
     virtual_stages: int = 1            # interleaved
@@ -199,8 +199,7 @@ def comms(spec: ModelSpec, plan: Plan, options: Options, psi: int, shapes: list)
         halo = _halo_bytes(spec, plan.space) / plan.space_degree * mb
         # halos move both ways (send and receive are both counted)
         add(("space",), "send", 2 * halo, 2 * _conv_layers(spec), "")
-        flat = spec.extra.get("flatten_elements", 0) * 4 * mb
-        add(("space",), "all_gather", flat, 1)
+        add(("space",), "all_gather", _transition_bytes(spec, plan.space) * mb, 1)
 
     t = plan.tensor_degree
     if t > 1 and spec.family == "gpt":
@@ -208,10 +207,13 @@ def comms(spec: ModelSpec, plan: Plan, options: Options, psi: int, shapes: list)
         rows = int(mb * spec.tokens)
         E, V = spec.extra["n_embd"], spec.extra["vocab_size"]
         per_block = 2 * (shared_input_bytes(rows, E, s) + row_bytes(rows, E, E, s, False))
-        total = spec.blocks * per_block + 8   # + the dropout seed broadcast
-        if V % t == 0:
+        blocks = math.ceil(spec.blocks / plan.pipe)   # this stage's blocks
+        total = blocks * per_block + 8   # + the dropout seed broadcast
+        if options.checkpointing == "full":   # recomputing a block repeats its forward g's
+            total += blocks * 2 * row_bytes(rows, E, E, s, False)
+        if V % t == 0 and plan.pipe == 1:     # lm_head (on the last stage under pipe)
             total += column_bytes(rows, E, V, s, gather_output=True, own_f=True)
-        add(("tensor",), "all_reduce", total, 4 * spec.blocks + 2)
+        add(("tensor",), "all_reduce", total, 4 * blocks + 2)
         add(("data",), "all_reduce", psi * grad, buckets, "backward")
 
     if plan.pipe > 1:
@@ -250,6 +252,16 @@ def _geometry(spec: ModelSpec):
 def _halo_bytes(spec: ModelSpec, space: tuple) -> float:
     from ..parallel.spatial.volume import halo_bytes_of_layers
     return float(halo_bytes_of_layers(_geometry(spec), space))
+
+
+def _transition_bytes(spec: ModelSpec, space: tuple) -> float:
+    """Per sample, the all-gather that ends the split region (`parallel.spatial.convert`): before
+    the first layer whose output no longer divides over the grid (its whole input), else at the
+    Flatten (the flattened features)."""
+    for _layer, shape, out_shape in _geometry(spec):
+        if any(out_shape[2 + i] % space[i] for i in range(3)):
+            return 4.0 * math.prod(shape[1:])
+    return 4.0 * spec.extra.get("flatten_elements", 0)
 
 
 def _conv_layers(spec: ModelSpec) -> int:
@@ -322,6 +334,10 @@ def predict(spec: ModelSpec, plan: Plan, system: System, options: Options,
     flops = spec.flops_per_sample * options.batch / world
     if options.checkpointing == "full":
         flops *= 4 / 3
+    elif options.checkpointing == "selective" and spec.family == "gpt":
+        # Korthikanti et al.: recompute only attention's softmax block, QKᵀ and ·V forward
+        flops += 4 * spec.blocks * spec.tokens * spec.extra["n_embd"] * spec.tokens \
+            * options.batch / world
     compute = flops / rate
     backward = compute * 2 / 3
     exposed = 0.0
@@ -339,8 +355,7 @@ def predict(spec: ModelSpec, plan: Plan, system: System, options: Options,
     if plan.pipe > 1:
         v = options.virtual_stages if options.schedule == "interleaved" else 1
         bubble = compute * (plan.pipe - 1) / (v * m)
-    mem_bw = system.measured.get("memory_bandwidth", 0) or getattr(system, "memory_bandwidth", 0) \
-        or 1e12
+    mem_bw = system.memory_bandwidth or system.measured.get("memory_bandwidth", 0) or 1e12
     optimizer = 3 * state / mem_bw
     step = compute + exposed + bubble + optimizer
     return Prediction(plan, options, memory, step,

@@ -5,6 +5,7 @@ A system file (see `systems/*.toml`; `exatrain plan --calibrate` writes one for 
     name, description
     ranks_per_node             ranks sharing the fast intra-node link
     memory_bytes               memory per rank; memory_reserved_bytes is kept back (context, caches)
+    memory_bandwidth           bytes/s of that memory (the optimizer step streams the state)
     [flops]                    peak rate per dtype (fp32, tf32, bf16, fp16), FLOP/s per rank
     [efficiency]               fraction of peak a large matmul / convolution reaches
     [intra], [inter]           bandwidth (bytes/s per rank per direction), efficiency, latency (s)
@@ -54,6 +55,7 @@ class System:
     intra: Link
     inter: Link
     memory_reserved_bytes: float = 0.0
+    memory_bandwidth: float = 0.0                  # bytes/s of device memory (optimizer step)
     description: str = ""
     measured: dict = field(default_factory=dict)   # what calibration measured, for the record
 
@@ -103,6 +105,7 @@ def from_dict(raw: dict, where: str = "system") -> System:
     return System(name=raw["name"], ranks_per_node=int(raw["ranks_per_node"]),
                   memory_bytes=float(raw["memory_bytes"]),
                   memory_reserved_bytes=float(raw.get("memory_reserved_bytes", 0)),
+                  memory_bandwidth=float(raw.get("memory_bandwidth", 0)),
                   flops={k: float(v) for k, v in raw["flops"].items()},
                   efficiency={k: float(v) for k, v in raw.get("efficiency", {}).items()},
                   intra=_link(raw["intra"], f"{where} [intra]"),

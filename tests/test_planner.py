@@ -1,0 +1,139 @@
+"""The planner: ranking with reasons, the dry run at 1024 ranks, the tuner, published figures.
+
+Nothing here times anything: step times are predicted (deterministic) or, for the tuner, come
+from a deterministic stand-in for the machine.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+
+from exatrain.models.gpt import GPTConfig
+from exatrain.plan import Plan, PlanError
+from exatrain.tune.cost import Options, predict
+from exatrain.tune.search import rank_plans
+from exatrain.tune.spec import cosmoflow_spec, gpt_spec
+from exatrain.tune.systems import load_system
+from exatrain.tune.tuner import features, search
+
+SMALL_GPT = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
+
+
+def test_ranking_orders_plans_and_gives_reasons():
+    spec = gpt_spec(SMALL_GPT)
+    ranking = rank_plans(spec, 8, load_system("a100-selene"), Options(batch=16))
+    times = [p.step_s for p in ranking.ranked]
+    assert times == sorted(times) and len(times) > 5
+    assert len(ranking.ranked) + len(ranking.refused) == ranking.considered
+    kinds = ranking.refusal_counts()
+    assert kinds.get("indivisible", 0) > 0          # e.g. tensor=8 with 4 heads
+    # the plan rules are plan.py's: the refusal carries PlanError's own message
+    for refusal in ranking.refused:
+        if refusal.kind == "plan rule":
+            try:
+                refusal.plan.require_implemented()
+            except PlanError as exc:
+                assert refusal.reason == str(exc)
+            else:
+                raise AssertionError(f"{refusal.plan} refused though plan.py accepts it")
+    for pred in ranking.ranked:
+        pred.plan.require_implemented()
+
+
+def test_a_plan_that_cannot_fit_is_ranked_out_with_the_reason():
+    spec = gpt_spec(SMALL_GPT)
+    roomy = load_system("a100-selene")
+    serial = predict(spec, Plan(data=4), roomy, Options(batch=16))
+    sharded = predict(spec, Plan(shard=4), roomy, Options(batch=16, zero_stage=3))
+    assert sharded.memory["state"] < serial.memory["state"]
+    # memory between the two: the replicated Plans no longer fit, ZeRO-3 still does
+    limit = (serial.memory["total"] + sharded.memory["total"]) / 2
+    tight = dataclasses.replace(roomy, memory_bytes=limit, memory_reserved_bytes=0)
+    ranking = rank_plans(spec, 4, tight, Options(batch=16))
+    oom = [r for r in ranking.refused if r.kind == "out of memory"]
+    assert any(r.plan == Plan(data=4) and r.options.checkpointing == "none" for r in oom)
+    assert all("GiB per rank" in r.reason for r in oom)
+    assert all(p.memory["total"] <= limit for p in ranking.ranked)
+    assert any(p.plan == Plan(shard=4) for p in ranking.ranked)
+
+
+def test_cosmoflow_512_needs_spatial_parallelism_on_40gb_gpus():
+    spec = cosmoflow_spec(512)
+    assert 50 * 2 ** 30 < spec.act_bytes_per_sample < 56 * 2 ** 30   # LBANN: ~53 GiB per sample
+    system = load_system("a100-slingshot")                            # 40 GB GPUs
+    # a whole sample per rank does not fit, whatever the layout
+    full = rank_plans(spec, 16, system, Options(batch=16))
+    assert not full.ranked and full.refusal_counts()["out of memory"] > 0
+    assert all("GiB per rank" in r.reason for r in full.refused if r.kind == "out of memory")
+    # half a sample per rank does, and only by splitting samples over space
+    half = rank_plans(spec, 16, system, Options(batch=8))
+    assert half.ranked and all(p.plan.space_degree > 1 for p in half.ranked)
+
+
+def test_tuner_finds_the_best_of_an_enumerated_set_within_a_third():
+    spec = gpt_spec(SMALL_GPT)
+    candidates = rank_plans(spec, 8, load_system("cpu-local"), Options(batch=16)).ranked
+
+    def machine(pred):   # the machine disagrees with the model: ZeRO costs more, tensor less
+        r = 0.5 * math.log2(pred.plan.shard) - 0.4 * math.log2(pred.plan.tensor_degree)
+        return pred.step_s * math.exp(r + (0.3 if pred.options.checkpointing == "full" else 0))
+
+    truth = min(machine(p) for p in candidates)
+    assert min(candidates, key=machine) is not candidates[0]   # the model alone would miss it
+    budget = len(candidates) // 3
+    found = search(candidates, machine, budget, spec.params)
+    assert len(found.trials) <= budget
+    assert found.best.measured_s == truth
+    # a prior from a sibling model with the same residual pattern finds it sooner
+    prior = [(features(p, 2 * spec.params), math.log(machine(p) / p.step_s))
+             for p in candidates[::3]]
+    primed = search(candidates, machine, budget, spec.params, prior)
+    assert primed.best.measured_s == truth
+    assert primed.trials_to_best <= found.trials_to_best
+
+
+def test_published_megatron_runs_are_predicted():
+    from exatrain.bench.planner import _mape, published_cases
+    cases = published_cases()
+    assert len(cases) == 8
+    assert all(c["predicted_s"] > 0 for c in cases)
+    assert _mape((c["predicted_s"], c["published_s"]) for c in cases) < 15
+
+
+def _plan_cli(*args) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "src"))
+    out = subprocess.run([sys.executable, "-m", "exatrain.cli", "plan", *args, "--json"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+def test_dry_run_gpt_rank_of_1024_in_one_process(tmp_path):
+    r = _plan_cli("--set", "run.workload=gpt", "--set", "model.preset=125m",
+                  "--set", "model.n_head=16", "--set", "model.block_size=128",
+                  "--set", "model.vocab_size=256", "--set", "train.batch_size=128",
+                  "--world", "1024", "--plan", "data=128,tensor=8", "--dry-run", "1023")
+    shapes = r["param_shapes"]
+    assert r["world"] == 1024 and r["coords"]["tensor"] == 7 and r["coords"]["data"] == 127
+    assert shapes["blocks.0.attn.q_proj.weight"] == [768 // 8, 768]
+    assert shapes["blocks.0.attn.out_proj.weight"] == [768, 768 // 8]
+    assert shapes["blocks.0.mlp.fc_in.weight"] == [3072 // 8, 768]
+    assert shapes["wte.weight"] == [256, 768]
+    assert shapes["lm_head.weight"] == [256 // 8, 768]
+    assert r["input_shape"] == [1, 128]
+    assert r["ledger_bytes"]["tensor"] > 0 and r["ledger_bytes"]["data"] > 0
+    assert r["state_bytes"]["total"] > 0 and r["step_peak_bytes"] > 0
+
+
+def test_dry_run_cosmoflow_spatial_rank_in_one_process():
+    r = _plan_cli("--set", "run.workload=cosmoflow", "--set", "model.size=128",
+                  "--set", "train.batch_size=32", "--world", "1024",
+                  "--plan", "data=32,space=2x4x4", "--dry-run", "1023")
+    assert r["coords"]["space_d"] == 1 and r["coords"]["space_w"] == 3
+    assert r["input_shape"] == [1, 4, 64, 32, 32]           # this rank's block of one sample
+    assert r["param_shapes"]["module.features.0.weight"] == [32, 4, 3, 3, 3]
+    assert r["ledger_bytes"]["space"] > 0                  # halos and the gather were issued
+    assert r["ledger_bytes"]["data+space"] == 4 * 8907556  # the gradient all-reduce: 4Ψ
