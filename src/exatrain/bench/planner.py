@@ -9,8 +9,8 @@ Three parts, one launch:
    cpu-local). Compute rates are per model: each model's 1-rank step calibrates the rate of
    cpu-local for that model (the rate a 1024² matmul reaches is 1.5-2× what a width-128 GPT's small
    matmuls reach here), so the 1-rank cases are the calibration and are left out of the MAPEs.
-     memory: measured = model state at the optimizer step + StepPeak of forward/backward − the
-     gradients (counted in both); predicted = the cost model's total per rank
+     memory: measured = the state held when a step begins + StepPeak of its forward/backward
+     (`tune.measure`); predicted = the cost model's total per rank
      bytes: the ledger's bytes per axis of one step against the cost model's, exactly
    Figures: step_time_mape, memory_mape, cases, bytes_exact_cases, and each case's numbers.
 
@@ -140,8 +140,7 @@ def local_part(steps: int) -> tuple[dict, list]:
         if plan.world_size == 1 and options.checkpointing == "none":
             systems[family] = calibrated_system(base, spec, options, got["step_s"])
         pred = predict(spec, plan, systems[family], options)
-        grads = got["state"]["grads"]
-        measured_mem = got["state_bytes"] + got["step_peak_bytes"] - grads
+        measured_mem = got["step_peak_bytes"]
         ledger = {a: b for a, b in got["ledger_bytes"].items() if b}
         cases.append({"model": spec.name, "plan": str(plan), "options": options.label(),
                       "world": plan.world_size, "measured_step_s": got["step_s"],

@@ -10,7 +10,9 @@ Memory per rank (bytes), for Ψ parameters held by the rank (after the tensor an
                    2022, Table 2) divided by the tensor degree; under full checkpointing only
                    block inputs plus one block's internals; a pipeline stage holds 1/p of the
                    layers for min(m, p) micro-batches in flight (1F1B) or m (GPipe)
-  comm buffers     one gradient bucket (data, ZeRO-1/2), two gathered blocks (ZeRO-3, prefetch)
+  transient        backward's gradients of the largest saved activation and of its input
+  comm buffers     one gradient bucket copy (tensor's GradSync), two gathered blocks (ZeRO-3,
+                   prefetch); DDP, ZeRO-1 and ZeRO-2 need none beyond the gradients
 
 Step time (seconds):
 
@@ -317,12 +319,18 @@ def predict(spec: ModelSpec, plan: Plan, system: System, options: Options,
     biggest_block = max(sum(math.prod(s) for s in shapes) / max(spec.blocks, 1), 1)
     if plan.shard > 1 and stage == 3:
         buffers = 2 * biggest_block * 4
-    elif any(c.overlap == "backward" for c in comm_list):   # a bucketed gradient reduction
+    elif plan.tensor_degree > 1 and plan.data > 1:
+        # GradSync's flat bucket: one bucket's copy at a time
         buffers = min(psi * 4, options.bucket_cap_mb * 2 ** 20)
     else:
+        # DDP and ZeRO-1 reduce the gradients in place (gradient_as_bucket_view); ZeRO-2's send
+        # buffer replaces the full gradients it frees
         buffers = 0.0
-    memory = {"state": state, "activations": acts, "buffers": buffers,
-              "total": state + acts + buffers}
+    # backward holds the gradient of the largest activation and of its input at once
+    transient = 2 * spec.largest_act_bytes * PRECISION_BYTES[options.precision] / 4 \
+        * samples_per_rank(plan, options) / _microbatches(plan, options) / plan.space_degree
+    memory = {"state": state, "activations": acts, "buffers": buffers, "transient": transient,
+              "total": state + acts + buffers + transient}
 
     rate = system.rate(options.compute_dtype or PRECISION_RATE[options.precision],
                        spec.compute_kind)

@@ -27,8 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def trace_saved_bytes(model: nn.Module, inputs, loss_fn) -> int:
-    """Bytes of the distinct non-parameter tensors autograd saves for one forward + loss."""
+def trace_saved_bytes(model: nn.Module, inputs, loss_fn, largest: list | None = None) -> int:
+    """Bytes of the distinct non-parameter tensors autograd saves for one forward + loss
+    (the largest one's bytes appended to `largest`, when given)."""
     params = {id(p) for p in model.parameters()}
     saved: dict[int, int] = {}
     keep = []
@@ -42,6 +43,8 @@ def trace_saved_bytes(model: nn.Module, inputs, loss_fn) -> int:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss_fn(model(*inputs))
+    if largest is not None:
+        largest.append(max(saved.values(), default=0))
     return sum(saved.values())
 
 
@@ -70,6 +73,8 @@ class ModelSpec:
     spatial_shape: tuple = ()
     tokens: int = 0
     tensor_split_fraction: float = 0.0   # share of activations inside split (tensor) regions
+    largest_act_bytes: float = 0.0       # the largest saved tensor per sample (backward's
+                                         # gradient of it and its input are alive at once)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -120,8 +125,9 @@ def gpt_spec(cfg, name: str = "") -> ModelSpec:
             torch.manual_seed(0)
             model = GPT(cfg.replace(n_layer=layers, dropout=0.0))
             idx = torch.zeros(1, cfg.block_size, dtype=torch.long)
-            return trace_saved_bytes(model, (idx,), lambda logits: gpt_loss(logits, idx))
+            return trace_saved_bytes(model, (idx,), lambda logits: gpt_loss(logits, idx), biggest)
 
+    biggest: list = []
     per = len(_gpt_block_shapes(cfg))
     one, two = saved(1), saved(2)
     per_block = two - one
@@ -139,7 +145,7 @@ def gpt_spec(cfg, name: str = "") -> ModelSpec:
         block_act_bytes=float(per_block), boundary_bytes=float(x_bytes), blocks=cfg.n_layer,
         block_ranges=[(2 + i * per, 2 + (i + 1) * per) for i in range(cfg.n_layer)],
         heads=cfg.n_head, widths=(cfg.n_embd, cfg.mlp_hidden), tokens=cfg.block_size,
-        tensor_split_fraction=split,
+        tensor_split_fraction=split, largest_act_bytes=float(max(biggest)),
         extra={"n_embd": cfg.n_embd, "vocab_size": cfg.vocab_size, "n_layer": cfg.n_layer})
 
 
@@ -171,7 +177,8 @@ def cosmoflow_spec(size: int, base_channels: int = 32, conv_layers: int = 5,
                           conv_layers=conv_layers)
         x = torch.zeros(1, in_channels, size, size, size)
         y = torch.zeros(1, 4)
-        act = trace_saved_bytes(model, (x,), lambda out: F.mse_loss(out, y))
+        biggest: list = []
+        act = trace_saved_bytes(model, (x,), lambda out: F.mse_loss(out, y), biggest)
         flops = conv_flops(model, x)
         shapes = [tuple(p.shape) for p in model.parameters()]
         features = len(list(model.features.parameters()))
@@ -183,6 +190,7 @@ def cosmoflow_spec(size: int, base_channels: int = 32, conv_layers: int = 5,
                      block_act_bytes=float(act), boundary_bytes=float(base_channels * size ** 3),
                      blocks=2, block_ranges=[(0, features), (features, len(shapes))],
                      compute_kind="conv", spatial_shape=(size, size, size),
+                     largest_act_bytes=float(biggest[0]),
                      extra={"size": size, "in_channels": in_channels,
                             "flatten_elements": flat})
 
