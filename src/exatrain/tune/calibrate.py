@@ -9,7 +9,7 @@ Measured, each the median of repeated timings after a warm-up:
                         there are more ranks than cores
   memory_bandwidth      bytes/s of an out-of-place add on 64 MiB tensors (3 streams)
   [intra]               all-reduce over the active backend on 2 spawned ranks at payloads from
-                        4 KiB to 16 MiB, fitted to the ring model t = 2(n-1)α + 2(n-1)/n · B/β:
+                        4 KiB to 16 MiB, fitted to t = 2⌈log2 n⌉α + 2(n-1)/n · B/β (`systems.collective_time`):
                         α (latency) and β (bandwidth); [inter] is the same link (one node)
   [measured.allreduce]  the raw (group size, payload, seconds) points
 
@@ -86,9 +86,12 @@ def _allreduce_rank(sizes: list[int], repeat: int) -> list[tuple[int, float]]:
 
 
 def fit_ring(points: list[tuple[int, float]], n: int) -> tuple[float, float]:
-    """Least-squares α, β of t = 2(n-1)α + 2(n-1)/n · B/β over (B, t) points."""
+    """Least-squares α, β of t = 2⌈log2 n⌉α + 2(n-1)/n · B/β over (B, t) points."""
+    import math
+
     import numpy as np
-    x = np.array([[2 * (n - 1), 2 * (n - 1) / n * b] for b, _ in points], dtype=float)
+    x = np.array([[2 * math.ceil(math.log2(n)), 2 * (n - 1) / n * b] for b, _ in points],
+                 dtype=float)
     y = np.array([t for _, t in points])
     coef, *_ = np.linalg.lstsq(x, y, rcond=None)
     alpha = max(float(coef[0]), 1e-7)

@@ -72,10 +72,12 @@ def plan_command(args) -> int:
         result = dry_run(config, plan, args.dry_run)
         _emit(result, args.json) if args.json else _print_dry_run(result)
         return 0
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 160)
     system = load_system(args.system)
     spec = spec_from_config(config)
     base = options_from_config(config)
+    if args.plan:   # one Plan: its prediction, and plan.py's and the model's verdicts
+        return _one_plan(console, spec, parse_plan(args.plan), system, base, world, args.json)
     import time
     t0 = time.perf_counter()
     ranking = rank_plans(spec, world, system, base)
@@ -107,7 +109,41 @@ def plan_command(args) -> int:
         if shown.get(r.kind, 0) < args.why:
             shown[r.kind] = shown.get(r.kind, 0) + 1
             opts = f" [{r.options.label()}]" if r.options.label() else ""
-            console.print(f"  [bold]{r.kind}[/]: {r.plan}{opts}: {r.reason}", highlight=False)
+            reason = r.reason.removeprefix(f"{r.plan}: ")
+            console.print(f"  [bold]{r.kind}[/]: {r.plan}{opts}: {reason}", highlight=False)
+    return 0
+
+
+def _one_plan(console, spec, plan: Plan, system, options: Options, world: int, json_out) -> int:
+    from .cost import predict
+    from .search import shape_problem
+    verdicts = []
+    try:
+        plan.validate(world)
+        plan.require_implemented()
+    except PlanError as exc:
+        verdicts.append(f"plan rule: {exc}")
+    problem = shape_problem(spec, plan, options)
+    if problem:
+        verdicts.append(f"{problem[0]}: {problem[1]}")
+    pred = predict(spec, plan, system, options, world)
+    if pred.memory["total"] > system.usable_memory:
+        verdicts.append(f"out of memory: needs {_human_bytes(pred.memory['total'])} per rank")
+    out = {**pred.to_dict(), "valid": not verdicts, "refused_because": verdicts}
+    if json_out:
+        _emit(out, json_out)
+        return 0
+    console.print(f"[bold]{plan}[/] on {world} ranks of {system.name}: "
+                  f"{'valid' if not verdicts else 'REFUSED'}", highlight=False)
+    for v in verdicts:
+        console.print(f"  {v}", highlight=False)
+    console.print(f"  step {_human_s(pred.step_s)} = " + " + ".join(
+        f"{k} {_human_s(v)}" for k, v in pred.parts_s.items()), highlight=False)
+    console.print("  memory/rank " + ", ".join(f"{k} {_human_bytes(v)}"
+                                               for k, v in pred.memory.items()), highlight=False)
+    console.print("  bytes/step " + ", ".join(f"{a} {_human_bytes(b)}"
+                                             for a, b in pred.bytes_by_axis.items()),
+                  highlight=False)
     return 0
 
 
@@ -165,8 +201,9 @@ def add_parsers(sub) -> None:
     plan.add_argument("--top", type=int, default=20, help="ranked Plans to print")
     plan.add_argument("--why", type=int, default=2, help="refused examples to print per reason")
     plan.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
-    plan.add_argument("--plan", help="with --dry-run: the Plan, e.g. data=32,shard=4,tensor=8 "
-                                     "(default: the config's [plan] at --world)")
+    plan.add_argument("--plan", help="one Plan, e.g. data=32,shard=4,tensor=8: its prediction "
+                                     "and verdicts; with --dry-run the Plan to run (default: "
+                                     "the config's [plan] at --world)")
     plan.add_argument("--dry-run", type=int, metavar="RANK", help="run one step of RANK over the "
                                                                   "fake process group")
     plan.add_argument("--calibrate", action="store_true", help="measure this machine into a "

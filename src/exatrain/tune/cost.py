@@ -188,8 +188,10 @@ def comms(spec: ModelSpec, plan: Plan, options: Options, psi: int, shapes: list)
             add(("shard",), "all_gather", padded, buckets)
         else:
             units = len(spec.block_ranges) + 1
-            # every unit, the root too, is gathered in forward and again in backward
-            add(("shard",), "all_gather", 2 * padded, 2 * units, "compute")
+            # every unit, the root too, is gathered in forward and again in backward, in the
+            # compute dtype (FSDP2's MixedPrecisionPolicy); gradients reduce in fp32
+            gather = padded * PRECISION_BYTES[options.precision] / grad
+            add(("shard",), "all_gather", 2 * gather, 2 * units, "compute")
             add(("shard",), "reduce_scatter", padded, units, "backward")
             add(("data",), "all_reduce", padded / n, units, "backward")
     elif plan.space_degree > 1:

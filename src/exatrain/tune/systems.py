@@ -14,12 +14,14 @@ Link of an axis: ranks are laid out row-major over Plan.degrees() (the innermost
 neighbouring ranks, see `exatrain.mesh`), so a group spans `stride × size` consecutive ranks; it
 stays on one node when that span fits in `ranks_per_node`, otherwise it crosses nodes.
 
-Collective time for a payload of B bytes (the ledger's convention) on n ranks, ring algorithms:
+Collective time for a payload of B bytes (the ledger's convention) on n ranks: the bandwidth term
+of a ring, the latency term of a tree (NCCL and gloo switch to trees / recursive doubling where
+latency dominates, so a ring's n-1 latency steps would grossly overcharge thousands of ranks):
 
-    all_reduce               2(n-1)·α + 2(n-1)/n · B / β
-    all_gather, reduce_scatter (n-1)·α + (n-1)/n · B / β
-    broadcast                (n-1)/n share like all_gather (pipelined ring)
-    send / recv              α + B / β
+    all_reduce                 2⌈log2 n⌉·α + 2(n-1)/n · B / β
+    all_gather, reduce_scatter ⌈log2 n⌉·α + (n-1)/n · B / β
+    broadcast                  like all_gather (pipelined)
+    send / recv                α + B / β
 
 with α the link latency and β its bandwidth × efficiency. A user adds a system by writing a file
 next to the others, or passing a path to `--system`.
@@ -27,6 +29,7 @@ next to the others, or passing a path to `--system`.
 
 from __future__ import annotations
 
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,10 +80,11 @@ def collective_time(op: str, nbytes: float, n: int, link: Link) -> float:
     """Seconds for one collective of `nbytes` payload on `n` ranks over `link` (module doc)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
+    rounds = math.ceil(math.log2(n))
     if op == "all_reduce":
-        steps, wire = 2 * (n - 1), 2 * (n - 1) / n * nbytes
+        steps, wire = 2 * rounds, 2 * (n - 1) / n * nbytes
     elif op in ("all_gather", "reduce_scatter", "broadcast"):
-        steps, wire = n - 1, (n - 1) / n * nbytes
+        steps, wire = rounds, (n - 1) / n * nbytes
     elif op in ("send", "recv", "p2p"):
         steps, wire = 1, nbytes
     else:
