@@ -6,6 +6,7 @@ AdamW) after one warm-up step on random inputs of the right shapes (token ids fo
 or this rank's spatial blocks for CosmoFlow). Per rank it records, as the Trainer does:
 
   step_s            median of the per-step maximum over ranks (a step ends with its slowest rank)
+  step_s_min        the fastest of those steps: on a shared machine, the one least disturbed
   state_bytes       `train.memory.state_bytes` at the optimizer step (largest rank)
   step_peak_bytes   the most memory held during the second step: the state held when it begins
                     (parameters, optimizer state, gradient buffers that persist) plus
@@ -89,8 +90,9 @@ def measure(config, plan: Plan, options: Options, steps: int = 3) -> dict:
     from ..launch import spawn
     per_rank = spawn(_rank, plan.world_size, args=(config, plan.to_dict(), options, steps))
     n = len(per_rank[0]["times"])
-    step_s = statistics.median(max(r["times"][i] for r in per_rank) for i in range(n))
+    per_step = [max(r["times"][i] for r in per_rank) for i in range(n)]
+    step_s = statistics.median(per_step)
     state = max(per_rank, key=lambda r: r["state"]["total"])["state"]
-    return {"step_s": step_s, "state_bytes": state["total"], "state": state,
+    return {"step_s": step_s, "step_s_min": min(per_step), "state_bytes": state["total"], "state": state,
             "step_peak_bytes": max(r["peak"] for r in per_rank),
             "ledger_bytes": per_rank[0]["ledger"]}

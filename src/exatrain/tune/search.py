@@ -24,7 +24,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 
 from ..plan import Plan, PlanError
-from .cost import Options, Prediction, predict
+from .cost import Options, predict
 from .spec import ModelSpec
 from .systems import System
 

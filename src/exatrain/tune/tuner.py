@@ -165,7 +165,7 @@ def estimate_prior_saving(candidates, result: TuneResult, params: int, budget: i
     return max(0, needed - result.trials_to_best)
 
 
-def load_prior(paths, params_by_file=None) -> list[tuple[list[float], float]]:
+def load_prior(paths) -> list[tuple[list[float], float]]:
     """(features, residual) points from `--record` files of earlier tune runs."""
     points = []
     for path in paths:
