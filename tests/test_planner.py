@@ -137,3 +137,25 @@ def test_dry_run_cosmoflow_spatial_rank_in_one_process():
     assert r["param_shapes"]["module.features.0.weight"] == [32, 4, 3, 3, 3]
     assert r["ledger_bytes"]["space"] > 0                  # halos and the gather were issued
     assert r["ledger_bytes"]["data+space"] == 4 * 8907556  # the gradient all-reduce: 4Ψ
+
+
+def test_plan_table_calibrate_and_tune_commands(tmp_path, capsys):
+    from exatrain.cli import main
+    from exatrain.tune.systems import load_system
+
+    assert main(["plan", "examples/gpt.toml", "--world", "4", "--system", "a100-selene"]) == 0
+    table = capsys.readouterr().out
+    assert "ranked by predicted step time" in table and "refused" in table
+    system_file = tmp_path / "here.toml"
+    assert main(["plan", "--calibrate", "--quick", "--calibrate-out", str(system_file)]) == 0
+    here = load_system(str(system_file))
+    assert here.flops["fp32"] > 0 and here.intra.bandwidth > 0 and here.intra.latency > 0
+    record, report = tmp_path / "record.json", tmp_path / "tune.json"
+    args = ["tune", "--set", "run.workload=gpt", "--set", "model.preset=1m",
+            "--set", "model.block_size=32", "--set", "train.batch_size=2", "--world", "1",
+            "--budget", "1", "--steps", "1", "--system", str(system_file)]
+    assert main([*args, "--record", str(record), "--json", str(report)]) == 0
+    first = json.loads(report.read_text())
+    assert first["tune_trials"] == 1 and first["best_measured_step_s"] > 0
+    assert main([*args, "--prior", str(record), "--json", str(report)]) == 0
+    assert json.loads(report.read_text())["prior_points"] == 1

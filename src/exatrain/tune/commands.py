@@ -215,7 +215,8 @@ def add_parsers(sub) -> None:
 
     tune = sub.add_parser("tune", help="measure at most --budget Plans, surrogate on the cost "
                                        "model's residuals, return the best")
-    tune.add_argument("config")
+    tune.add_argument("config", nargs="?", help="TOML config (none: the built-in example, "
+                                                "changed with --set)")
     tune.add_argument("--world", type=int, default=0)
     tune.add_argument("--budget", type=int, default=4, help="Plans to measure at most")
     tune.add_argument("--steps", type=int, default=3, help="timed steps per measured Plan")

@@ -82,7 +82,7 @@ class Comm:
     nbytes: float      # per step, ledger convention
     calls: int
     size: int          # ranks in the group
-    stride: int        # rank distance between group members
+    span: int          # first to one past last rank of the group (row-major mesh)
     overlap: str = ""  # "backward" | "compute" | ""
 
 
@@ -120,17 +120,15 @@ def strides(plan: Plan) -> dict[str, int]:
 
 
 def group(plan: Plan, *axes: str) -> tuple[str, int, int]:
-    """(ledger name, size, smallest stride) of the group over the named top-level axes."""
+    """(ledger name, size, span) of the group over the named top-level axes: span is the distance
+    from its first to one past its last rank, which decides whether it stays on one node."""
     dims = plan.degrees()
     st = strides(plan)
-    members = [d for d in dims if d in axes or d.split("_")[0] in axes]
-    size = math.prod(dims[d] for d in members)
-    used = [d for d in members if dims[d] > 1]
-    stride = min((st[d] for d in used), default=1)
-    # the group's span decides its link: all of its members' dims together
-    span_stride = max((st[d] for d in used), default=1)
-    span = span_stride * (dims[max(used, key=lambda d: st[d])] if used else 1)
-    return "+".join(axes), size, max(stride, span // max(size, 1))
+    used = [d for d in dims if (d in axes or d.split("_")[0] in axes) and dims[d] > 1]
+    size = math.prod(dims[d] for d in used)
+    outer = max(used, key=lambda d: st[d], default=None)
+    span = st[outer] * dims[outer] if outer else 1
+    return "+".join(axes), size, span
 
 
 def samples_per_rank(plan: Plan, options: Options) -> float:
@@ -171,9 +169,9 @@ def comms(spec: ModelSpec, plan: Plan, options: Options, psi: int, shapes: list)
     m = _microbatches(plan, options)
 
     def add(axes, op, nbytes, calls, overlap=""):
-        name, size, stride = group(plan, *axes)
+        name, size, span = group(plan, *axes)
         if size > 1 and nbytes > 0:
-            out.append(Comm(name, op, nbytes, calls, size, stride, overlap))
+            out.append(Comm(name, op, nbytes, calls, size, span, overlap))
 
     buckets = max(1, math.ceil(psi * grad / (options.bucket_cap_mb * 2 ** 20)))
     if plan.shard > 1:
@@ -353,7 +351,7 @@ def predict(spec: ModelSpec, plan: Plan, system: System, options: Options,
     exposed = 0.0
     hidden_pool = {"backward": backward, "compute": compute}
     for c in comm_list:
-        link = system.link(c.stride, c.size)
+        link = system.link(c.span)
         t = collective_time(c.op, c.nbytes / max(c.calls, 1), c.size, link) * c.calls
         if c.overlap:
             hide = min(t * (1 - 1 / max(c.calls, 1)), hidden_pool[c.overlap])

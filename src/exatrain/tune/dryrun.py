@@ -138,7 +138,7 @@ def _inputs(config, shape, mesh, per_rank: int):
         return idx, idx
     size = shape.size
     x = torch.zeros(per_rank, 4, size, size, size)
-    if mesh.plan.space_degree > 1:
+    if mesh is not None and mesh.plan.space_degree > 1:
         from ..parallel.spatial import block_region
         region = block_region((size,) * 3, mesh)
         x = x[(slice(None), slice(None)) + region].contiguous()

@@ -11,8 +11,9 @@ A system file (see `systems/*.toml`; `exatrain plan --calibrate` writes one for 
     [intra], [inter]           bandwidth (bytes/s per rank per direction), efficiency, latency (s)
 
 Link of an axis: ranks are laid out row-major over Plan.degrees() (the innermost axis gets
-neighbouring ranks, see `exatrain.mesh`), so a group spans `stride × size` consecutive ranks; it
-stays on one node when that span fits in `ranks_per_node`, otherwise it crosses nodes.
+neighbouring ranks, see `exatrain.mesh`), so a group lies within `stride × degree` consecutive
+ranks of its outermost dimension; it stays on one node when that span fits in `ranks_per_node`,
+otherwise it crosses nodes.
 
 Collective time for a payload of B bytes (the ledger's convention) on n ranks: the bandwidth term
 of a ring, the latency term of a tree (NCCL and gloo switch to trees / recursive doubling where
@@ -71,9 +72,9 @@ class System:
         peak = self.flops.get(dtype) or self.flops["fp32"]
         return peak * self.efficiency.get(kind, self.efficiency.get("matmul", 1.0))
 
-    def link(self, stride: int, size: int) -> Link:
-        """The link a group of `size` ranks, `stride` apart, communicates over."""
-        return self.intra if stride * size <= self.ranks_per_node else self.inter
+    def link(self, span: int) -> Link:
+        """The link of a group whose ranks lie within `span` consecutive ranks."""
+        return self.intra if span <= self.ranks_per_node else self.inter
 
 
 def collective_time(op: str, nbytes: float, n: int, link: Link) -> float:

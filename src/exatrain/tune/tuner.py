@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -98,13 +98,13 @@ class TuneResult:
     prior_points: int = 0
     prior_saved: int | None = None
     surrogate: str = "gaussian process (numpy), RBF kernel on log-degree features"
-    extra: dict = field(default_factory=dict)
 
 
 def search(candidates: list[Prediction], measure, budget: int, params: int,
            prior: list[tuple[list[float], float]] = (), noise: float = 1e-3,
-           prior_noise: float = 0.02, min_gain: float = 0.01) -> TuneResult:
-    """Measure at most `budget` of `candidates` (see the module doc); `measure(pred) -> seconds`."""
+           prior_noise: float = 0.02, min_gain: float | None = 0.01) -> TuneResult:
+    """Measure at most `budget` of `candidates` (see the module doc); `measure(pred) -> seconds`.
+    `min_gain=None` never stops before the budget."""
     if not candidates:
         raise ValueError("no candidate Plans to tune: every Plan was refused (see exatrain plan)")
     feats = np.array([features(c, params) for c in candidates])
@@ -129,7 +129,7 @@ def search(candidates: list[Prediction], measure, budget: int, params: int,
             ei = _expected_improvement(corrected, sd, best)
             ei[list(done)] = -1.0
             pick = int(np.argmax(ei))
-            if ei[pick] < math.log1p(min_gain) * 0.1:
+            if min_gain is not None and ei[pick] < math.log1p(min_gain) * 0.1:
                 break
         seconds = float(measure(candidates[pick]))
         c = candidates[pick]
