@@ -19,7 +19,7 @@ AXIS_ORDER = ("trainer", "pipe", "data", "shard", "space", "tensor")
 
 # Axes whose strategies exist in this version.  A Plan that needs any other is refused by
 # `require_implemented`, with a message saying so, rather than silently ignored.
-IMPLEMENTED_AXES = frozenset({"data", "space", "shard", "tensor"})
+IMPLEMENTED_AXES = frozenset({"data", "pipe", "space", "shard", "tensor"})
 
 
 class PlanError(ValueError):
@@ -129,6 +129,10 @@ class Plan:
                     f"{self}: tensor parallelism composes with data (and trainer) in this version, "
                     f"not with {what}. Under the 3D grid tensor_z already shards weights and their "
                     f"gradients (ZeRO-3 style); put those ranks on tensor_z or data instead.")
+        if self.pipe > 1 and self.space_degree > 1:
+            raise PlanError(f"{self}: pipeline stages (pipe > 1) together with spatial parallelism "
+                            "are not implemented yet; use pipe=1 with space, or space=(1, 1, 1) "
+                            "with pipe.")
         if self.shard > 1 and self.space_degree > 1:
             raise PlanError(f"{self}: sharding (shard > 1) together with spatial parallelism is not "
                             "implemented; use shard=1 with space, or space=(1, 1, 1) with shard.")
