@@ -18,6 +18,7 @@ CASES = [(GPT, Plan(data=2), Options(batch=4)),
          (GPT, Plan(shard=2), Options(batch=4, zero_stage=2)),
          (GPT, Plan(shard=2), Options(batch=4, zero_stage=3)),
          (GPT, Plan(tensor=2), Options(batch=4)),
+         (GPT, Plan(pipe=2), Options(batch=4)),
          (COSMO, Plan(data=2), Options(batch=2)),
          (COSMO, Plan(space=(2, 1, 1)), Options(batch=2))]
 

@@ -24,7 +24,8 @@ Step time (seconds):
   overlap          the gradient all-reduce (data, ZeRO-1/2 buckets) overlaps backward (2/3 of the
                    compute); ZeRO-3's gathers are prefetched under compute; tensor, halo and
                    pipe messages are on the critical path
-  pipeline bubble  (p-1)/(m+p-1) of the step idle for GPipe and 1F1B, (p-1)/(v·m+p-1) interleaved
+  pipeline bubble  the schedule's idle fraction, `parallel.pipe.bubble_formula`: (p-1)/(m+p-1)
+                   for GPipe and 1F1B, (p-1)/(v·m+p-1) interleaved, (p-1)/(3v·m+p-1) zero-bubble
   optimizer        reading and writing the rank's optimizer state once (memory bandwidth)
 
 The byte formulas are the strategies' own (imported, not rewritten): `zero_state_formula`,
@@ -54,9 +55,9 @@ class Options:
     precision: str = "fp32"
     zero_stage: int = 3                # with shard > 1
     checkpointing: str = "none"        # none | full | selective (memory as none here)
-    microbatches: int = 0              # with pipe > 1 (0: 4 per stage)
-    schedule: str = "1f1b"             # gpipe | 1f1b | interleaved
-    virtual_stages: int = 1            # interleaved
+    microbatches: int = 0              # with pipe > 1 (0: two per stage, as parallel.pipe)
+    schedule: str = "1f1b"             # gpipe | 1f1b | interleaved | zero_bubble
+    virtual_stages: int = 2            # stages per rank of interleaved / zero_bubble
     optimizer: str = "adamw"           # adamw | adam | sgd
     bucket_cap_mb: float = 25.0
     compute_dtype: str = ""            # overrides the rate's dtype (e.g. tf32 for fp32 on GPUs)
@@ -147,14 +148,15 @@ def local_params(spec: ModelSpec, plan: Plan) -> tuple[int, list]:
                 return s
             return tuple(n // t if i == d else n for i, n in enumerate(s))
         shapes = [split(s, d) for s, d in zip(shapes, spec.tensor_dims)]
-    if plan.pipe > 1 and spec.block_ranges:
-        # blocks are dealt out to stages in order; the first stage also holds what precedes the
-        # blocks (embeddings), the last what follows them (final norm, head)
-        ranges = spec.block_ranges
-        here = math.ceil(len(ranges) / plan.pipe)
-        first = shapes[:ranges[here - 1][1]]
-        last = shapes[ranges[len(ranges) - here][0]:]
-        shapes = max(first, last, key=lambda ss: sum(math.prod(s) for s in ss))
+    if plan.pipe > 1 and spec.pipe_layers:
+        # the stages `parallel.pipe` cuts (balanced by parameters, its own `balanced_starts`);
+        # the busiest rank holds the largest
+        from ..parallel.pipe.split import balanced_starts
+        layers = spec.pipe_layers
+        costs = [sum(math.prod(s) for s in layer) for layer in layers]
+        bounds = [0, *balanced_starts(costs, plan.pipe), len(layers)]
+        stages = [[s for layer in layers[a:b] for s in layer] for a, b in zip(bounds, bounds[1:])]
+        shapes = max(stages, key=lambda ss: sum(math.prod(s) for s in ss))
     return sum(math.prod(s) for s in shapes), shapes
 
 
@@ -219,9 +221,14 @@ def comms(spec: ModelSpec, plan: Plan, options: Options, psi: int, shapes: list)
         add(("data",), "all_reduce", psi * grad, buckets, "backward")
 
     if plan.pipe > 1:
+        # `parallel.pipe.stage`: 2·A per micro-batch and boundary, counted by the sending rank; a
+        # middle stage sends activations forward and gradients backward, an end stage one of the
+        # two; a rank of a looped schedule holds v stages
         s = PRECISION_BYTES[options.precision]
         act = spec.boundary_bytes / 4 * s * mb / m
-        add(("pipe",), "send", 2 * act * m, 2 * m)
+        v = _virtual(options)
+        directions = 2 if plan.pipe * v > 2 else 1
+        add(("pipe",), "send", directions * v * act * m, directions * v * m)
     return out
 
 
@@ -229,7 +236,12 @@ def comms(spec: ModelSpec, plan: Plan, options: Options, psi: int, shapes: list)
 def _microbatches(plan: Plan, options: Options) -> int:
     if plan.pipe == 1:
         return 1
-    return options.microbatches or 4 * plan.pipe
+    return options.microbatches or 2 * plan.pipe   # parallel.microbatches = 0: two per stage
+
+
+def _virtual(options: Options) -> int:
+    """Stages per rank: the looped schedules hold several."""
+    return options.virtual_stages if options.schedule in ("interleaved", "zero_bubble") else 1
 
 
 _HALO_CACHE: dict = {}
@@ -360,9 +372,10 @@ def predict(spec: ModelSpec, plan: Plan, system: System, options: Options,
         exposed += t
     m = _microbatches(plan, options)
     bubble = 0.0
-    if plan.pipe > 1:
-        v = options.virtual_stages if options.schedule == "interleaved" else 1
-        bubble = compute * (plan.pipe - 1) / (v * m)
+    if plan.pipe > 1:   # the schedule's own formula (`parallel.pipe.bubble_formula`)
+        from ..parallel.pipe import bubble_formula
+        idle = bubble_formula(options.schedule, plan.pipe, m, _virtual(options))
+        bubble = compute * idle / (1 - idle)
     mem_bw = system.memory_bandwidth or system.measured.get("memory_bandwidth", 0) or 1e12
     optimizer = 3 * state / mem_bw
     step = compute + exposed + bubble + optimizer

@@ -54,11 +54,14 @@ class _Case:
             popts = ParallelOptions(zero_stage=options.zero_stage, precision=options.precision,
                                     activation_checkpointing=options.checkpointing,
                                     bucket_cap_mb=options.bucket_cap_mb)
-            self.net = parallelize(model, mesh, popts)
-            self.optim = build_optimizer_for(self.net, lambda ps: torch.optim.AdamW(ps, lr=1e-5))
             plan = mesh.plan
         per_rank = options.batch // (plan.data * plan.shard)
         x, y = _inputs(config, shape, None if serial else mesh, per_rank)
+        if not serial:
+            popts.pipe_schedule, popts.microbatches = options.schedule, options.microbatches
+            popts.pipe_virtual_stages = options.virtual_stages
+            self.net = parallelize(model, mesh, popts, example=x)
+            self.optim = build_optimizer_for(self.net, lambda ps: torch.optim.AdamW(ps, lr=1e-5))
         gen = torch.Generator().manual_seed(0 if serial else mesh.rank)
         if config.run.workload == "gpt":
             self.x = torch.randint(0, shape.vocab_size, x.shape, generator=gen)
@@ -69,6 +72,12 @@ class _Case:
         self.state, self.peak, self.ledger = {}, None, {}
         self.done = 0
 
+    def _forward_backward(self) -> None:
+        if hasattr(self.net, "train_step"):   # a pipelined model runs by its schedule
+            self.net.train_step(self.x, self.y, self.loss_fn)
+        else:
+            self.loss_fn(self.net(self.x), self.y).backward()
+
     def step(self, timed: bool) -> None:
         from ..train.memory import StepPeak, state_bytes
         measure_memory = self.done == 1   # the first step also creates persistent buffers
@@ -78,9 +87,9 @@ class _Case:
             start = state_bytes(self.net, self.optim)["total"]
             tracker = StepPeak(torch.device("cpu") if self.serial else self.mesh.device)
             with tracker.track():
-                self.loss_fn(self.net(self.x), self.y).backward()
+                self._forward_backward()
         else:
-            self.loss_fn(self.net(self.x), self.y).backward()
+            self._forward_backward()
         self.optim.step()
         if measure_memory:
             self.state = state_bytes(self.net, self.optim)

@@ -72,7 +72,7 @@ def all_plans(world: int, spatial: bool = True, tensor_3d: bool = True):
 def shape_problem(spec: ModelSpec, plan: Plan, options: Options) -> tuple[str, str] | None:
     """(kind, reason) when the model's shapes do not fit the Plan, else None."""
     replicas = plan.data * plan.shard
-    m = options.microbatches or (4 * plan.pipe if plan.pipe > 1 else 1)
+    m = options.microbatches or (2 * plan.pipe if plan.pipe > 1 else 1)
     if options.batch % (replicas * m):
         return ("indivisible", f"batch {options.batch} does not split over data×shard = "
                                f"{replicas}" + (f" × {m} micro-batches" if m > 1 else ""))

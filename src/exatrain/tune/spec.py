@@ -48,6 +48,14 @@ def trace_saved_bytes(model: nn.Module, inputs, loss_fn, largest: list | None = 
     return sum(saved.values())
 
 
+def pipe_layers(model: nn.Module, example: torch.Tensor) -> list[list[tuple]]:
+    """The layers `parallel.pipe` cuts between (its own tracer), each as its parameters' shapes."""
+    from ..parallel.pipe.split import trace_layers
+    layers = trace_layers(model, example)
+    return [[tuple(p.shape) for p in model.get_submodule(name).parameters()]
+            for name in layers.layer_names]
+
+
 def _fake_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
     return FakeTensorMode(allow_non_fake_inputs=True)
@@ -73,6 +81,8 @@ class ModelSpec:
     spatial_shape: tuple = ()
     tokens: int = 0
     tensor_split_fraction: float = 0.0   # share of activations inside split (tensor) regions
+    pipe_layers: list = field(default_factory=list)   # per layer `parallel.pipe` may cut
+                                                      # between: its parameters' shapes
     largest_act_bytes: float = 0.0       # the largest saved tensor per sample (backward's
                                          # gradient of it and its input are alive at once)
     extra: dict = field(default_factory=dict)
@@ -130,6 +140,9 @@ def gpt_spec(cfg, name: str = "") -> ModelSpec:
     biggest: list = []
     per = len(_gpt_block_shapes(cfg))
     one, two = saved(1), saved(2)
+    with torch.device("meta"):
+        layers = pipe_layers(GPT(cfg.replace(dropout=0.0)),
+                             torch.zeros(1, cfg.block_size, dtype=torch.long))
     per_block = two - one
     act = one + (cfg.n_layer - 1) * per_block
     x_bytes = cfg.block_size * cfg.n_embd * 4
@@ -145,7 +158,7 @@ def gpt_spec(cfg, name: str = "") -> ModelSpec:
         block_act_bytes=float(per_block), boundary_bytes=float(x_bytes), blocks=cfg.n_layer,
         block_ranges=[(2 + i * per, 2 + (i + 1) * per) for i in range(cfg.n_layer)],
         heads=cfg.n_head, widths=(cfg.n_embd, cfg.mlp_hidden), tokens=cfg.block_size,
-        tensor_split_fraction=split, largest_act_bytes=float(max(biggest)),
+        tensor_split_fraction=split, largest_act_bytes=float(max(biggest)), pipe_layers=layers,
         extra={"n_embd": cfg.n_embd, "vocab_size": cfg.vocab_size, "n_layer": cfg.n_layer})
 
 
@@ -183,6 +196,10 @@ def cosmoflow_spec(size: int, base_channels: int = 32, conv_layers: int = 5,
         shapes = [tuple(p.shape) for p in model.parameters()]
         features = len(list(model.features.parameters()))
         flat = model.head[1].in_features
+    with torch.device("meta"):
+        layers = pipe_layers(CosmoFlow(size=size, in_channels=in_channels,
+                                       base_channels=base_channels, conv_layers=conv_layers),
+                             torch.zeros(1, in_channels, size, size, size))
     # blocks (checkpointing, `parallel.memory.find_blocks`): `features` and `head`
     return ModelSpec(family="cosmoflow", name=f"CosmoFlow {size}^3", param_shapes=shapes,
                      flops_per_sample=flops, act_bytes_per_sample=float(act),
@@ -190,7 +207,7 @@ def cosmoflow_spec(size: int, base_channels: int = 32, conv_layers: int = 5,
                      block_act_bytes=float(act), boundary_bytes=float(base_channels * size ** 3),
                      blocks=2, block_ranges=[(0, features), (features, len(shapes))],
                      compute_kind="conv", spatial_shape=(size, size, size),
-                     largest_act_bytes=float(biggest[0]),
+                     largest_act_bytes=float(biggest[0]), pipe_layers=layers,
                      extra={"size": size, "in_channels": in_channels,
                             "flatten_elements": flat})
 
