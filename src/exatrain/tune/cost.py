@@ -155,7 +155,12 @@ def local_params(spec: ModelSpec, plan: Plan) -> tuple[int, list]:
         layers = spec.pipe_layers
         costs = [sum(math.prod(s) for s in layer) for layer in layers]
         bounds = [0, *balanced_starts(costs, plan.pipe), len(layers)]
-        stages = [[s for layer in layers[a:b] for s in layer] for a, b in zip(bounds, bounds[1:])]
+        # layers hold consecutive parameters (registration order is execution order here), so a
+        # stage is a slice of the (tensor-split) shapes
+        first = [0]
+        for layer in layers:
+            first.append(first[-1] + len(layer))
+        stages = [shapes[first[a]:first[b]] for a, b in zip(bounds, bounds[1:])]
         shapes = max(stages, key=lambda ss: sum(math.prod(s) for s in ss))
     return sum(math.prod(s) for s in shapes), shapes
 
