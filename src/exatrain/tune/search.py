@@ -14,7 +14,8 @@ only the model knows (indivisible shapes) and what only the system knows (memory
 
 Enumeration: every assignment of N's prime factors to the axes pipe, data, shard, space (d, h, w)
 and tensor (1D, or 3D x, y, z), i.e. all ordered factorisations; for each Plan the options that
-change its cost (ZeRO stage with shard, checkpointing none/full). trainer stays 1: population
+change its cost (`option_variants`: ZeRO stage with shard, checkpointing none/full, micro-batches
+under pipe). trainer stays 1: population
 training is a different job, not a layout of one model.
 """
 
@@ -104,9 +105,17 @@ def shape_problem(spec: ModelSpec, plan: Plan, options: Options) -> tuple[str, s
 
 
 def option_variants(plan: Plan, base: Options) -> list[Options]:
+    """The options that change a Plan's cost: ZeRO stage (shard), checkpointing, and under pipe
+    the micro-batch count (the config's, else two per stage, and one sample per micro-batch)."""
     stages = (1, 2, 3) if plan.shard > 1 else (base.zero_stage,)
     ckpts = ("none", "full")
-    return [replace(base, zero_stage=z, checkpointing=c) for z in stages for c in ckpts]
+    micro = [base.microbatches]
+    if plan.pipe > 1:
+        replica = base.batch // (plan.data * plan.shard)
+        if replica > 0 and replica not in micro and replica != 2 * plan.pipe:
+            micro.append(replica)
+    return [replace(base, zero_stage=z, checkpointing=c, microbatches=m)
+            for z in stages for c in ckpts for m in micro]
 
 
 @dataclass
