@@ -6,12 +6,13 @@ Three parts, one launch:
    1 rank, and on 2 ranks (the cores) under every strategy that fits: data=2, shard=2 with ZeRO 1,
    2 and 3, tensor=2 (GPT), space=(2,1,1) (CosmoFlow), full checkpointing — the Plan is measured
    (`tune.measure.measure_many`: all cases in one launch of 2 ranks, interleaved step by step, the
-   serial ones on rank 0 with both cores) and predicted (`tune.cost.predict`, system cpu-local). Compute rates are per model: each model's 1-rank step calibrates the rate of
-   cpu-local for that model (the rate a 1024² matmul reaches is 1.5-2× what a width-128 GPT's small
-   matmuls reach here), so the 1-rank cases are the calibration and are left out of the step-time
-   MAPE. Step times are the fastest of the timed steps (each the slowest rank's): this machine is
-   shared by other jobs, and the fastest step is the one they disturbed least; the median is
-   reported beside it.
+   serial ones on rank 0 with both cores) and predicted (`tune.cost.predict`, system cpu-local).
+   Compute rates are per model and leave-one-out: a case's rate is the median of what the same
+   model's other cases measured, so no case is predicted from its own time (the rate a 1024²
+   matmul reaches is 1.5-2× what a width-128 GPT's small matmuls reach here, so the calibrated
+   matmul rate alone is far off). Step times are the fastest of the timed steps (each the slowest
+   rank's): this machine is shared by other jobs, and the fastest step is the one they disturbed
+   least; the median is reported beside it.
      memory: measured = the state held when a step begins + StepPeak of its forward/backward
      (`tune.measure`); predicted = the cost model's total per rank
      bytes: the ledger's bytes per axis of one step against the cost model's, exactly
@@ -42,7 +43,6 @@ Three parts, one launch:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 PUBLISHED = {   # name: (hidden, heads, layers, tensor, pipe, batch, micro, full_s, seqsel_s)
@@ -118,18 +118,6 @@ def _local_cases():
             ("cosmoflow", cosmo, Plan(space=(2, 1, 1)), Options(batch=4))]
 
 
-def calibrated_system(system, spec, options, measured_serial_s: float):
-    """`system` with its rate for `spec`'s kind scaled so that the 1-rank step is as measured."""
-    from ..plan import Plan
-    from ..tune.cost import predict
-    pred = predict(spec, Plan(), system, options)
-    other = pred.step_s - pred.parts_s["compute"]
-    factor = pred.parts_s["compute"] / max(measured_serial_s - other, 1e-9)
-    eff = dict(system.efficiency)
-    eff[spec.compute_kind] = eff.get(spec.compute_kind, 1.0) * factor
-    return dataclasses.replace(system, efficiency=eff)
-
-
 def local_part(steps: int) -> tuple[dict, list]:
     from ..train.config import load_config
     from ..tune.cost import predict
@@ -142,25 +130,31 @@ def local_part(steps: int) -> tuple[dict, list]:
     configs = [load_config(None, overrides) for _f, overrides, _p, _o in plans]
     # every case in one launch on 2 ranks, interleaved step by step (serial ones on rank 0)
     measured = measure_many([(c, p, o) for c, (_f, _ov, p, o) in zip(configs, plans)], 2, steps)
-    cases, systems, specs = [], {}, {}
+    cases, specs, preds = [], {}, []
     for config, (family, _ov, plan, options), got in zip(configs, plans, measured):
         spec = specs.setdefault(family, spec_from_config(config))
-        step = got["step_s_min"]   # the least disturbed step: the machine is shared
-        if plan.world_size == 1 and options.checkpointing == "none":
-            systems[family] = calibrated_system(base, spec, options, step)
-        pred = predict(spec, plan, systems[family], options)
-        measured_mem = got["step_peak_bytes"]
+        pred = predict(spec, plan, base, options)
+        preds.append(pred)
         ledger = {a: b for a, b in got["ledger_bytes"].items() if b}
         cases.append({"model": spec.name, "plan": str(plan), "options": options.label(),
-                      "world": plan.world_size, "measured_step_s": step,
+                      "world": plan.world_size,
+                      "measured_step_s": got["step_s_min"],   # least disturbed: shared machine
                       "measured_step_s_median": got["step_s"],
-                      "predicted_step_s": pred.step_s, "measured_memory": measured_mem,
+                      "measured_memory": got["step_peak_bytes"],
                       "predicted_memory": pred.memory["total"], "ledger_bytes": ledger,
                       "predicted_bytes": pred.bytes_by_axis,
                       "bytes_exact": plan.world_size == 1 or ledger == pred.bytes_by_axis})
-    multi = [c for c in cases if c["world"] > 1]
-    result = {"cases": len(multi), "calibration_cases": len(cases) - len(multi),
-              "step_time_mape": _mape((c["predicted_step_s"], c["measured_step_s"]) for c in multi),
+    # compute rate per model, leave-one-out: each case's rate comes from the model's OTHER cases
+    # (median of measured / predicted compute time), so no case is predicted from itself
+    import statistics
+    for i, (case, pred) in enumerate(zip(cases, preds)):
+        other = pred.step_s - pred.parts_s["compute"]
+        factors = [(c["measured_step_s"] - (p.step_s - p.parts_s["compute"]))
+                   / p.parts_s["compute"] for j, (c, p) in enumerate(zip(cases, preds))
+                   if j != i and c["model"] == case["model"]]
+        case["predicted_step_s"] = other + pred.parts_s["compute"] * statistics.median(factors)
+    result = {"cases": len(cases),
+              "step_time_mape": _mape((c["predicted_step_s"], c["measured_step_s"]) for c in cases),
               "memory_mape": _mape((c["predicted_memory"], c["measured_memory"]) for c in cases),
               "bytes_exact_cases": sum(c["bytes_exact"] for c in cases),
               "local_cases": cases}
