@@ -103,40 +103,45 @@ def test_published_megatron_runs_are_predicted():
     assert _mape((c["predicted_s"], c["published_s"]) for c in cases) < 15
 
 
-def _plan_cli(*args) -> dict:
+_DRY_RUNS = """
+import json, sys
+from exatrain.plan import Plan
+from exatrain.train.config import load_config
+from exatrain.tune.dryrun import dry_run
+gpt = load_config(None, ["run.workload=gpt", "model.preset=125m", "model.n_head=16",
+                         "model.block_size=128", "model.vocab_size=256", "train.batch_size=128"])
+cosmo = load_config(None, ["run.workload=cosmoflow", "model.size=128", "train.batch_size=32"])
+out = [dry_run(gpt, Plan(data=128, tensor=8), 1023),
+       dry_run(cosmo, Plan(data=32, space=(2, 4, 4)), 1023)]
+json.dump(out, sys.stdout, default=str)
+"""
+
+
+def test_dry_runs_at_1024_ranks_in_one_process():
+    """Rank 1023 of two 1024-rank jobs, one after the other, in one fresh process."""
     env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "src"))
-    out = subprocess.run([sys.executable, "-m", "exatrain.cli", "plan", *args, "--json"],
-                         capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run([sys.executable, "-c", _DRY_RUNS], capture_output=True, text=True,
+                         env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout)
+    gpt, cosmo = json.loads(out.stdout)
 
-
-def test_dry_run_gpt_rank_of_1024_in_one_process(tmp_path):
-    r = _plan_cli("--set", "run.workload=gpt", "--set", "model.preset=125m",
-                  "--set", "model.n_head=16", "--set", "model.block_size=128",
-                  "--set", "model.vocab_size=256", "--set", "train.batch_size=128",
-                  "--world", "1024", "--plan", "data=128,tensor=8", "--dry-run", "1023")
-    shapes = r["param_shapes"]
-    assert r["world"] == 1024 and r["coords"]["tensor"] == 7 and r["coords"]["data"] == 127
+    shapes = gpt["param_shapes"]
+    assert gpt["world"] == 1024 and gpt["coords"]["tensor"] == 7 and gpt["coords"]["data"] == 127
     assert shapes["blocks.0.attn.q_proj.weight"] == [768 // 8, 768]
     assert shapes["blocks.0.attn.out_proj.weight"] == [768, 768 // 8]
     assert shapes["blocks.0.mlp.fc_in.weight"] == [3072 // 8, 768]
     assert shapes["wte.weight"] == [256, 768]
     assert shapes["lm_head.weight"] == [256 // 8, 768]
-    assert r["input_shape"] == [1, 128]
-    assert r["ledger_bytes"]["tensor"] > 0 and r["ledger_bytes"]["data"] > 0
-    assert r["state_bytes"]["total"] > 0 and r["step_peak_bytes"] > 0
+    assert gpt["input_shape"] == [1, 128]
+    assert gpt["ledger_bytes"]["tensor"] > 0 and gpt["ledger_bytes"]["data"] > 0
+    assert gpt["state_bytes"]["total"] > 0 and gpt["step_peak_bytes"] > 0
 
-
-def test_dry_run_cosmoflow_spatial_rank_in_one_process():
-    r = _plan_cli("--set", "run.workload=cosmoflow", "--set", "model.size=128",
-                  "--set", "train.batch_size=32", "--world", "1024",
-                  "--plan", "data=32,space=2x4x4", "--dry-run", "1023")
-    assert r["coords"]["space_d"] == 1 and r["coords"]["space_w"] == 3
-    assert r["input_shape"] == [1, 4, 64, 32, 32]           # this rank's block of one sample
-    assert r["param_shapes"]["module.features.0.weight"] == [32, 4, 3, 3, 3]
-    assert r["ledger_bytes"]["space"] > 0                  # halos and the gather were issued
-    assert r["ledger_bytes"]["data+space"] == 4 * 8907556  # the gradient all-reduce: 4Ψ
+    assert cosmo["world"] == 1024
+    assert cosmo["coords"]["space_d"] == 1 and cosmo["coords"]["space_w"] == 3
+    assert cosmo["input_shape"] == [1, 4, 64, 32, 32]       # this rank's block of one sample
+    assert cosmo["param_shapes"]["module.features.0.weight"] == [32, 4, 3, 3, 3]
+    assert cosmo["ledger_bytes"]["space"] > 0              # halos and the gather were issued
+    assert cosmo["ledger_bytes"]["data+space"] == 4 * 8907556   # the gradient all-reduce: 4Ψ
 
 
 def test_plan_table_calibrate_and_tune_commands(tmp_path, capsys):
@@ -150,12 +155,13 @@ def test_plan_table_calibrate_and_tune_commands(tmp_path, capsys):
     assert main(["plan", "--calibrate", "--quick", "--calibrate-out", str(system_file)]) == 0
     here = load_system(str(system_file))
     assert here.flops["fp32"] > 0 and here.intra.bandwidth > 0 and here.intra.latency > 0
+    # tune with a prior from an earlier run's record: one measured Plan, the prior's point kept
     record, report = tmp_path / "record.json", tmp_path / "tune.json"
+    record.write_text(json.dumps({"points": [{"features": [0.0] * 10, "residual": 0.1}]}))
     args = ["tune", "--set", "run.workload=gpt", "--set", "model.preset=1m",
             "--set", "model.block_size=32", "--set", "train.batch_size=2", "--world", "1",
             "--budget", "1", "--steps", "1", "--system", str(system_file)]
-    assert main([*args, "--record", str(record), "--json", str(report)]) == 0
-    first = json.loads(report.read_text())
-    assert first["tune_trials"] == 1 and first["best_measured_step_s"] > 0
     assert main([*args, "--prior", str(record), "--json", str(report)]) == 0
-    assert json.loads(report.read_text())["prior_points"] == 1
+    result = json.loads(report.read_text())
+    assert result["tune_trials"] == 1 and result["best_measured_step_s"] > 0
+    assert result["prior_points"] == 1

@@ -104,7 +104,7 @@ def calibrate(out: str = "", quick: bool = False) -> Path:
 
     from ..launch import spawn
 
-    repeat = 3 if quick else 7
+    repeat = 2 if quick else 7
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -114,7 +114,7 @@ def calibrate(out: str = "", quick: bool = False) -> Path:
         bandwidth = memory_bandwidth(repeat)
     finally:
         torch.set_num_threads(threads)
-    sizes = [4096, 65536, 1 << 20, 4 << 20, 16 << 20]
+    sizes = [65536, 4 << 20] if quick else [4096, 65536, 1 << 20, 4 << 20, 16 << 20]
     points = spawn(_allreduce_rank, 2, args=(sizes, repeat))[0]
     alpha, beta = fit_ring(points, 2)
     cores = os.cpu_count() or 1
