@@ -41,6 +41,8 @@ def test_unimplemented_axis_is_refused_not_ignored():
     Plan(pipe=2, data=4).require_implemented()
     with pytest.raises(PlanError, match="pipe=1 with space"):
         Plan(pipe=2, space=(1, 1, 2)).require_implemented()
+    with pytest.raises(PlanError, match="data instead of shard"):
+        Plan(pipe=2, shard=2).require_implemented()
 
 
 def test_tensor_composes_with_data_only_in_this_version():

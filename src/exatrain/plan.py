@@ -129,10 +129,11 @@ class Plan:
                     f"{self}: tensor parallelism composes with data (and trainer) in this version, "
                     f"not with {what}. Under the 3D grid tensor_z already shards weights and their "
                     f"gradients (ZeRO-3 style); put those ranks on tensor_z or data instead.")
-        if self.pipe > 1 and self.space_degree > 1:
-            raise PlanError(f"{self}: pipeline stages (pipe > 1) together with spatial parallelism "
-                            "are not implemented yet; use pipe=1 with space, or space=(1, 1, 1) "
-                            "with pipe.")
+        if self.pipe > 1 and (self.space_degree > 1 or self.shard > 1):
+            what = f"space={self.space}" if self.space_degree > 1 else f"shard={self.shard}"
+            other = "space=(1, 1, 1)" if self.space_degree > 1 else "data instead of shard"
+            raise PlanError(f"{self}: pipeline stages (pipe > 1) with {what} are not implemented "
+                            f"yet; use pipe=1 with {what.split('=')[0]}, or {other} with pipe.")
         if self.shard > 1 and self.space_degree > 1:
             raise PlanError(f"{self}: sharding (shard > 1) together with spatial parallelism is not "
                             "implemented; use shard=1 with space, or space=(1, 1, 1) with shard.")

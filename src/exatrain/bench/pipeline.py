@@ -14,6 +14,8 @@ micro-batch count m, with micro-batches of a fixed size (the batch grows with m)
   p2p_bytes_formula    2 * m * (S-1) * A: activations forward and gradients back across each of
                        the S-1 stage boundaries, A = micro-batch x E x 4 bytes
   max_rel_err_vs_serial  weights after one SGD step against the same step on one process
+CPU ranks over gloo, one thread each (several ranks could not share one GPU under NCCL).
+
   cores                CPU cores of this machine: cases with p > cores are oversubscribed, their
                        times say little (the done-when targets apply to p <= cores)
 
@@ -81,7 +83,7 @@ def _rank_main(p, width, blocks, rows, schedules, microbatches, steps, warmup, s
     from ..parallel.options import ParallelOptions
 
     torch.set_num_threads(1)
-    mesh = et.init(et.Plan(pipe=p))
+    mesh = et.init(et.Plan(pipe=p), backend="gloo")  # CPU ranks: several per machine, any machine
     out = {}
     try:
         for schedule in schedules:

@@ -48,7 +48,7 @@ def plot_timeline(path: str | Path, out: str | Path | None = None) -> Path:
     kinds = sorted({e["kind"] for e in events}, key="FBW".index)
     ax.legend(handles=[Patch(facecolor="white", edgecolor="black", hatch=_HATCH[k],
                              label=_NAME[k]) for k in kinds],
-              loc="lower right", fontsize=8, framealpha=0.9)
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     out = Path(out) if out else path.with_suffix(".png")
