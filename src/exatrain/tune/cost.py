@@ -223,7 +223,8 @@ def comms(spec: ModelSpec, plan: Plan, options: Options, psi: int, shapes: list)
         if V % t == 0 and plan.pipe == 1:     # lm_head (on the last stage under pipe)
             total += column_bytes(rows, E, V, s, gather_output=True, own_f=True)
         add(("tensor",), "all_reduce", total, 4 * blocks + 2)
-        add(("data",), "all_reduce", psi * grad, buckets, "backward")
+        if plan.shard == 1:   # under shard the ZeRO branch above reduces the gradients
+            add(("data",), "all_reduce", psi * grad, buckets, "backward")
 
     if plan.pipe > 1:
         # `parallel.pipe.stage`: 2·A per micro-batch and boundary, counted by the sending rank; a
