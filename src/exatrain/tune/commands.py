@@ -52,6 +52,7 @@ def _human_s(s: float) -> str:
 
 def plan_command(args) -> int:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from ..train.config import load_config
@@ -103,15 +104,21 @@ def plan_command(args) -> int:
                       _human_s(p.parts_s["bubble"]), _human_bytes(p.memory["total"]),
                       ", ".join(f"{a} {_human_bytes(b)}" for a, b in p.bytes_by_axis.items()))
     console.print(table)
+    counts = ranking.refusal_counts()
     console.print(f"considered {ranking.considered} in {elapsed:.2f} s; refused: " +
-                  ", ".join(f"{n} {k}" for k, n in sorted(ranking.refusal_counts().items())))
+                  (", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "none"))
     shown: dict[str, int] = {}
+    seen_plans: set = set()
     for r in ranking.refused:
+        if r.plan in seen_plans:   # its other option variants are refused for the same reason
+            continue
         if shown.get(r.kind, 0) < args.why:
+            seen_plans.add(r.plan)
             shown[r.kind] = shown.get(r.kind, 0) + 1
-            opts = f" [{r.options.label()}]" if r.options.label() else ""
+            opts = f" ({r.options.label()})" if r.options.label() else ""
             reason = r.reason.removeprefix(f"{r.plan}: ")
-            console.print(f"  [bold]{r.kind}[/]: {r.plan}{opts}: {reason}", highlight=False)
+            console.print(f"  [bold]{r.kind}[/]: " + escape(f"{r.plan}{opts}: {reason}"),
+                          highlight=False)
     return 0
 
 

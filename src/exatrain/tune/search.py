@@ -107,7 +107,7 @@ def shape_problem(spec: ModelSpec, plan: Plan, options: Options) -> tuple[str, s
 def option_variants(plan: Plan, base: Options) -> list[Options]:
     """The options that change a Plan's cost: ZeRO stage (shard), checkpointing, and under pipe
     the micro-batch count (the config's, else two per stage, and one sample per micro-batch)."""
-    stages = (1, 2, 3) if plan.shard > 1 else (base.zero_stage,)
+    stages = (1, 2, 3) if plan.shard > 1 else (3,)   # (the stage means nothing without shard)
     ckpts = ("none", "full")
     micro = [base.microbatches]
     if plan.pipe > 1:
