@@ -10,7 +10,6 @@ layers whose output does not divide over the grid run on gathered tensors and mo
 from __future__ import annotations
 
 import copy
-import itertools
 
 import torch
 from torch import nn
@@ -45,18 +44,23 @@ def halo_bytes_of_layers(records: list, space: tuple, elem: int = 4) -> int:
         d = triple(getattr(layer, "dilation", 1))
         if any(out_shape[2 + i] % space[i] for i in range(3)):
             continue  # this layer runs on gathered tensors: no halo
-        per_sample = 0
-        for coords in itertools.product(*(range(n) for n in space)):
-            need = own = 1
-            for i, c in enumerate(coords):
-                n, parts = shape[2 + i], space[i]
-                b, m = n // parts, out_shape[2 + i] // parts
+        # A rank's needed and owned regions are boxes: products over the dims of per-dim
+        # extents. Summed over the grid (the Cartesian product of per-dim coordinates), a sum of
+        # products is the product of per-dim sums, so each dim is walked once.
+        need_sum = own_sum = 1
+        for i in range(3):
+            n, parts = shape[2 + i], space[i]
+            b, m = n // parts, out_shape[2 + i] // parts
+            need_i = own_i = 0
+            for c in range(parts):
                 lo = c * m * s[i] - p[i]
                 hi = ((c + 1) * m - 1) * s[i] - p[i] + d[i] * (k[i] - 1)
                 lo, hi = max(lo, 0), min(hi, n - 1)                 # zero padding is not sent
-                need *= hi - lo + 1
-                own *= max(0, min(hi, (c + 1) * b - 1) - max(lo, c * b) + 1)
-            per_sample += need - own
+                need_i += hi - lo + 1
+                own_i += max(0, min(hi, (c + 1) * b - 1) - max(lo, c * b) + 1)
+            need_sum *= need_i
+            own_sum *= own_i
+        per_sample = need_sum - own_sum
         passes = 1 if index == 0 else 2  # the input of the first layer needs no gradient
         total += passes * per_sample * shape[0] * shape[1] * elem
     return total
