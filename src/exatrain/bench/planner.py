@@ -4,7 +4,8 @@ Three parts, one launch:
 
 1. This machine. For each case — GPT (1m preset, 8 sequences) and CosmoFlow (32³, 4 samples) on
    1 rank, and on 2 ranks (the cores) under every strategy that fits: data=2, shard=2 with ZeRO 1,
-   2 and 3, tensor=2 (GPT), space=(2,1,1) (CosmoFlow), full checkpointing — the Plan is measured
+   2 and 3, tensor=2 and pipe=2 (GPT), space=(2,1,1) (CosmoFlow), full checkpointing — the Plan
+   is measured
    (`tune.measure.measure_many`: all cases in one launch of 2 ranks, interleaved step by step, the
    serial ones on rank 0 with both cores) and predicted (`tune.cost.predict`, system cpu-local).
    Compute rates are per model and leave-one-out: a case's rate is the median of what the same
@@ -112,6 +113,7 @@ def _local_cases():
             ("gpt", gpt, Plan(shard=2), Options(batch=8, zero_stage=2)),
             ("gpt", gpt, Plan(shard=2), Options(batch=8, zero_stage=3)),
             ("gpt", gpt, Plan(tensor=2), Options(batch=8)),
+            ("gpt", gpt, Plan(pipe=2), Options(batch=8)),
             ("cosmoflow", cosmo, Plan(), Options(batch=4)),
             ("cosmoflow", cosmo, Plan(data=2), Options(batch=4)),
             ("cosmoflow", cosmo, Plan(shard=2), Options(batch=4, zero_stage=2)),
