@@ -8,7 +8,8 @@ strategy can split it there), `parallelize`s it over a real `Mesh` of the Plan, 
 rank's part of one batch (its samples; under `space` its block of each sample), runs forward,
 loss and backward, and an optimizer step — and reports:
 
-  param_shapes        name -> local shape of every parameter on this rank
+  param_shapes        name -> shape of every parameter as this rank holds it (a sharded
+                      DTensor's local shard)
   state_bytes         `train.memory.state_bytes` after the optimizer step (params, grads, optimizer)
   step_peak_bytes     `train.memory.StepPeak` of forward + backward (activations, new gradients)
   ledger_bytes        bytes per mesh axis the rank's collectives carried (the ledger still counts
@@ -121,7 +122,9 @@ def dry_run(config, plan: Plan, rank: int, max_full_bytes: float = 4 * 2 ** 30) 
         ledger = mesh.ledger.bytes_by_axis()
         optim.step()
         state = state_bytes(net, optim)
-        shapes = {name: list(t.shape) for name, t in net.named_parameters()}
+        # what this rank holds: a DTensor's (FSDP2's) local shard, not its logical shape
+        shapes = {name: list((t.to_local() if hasattr(t, "to_local") else t).shape)
+                  for name, t in net.named_parameters()}
         return {"plan": str(plan), "rank": rank, "world": world, "coords": mesh.coords,
                 "samples_per_rank": per_rank, "input_shape": list(x.shape),
                 "param_shapes": shapes, "params_local": sum(math.prod(s) for s in shapes.values()),
