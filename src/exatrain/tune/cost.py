@@ -30,8 +30,10 @@ Step time (seconds):
 
 The byte formulas are the strategies' own (imported, not rewritten): `zero_state_formula`,
 `parallel.tensor.linear1d.{shared_input,column,row}_bytes`, `parallel.spatial.volume`'s halo
-volume. A Plan's bytes agree with the ledger's counts exactly for data, shard, space and 1D tensor
-(`tests/test_planner_measured.py`).
+volume, `parallel.pipe`'s stage balance and bubble formula. A Plan's bytes agree with the ledger's
+counts exactly for data, ZeRO 1/2/3, space, 1D tensor and pipe (`tests/test_planner_measured.py`);
+3D tensor is costed with the 1D formulas, and compositions plan.py does not yet allow (tensor ×
+shard, tensor × pipe) are costed but unchecked.
 """
 
 from __future__ import annotations
