@@ -92,13 +92,34 @@ def _split(path: Path, name: str) -> Path:
     return path / f"{name}.h5"  # the dataset raises a FileNotFoundError that says what to run
 
 
+def check_model_fits_data(config, data_set: CosmoFlowDataset) -> None:
+    """Refuse, before any step, a model whose input cube differs from the data's samples
+    (otherwise the first step fails deep inside with a matmul shape error)."""
+    m, d = config.model, config.data
+    edge = data_set.sample_shape[:3]
+    if edge == (m.size,) * 3:
+        return
+    cube = "×".join(map(str, edge))
+    generated = (f" (data.size={d.size} only sizes newly generated data; {d.path} already "
+                 "holds data, so nothing was generated: delete it or point data.path elsewhere "
+                 "to generate new data)") if d.generate and d.size == m.size else ""
+    fix = (f"set model.size={edge[0]}" + ("" if d.size == edge[0] else f" and data.size={edge[0]}")
+           if len(set(edge)) == 1 else "use cubic samples")
+    new = (f"; to generate {m.size}³ data instead, set data.size={m.size} and a data.path "
+           "that does not exist yet") if d.generate else ""
+    raise ValueError(
+        f"model.size={m.size} expects {m.size}³ samples, but the data in {data_set.path} "
+        f"({data_set.layout} layout) hold {cube} samples of {data_set.sample_shape[3]} "
+        f"channels{generated}. To train on these data, {fix}{new}.")
+
+
 def build(config, mesh) -> Workload:
     m, d = config.model, config.data
-    if m.size != d.size and d.generate:
-        raise ValueError(f"model.size={m.size} but data.size={d.size}: they must match.")
     path = Path(d.path)
     train_set = CosmoFlowDataset(_split(path, "train"))
     val_set = CosmoFlowDataset(_split(path, "val"))
+    for data_set in (train_set, val_set):
+        check_model_fits_data(config, data_set)
     region = None
     if mesh.plan.space_degree > 1:
         # spatial parallelism: each rank reads only its block of every sample (HDF5 hyperslab)
