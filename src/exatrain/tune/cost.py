@@ -97,6 +97,7 @@ class Prediction:
     step_s: float
     parts_s: dict              # compute, comm_exposed, bubble, optimizer
     comms: list = field(default_factory=list)
+    memory_by_stage: list = field(default_factory=list)   # per pipeline stage's rank
 
     @property
     def bytes_by_axis(self) -> dict[str, int]:
@@ -140,8 +141,9 @@ def samples_per_rank(plan: Plan, options: Options) -> float:
 
 
 # ----------------------------------------------------------------------------------- parameters
-def local_params(spec: ModelSpec, plan: Plan) -> tuple[int, list]:
-    """(Ψ held by the busiest rank, its parameter shapes) after the tensor and pipe splits."""
+def stage_params(spec: ModelSpec, plan: Plan) -> list[list]:
+    """The parameter shapes each pipeline stage's rank holds after the tensor split (one list
+    without pipe)."""
     shapes = list(spec.param_shapes)
     t = plan.tensor_degree
     if t > 1 and spec.tensor_dims:
@@ -150,20 +152,24 @@ def local_params(spec: ModelSpec, plan: Plan) -> tuple[int, list]:
                 return s
             return tuple(n // t if i == d else n for i, n in enumerate(s))
         shapes = [split(s, d) for s, d in zip(shapes, spec.tensor_dims)]
-    if plan.pipe > 1 and spec.pipe_layers:
-        # the stages `parallel.pipe` cuts (balanced by parameters, its own `balanced_starts`);
-        # the busiest rank holds the largest
-        from ..parallel.pipe.split import balanced_starts
-        layers = spec.pipe_layers
-        costs = [sum(math.prod(s) for s in layer) for layer in layers]
-        bounds = [0, *balanced_starts(costs, plan.pipe), len(layers)]
-        # layers hold consecutive parameters (registration order is execution order here), so a
-        # stage is a slice of the (tensor-split) shapes
-        first = [0]
-        for layer in layers:
-            first.append(first[-1] + len(layer))
-        stages = [shapes[first[a]:first[b]] for a, b in zip(bounds, bounds[1:])]
-        shapes = max(stages, key=lambda ss: sum(math.prod(s) for s in ss))
+    if plan.pipe == 1 or not spec.pipe_layers:
+        return [shapes]
+    # the stages `parallel.pipe` cuts (balanced by parameters, its own `balanced_starts`); layers
+    # hold consecutive parameters (registration order is execution order here), so a stage is a
+    # slice of the (tensor-split) shapes
+    from ..parallel.pipe.split import balanced_starts
+    layers = spec.pipe_layers
+    costs = [sum(math.prod(s) for s in layer) for layer in layers]
+    bounds = [0, *balanced_starts(costs, plan.pipe), len(layers)]
+    first = [0]
+    for layer in layers:
+        first.append(first[-1] + len(layer))
+    return [shapes[first[a]:first[b]] for a, b in zip(bounds, bounds[1:])]
+
+
+def local_params(spec: ModelSpec, plan: Plan) -> tuple[int, list]:
+    """(Ψ held by the busiest rank, its parameter shapes) after the tensor and pipe splits."""
+    shapes = max(stage_params(spec, plan), key=lambda ss: sum(math.prod(s) for s in ss))
     return sum(math.prod(s) for s in shapes), shapes
 
 
@@ -291,8 +297,8 @@ def _conv_layers(spec: ModelSpec) -> int:
 
 
 # ----------------------------------------------------------------------------------- the model
-def activation_bytes(spec: ModelSpec, plan: Plan, options: Options) -> float:
-    """Bytes of activations alive at the peak of one step on the busiest rank (module doc)."""
+def activation_bytes(spec: ModelSpec, plan: Plan, options: Options, stage: int = 0) -> float:
+    """Bytes of activations alive at the peak of one step on the rank of pipeline `stage`."""
     m = _microbatches(plan, options)
     mb = samples_per_rank(plan, options) / m
     scale = PRECISION_BYTES[options.precision] / 4
@@ -312,15 +318,15 @@ def activation_bytes(spec: ModelSpec, plan: Plan, options: Options) -> float:
             act /= plan.tensor[2]
     act /= plan.space_degree
     if plan.pipe > 1:
-        in_flight = m if options.schedule == "gpipe" else min(m, plan.pipe)
+        # GPipe keeps every micro-batch; 1F1B's stage s warms up with p - s of them
+        in_flight = m if options.schedule == "gpipe" else min(m, plan.pipe - stage)
         act = act / plan.pipe * in_flight
     return act * scale * mb
 
 
-def predict(spec: ModelSpec, plan: Plan, system: System, options: Options,
-            world: int | None = None) -> Prediction:
-    """Memory per rank and step time of `plan` (see the module doc)."""
-    psi, shapes = local_params(spec, plan)
+def _memory(spec: ModelSpec, plan: Plan, options: Options, shapes: list, stage_index: int) -> dict:
+    """Memory of the rank holding `shapes` (pipeline stage `stage_index`), see the module doc."""
+    psi = sum(math.prod(s) for s in shapes)
     stage = options.zero_stage if plan.shard > 1 else 0
     mixed = options.precision != "fp32"
     optim_per_param = {"adamw": 8, "adam": 8, "sgd": 4}.get(options.optimizer, 8)
@@ -334,9 +340,8 @@ def predict(spec: ModelSpec, plan: Plan, system: System, options: Options,
         state -= (8 - optim_per_param) * psi_state / (plan.shard if stage else 1)
     if options.optimizer in ("adamw", "adam"):
         state += 4 * len(shapes)   # Adam's step counter: one fp32 scalar per parameter tensor
-    acts = activation_bytes(spec, plan, options)
-    comm_list = comms(spec, plan, options, psi, shapes)
-    biggest_block = max(sum(math.prod(s) for s in shapes) / max(spec.blocks, 1), 1)
+    acts = activation_bytes(spec, plan, options, stage_index)
+    biggest_block = max(psi / max(spec.blocks, 1), 1)
     if plan.shard > 1 and stage == 3:
         buffers = 2 * biggest_block * 4
     elif plan.tensor_degree > 1 and plan.data > 1:
@@ -349,8 +354,18 @@ def predict(spec: ModelSpec, plan: Plan, system: System, options: Options,
     # backward holds the gradient of the largest activation and of its input at once
     transient = 2 * spec.largest_act_bytes * PRECISION_BYTES[options.precision] / 4 \
         * samples_per_rank(plan, options) / _microbatches(plan, options) / plan.space_degree
-    memory = {"state": state, "activations": acts, "buffers": buffers, "transient": transient,
-              "total": state + acts + buffers + transient}
+    return {"state": state, "activations": acts, "buffers": buffers, "transient": transient,
+            "total": state + acts + buffers + transient}
+
+
+def predict(spec: ModelSpec, plan: Plan, system: System, options: Options,
+            world: int | None = None) -> Prediction:
+    """Memory per rank and step time of `plan` (see the module doc)."""
+    psi, shapes = local_params(spec, plan)
+    stages = stage_params(spec, plan)
+    by_stage = [_memory(spec, plan, options, ss, k) for k, ss in enumerate(stages)]
+    memory = max(by_stage, key=lambda mem: mem["total"])
+    comm_list = comms(spec, plan, options, psi, shapes)
 
     rate = system.rate(options.compute_dtype or PRECISION_RATE[options.precision],
                        spec.compute_kind)
@@ -385,8 +400,8 @@ def predict(spec: ModelSpec, plan: Plan, system: System, options: Options,
         idle = bubble_formula(options.schedule, plan.pipe, m, _virtual(options))
         bubble = compute * idle / (1 - idle)
     mem_bw = system.memory_bandwidth or system.measured.get("memory_bandwidth", 0) or 1e12
-    optimizer = 3 * state / mem_bw
+    optimizer = 3 * memory["state"] / mem_bw
     step = compute + exposed + bubble + optimizer
     return Prediction(plan, options, memory, step,
                       {"compute": compute, "comm_exposed": exposed, "bubble": bubble,
-                       "optimizer": optimizer}, comm_list)
+                       "optimizer": optimizer}, comm_list, by_stage)
