@@ -9,7 +9,9 @@ Memory per rank (bytes), for Ψ parameters held by the rank (after the tensor an
                    space ranks; under 1D tensor parallelism the split share (Korthikanti et al.
                    2022, Table 2) divided by the tensor degree; under full checkpointing only
                    block inputs plus one block's internals; a pipeline stage holds 1/p of the
-                   layers for min(m, p) micro-batches in flight (1F1B) or m (GPipe)
+                   layers for min(m, p - s) micro-batches in flight (1F1B, stage s) or m (GPipe)
+  under pipe       each stage's rank separately (its own parameters and in-flight
+                   micro-batches: `Prediction.memory_by_stage`); the Plan's figure is the largest
   transient        backward's gradients of the largest saved activation and of its input
   comm buffers     one gradient bucket copy (tensor's GradSync), two gathered blocks (ZeRO-3,
                    prefetch); DDP, ZeRO-1 and ZeRO-2 need none beyond the gradients
