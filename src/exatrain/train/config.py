@@ -22,6 +22,8 @@ from typing import Any
 
 from ..parallel.options import ParallelOptions
 from ..plan import Plan
+from ..population.options import PopulationOptions
+from ..population.options import validate as validate_population
 
 
 class ConfigError(ValueError):
@@ -92,7 +94,7 @@ class ScheduleOptions:
 
 FIXED_SECTIONS = {"run": RunOptions, "plan": PlanOptions, "train": TrainOptions,
                   "optim": OptimOptions, "schedule": ScheduleOptions,
-                  "parallel": ParallelOptions}
+                  "parallel": ParallelOptions, "population": PopulationOptions}
 
 
 @dataclass
@@ -103,6 +105,7 @@ class Config:
     optim: OptimOptions
     schedule: ScheduleOptions
     parallel: ParallelOptions
+    population: PopulationOptions
     model: Any
     data: Any
 
@@ -237,6 +240,10 @@ def validate(config: Config) -> None:
                           "(stage 0 is plain data parallelism: set plan.shard=1).")
     if o.lr <= 0:
         raise ConfigError(f"optim.lr={o.lr} must be positive.")
+    try:
+        validate_population(config.population, config.plan.trainer)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def micro_batch_size(config: Config, replicas: int) -> int:

@@ -107,6 +107,8 @@ class Trainer:
         self.skipped_steps = 0
         self.step = 0
         self.history: list[dict] = []
+        # the ranks that write a checkpoint together: the job, or one trainer of a population
+        self.checkpoint_group = mesh.group
 
     # ------------------------------------------------------------------ data
     def _rank_indices(self, epoch: int, first_step: int) -> list[int]:
@@ -195,11 +197,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self, dataset=None) -> dict[str, float]:
+        """The workload's metrics on the validation set (or on `dataset`, e.g. a tournament set)."""
         model = unwrap(self.model)
         was_training = model.training
         model.eval()
-        val = self.workload.val_set
+        val = self.workload.val_set if dataset is None else dataset
         indices = list(range(len(val)))[self.data_axis.rank::self.replicas]
         # Every rank runs the same number of batches, because a sharded or split model's forward
         # is itself collective: the short ranks pad with a repeated sample and ignore its output.
@@ -244,24 +247,32 @@ class Trainer:
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
 
+    def checkpoint_state(self) -> dict:
+        """What a checkpoint stores besides model and optimizer (subclasses add theirs)."""
+        return {"step": self.step, "plan": str(self.mesh.plan),
+                "world_size": self.mesh.world_size,
+                "zero_stage": self.config.parallel.zero_stage if self.mesh.plan.shard > 1 else 0,
+                "precision": self.precision.name,
+                "loss_scaler": self.scaler.state_dict(),
+                "skipped_steps": self.skipped_steps}
+
     def _save(self) -> None:
         if self.run_dir:
             checkpoint.save(self.run_dir, self.step, self.model, self.optimizer,
-                            {"step": self.step, "plan": str(self.mesh.plan),
-                             "world_size": self.mesh.world_size,
-                             "zero_stage": self.config.parallel.zero_stage
-                             if self.mesh.plan.shard > 1 else 0,
-                             "precision": self.precision.name,
-                             "loss_scaler": self.scaler.state_dict(),
-                             "skipped_steps": self.skipped_steps},
-                            keep=self.config.train.checkpoint_keep)
+                            self.checkpoint_state(), keep=self.config.train.checkpoint_keep,
+                            group=self.checkpoint_group)
 
-    def resume(self, path: Path) -> None:
-        state = checkpoint.load(path, self.model, self.optimizer)
+    def resume(self, path: Path) -> dict:
+        state = checkpoint.load(path, self.model, self.optimizer, group=self.checkpoint_group)
         self.step = int(state["step"])
         if self.scaler.enabled and "loss_scaler" in state and state.get("precision") == "fp16":
             self.scaler.load_state_dict(state["loss_scaler"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        return state
+
+    def after_step(self) -> None:
+        """Called after every step's logging and evaluation, before its checkpoint (a hook for
+        subclasses: the population's tournaments)."""
 
     @property
     def tokens_per_sample(self) -> int:
@@ -364,6 +375,7 @@ class Trainer:
                     self._log({"step": self.step, **eval_metrics})
                     if progress:
                         progress.log({"step": self.step, **eval_metrics})
+                self.after_step()
                 if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or last:
                     self._save()
         finally:  # a failed step must not leave a live progress bar or loader workers
