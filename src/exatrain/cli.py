@@ -17,6 +17,13 @@ def _run(args) -> int:
     from .workloads import get_workload
 
     console = Console(stderr=True)
+    if args.config and args.config.endswith(".py"):  # a script that calls exatrain.fit
+        from .train.fit import launch, run_script
+        if detect() is not None:
+            run_script(args.config)
+        else:
+            launch(args.config, args.nproc or 1)
+        return 0
     config_path = args.config
     if args.resume:
         find_resume_checkpoint(args.resume)  # fail now, before any rank starts
@@ -94,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="train (no CONFIG: the built-in CosmoFlow example)")
-    run.add_argument("config", nargs="?", help="TOML config file (see examples/)")
+    run.add_argument("config", nargs="?", help="TOML config file (see examples/), or a Python "
+                                                "script calling exatrain.fit")
     run.add_argument("--nproc", type=int, default=0, help="local ranks to spawn (default: run.nproc)")
     run.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                      help="override a config value; repeatable")

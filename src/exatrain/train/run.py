@@ -24,7 +24,9 @@ class ResumeError(FileNotFoundError):
 
 def make_run_dir(config: Config) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    base = Path(config.run.out_dir) / f"{config.run.name or config.run.workload}-{stamp}"
+    # a user workload is named by its file or module: "dir/unet.py:build" -> "unet"
+    name = config.run.name or Path(config.run.workload.split(":")[0]).name.removesuffix(".py")
+    base = Path(config.run.out_dir) / f"{name.split('.')[-1]}-{stamp}"
     path, n = base, 1
     while path.exists():
         path, n = Path(f"{base}-{n}"), n + 1

@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..data.cosmoflow import CosmoFlowDataset, predict_mean_baseline_mae, write_cosmoflow
+from ..data.cosmoflow import (PARAM_NAMES, CosmoFlowDataset, predict_mean_baseline_per_target,
+                              write_cosmoflow)
 from ..models.cosmoflow import CosmoFlow
 from .base import Workload
 
@@ -78,7 +79,9 @@ def prepare(config, progress=None) -> Path:
     """Generate the synthetic set once if asked and missing (run on one process, before build)."""
     options = config.data
     path = Path(options.path)
-    if options.generate and not (path / "train.h5").exists() and not any(path.glob("*/*.h5")):
+    given = (path / "train.h5").exists() or any(path.glob("*/*.h5")) or any(path.glob("*/*.hdf5")) \
+        or any(path.glob("*/*_data.npy"))
+    if options.generate and not given:
         write_cosmoflow(path, samples=options.samples, size=options.size, seed=options.seed,
                         progress=progress)
     return path
@@ -135,16 +138,22 @@ def build(config, mesh) -> Workload:
                       dropout=m.dropout)
 
     def metric_sums(output, target):
-        return {"abs_err": (output.float() - target).abs().sum(),
-                "sq_err": ((output.float() - target) ** 2).sum(),
-                "count": torch.tensor(float(target.numel()))}
+        err = (output.float() - target).abs()
+        return {"abs_err": err.sum(), "sq_err": ((output.float() - target) ** 2).sum(),
+                "count": torch.tensor(float(target.numel())),
+                **{f"abs_err_{name}": err[:, i].sum() for i, name in enumerate(PARAM_NAMES)}}
 
     def finalize(s):
-        return {"val_mae": s["abs_err"] / s["count"], "val_mse": s["sq_err"] / s["count"]}
+        per_target = s["count"] / len(PARAM_NAMES)
+        return {"val_mae": s["abs_err"] / s["count"], "val_mse": s["sq_err"] / s["count"],
+                **{f"val_mae_{name}": s[f"abs_err_{name}"] / per_target for name in PARAM_NAMES}}
 
+    baseline = predict_mean_baseline_per_target(train_set, val_set)
     return Workload(model=model, train_set=train_set, val_set=val_set, loss_fn=F.mse_loss,
                     metric_sums=metric_sums, finalize=finalize,
-                    baselines={"baseline_mae": predict_mean_baseline_mae(train_set, val_set)},
+                    baselines={"baseline_mae": float(baseline.mean()),
+                               **{f"baseline_mae_{name}": float(b)
+                                  for name, b in zip(PARAM_NAMES, baseline)}},
                     flops_per_sample=3 * cosmoflow_forward_flops(m.size, m.base_channels, m.conv_layers))
 
 
