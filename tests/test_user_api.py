@@ -19,11 +19,13 @@ from exatrain.data.cosmoflow import CosmoFlowDataset, write_cosmoflow
 from exatrain.train.config import ConfigError, load_config
 from exatrain.train.run import run_job
 
-README = Path(__file__).parents[1] / "docs" / "readme" / "10-your-own-model.md"
+README = Path(__file__).parents[1] / "README.md"
 
 
 def _readme_code() -> str:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)[0]
+    """The README's "Your own model" example, verbatim (the block that starts `# train_unet.py`)."""
+    return next(block for block in re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+                if block.startswith("# train_unet.py"))
 
 
 def test_readme_example_runs_as_written_on_one_rank_and_on_data_2(tmp_path):

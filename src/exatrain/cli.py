@@ -28,7 +28,10 @@ def _run(args) -> int:
     if args.resume:
         find_resume_checkpoint(args.resume)  # fail now, before any rank starts
         config_path = config_path or str(Path(args.resume) / "config.toml")
-    config = load_config(config_path, args.set or [])
+    overrides = (args.set or []) + ([f"observe.profile_steps={args.profile}"] if args.profile else [])
+    config = load_config(config_path, overrides)
+    if args.print_batch_script:
+        return _print_batch_script(args, config)
     launch = detect()
     if launch is not None:  # under torchrun / srun / flux / jsrun / mpirun: this is one rank
         summary = run_job(config, args.resume)
@@ -40,12 +43,32 @@ def _run(args) -> int:
     workload = get_workload(config.run.workload)
     console.print(f"[bold]exatrain run[/]: {config.run.workload} on {nproc} local rank(s)")
     workload.prepare(config, progress=_progress(console, "writing data"))  # once, here, before the ranks start
-    if nproc == 1:
-        summary = run_job(config, args.resume)
+    if args.max_restarts > 0 or nproc > 1:
+        from .train.restart import supervise
+        summary = supervise(run_job, config, nproc, args.resume, args.max_restarts,
+                            report=lambda text: console.print(text, highlight=False))
     else:
-        summary = spawn(run_job, nproc, args=(config, args.resume))[0]
+        summary = run_job(config, args.resume)
     _draw_timeline(summary.get("run_dir"))
     _print_summary(console, summary)
+    return 0
+
+
+def _print_batch_script(args, config) -> int:
+    from .launch.batch import batch_script
+
+    nodes, per_node = args.nodes, args.tasks_per_node or config.run.nproc
+    print(batch_script(args.print_batch_script, args.config or "", config, nodes, per_node,
+                       time=args.time, extra=" ".join(f"--set {s}" for s in args.set or [])))
+    return 0
+
+
+def _export(args) -> int:
+    from .train.export import export_run
+
+    info = export_run(args.run_dir, args.out, args.step)
+    print(f"exported {info['tensors']} tensors ({info['bytes'] / 2**20:.1f} MiB) from "
+          f"{info['checkpoint']} to {info['out']}", file=sys.stderr)
     return 0
 
 
@@ -69,9 +92,16 @@ def _print_summary(console: Console, summary: dict) -> None:
     from rich.table import Table
 
     table = Table(title="run summary", show_header=False)
+    from .train.units import human_bytes, human_value
+
     for key, value in summary.items():
-        if isinstance(value, float):
-            value = f"{value:.5g}"
+        if key == "memory_per_rank":  # a list per rank: its largest figures are what matter
+            value = "max over ranks: state " + human_bytes(max(r["state_bytes"] or 0 for r in value)) \
+                + ", peak " + human_bytes(max(r["peak_mem_bytes"] or 0 for r in value))
+        elif key == "bytes_per_step":
+            value = " ".join(f"{a}={human_bytes(b)}" for a, b in value.items()) or "-"
+        else:
+            value = human_value(key, value)
         table.add_row(key, str(value))
     console.print(table)
     if summary.get("run_dir"):
@@ -83,6 +113,14 @@ def _data(args) -> int:
     console = Console(stderr=True)
     info = args.write(args, progress=_progress(console, f"exatrain data {args.name}"))
     console.print(json.dumps(info, indent=1, default=str))
+    return 0
+
+
+def _report(args) -> int:
+    from .observe.report import build_report
+
+    made = build_report(args.paths, args.out)
+    Console(stderr=True).print(f"report: [bold]{made['report']}[/] ({len(made) - 1} figures)")
     return 0
 
 
@@ -108,7 +146,30 @@ def build_parser() -> argparse.ArgumentParser:
                      help="override a config value; repeatable")
     run.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its "
                                                          "latest checkpoint")
+    run.add_argument("--profile", type=int, metavar="STEPS", help="record a torch.profiler "
+                     "trace of STEPS steps on every rank into RUN_DIR/profile/ (observe.profile_*)")
+    run.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                     help="when a rank dies, restart all ranks from the last checkpoint, up to N "
+                          "times (under torchrun: use torchrun --max-restarts)")
+    run.add_argument("--print-batch-script", choices=("slurm", "flux"),
+                     help="print a batch script for this config (wall-time signal, requeue) and exit")
+    run.add_argument("--nodes", type=int, default=1, help="nodes, for --print-batch-script")
+    run.add_argument("--tasks-per-node", type=int, default=0,
+                     help="ranks per node, for --print-batch-script (default: run.nproc)")
+    run.add_argument("--time", default="04:00:00", help="wall time, for --print-batch-script")
     run.set_defaults(func=_run)
+
+    report = sub.add_parser("report", help="figures and a summary of finished runs or benchmarks")
+    report.add_argument("paths", nargs="+", metavar="RUN_DIR|BENCH.json")
+    report.add_argument("--out", metavar="DIR", help="where to write (default: RUN_DIR/report "
+                                                     "for one run, ./report for several)")
+    report.set_defaults(func=_report)
+
+    export = sub.add_parser("export", help="write a run's model as one unsharded safetensors file")
+    export.add_argument("run_dir", metavar="RUN_DIR")
+    export.add_argument("--out", required=True, help="output .safetensors path")
+    export.add_argument("--step", type=int, default=None, help="a checkpoint's step (default: latest)")
+    export.set_defaults(func=_export)
 
     from .data import writers
     data = sub.add_parser("data", help="write a data set as HDF5")
@@ -132,24 +193,42 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from .errors import is_peer_loss, is_user_error
     from .launch.local import RankFailed
-    from .plan import PlanError
-    from .train.config import ConfigError
-    from .train.run import ResumeError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, PlanError, ResumeError, FileNotFoundError, ValueError) as exc:
-        print(f"exatrain: error: {exc}", file=sys.stderr)
-        return 2
     except RankFailed as exc:
         original = getattr(exc, "original", None)
-        if isinstance(original, (ConfigError, PlanError, FileNotFoundError, ValueError)) or \
-                type(original).__name__ == "NonFiniteLoss":
+        if getattr(exc, "diagnosis", None):
+            print(f"exatrain: {exc.diagnosis}\n(first failure: {str(exc).splitlines()[0]})",
+                  file=sys.stderr)
+            return 1
+        if original is None and not exc.remote_traceback:  # died without raising: a signal
+            print(f"exatrain: {exc}" + (f" (after {exc.restarts} restart(s))"
+                                        if getattr(exc, "restarts", 0) else ""), file=sys.stderr)
+            return 1
+        if is_user_error(original, exc.remote_traceback):
             print(f"exatrain: error on rank {exc.rank}: {original}", file=sys.stderr)
-        else:
-            print(f"exatrain: {exc}", file=sys.stderr)
+            return 2
+        print(f"exatrain: internal error (a bug in exatrain or in the model code, not in your "
+              f"input; the traceback follows and is in the run directory's error_rank*.log): {exc}",
+              file=sys.stderr)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - sorted into the user's and ours below
+        if is_user_error(exc):
+            print(f"exatrain: error: {exc}", file=sys.stderr)
+            return 2
+        if is_peer_loss(exc):  # under torchrun/srun: the launcher names the rank that died first
+            print(f"exatrain: this rank lost its connection to another rank, which failed first; "
+                  f"its own error (or the launcher's report) is the cause. ({str(exc)[:200]})",
+                  file=sys.stderr)
+            return 1
+        import traceback
+        traceback.print_exc()
+        print(f"exatrain: internal error (a bug in exatrain or in the model code, not in your "
+              f"input; traceback above): {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
 
 

@@ -13,8 +13,11 @@ Byte convention (payload, per rank, independent of the algorithm the backend use
 
 from __future__ import annotations
 
-from collections import defaultdict
+import time
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
+
+FLIGHT_LENGTH = 64  # operations kept for the flight record (see comm.flight)
 
 
 @dataclass
@@ -28,11 +31,48 @@ class Ledger:
     """Counts keyed by (axis, op, tag); `tag` says what for, e.g. "grad", "halo", "metric"."""
 
     entries: dict = field(default_factory=lambda: defaultdict(Entry))
+    # seconds the calling thread was blocked in communication, per axis (see comm.timing)
+    blocked_s: dict = field(default_factory=lambda: defaultdict(float))
 
-    def record(self, axis: str, op: str, nbytes: int, tag: str = "") -> None:
+    def add_blocked(self, axis: str, seconds: float) -> None:
+        self.blocked_s[axis] += seconds
+
+    def blocked_total(self) -> float:
+        return sum(self.blocked_s.values())
+
+    # (launch, done) perf_counter times of collectives that someone else waits on (DDP's reducer)
+    async_spans: list = field(default_factory=list)
+
+    def add_async_span(self, launched: float, done: float) -> None:
+        self.async_spans.append((launched, done))
+
+    def drain_async_tail(self) -> float:
+        """Seconds from the last launch to the last completion of the recorded async collectives.
+
+        The last launch comes when the last gradient bucket is ready, i.e. when backward's compute
+        is done; what is still in flight then cannot hide behind compute: it is exposed.
+        """
+        spans, self.async_spans = self.async_spans, []
+        if not spans:
+            return 0.0
+        return max(0.0, max(d for _, d in spans) - max(launch for launch, _ in spans))
+
+    # the last operations, newest last, for the flight record written when one hangs
+    recent: deque = field(default_factory=lambda: deque(maxlen=FLIGHT_LENGTH))
+    step: int = 0                 # set by the Trainer: the step the next operations belong to
+    calls_on: dict = field(default_factory=lambda: defaultdict(int))  # per (axis, peers)
+    last_time: float = field(default_factory=time.time)
+
+    def record(self, axis: str, op: str, nbytes: int, tag: str = "", peers: tuple = ()) -> None:
         entry = self.entries[(axis, op, tag)]
         entry.calls += 1
         entry.bytes += int(nbytes)
+        group = (axis, tuple(peers))
+        self.calls_on[group] += 1
+        self.last_time = time.time()
+        self.recent.append({"seq": self.calls_on[group], "op": op, "axis": axis, "tag": tag,
+                            "bytes": int(nbytes), "step": self.step, "peers": list(peers),
+                            "time": self.last_time})
 
     def bytes_by_axis(self, tag: str | None = None) -> dict[str, int]:
         out: dict[str, int] = defaultdict(int)
@@ -65,3 +105,5 @@ class Ledger:
 
     def reset(self) -> None:
         self.entries.clear()
+        self.blocked_s.clear()
+        self.async_spans.clear()

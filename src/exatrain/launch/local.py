@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import signal
 import socket
 import tempfile
 import time
@@ -26,6 +27,40 @@ class RankFailed(RuntimeError):
         self.remote_traceback = remote_traceback
         super().__init__(message + (f"\n\n--- traceback on rank {rank} ---\n{remote_traceback}"
                                     if remote_traceback else ""))
+
+
+def describe_exit(code: int | None) -> str:
+    """"killed by SIGKILL" / "exit code 3" for a process exit code (negative: a signal)."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+# A rank that dies without raising (a signal, os._exit) is seen by the parent's poll up to one
+# poll later than its peers raise "connection reset"; this slack keeps the dead rank the cause.
+_POLL_S = 0.05
+_DEATH_SLACK_S = 1.0
+
+
+def _forward_signals(procs) -> dict:
+    """Pass SIGTERM / SIGUSR1 (a batch system's wall-time warning) on to every rank; returns the
+    previous handlers. Only the main thread may set handlers; elsewhere nothing is forwarded."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def forward(signum, _frame):
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signum)
+
+    return {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
 
 
 def free_port() -> int:
@@ -78,11 +113,15 @@ def spawn(fn, nproc: int, args: tuple = (), timeout_s: float | None = None,
             p.start()
         start = time.monotonic()
         first_failure: float | None = None
+        died_at: dict[int, float] = {}   # wall time the parent saw each failed rank gone
+        previous_handlers = _forward_signals(procs)
         try:
             while any(p.is_alive() for p in procs):
                 now = time.monotonic()
-                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if failed and first_failure is None:
+                for r, p in enumerate(procs):
+                    if p.exitcode not in (None, 0) and r not in died_at:
+                        died_at[r] = time.time() - _POLL_S - _DEATH_SLACK_S
+                if died_at and first_failure is None:
                     first_failure = now
                 if first_failure is not None and now - first_failure > grace_s:
                     break
@@ -90,8 +129,11 @@ def spawn(fn, nproc: int, args: tuple = (), timeout_s: float | None = None,
                     raise RankFailed(-1, f"{nproc} spawned ranks did not finish within {timeout_s:.0f} s; "
                                          "a rank is probably stuck in a collective the others never "
                                          "joined. Raise the timeout or look for unequal work per rank.")
-                time.sleep(0.05)
+                time.sleep(_POLL_S)
         finally:
+            for sig, handler in previous_handlers.items():
+                signal.signal(sig, handler)
+            stopped_by_us = {r for r, p in enumerate(procs) if p.is_alive()}
             for p in procs:
                 if p.is_alive():
                     p.terminate()
@@ -104,9 +146,12 @@ def spawn(fn, nproc: int, args: tuple = (), timeout_s: float | None = None,
         for rank, p in enumerate(procs):
             path = Path(result_dir) / f"rank{rank}.pkl"
             if not path.exists():
-                errors.append((rank, f"rank {rank} exited with code {p.exitcode} without a result "
-                                     "(killed, out of memory, or stopped after another rank failed)",
-                               "", None, float("inf")))
+                if rank in stopped_by_us:
+                    why, when = "stopped after another rank failed", float("inf")
+                else:  # died on its own: a signal (SIGKILL: killed or out of memory) or os._exit
+                    why, when = describe_exit(p.exitcode), died_at.get(rank, float("inf"))
+                errors.append((rank, f"rank {rank} died ({why}) without raising an exception",
+                               "", None, when))
                 results.append(None)
                 continue
             with open(path, "rb") as f:

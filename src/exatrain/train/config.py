@@ -22,6 +22,7 @@ from typing import Any
 
 from ..parallel.options import ParallelOptions
 from ..plan import Plan
+from .observe_options import MLPerfOptions, ObserveOptions
 from ..population.options import PopulationOptions
 from ..population.options import validate as validate_population
 
@@ -39,6 +40,8 @@ class RunOptions:
     nproc: int = 2              # local ranks for `exatrain run` when no launcher is detected
     timeout_s: float = 600.0    # a collective waiting longer than this fails instead of hanging
     backend: str = "auto"       # auto | gloo | nccl
+    init_from: str = ""         # initial weights: a state dict (.pt) or .safetensors file;
+                                # also accepted as model.init_from
 
 
 @dataclass
@@ -71,6 +74,11 @@ class TrainOptions:
     checkpoint_every: int = 0   # 0 = only at the end
     checkpoint_keep: int = 2
     num_workers: int = 0        # DataLoader worker processes per rank
+    target: str = ""            # e.g. "val_mae <= 0.124": stop when an evaluation reaches it
+    checkpoint_async: bool = False  # write checkpoints in the background (DCP async_save)
+    on_nonfinite: str = "stop"  # stop | skip: a NaN/Inf loss or gradient (see train.policies)
+    max_nonfinite_skips: int = 10
+    on_bad_sample: str = "stop"  # stop | skip: a corrupt or out-of-range sample (logged)
 
 
 @dataclass
@@ -94,7 +102,8 @@ class ScheduleOptions:
 
 FIXED_SECTIONS = {"run": RunOptions, "plan": PlanOptions, "train": TrainOptions,
                   "optim": OptimOptions, "schedule": ScheduleOptions,
-                  "parallel": ParallelOptions, "population": PopulationOptions}
+                  "parallel": ParallelOptions, "population": PopulationOptions,
+                  "observe": ObserveOptions, "mlperf": MLPerfOptions}
 
 
 @dataclass
@@ -105,6 +114,8 @@ class Config:
     optim: OptimOptions
     schedule: ScheduleOptions
     parallel: ParallelOptions
+    observe: ObserveOptions
+    mlperf: MLPerfOptions
     population: PopulationOptions
     model: Any
     data: Any
@@ -180,6 +191,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     for text in overrides:
         section, key, value = parse_override(text)
         raw.setdefault(section, {})[key] = value
+    if isinstance(raw.get("model"), dict) and "init_from" in raw["model"]:
+        raw.setdefault("run", {})["init_from"] = raw["model"].pop("init_from")
     sections = {*FIXED_SECTIONS, "model", "data"}
     for section in raw:
         if section not in sections:
@@ -207,7 +220,9 @@ def validate(config: Config) -> None:
                "run.backend": (config.run.backend, ("auto", "gloo", "nccl")),
                "parallel.precision": (config.parallel.precision, ("fp32", "bf16", "fp16")),
                "parallel.activation_checkpointing": (config.parallel.activation_checkpointing,
-                                                     ("none", "full", "selective"))}
+                                                     ("none", "full", "selective")),
+               "train.on_nonfinite": (t.on_nonfinite, ("stop", "skip")),
+               "train.on_bad_sample": (t.on_bad_sample, ("stop", "skip"))}
     for where, (value, valid) in choices.items():
         if value not in valid:
             raise ConfigError(f"{where}={value!r} is not one of {', '.join(valid)}.{_closest(value, valid)}")
@@ -216,7 +231,19 @@ def validate(config: Config) -> None:
                 "train.checkpoint_keep": t.checkpoint_keep}
     for where, value in positive.items():
         if value < 1:
-            raise ConfigError(f"{where}={value} must be at least 1.")
+            raise ConfigError(f"{where}={value} is out of range: it accepts whole numbers ≥ 1.")
+    non_negative = {"train.steps": t.steps, "train.eval_every": t.eval_every,
+                    "train.checkpoint_every": t.checkpoint_every, "train.num_workers": t.num_workers,
+                    "train.max_nonfinite_skips": t.max_nonfinite_skips,
+                    "schedule.warmup_steps": s.warmup_steps,
+                    "schedule.base_batch_size": s.base_batch_size}
+    for where, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"{where}={value} is out of range: it accepts whole numbers ≥ 0 "
+                              "(0 = off / the default).")
+    if config.run.timeout_s <= 0:
+        raise ConfigError(f"run.timeout_s={config.run.timeout_s} is out of range: it accepts "
+                          "seconds > 0.")
     if t.steps < 0 or t.epochs < 1 and t.steps == 0:
         raise ConfigError(f"train.steps={t.steps}, train.epochs={t.epochs}: give steps > 0 or epochs ≥ 1.")
     if config.plan.pipe > 1:
@@ -240,6 +267,12 @@ def validate(config: Config) -> None:
                           "(stage 0 is plain data parallelism: set plan.shard=1).")
     if o.lr <= 0:
         raise ConfigError(f"optim.lr={o.lr} must be positive.")
+    if t.target:
+        from .target import Target
+        try:
+            Target.parse(t.target)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     try:
         validate_population(config.population, config.plan.trainer)
     except ValueError as exc:

@@ -1,7 +1,13 @@
-"""run_job: what every rank executes for `exatrain run` (under any launcher)."""
+"""run_job: what every rank executes for `exatrain run` (under any launcher).
+
+Restarts (`train.restart`): a run directory that outlives its processes -- EXATRAIN_RUN_DIR (set by
+`exatrain run --max-restarts`) or, under torchrun, one named by TORCHELASTIC_RUN_ID -- is resumed
+from its last complete checkpoint whenever the ranks start again.
+"""
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -15,6 +21,7 @@ from ..workloads import get_workload
 from . import checkpoint
 from .config import Config
 from .console import TrainConsole
+from .restart import cleanup_failed_start, record_failure, stable_run_dir
 from .trainer import Trainer
 
 
@@ -22,7 +29,10 @@ class ResumeError(FileNotFoundError):
     pass
 
 
-def make_run_dir(config: Config) -> Path:
+def make_run_dir(config: Config, stable: Path | None = None) -> Path:
+    if stable is not None:
+        stable.mkdir(parents=True, exist_ok=True)
+        return stable
     stamp = time.strftime("%Y%m%d-%H%M%S")
     # a user workload is named by its file or module: "dir/unet.py:build" -> "unet"
     name = config.run.name or Path(config.run.workload.split(":")[0]).name.removesuffix(".py")
@@ -67,9 +77,10 @@ def join(config: Config):
     return init(plan, backend=backend, timeout_s=config.run.timeout_s)
 
 
-def prepare_run(config: Config, mesh, resume_dir: str | None):
-    """Collective: rank 0 prepares the data and the run directory. Returns (workload module,
-    run directory) on every rank."""
+def prepare_run(config: Config, mesh, resume_dir: str | None, stable: Path | None = None):
+    """Collective: rank 0 prepares the data and the run directory (`stable`: the one that
+    outlives restarts, see train.restart). Returns (workload module, run directory) on every
+    rank."""
     workload_module = get_workload(config.run.workload)
     failure = None
     if mesh.rank == 0:
@@ -84,7 +95,7 @@ def prepare_run(config: Config, mesh, resume_dir: str | None):
     if message is not None:
         raise RuntimeError(f"rank 0 could not prepare the data: {message}")
     if mesh.rank == 0:
-        run_dir = Path(resume_dir) if resume_dir else make_run_dir(config)
+        run_dir = Path(resume_dir) if resume_dir else make_run_dir(config, stable)
         (run_dir / "config.toml").write_text(tomli_w.dumps(config.to_dict()))
     else:
         run_dir = None
@@ -93,23 +104,39 @@ def prepare_run(config: Config, mesh, resume_dir: str | None):
 
 def setup(config: Config, resume_dir: str | None = None) -> tuple:
     """Join the job, build workload, model and Trainer on this rank. Returns (mesh, trainer)."""
+    setup_times = {"init_start": time.time()}  # MLPerf's init and staging phases
     mesh = join(config)
+    run_dir = None
+    stable = stable_run_dir(config)
+    if resume_dir is None and stable is not None and checkpoint.latest(stable) is not None:
+        resume_dir = str(stable)  # restarted: go on from the last complete checkpoint
     try:
         resume_from = find_resume_checkpoint(resume_dir) if resume_dir else None
-        workload_module, run_dir = prepare_run(config, mesh, resume_dir)
+        setup_times["staging_start"] = time.time()
+        workload_module, run_dir = prepare_run(config, mesh, resume_dir, stable)
+        setup_times["staging_stop"] = time.time()
         torch.manual_seed(config.run.seed)  # identical initial weights on every rank
         workload = workload_module.build(config, mesh)
+        if config.run.init_from and not resume_from:
+            from .export import load_initial_weights
+            load_initial_weights(workload.model, config.run.init_from)
         model = parallelize(workload.model, mesh, config.parallel,
                             example=pipeline_example(workload, config, mesh.plan))
         workload.model = model  # drop the plain model: under tensor plans it is the full size
         console = TrainConsole() if mesh.rank == 0 else None
         trainer = Trainer(mesh, workload, config, model, run_dir=run_dir, console=console)
+        from ..launch import detect
+        launch = detect()
+        trainer.observer.setup_times.update(setup_times,
+                                            local_world_size=launch.local_world_size if launch else 1)
         if resume_from:
             trainer.resume(resume_from)
             if console:
                 console.print(f"resumed from {resume_from} at step {trainer.step}")
         return mesh, trainer
     except BaseException:
+        if mesh.rank == 0 and run_dir is not None and not resume_dir and stable is None:
+            shutil.rmtree(run_dir, ignore_errors=True)  # failed before its first step: no trace
         mesh.close()
         raise
 
@@ -122,5 +149,9 @@ def run_job(config: Config, resume_dir: str | None = None) -> dict:
     mesh, trainer = setup(config, resume_dir)
     try:
         return trainer.fit()
+    except BaseException as exc:
+        record_failure(trainer, exc)
+        cleanup_failed_start(trainer, resumed=resume_dir is not None)
+        raise
     finally:
         mesh.close()

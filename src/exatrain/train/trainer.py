@@ -45,8 +45,13 @@ from ..workloads.base import Workload
 from . import checkpoint
 from .config import Config, micro_batch_size
 from .memory import StepPeak, state_bytes
+from .observer import StepObserver
 from ..parallel.precision import Precision, keep_norms_fp32, measured_matmul_flops
 from .schedule import lr_at, scaled_lr
+from .faults import FaultInjector
+from .policies import SkipBadSamples, out_of_memory_advice, skip_nonfinite
+from .stop import StopOnSignal
+from .watchdog import Watchdog
 
 
 class NonFiniteLoss(RuntimeError):
@@ -105,10 +110,17 @@ class Trainer:
         self._track_step = 0             # which step the CPU peak tracker watches (see fit)
         self.last_state_bytes: dict = {}
         self.skipped_steps = 0
+        self.nonfinite_skipped = 0       # steps skipped under train.on_nonfinite = "skip"
+        self.stopped_by_signal = False
+        self.faults = FaultInjector(mesh.rank, self.run_dir)
+        self.checkpoint_writer = checkpoint.Writer(config.train.checkpoint_async)
+        if config.train.on_bad_sample == "skip":
+            workload.train_set = SkipBadSamples(workload.train_set, self.run_dir, mesh.rank)
         self.step = 0
         self.history: list[dict] = []
         # the ranks that write a checkpoint together: the job, or one trainer of a population
         self.checkpoint_group = mesh.group
+        self.observer = StepObserver(self)  # exposed comm, ranges, profile, TensorBoard, MLPerf
 
     # ------------------------------------------------------------------ data
     def _rank_indices(self, epoch: int, first_step: int) -> list[int]:
@@ -164,10 +176,11 @@ class Trainer:
                 x, y = self._to_device(next(batches))
                 sync = micro == accum - 1 or not hasattr(self.model, "no_sync")
                 with (self.model.no_sync() if not sync else contextlib.nullcontext()):
-                    with self.precision.autocast():
+                    with self.precision.autocast(), self.observer.phase("forward"):
                         output = self.model(x)
                     loss = self.workload.loss_fn(output.float(), y) / accum  # fp32 loss
-                    self.scaler.scale_loss(loss).backward()
+                    with self.observer.phase("backward"):
+                        self.scaler.scale_loss(loss).backward()
                 loss_sum += loss.detach().item()
         self.scaler.unscale_(self.opt_params)
         # The gradient norm is global (the same on every rank), so every rank reaches the same
@@ -176,16 +189,19 @@ class Trainer:
         grad_norm = clip_grad_norm_(self.opt_params, max_norm)
         finite = math.isfinite(grad_norm)
         # (the local loss is only reported: deciding on it could stop one rank and strand the rest)
+        if not finite and not self.scaler.enabled and skip_nonfinite(self, loss_sum, grad_norm):
+            return loss_sum, lr
         if not finite and not self.scaler.enabled:
             last = checkpoint.latest(self.run_dir) if self.run_dir else None
             raise NonFiniteLoss(
-                f"step {self.step}: loss {loss_sum} / gradient norm {grad_norm} is not finite on "
+                f"step {self.step + 1}: loss {loss_sum} / gradient norm {grad_norm} is not finite on "
                 f"rank {self.mesh.rank}. Stopped before the optimizer step; "
                 + (f"the last good checkpoint is {last}. " if last else "no checkpoint was written yet. ")
                 + "Lower optim.lr, add schedule.warmup_steps, set train.clip_grad_norm, or check "
                   "the data for NaNs.")
         if self.scaler.update(finite):
-            self.optimizer.step()
+            with self.observer.phase("optimizer"):
+                self.optimizer.step()
             # at the optimizer step: gradients still alive, optimizer state (lazily) created
             self.last_state_bytes = state_bytes(self.model, self.optimizer)
         else:  # fp16 overflow: skip this step, with a halved loss scale
@@ -246,6 +262,7 @@ class Trainer:
         if self.is_main and self.run_dir:
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
+        self.observer.written(record)
 
     def checkpoint_state(self) -> dict:
         """What a checkpoint stores besides model and optimizer (subclasses add theirs)."""
@@ -254,13 +271,17 @@ class Trainer:
                 "zero_stage": self.config.parallel.zero_stage if self.mesh.plan.shard > 1 else 0,
                 "precision": self.precision.name,
                 "loss_scaler": self.scaler.state_dict(),
-                "skipped_steps": self.skipped_steps}
+                "skipped_steps": self.skipped_steps,
+                "nonfinite_skipped": self.nonfinite_skipped}
 
     def _save(self) -> None:
         if self.run_dir:
-            checkpoint.save(self.run_dir, self.step, self.model, self.optimizer,
-                            self.checkpoint_state(), keep=self.config.train.checkpoint_keep,
-                            group=self.checkpoint_group)
+            self.checkpoint_writer.save(self.run_dir, self.step, self.model, self.optimizer,
+                                        self.checkpoint_state(),
+                                        keep=self.config.train.checkpoint_keep,
+                                        config=self.config.to_dict(),
+                                        before_commit=lambda: self.faults.in_save(self.step),
+                                        group=self.checkpoint_group)
 
     def resume(self, path: Path) -> dict:
         state = checkpoint.load(path, self.model, self.optimizer, group=self.checkpoint_group)
@@ -268,6 +289,9 @@ class Trainer:
         if self.scaler.enabled and "loss_scaler" in state and state.get("precision") == "fp16":
             self.scaler.load_state_dict(state["loss_scaler"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.nonfinite_skipped = int(state.get("nonfinite_skipped", 0))
+        if self.is_main and self.run_dir:  # lines past the checkpoint are written again
+            checkpoint.truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
         return state
 
     def after_step(self) -> None:
@@ -331,13 +355,25 @@ class Trainer:
         mark, start = ledger.snapshot(), time.perf_counter()
         eval_metrics: dict[str, float] = {}
         progress = self.console.progress(self.total_steps, self.step) if self.console else None
+        self.observer.fit_begin()
+        stop = StopOnSignal().install()
+        watchdog = Watchdog(ledger, self.mesh.rank, self.run_dir, self.config.run.timeout_s).start(
+            self.mesh.world_size)
         try:
             while self.step < self.total_steps:
+                ledger.step = self.step + 1  # the step number metrics.jsonl will give it
+                self.faults.at_step(self.step + 1)
+                watchdog.beat()
                 t0 = time.perf_counter()
-                loss, lr = self._train_step(batches)
+                self.observer.step_begin()
+                try:
+                    loss, lr = self._train_step(batches)
+                except torch.OutOfMemoryError as exc:
+                    raise torch.OutOfMemoryError(out_of_memory_advice(self, exc)) from exc
                 if self.mesh.device.type == "cuda":
                     torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
+                self.observer.step_end()
                 self.step += 1
                 interval_losses.append(loss)
                 interval_times.append(dt)
@@ -366,23 +402,41 @@ class Trainer:
                         record.update(loss_scale=self.scaler.scale, skipped_steps=self.skipped_steps)
                     if isinstance(self.model, PipelineModel):
                         record.update(self._pipeline_timeline())
+                    self.observer.log(record)
                     self._log(record)
                     if progress:
                         progress.log(record)
                     interval_losses, interval_times, mark = [], [], ledger.snapshot()
+                reached = False
                 if (t.eval_every and self.step % t.eval_every == 0) or last:
-                    eval_metrics = self.evaluate()
+                    eval_start = time.time()
+                    with watchdog.paused():  # long and collective-free under plain data parallelism
+                        eval_metrics = self.evaluate()
                     self._log({"step": self.step, **eval_metrics})
                     if progress:
                         progress.log({"step": self.step, **eval_metrics})
+                    reached = self.observer.evaluated(eval_metrics, eval_start)  # train.target
                 self.after_step()
-                if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or last:
-                    self._save()
+                stopping = not last and not reached and stop.agreed(self.mesh)
+                if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or last or reached \
+                        or stopping:
+                    with watchdog.paused():  # file system time; the backend's timeout still holds
+                        self._save()
+                if reached:
+                    break
+                if stopping:
+                    self.stopped_by_signal = True
+                    stop.announce(self)
+                    break
+            self.checkpoint_writer.wait()
         finally:  # a failed step must not leave a live progress bar or loader workers
+            stop.restore()
+            watchdog.stop()
             if progress:
                 progress.close()
             batches.close()
-        if not eval_metrics:
+            self.observer.close()  # the profile trace and event files of what ran
+        if not eval_metrics and not self.stopped_by_signal:
             eval_metrics = self.evaluate()
         wall = time.perf_counter() - start
         # The first steps pay for warm-up (allocator, DDP bucket rebuild): leave them out.
@@ -397,6 +451,10 @@ class Trainer:
                    **self._memory_figures(),
                    **self._throughput(t.batch_size / statistics.median(steady)),
                    "precision": self.precision.name,
+                   "stopped_by_signal": self.stopped_by_signal,
+                   "nonfinite_skipped": self.nonfinite_skipped,
+                   "checkpoint_blocked_s": self.checkpoint_writer.blocked_s,
+                   "checkpoint_saves": self.checkpoint_writer.saves,
                    "wall_s": wall, "run_dir": str(self.run_dir) if self.run_dir else None}
         bytes_read = getattr(self.workload.train_set, "bytes_read", None)
         if bytes_read is not None:  # this rank's input bytes read from files (a spatial block)
@@ -405,6 +463,7 @@ class Trainer:
             summary["zero_stage"] = self.config.parallel.zero_stage
         if self.scaler.enabled:
             summary.update(loss_scale=self.scaler.scale, skipped_steps=self.skipped_steps)
+        summary.update(self.observer.summary(start))
         if self.is_main and self.run_dir:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary

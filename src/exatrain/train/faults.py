@@ -1,0 +1,66 @@
+"""Injected faults for tests and `exatrain bench faults`: kill or hang a rank at a chosen step.
+
+EXATRAIN_INJECT_FAULTS="kill@1:5,hang@0:3,kill_in_save@1:4" -- kind@rank:step, comma-separated,
+with steps numbered as metrics.jsonl numbers them (the first step is 1):
+
+  kill          the rank SIGKILLs itself as step `step` starts (a node dying)
+  hang          the rank stops taking part (sleeps) as step `step` starts (a rank that never joins)
+  term          the rank sends itself SIGTERM as step `step` starts (the wall-time warning)
+  kill_in_save  the rank SIGKILLs itself inside the checkpoint save of step `step`, after the
+                shard files are written and before the checkpoint is complete
+
+Each fault fires once per run directory (a marker under RUN_DIR/faults/), so a run restarted
+from its last checkpoint passes the same step again without dying again. Without the variable
+nothing is injected and nothing is checked beyond one dictionary lookup per step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+ENV = "EXATRAIN_INJECT_FAULTS"
+KINDS = ("kill", "hang", "kill_in_save", "term")
+
+
+def parse(text: str) -> list[tuple[str, int, int]]:
+    faults = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        kind, _, where = item.partition("@")
+        rank, _, step = where.partition(":")
+        if kind not in KINDS or not rank.isdigit() or not step.isdigit():
+            raise ValueError(f"{ENV}: {item!r} is not kind@rank:step with kind one of {KINDS}")
+        faults.append((kind, int(rank), int(step)))
+    return faults
+
+
+class FaultInjector:
+    def __init__(self, rank: int, run_dir: Path | None, text: str | None = None):
+        text = os.environ.get(ENV, "") if text is None else text
+        self.rank, self.run_dir = rank, run_dir
+        self.faults = {(kind, step) for kind, r, step in parse(text) if r == rank} if run_dir else set()
+
+    def _fire(self, kind: str, step: int) -> bool:
+        if (kind, step) not in self.faults:
+            return False
+        marker = self.run_dir / "faults" / f"{kind}@{self.rank}:{step}"
+        if marker.exists():
+            return False
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+        return True
+
+    def at_step(self, step: int) -> None:
+        if self._fire("kill", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self._fire("term", step):
+            os.kill(os.getpid(), signal.SIGTERM)
+        if self._fire("hang", step):
+            while True:
+                time.sleep(3600)
+
+    def in_save(self, step: int) -> None:
+        if self._fire("kill_in_save", step):
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,125 @@
+"""What outlives a rank's process: the run directory it resumes from, and its failure record.
+
+`stable_run_dir`: EXATRAIN_RUN_DIR when set (`exatrain run --max-restarts N` sets it for its ranks,
+a batch script may set it so a requeued job continues), else under torchelastic
+RUN_OUT_DIR/NAME-<TORCHELASTIC_RUN_ID> (the run id is the same for every restart of one
+`torchrun` job), else None: a new timestamped directory per run.
+
+`record_failure`: a rank that fails writes `error_rank<R>.log` (its traceback) into the run
+directory, and when a collective timed out also its flight record (`comm.flight`).
+`cleanup_failed_start`: a run that failed before its first step leaves no empty run directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import traceback
+from pathlib import Path
+
+from ..comm.flight import diagnose, write_record
+
+RUN_DIR_ENV = "EXATRAIN_RUN_DIR"
+
+
+def stable_run_dir(config) -> Path | None:
+    if os.environ.get(RUN_DIR_ENV):
+        return Path(os.environ[RUN_DIR_ENV])
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id and run_id != "none":
+        return Path(config.run.out_dir) / f"{config.run.name or config.run.workload}-{run_id}"
+    return None
+
+
+def _timed_out(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__}: {exc}".lower()
+    return "timed out" in text or "timeout" in text
+
+
+def record_failure(trainer, exc: BaseException) -> None:
+    run_dir = trainer.run_dir
+    if run_dir is None or not run_dir.is_dir():
+        return
+    rank = trainer.mesh.rank
+    if _timed_out(exc):
+        write_record(run_dir, rank, trainer.mesh.ledger,
+                     f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: not a failure to log
+        return
+    (run_dir / f"error_rank{rank}.log").write_text(
+        f"rank {rank} failed at step {trainer.step + 1}:\n"
+        + "".join(traceback.format_exception(exc)))
+
+
+def cleanup_failed_start(trainer, resumed: bool) -> None:
+    """Rank 0 removes a run directory it created when the run failed before its first step."""
+    run_dir = trainer.run_dir
+    if resumed or trainer.step > 0 or not trainer.is_main or run_dir is None:
+        return
+    if os.environ.get(RUN_DIR_ENV) or not run_dir.is_dir():
+        return  # a directory the launcher named stays: its restarts and logs live there
+    if not any((run_dir / "checkpoints").glob("step_*")):
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def planned_run_dir(config) -> Path:
+    """A fresh run directory's path (not created: rank 0 creates it when the run starts)."""
+    import time
+    base = Path(config.run.out_dir) / f"{config.run.name or config.run.workload}-" \
+        f"{time.strftime('%Y%m%d-%H%M%S')}"
+    path, n = base, 1
+    while path.exists():
+        path, n = Path(f"{base}-{n}"), n + 1
+    return path
+
+
+def supervise(run_job, config, nproc: int, resume_dir: str | None, max_restarts: int,
+              report=print) -> dict:
+    """Spawn `nproc` local ranks; when one dies, start them all again (up to `max_restarts`
+    times), resuming from the last complete checkpoint. Returns rank 0's summary with
+    `restarts` added. The final failure is rank failure of the rank that failed first, with
+    `.diagnosis` (the flight records' verdict when a collective hung)."""
+    from ..errors import is_user_error
+    from ..launch.local import RankFailed, spawn
+    from . import checkpoint
+
+    run_dir = Path(resume_dir) if resume_dir else planned_run_dir(config)
+    env = {RUN_DIR_ENV: str(run_dir)}
+    history: list[dict] = []  # per restart: the last step logged, the step resumed from
+    while True:
+        try:
+            summary = spawn(run_job, nproc, args=(config, None), env=env)[0]
+            summary["restarts"] = len(history)
+            summary["restart_history"] = history
+            summary["lost_steps"] = sum(h["failed_after_step"] - h["resumed_from_step"]
+                                        for h in history)
+            return summary
+        except RankFailed as exc:
+            exc.diagnosis = diagnose(run_dir, nproc) if run_dir.is_dir() else None
+            restarts = len(history)
+            if exc.diagnosis or restarts >= max_restarts or \
+                    is_user_error(getattr(exc, "original", None), exc.remote_traceback):
+                if run_dir.is_dir() and not resume_dir and checkpoint.latest(run_dir) is None \
+                        and not (run_dir / "metrics.jsonl").exists() and exc.diagnosis is None:
+                    shutil.rmtree(run_dir, ignore_errors=True)  # failed before its first step
+                exc.restarts = restarts
+                raise
+            restarts += 1
+            last = checkpoint.latest(run_dir)
+            history.append({"failed_after_step": _last_logged_step(run_dir),
+                            "resumed_from_step": int(last.name.removeprefix("step_")) if last else 0,
+                            "failure": str(exc).splitlines()[0]})
+            if last is None and (run_dir / "metrics.jsonl").exists():
+                (run_dir / "metrics.jsonl").unlink()  # starting over: its lines are written again
+            report(f"exatrain: {str(exc).splitlines()[0]}; restart {restarts} of {max_restarts} "
+                   f"from {last or 'the beginning'}")
+
+
+def _last_logged_step(run_dir: Path) -> int:
+    """The highest step in metrics.jsonl (train.log_every=1: the last step completed)."""
+    import json
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    return max((json.loads(line).get("step", 0) for line in path.read_text().splitlines()
+                if line.strip()), default=0)

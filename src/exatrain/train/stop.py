@@ -1,0 +1,51 @@
+"""Wall-time stops: SIGTERM or SIGUSR1 -> every rank finishes its step, checkpoints, exits.
+
+A batch system warns before the wall-time limit (Slurm `--signal=USR1@120`, or SIGTERM at the
+limit). The signal may reach some ranks and not others, or reach them in different steps, so the
+handler only sets a flag; after every step the ranks agree with one all-reduce (MAX of one int32
+over the whole mesh: 4 bytes per rank per step) and all stop after the same step.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import torch
+
+from ..comm import all_reduce
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopOnSignal:
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict = {}
+
+    def install(self) -> "StopOnSignal":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
+        return self
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def announce(self, trainer) -> None:
+        """Rank 0 says where the run stopped and how to go on."""
+        if trainer.is_main:
+            name = signal.Signals(self.signum).name if self.signum else "a signal on another rank"
+            print(f"exatrain: stopped by {name} after step {trainer.step} of "
+                  f"{trainer.total_steps}; checkpoint written. Resume with: "
+                  f"exatrain run --resume {trainer.run_dir}", flush=True)
+
+    def _handle(self, signum, _frame) -> None:
+        self.signum = signum
+
+    def agreed(self, mesh) -> bool:
+        """Collective: True on every rank when any rank has received a stop signal."""
+        flag = torch.tensor([1 if self.signum else 0], dtype=torch.int32, device=mesh.device)
+        all_reduce(flag, mesh.world, op=torch.distributed.ReduceOp.MAX, tag="control")
+        return bool(flag.item())
