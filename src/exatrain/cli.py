@@ -1,4 +1,4 @@
-"""The `exatrain` command line: run, data, bench."""
+"""The `exatrain` command line: run, data, plan, tune, bench."""
 
 from __future__ import annotations
 
@@ -175,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     data = sub.add_parser("data", help="write a data set as HDF5")
     writers.add_parsers(data)
     data.set_defaults(func=_data)
+
+    from .tune.commands import add_parsers as add_planner_parsers
+    add_planner_parsers(sub)
 
     from .bench import BENCHMARKS, add_common_arguments, bench_module
     bench = sub.add_parser("bench", help="side-by-side benchmark against the PyTorch baseline")

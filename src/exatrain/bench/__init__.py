@@ -14,7 +14,8 @@ from rich.table import Table
 BENCHMARKS = {"dp": "exatrain.bench.dp", "spatial": "exatrain.bench.spatial",
               "zero": "exatrain.bench.zero", "tensor": "exatrain.bench.tensor",
               "graph": "exatrain.bench.graph", "pipeline": "exatrain.bench.pipeline",
-              "ltfb": "exatrain.bench.ltfb", "faults": "exatrain.bench.faults"}
+              "ltfb": "exatrain.bench.ltfb", "faults": "exatrain.bench.faults",
+              "planner": "exatrain.bench.planner"}
 
 
 def bench_module(name: str):

@@ -45,7 +45,6 @@ Figures, per rank count n in (2, 4) (suffix `_{n}ranks`; unsuffixed ones are for
 from __future__ import annotations
 
 import copy
-import itertools
 import statistics
 import tempfile
 import time
@@ -53,6 +52,8 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..parallel.spatial.volume import analytic_halo_bytes  # the formula, shared with the planner
 
 
 def add_arguments(parser) -> None:
@@ -77,41 +78,6 @@ def activation_bytes(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tupl
     total = sum(saved.values())
     loss.backward()
     return total, out.detach(), loss.detach()
-
-
-def analytic_halo_bytes(model: nn.Module, input_shape: tuple, space: tuple, elem: int = 4) -> int:
-    """Halo bytes one training step must move at least, summed over ranks (see module doc)."""
-    records = []
-    meta = copy.deepcopy(model).to("meta")
-    hooks = [m.register_forward_hook(lambda m, i, o: records.append((m, i[0].shape, o.shape)))
-             for m in meta.modules() if isinstance(m, (nn.Conv3d, nn.MaxPool3d, nn.AvgPool3d))]
-    with torch.no_grad():
-        meta(torch.empty(input_shape, device="meta"))
-    for h in hooks:
-        h.remove()
-    total = 0
-    for index, (layer, shape, out_shape) in enumerate(records):
-        def triple(v):
-            return tuple(v) if isinstance(v, (tuple, list)) else (v,) * 3
-        k, s, p = triple(layer.kernel_size), triple(layer.stride or layer.kernel_size), triple(layer.padding)
-        d = triple(getattr(layer, "dilation", 1))
-        if any(out_shape[2 + i] % space[i] for i in range(3)):
-            continue  # this layer runs on gathered tensors: no halo
-        per_sample = 0
-        for coords in itertools.product(*(range(n) for n in space)):
-            need = own = 1
-            for i, c in enumerate(coords):
-                n, parts = shape[2 + i], space[i]
-                b, m = n // parts, out_shape[2 + i] // parts
-                lo = c * m * s[i] - p[i]
-                hi = ((c + 1) * m - 1) * s[i] - p[i] + d[i] * (k[i] - 1)
-                lo, hi = max(lo, 0), min(hi, n - 1)                 # zero padding is not sent
-                need *= hi - lo + 1
-                own *= max(0, min(hi, (c + 1) * b - 1) - max(lo, c * b) + 1)
-            per_sample += need - own
-        passes = 1 if index == 0 else 2  # the input of the first layer needs no gradient
-        total += passes * per_sample * shape[0] * shape[1] * elem
-    return total
 
 
 # ---------------------------------------------------------------------------- one launch

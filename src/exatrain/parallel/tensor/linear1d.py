@@ -57,6 +57,31 @@ def _check(features: int, axis: Axis, what: str) -> None:
                          f"{axis.name!r} axis; use a degree that divides {features}.")
 
 
+def shared_input_bytes(rows: int, features: int, element_size: int, input_grad: bool = True) -> int:
+    """f shared by a pair's column layers: backward all-reduce of dx, n·in·s (when x needs a grad)."""
+    return rows * features * element_size if input_grad else 0
+
+
+def column_bytes(rows: int, in_features: int, out_features: int, element_size: int,
+                 gather_output: bool, own_f: bool, input_grad: bool = True) -> int:
+    """ColumnParallelLinear per step: forward n·out·s with gather_output; backward n·in·s for
+    its own f (not shared) when the input needs a gradient."""
+    total = rows * out_features * element_size if gather_output else 0
+    if own_f and input_grad:
+        total += rows * in_features * element_size
+    return total
+
+
+def row_bytes(rows: int, in_features: int, out_features: int, element_size: int,
+              scatter_input: bool, input_grad: bool = True) -> int:
+    """RowParallelLinear per step: forward n·out·s (the all-reduce); backward n·in·s with
+    scatter_input. `rows` counts the full input's rows."""
+    total = rows * out_features * element_size
+    if scatter_input and input_grad:
+        total += rows * in_features * element_size
+    return total
+
+
 class SharedInput:
     """Megatron's f shared by the column layers of one pair that read the same tensor: q, k and
     v call it with the same `x`, which passes f once, so its backward all-reduces once (n·in·s).
@@ -85,7 +110,7 @@ class SharedInput:
     def bytes_per_step(self, element_size: int) -> dict[str, int]:
         if self.axis.size == 1 or not self.requires_grad:
             return {}
-        return {self.axis.name: self.rows * self.features * element_size}
+        return {self.axis.name: shared_input_bytes(self.rows, self.features, element_size)}
 
 
 class _SplitLinear(nn.Module):
@@ -132,10 +157,9 @@ class ColumnParallelLinear(_SplitLinear):
 
     def bytes_per_step(self) -> dict[str, int]:
         """Forward n·out·s with gather_output; backward n·in·s for its own f (when not shared)."""
-        s, n = self.weight.element_size(), self._rows
-        total = n * self.out_features * s if self.gather_output else 0
-        if self.shared_input is None and self._input_grad:
-            total += n * self.in_features * s
+        total = column_bytes(self._rows, self.in_features, self.out_features,
+                             self.weight.element_size(), self.gather_output,
+                             own_f=self.shared_input is None, input_grad=self._input_grad)
         return {self.axis.name: total} if total and self.axis.size > 1 else {}
 
     def extra_repr(self) -> str:
@@ -180,13 +204,11 @@ class RowParallelLinear(_SplitLinear):
 
     def bytes_per_step(self) -> dict[str, int]:
         """Forward n·out·s (the all-reduce); backward n·in·s with scatter_input."""
-        s, n, P = self.weight.element_size(), self._rows, self.axis.size
-        if P == 1:
+        if self.axis.size == 1:
             return {}
-        total = n * self.out_features * s
-        if self.scatter_input and self._input_grad:
-            total += n * self.in_features * s
-        return {self.axis.name: total}
+        return {self.axis.name: row_bytes(self._rows, self.in_features, self.out_features,
+                                          self.weight.element_size(), self.scatter_input,
+                                          self._input_grad)}
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (local {self.in_features // self.axis.size}), "

@@ -1,0 +1,237 @@
+"""`exatrain plan` and `exatrain tune`: the command-line face of the planner and the tuner."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ..plan import Plan, PlanError
+from .cost import Options
+
+
+def parse_plan(text: str) -> Plan:
+    """'data=32,shard=4,tensor=8' or 'data=64,space=2x4x4' or 'tensor=2x2x2' -> Plan."""
+    degrees = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, _, value = part.partition("=")
+        if not value:
+            raise PlanError(f"--plan {text!r}: write axis=degree pairs, e.g. "
+                            "data=32,shard=4,tensor=8 or data=64,space=2x4x4")
+        nums = tuple(int(v) for v in value.lower().split("x"))
+        degrees[key.strip()] = nums[0] if len(nums) == 1 else nums
+    return Plan(**degrees)
+
+
+def options_from_config(config) -> Options:
+    p = config.parallel
+    return Options(batch=config.train.batch_size, precision=p.precision,
+                   zero_stage=p.zero_stage,
+                   checkpointing="full" if p.activation_checkpointing != "none" else "none",
+                   microbatches=int(getattr(p, "microbatches", 0) or 0),
+                   schedule=str(getattr(p, "pipe_schedule", "1f1b") or "1f1b").lower(),
+                   virtual_stages=int(getattr(p, "pipe_virtual_stages", 2) or 2),
+                   optimizer=config.optim.name, bucket_cap_mb=p.bucket_cap_mb)
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.3g} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def _human_s(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3g} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s * 1e6:.3g} µs"
+
+
+def plan_command(args) -> int:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from ..train.config import load_config
+    from .search import rank_plans
+    from .spec import spec_from_config
+    from .systems import load_system
+
+    if args.calibrate:
+        from .calibrate import calibrate
+        path = calibrate(out=args.calibrate_out, quick=args.quick)
+        print(f"wrote {path}")
+        return 0
+    config = load_config(args.config, args.set or [])
+    world = args.world or config.run.nproc
+    if args.dry_run is not None:
+        from .dryrun import dry_run
+        plan = parse_plan(args.plan) if args.plan else config.plan.resolve(world)
+        plan.validate(world)
+        result = dry_run(config, plan, args.dry_run)
+        _emit(result, args.json) if args.json else _print_dry_run(result)
+        return 0
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    system = load_system(args.system)
+    spec = spec_from_config(config)
+    base = options_from_config(config)
+    if args.plan:   # one Plan: its prediction, and plan.py's and the model's verdicts
+        return _one_plan(console, spec, parse_plan(args.plan), system, base, world, args.json)
+    import time
+    t0 = time.perf_counter()
+    ranking = rank_plans(spec, world, system, base)
+    elapsed = time.perf_counter() - t0
+    if args.json:
+        _emit({"model": spec.name, "params": spec.params, "world": world, "system": system.name,
+               "considered": ranking.considered, "seconds": elapsed,
+               "ranked": [p.to_dict() for p in ranking.ranked],
+               "refused": [r.to_dict() for r in ranking.refused]}, args.json)
+        return 0
+    table = Table(title=f"{spec.name} ({spec.params / 1e9:.3g} B params) on {world} ranks of "
+                        f"{system.name}: {len(ranking.ranked)} of {ranking.considered} "
+                        f"(Plan, options) fit, ranked by predicted step time")
+    for col in ("#", "plan", "options", "step", "compute", "comm", "bubble", "memory/rank",
+                "bytes per axis per step"):
+        table.add_column(col, justify="right" if col in ("#", "step", "compute", "comm",
+                                                         "bubble", "memory/rank") else "left")
+    for i, p in enumerate(ranking.ranked[:args.top], 1):
+        table.add_row(str(i), str(p.plan).removeprefix("Plan(").removesuffix(")") or "serial",
+                      p.options.label() or "-", _human_s(p.step_s),
+                      _human_s(p.parts_s["compute"]), _human_s(p.parts_s["comm_exposed"]),
+                      _human_s(p.parts_s["bubble"]), _human_bytes(p.memory["total"]),
+                      ", ".join(f"{a} {_human_bytes(b)}" for a, b in p.bytes_by_axis.items()))
+    console.print(table)
+    counts = ranking.refusal_counts()
+    console.print(f"considered {ranking.considered} in {elapsed:.2f} s; refused: " +
+                  (", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "none"))
+    shown: dict[str, int] = {}
+    seen_plans: set = set()
+    for r in ranking.refused:
+        if r.plan in seen_plans:   # its other option variants are refused for the same reason
+            continue
+        if shown.get(r.kind, 0) < args.why:
+            seen_plans.add(r.plan)
+            shown[r.kind] = shown.get(r.kind, 0) + 1
+            opts = f" ({r.options.label()})" if r.options.label() else ""
+            reason = r.reason.removeprefix(f"{r.plan}: ")
+            console.print(f"  [bold]{r.kind}[/]: " + escape(f"{r.plan}{opts}: {reason}"),
+                          highlight=False)
+    return 0
+
+
+def _one_plan(console, spec, plan: Plan, system, options: Options, world: int, json_out) -> int:
+    from .cost import predict
+    from .search import shape_problem
+    verdicts = []
+    try:
+        plan.validate(world)
+        plan.require_implemented()
+    except PlanError as exc:
+        verdicts.append(f"plan rule: {exc}")
+    problem = shape_problem(spec, plan, options)
+    if problem:
+        verdicts.append(f"{problem[0]}: {problem[1]}")
+    pred = predict(spec, plan, system, options, world)
+    if pred.memory["total"] > system.usable_memory:
+        verdicts.append(f"out of memory: needs {_human_bytes(pred.memory['total'])} per rank")
+    out = {**pred.to_dict(), "valid": not verdicts, "refused_because": verdicts}
+    if json_out:
+        _emit(out, json_out)
+        return 0
+    console.print(f"[bold]{plan}[/] on {world} ranks of {system.name}: "
+                  f"{'valid' if not verdicts else 'REFUSED'}", highlight=False)
+    for v in verdicts:
+        console.print(f"  {v}", highlight=False)
+    console.print(f"  step {_human_s(pred.step_s)} = " + " + ".join(
+        f"{k} {_human_s(v)}" for k, v in pred.parts_s.items()), highlight=False)
+    console.print("  memory/rank " + ", ".join(f"{k} {_human_bytes(v)}"
+                                               for k, v in pred.memory.items()), highlight=False)
+    console.print("  bytes/step " + ", ".join(f"{a} {_human_bytes(b)}"
+                                             for a, b in pred.bytes_by_axis.items()),
+                  highlight=False)
+    return 0
+
+
+def _emit(data: dict, where: str) -> None:
+    text = json.dumps(data, indent=1, default=str)
+    if where == "-":
+        sys.stdout.write(text + "\n")
+    else:
+        Path(where).parent.mkdir(parents=True, exist_ok=True)
+        Path(where).write_text(text)
+
+
+def _print_dry_run(r: dict) -> None:
+    from rich.console import Console
+    console = Console()
+    console.print(f"[bold]dry run[/]: rank {r['rank']} of {r['world']} under {r['plan']}, "
+                  f"coords {r['coords']}")
+    console.print(f"input {r['input_shape']} ({r['samples_per_rank']} samples per rank), "
+                  f"{r['params_local']:,} parameters on this rank")
+    for name, shape in r["param_shapes"].items():
+        console.print(f"  {name:<48} {shape}", highlight=False)
+    s = r["state_bytes"]
+    console.print(f"state {_human_bytes(s['total'])} (params {_human_bytes(s['params'])}, grads "
+                  f"{_human_bytes(s['grads'])}, optimizer {_human_bytes(s['optimizer'])}); "
+                  f"step peak {_human_bytes(r['step_peak_bytes'])}")
+    console.print("ledger: " + ", ".join(f"{a} {_human_bytes(b)}"
+                                         for a, b in r["ledger_bytes"].items()))
+    for note in r["notes"]:
+        console.print(f"note: {note}")
+
+
+def tune_command(args) -> int:
+    from ..train.config import load_config
+    from .tuner import tune_config
+
+    config = load_config(args.config, args.set or [])
+    world = args.world or config.run.nproc
+    report = tune_config(config, world, args.budget, system=args.system, steps=args.steps,
+                         prior_paths=args.prior or [], record=args.record)
+    if args.json:
+        _emit(report, args.json)
+    print(json.dumps({k: v for k, v in report.items() if k != "trials"}, indent=1, default=str))
+    return 0
+
+
+def add_parsers(sub) -> None:
+    plan = sub.add_parser("plan", help="every valid Plan ranked by predicted step time; "
+                                       "--dry-run RANK, --calibrate")
+    plan.add_argument("config", nargs="?", help="TOML config (examples/*.toml; none: the built-in "
+                                                "CosmoFlow example, changed with --set)")
+    plan.add_argument("--world", type=int, default=0, help="ranks (default: run.nproc)")
+    plan.add_argument("--system", default="cpu-local", help="system name or TOML path")
+    plan.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                      help="write everything as JSON (to stdout without PATH)")
+    plan.add_argument("--top", type=int, default=20, help="ranked Plans to print")
+    plan.add_argument("--why", type=int, default=2, help="refused examples to print per reason")
+    plan.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
+    plan.add_argument("--plan", help="one Plan, e.g. data=32,shard=4,tensor=8: its prediction "
+                                     "and verdicts; with --dry-run the Plan to run (default: "
+                                     "the config's [plan] at --world)")
+    plan.add_argument("--dry-run", type=int, metavar="RANK", help="run one step of RANK over the "
+                                                                  "fake process group")
+    plan.add_argument("--calibrate", action="store_true", help="measure this machine into a "
+                                                               "system file")
+    plan.add_argument("--calibrate-out", default="", help="system file to write (default: "
+                                                          "systems/cpu-local.toml)")
+    plan.add_argument("--quick", action="store_true", help="calibrate with fewer repetitions")
+    plan.set_defaults(func=plan_command)
+
+    tune = sub.add_parser("tune", help="measure at most --budget Plans, surrogate on the cost "
+                                       "model's residuals, return the best")
+    tune.add_argument("config", nargs="?", help="TOML config (none: the built-in example, "
+                                                "changed with --set)")
+    tune.add_argument("--world", type=int, default=0)
+    tune.add_argument("--budget", type=int, default=4, help="Plans to measure at most")
+    tune.add_argument("--steps", type=int, default=3, help="timed steps per measured Plan")
+    tune.add_argument("--system", default="cpu-local")
+    tune.add_argument("--prior", action="append", metavar="JSON", help="measurements of a "
+                      "smaller world or a sibling model (a --record file), reused as a prior")
+    tune.add_argument("--record", default="", help="write this run's measurements here")
+    tune.add_argument("--json", nargs="?", const="-", metavar="PATH")
+    tune.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
+    tune.set_defaults(func=tune_command)

@@ -1,0 +1,409 @@
+"""The cost model: memory per rank and step time of one Plan for one model on one system.
+
+Memory per rank (bytes), for Ψ parameters held by the rank (after the tensor and pipe splits):
+
+  model state      `train.memory.zero_state_formula(stage, Ψ, shard)`: 16Ψ unsharded (fp32 AdamW:
+                   4 parameters + 4 gradients + 8 moments), ZeRO 1/2/3 as in `parallel.shard`;
+                   ZeRO-3's chunks padded to whole rows per rank, as FSDP2 pads them
+  activations      `ModelSpec.act_bytes_per_sample` × samples per micro-batch, divided over the
+                   space ranks; under 1D tensor parallelism the split share (Korthikanti et al.
+                   2022, Table 2) divided by the tensor degree; under full checkpointing only
+                   block inputs plus one block's internals; a pipeline stage holds 1/p of the
+                   layers for min(m, p - s) micro-batches in flight (1F1B, stage s) or m (GPipe)
+  under pipe       each stage's rank separately (its own parameters and in-flight
+                   micro-batches: `Prediction.memory_by_stage`); the Plan's figure is the largest
+  transient        backward's gradients of the largest saved activation and of its input
+  comm buffers     one gradient bucket copy (tensor's GradSync), two gathered blocks (ZeRO-3,
+                   prefetch); DDP, ZeRO-1 and ZeRO-2 need none beyond the gradients
+
+Step time (seconds):
+
+  compute          training FLOPs of the rank's share of the batch / achievable rate (the system's
+                   peak × efficiency for matmul or conv), × 4/3 under full checkpointing
+  communication    every collective of the strategies' byte formulas (`bytes_by_axis` below, in
+                   the ledger's convention) on the link its axis lands on (`systems.System.link`,
+                   from the mesh order and ranks per node), ring costs (`systems.collective_time`)
+  overlap          the gradient all-reduce (data, ZeRO-1/2 buckets) overlaps backward (2/3 of the
+                   compute); ZeRO-3's gathers are prefetched under compute; tensor, halo and
+                   pipe messages are on the critical path
+  pipeline bubble  the schedule's idle fraction, `parallel.pipe.bubble_formula`: (p-1)/(m+p-1)
+                   for GPipe and 1F1B, (p-1)/(v·m+p-1) interleaved, (p-1)/(3v·m+p-1) zero-bubble
+  optimizer        reading and writing the rank's optimizer state once (memory bandwidth)
+
+The byte formulas are the strategies' own (imported, not rewritten): `zero_state_formula`,
+`parallel.tensor.linear1d.{shared_input,column,row}_bytes`, `parallel.spatial.volume`'s halo
+volume, `parallel.pipe`'s stage balance and bubble formula. A Plan's bytes agree with the ledger's
+counts exactly for data, ZeRO 1/2/3, space, 1D tensor and pipe (`tests/test_planner_measured.py`);
+3D tensor is costed with the 1D formulas, and compositions plan.py does not yet allow (tensor ×
+shard, tensor × pipe) are costed but unchecked.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..plan import Plan
+from ..train.memory import zero_state_formula
+from .spec import ModelSpec
+from .systems import System, collective_time
+
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+PRECISION_RATE = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "tf32": "tf32"}
+
+
+@dataclass(frozen=True)
+class Options:
+    """How a Plan is run beyond its degrees (the config's [parallel] and [train] that matter)."""
+    batch: int = 8                     # global batch per optimizer step
+    precision: str = "fp32"
+    zero_stage: int = 3                # with shard > 1
+    checkpointing: str = "none"        # none | full | selective (memory as none here)
+    microbatches: int = 0              # with pipe > 1 (0: two per stage, as parallel.pipe)
+    schedule: str = "1f1b"             # gpipe | 1f1b | interleaved | zero_bubble
+    virtual_stages: int = 2            # stages per rank of interleaved / zero_bubble
+    optimizer: str = "adamw"           # adamw | adam | sgd
+    bucket_cap_mb: float = 25.0
+    compute_dtype: str = ""            # overrides the rate's dtype (e.g. tf32 for fp32 on GPUs)
+
+    def label(self) -> str:
+        parts = []
+        if self.zero_stage != 3:
+            parts.append(f"zero{self.zero_stage}")
+        if self.checkpointing != "none":
+            parts.append(f"ckpt={self.checkpointing}")
+        if self.microbatches:
+            parts.append(f"m={self.microbatches}")
+        if self.schedule != "1f1b":
+            parts.append(self.schedule + (f"(v={self.virtual_stages})" if self.virtual_stages > 1
+                                          else ""))
+        return " ".join(parts)
+
+
+@dataclass
+class Comm:
+    axis: str          # the ledger's axis name ("data", "data+space", "tensor", ...)
+    op: str
+    nbytes: float      # per step, ledger convention
+    calls: int
+    size: int          # ranks in the group
+    span: int          # first to one past last rank of the group (row-major mesh)
+    overlap: str = ""  # "backward" | "compute" | ""
+
+
+@dataclass
+class Prediction:
+    plan: Plan
+    options: Options
+    memory: dict               # params, grads, optimizer, activations, buffers, total
+    step_s: float
+    parts_s: dict              # compute, comm_exposed, bubble, optimizer
+    comms: list = field(default_factory=list)
+    memory_by_stage: list = field(default_factory=list)   # per pipeline stage's rank
+
+    @property
+    def bytes_by_axis(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for c in self.comms:
+            if c.nbytes:
+                out[c.axis] = out.get(c.axis, 0) + int(c.nbytes)
+        return out
+
+    def to_dict(self) -> dict:
+        return {"plan": str(self.plan), "degrees": self.plan.to_dict(), "options":
+                self.options.label(), "step_s": self.step_s, "memory_per_rank": self.memory,
+                "time_parts_s": self.parts_s, "bytes_by_axis": self.bytes_by_axis}
+
+
+# ------------------------------------------------------------------------------- shapes of Plans
+def strides(plan: Plan) -> dict[str, int]:
+    """Rank distance between neighbours of every mesh dimension (row-major, innermost last)."""
+    out, step = {}, 1
+    for name, degree in reversed(list(plan.degrees().items())):
+        out[name] = step
+        step *= degree
+    return out
+
+
+def group(plan: Plan, *axes: str) -> tuple[str, int, int]:
+    """(ledger name, size, span) of the group over the named top-level axes: span is the distance
+    from its first to one past its last rank, which decides whether it stays on one node."""
+    dims = plan.degrees()
+    st = strides(plan)
+    used = [d for d in dims if (d in axes or d.split("_")[0] in axes) and dims[d] > 1]
+    size = math.prod(dims[d] for d in used)
+    outer = max(used, key=lambda d: st[d], default=None)
+    span = st[outer] * dims[outer] if outer else 1
+    return "+".join(axes), size, span
+
+
+def samples_per_rank(plan: Plan, options: Options) -> float:
+    """Samples one rank's replica processes per step (data and shard split the batch)."""
+    return options.batch / (plan.data * plan.shard)
+
+
+# ----------------------------------------------------------------------------------- parameters
+def stage_params(spec: ModelSpec, plan: Plan) -> list[list]:
+    """The parameter shapes each pipeline stage's rank holds after the tensor split (one list
+    without pipe)."""
+    shapes = list(spec.param_shapes)
+    t = plan.tensor_degree
+    if t > 1 and spec.tensor_dims:
+        def split(s, d):
+            if d < 0 or s[d] % t:
+                return s
+            return tuple(n // t if i == d else n for i, n in enumerate(s))
+        shapes = [split(s, d) for s, d in zip(shapes, spec.tensor_dims)]
+    if plan.pipe == 1 or not spec.pipe_layers:
+        return [shapes]
+    # the stages `parallel.pipe` cuts (balanced by parameters, its own `balanced_starts`); layers
+    # hold consecutive parameters (registration order is execution order here), so a stage is a
+    # slice of the (tensor-split) shapes
+    from ..parallel.pipe.split import balanced_starts
+    layers = spec.pipe_layers
+    costs = [sum(math.prod(s) for s in layer) for layer in layers]
+    bounds = [0, *balanced_starts(costs, plan.pipe), len(layers)]
+    first = [0]
+    for layer in layers:
+        first.append(first[-1] + len(layer))
+    return [shapes[first[a]:first[b]] for a, b in zip(bounds, bounds[1:])]
+
+
+def local_params(spec: ModelSpec, plan: Plan) -> tuple[int, list]:
+    """(Ψ held by the busiest rank, its parameter shapes) after the tensor and pipe splits."""
+    shapes = max(stage_params(spec, plan), key=lambda ss: sum(math.prod(s) for s in ss))
+    return sum(math.prod(s) for s in shapes), shapes
+
+
+# ---------------------------------------------------------------------------- byte formulas
+def comms(spec: ModelSpec, plan: Plan, options: Options, psi: int, shapes: list) -> list[Comm]:
+    """Every collective of one training step on the busiest rank, ledger convention."""
+    from ..parallel.tensor.linear1d import column_bytes, row_bytes, shared_input_bytes
+
+    out: list[Comm] = []
+    grad = 4  # gradients are reduced in fp32 under every precision policy
+    mb = samples_per_rank(plan, options)
+    m = _microbatches(plan, options)
+
+    def add(axes, op, nbytes, calls, overlap=""):
+        name, size, span = group(plan, *axes)
+        if size > 1 and nbytes > 0:
+            out.append(Comm(name, op, nbytes, calls, size, span, overlap))
+
+    buckets = max(1, math.ceil(psi * grad / (options.bucket_cap_mb * 2 ** 20)))
+    if plan.shard > 1:
+        n = plan.shard
+        padded = sum(math.ceil(s[0] / n) * n * math.prod(s[1:]) for s in shapes) * grad
+        if options.zero_stage == 1:
+            add(("data", "shard"), "all_reduce", psi * grad, buckets, "backward")
+            add(("shard",), "all_gather", padded, buckets)
+        elif options.zero_stage == 2:
+            add(("shard",), "reduce_scatter", padded, buckets, "backward")
+            add(("data",), "all_reduce", padded / n, buckets, "backward")
+            add(("shard",), "all_gather", padded, buckets)
+        else:
+            units = len(spec.block_ranges) + 1
+            # every unit, the root too, is gathered in forward and again in backward, in the
+            # compute dtype (FSDP2's MixedPrecisionPolicy); gradients reduce in fp32
+            gather = padded * PRECISION_BYTES[options.precision] / grad
+            add(("shard",), "all_gather", 2 * gather, 2 * units, "compute")
+            add(("shard",), "reduce_scatter", padded, units, "backward")
+            add(("data",), "all_reduce", padded / n, units, "backward")
+    elif plan.space_degree > 1:
+        add(("data", "space"), "all_reduce", psi * grad, buckets, "backward")
+    elif plan.tensor_degree == 1:
+        add(("data",), "all_reduce", psi * grad, buckets, "backward")
+
+    if plan.space_degree > 1:
+        halo = _halo_bytes(spec, plan.space) / plan.space_degree * mb
+        # halos move both ways (send and receive are both counted)
+        add(("space",), "send", 2 * halo, 2 * _conv_layers(spec), "")
+        add(("space",), "all_gather", _transition_bytes(spec, plan.space) * mb, 1)
+
+    t = plan.tensor_degree
+    if t > 1 and spec.family == "gpt":
+        s = PRECISION_BYTES[options.precision]
+        rows = int(mb * spec.tokens)
+        E, V = spec.extra["n_embd"], spec.extra["vocab_size"]
+        per_block = 2 * (shared_input_bytes(rows, E, s) + row_bytes(rows, E, E, s, False))
+        blocks = math.ceil(spec.blocks / plan.pipe)   # this stage's blocks
+        total = blocks * per_block + 8   # + the dropout seed broadcast
+        if options.checkpointing == "full":   # recomputing a block repeats its forward g's
+            total += blocks * 2 * row_bytes(rows, E, E, s, False)
+        if V % t == 0 and plan.pipe == 1:     # lm_head (on the last stage under pipe)
+            total += column_bytes(rows, E, V, s, gather_output=True, own_f=True)
+        add(("tensor",), "all_reduce", total, 4 * blocks + 2)
+        if plan.shard == 1:   # under shard the ZeRO branch above reduces the gradients
+            add(("data",), "all_reduce", psi * grad, buckets, "backward")
+
+    if plan.pipe > 1:
+        # `parallel.pipe.stage`: 2·A per micro-batch and boundary, counted by the sending rank; a
+        # middle stage sends activations forward and gradients backward, an end stage one of the
+        # two; a rank of a looped schedule holds v stages
+        s = PRECISION_BYTES[options.precision]
+        act = spec.boundary_bytes / 4 * s * mb / m
+        v = _virtual(options)
+        directions = 2 if plan.pipe * v > 2 else 1
+        add(("pipe",), "send", directions * v * act * m, directions * v * m)
+    return out
+
+
+
+def _microbatches(plan: Plan, options: Options) -> int:
+    if plan.pipe == 1:
+        return 1
+    return options.microbatches or 2 * plan.pipe   # parallel.microbatches = 0: two per stage
+
+
+def _virtual(options: Options) -> int:
+    """Stages per rank: the looped schedules hold several."""
+    return options.virtual_stages if options.schedule in ("interleaved", "zero_bubble") else 1
+
+
+_HALO_CACHE: dict = {}
+
+
+def _geometry(spec: ModelSpec):
+    key = (spec.name, spec.spatial_shape)
+    if key not in _HALO_CACHE:
+        from ..models.cosmoflow import CosmoFlow
+        from ..parallel.spatial.volume import layer_geometry
+        c = spec.extra.get("in_channels", 4)
+        model = CosmoFlow(size=spec.extra["size"], in_channels=c) if \
+            spec.spatial_shape[0] <= 64 else None
+        if model is None:
+            import torch
+            with torch.device("meta"):
+                model = CosmoFlow(size=spec.extra["size"], in_channels=c)
+        _HALO_CACHE[key] = layer_geometry(model, (1, c) + tuple(spec.spatial_shape))
+    return _HALO_CACHE[key]
+
+
+def _halo_bytes(spec: ModelSpec, space: tuple) -> float:
+    from ..parallel.spatial.volume import halo_bytes_of_layers
+    return float(halo_bytes_of_layers(_geometry(spec), space))
+
+
+def _transition_bytes(spec: ModelSpec, space: tuple) -> float:
+    """Per sample, the all-gather that ends the split region (`parallel.spatial.convert`): before
+    the first layer whose output no longer divides over the grid (its whole input), else at the
+    Flatten (the flattened features)."""
+    for _layer, shape, out_shape in _geometry(spec):
+        if any(out_shape[2 + i] % space[i] for i in range(3)):
+            return 4.0 * math.prod(shape[1:])
+    return 4.0 * spec.extra.get("flatten_elements", 0)
+
+
+def _conv_layers(spec: ModelSpec) -> int:
+    return len(_geometry(spec)) if spec.spatial_shape else 0
+
+
+# ----------------------------------------------------------------------------------- the model
+def activation_bytes(spec: ModelSpec, plan: Plan, options: Options, stage: int = 0) -> float:
+    """Bytes of activations alive at the peak of one step on the rank of pipeline `stage`."""
+    m = _microbatches(plan, options)
+    mb = samples_per_rank(plan, options) / m
+    scale = PRECISION_BYTES[options.precision] / 4
+    act = spec.act_bytes_per_sample
+    if options.checkpointing == "full":
+        non_block = max(0.0, act - spec.blocks * spec.block_act_bytes)
+        act = min(act, non_block + spec.blocks * spec.block_input_bytes + spec.block_act_bytes)
+    t = plan.tensor_degree
+    if t > 1:
+        # the split share applies inside the blocks; embeddings, logits and loss stay whole
+        f = spec.tensor_split_fraction
+        in_blocks = min(act, spec.blocks * spec.block_act_bytes)
+        if options.checkpointing == "full":
+            in_blocks = spec.block_act_bytes
+        act -= in_blocks * f * (1 - 1 / t)
+        if plan.tensor_3d:
+            act /= plan.tensor[2]
+    act /= plan.space_degree
+    if plan.pipe > 1:
+        # GPipe keeps every micro-batch; 1F1B's stage s warms up with p - s of them
+        in_flight = m if options.schedule == "gpipe" else min(m, plan.pipe - stage)
+        act = act / plan.pipe * in_flight
+    return act * scale * mb
+
+
+def _memory(spec: ModelSpec, plan: Plan, options: Options, shapes: list, stage_index: int) -> dict:
+    """Memory of the rank holding `shapes` (pipeline stage `stage_index`), see the module doc."""
+    psi = sum(math.prod(s) for s in shapes)
+    stage = options.zero_stage if plan.shard > 1 else 0
+    mixed = options.precision != "fp32"
+    optim_per_param = {"adamw": 8, "adam": 8, "sgd": 4}.get(options.optimizer, 8)
+    if plan.shard > 1 and stage == 3:
+        n = plan.shard
+        psi_state = sum(math.ceil(s[0] / n) * n * math.prod(s[1:]) for s in shapes)
+    else:
+        psi_state = psi
+    state = zero_state_formula(stage, psi_state, plan.shard, mixed)
+    if optim_per_param != 8:   # the formula is AdamW's; other optimizers keep less state
+        state -= (8 - optim_per_param) * psi_state / (plan.shard if stage else 1)
+    if options.optimizer in ("adamw", "adam"):
+        state += 4 * len(shapes)   # Adam's step counter: one fp32 scalar per parameter tensor
+    acts = activation_bytes(spec, plan, options, stage_index)
+    biggest_block = max(psi / max(spec.blocks, 1), 1)
+    if plan.shard > 1 and stage == 3:
+        buffers = 2 * biggest_block * 4
+    elif plan.tensor_degree > 1 and plan.data > 1:
+        # GradSync's flat bucket: one bucket's copy at a time
+        buffers = min(psi * 4, options.bucket_cap_mb * 2 ** 20)
+    else:
+        # DDP and ZeRO-1 reduce the gradients in place (gradient_as_bucket_view); ZeRO-2's send
+        # buffer replaces the full gradients it frees
+        buffers = 0.0
+    # backward holds the gradient of the largest activation and of its input at once
+    transient = 2 * spec.largest_act_bytes * PRECISION_BYTES[options.precision] / 4 \
+        * samples_per_rank(plan, options) / _microbatches(plan, options) / plan.space_degree
+    return {"state": state, "activations": acts, "buffers": buffers, "transient": transient,
+            "total": state + acts + buffers + transient}
+
+
+def predict(spec: ModelSpec, plan: Plan, system: System, options: Options,
+            world: int | None = None) -> Prediction:
+    """Memory per rank and step time of `plan` (see the module doc)."""
+    psi, shapes = local_params(spec, plan)
+    stages = stage_params(spec, plan)
+    by_stage = [_memory(spec, plan, options, ss, k) for k, ss in enumerate(stages)]
+    memory = max(by_stage, key=lambda mem: mem["total"])
+    comm_list = comms(spec, plan, options, psi, shapes)
+
+    rate = system.rate(options.compute_dtype or PRECISION_RATE[options.precision],
+                       spec.compute_kind)
+    world = world or plan.world_size
+    cores = system.measured.get("cores") if system.measured else None
+    if cores:   # a CPU system: rates are per core; local ranks get cores // ranks threads each
+        local = min(world, system.ranks_per_node)
+        rate *= max(1, cores // local) * min(1.0, cores / local)
+    flops = spec.flops_per_sample * options.batch / world
+    if options.checkpointing == "full":
+        flops *= 4 / 3
+    elif options.checkpointing == "selective" and spec.family == "gpt":
+        # Korthikanti et al.: recompute only attention's softmax block, QKᵀ and ·V forward
+        flops += 4 * spec.blocks * spec.tokens * spec.extra["n_embd"] * spec.tokens \
+            * options.batch / world
+    compute = flops / rate
+    backward = compute * 2 / 3
+    exposed = 0.0
+    hidden_pool = {"backward": backward, "compute": compute}
+    for c in comm_list:
+        link = system.link(c.span)
+        t = collective_time(c.op, c.nbytes / max(c.calls, 1), c.size, link) * c.calls
+        if c.overlap:
+            hide = min(t * (1 - 1 / max(c.calls, 1)), hidden_pool[c.overlap])
+            hidden_pool[c.overlap] -= hide
+            t -= hide
+        exposed += t
+    m = _microbatches(plan, options)
+    bubble = 0.0
+    if plan.pipe > 1:   # the schedule's own formula (`parallel.pipe.bubble_formula`)
+        from ..parallel.pipe import bubble_formula
+        idle = bubble_formula(options.schedule, plan.pipe, m, _virtual(options))
+        bubble = compute * idle / (1 - idle)
+    mem_bw = system.memory_bandwidth or system.measured.get("memory_bandwidth", 0) or 1e12
+    optimizer = 3 * memory["state"] / mem_bw
+    step = compute + exposed + bubble + optimizer
+    return Prediction(plan, options, memory, step,
+                      {"compute": compute, "comm_exposed": exposed, "bubble": bubble,
+                       "optimizer": optimizer}, comm_list, by_stage)

@@ -1,0 +1,148 @@
+"""Dry run: one rank of an N-rank job, in this process, over torch's fake process group.
+
+`dry_run(config, plan, rank)` initialises torch.distributed with the "fake" backend
+(`torch.testing._internal.distributed.fake_pg.FakeStore`; torchtitan's COMM_MODE=fake_backend):
+every collective returns at once without moving data, so rank R of a 1024-rank job runs alone.
+It then does what the Trainer does on that rank — builds the model (on the meta device where the
+strategy can split it there), `parallelize`s it over a real `Mesh` of the Plan, feeds it this
+rank's part of one batch (its samples; under `space` its block of each sample), runs forward,
+loss and backward, and an optimizer step — and reports:
+
+  param_shapes        name -> shape of every parameter as this rank holds it (a sharded
+                      DTensor's local shard)
+  state_bytes         `train.memory.state_bytes` after the optimizer step (params, grads, optimizer)
+  step_peak_bytes     `train.memory.StepPeak` of forward + backward (activations, new gradients)
+  ledger_bytes        bytes per mesh axis the rank's collectives carried (the ledger still counts
+                      what the fake group did not move)
+  coords              the rank's coordinates on the mesh
+
+What runs on meta: tensor parallelism splits a meta model before allocating (each rank allocates
+only its parts), so a 1024-rank tensor Plan materialises 1/t of the weights. Data, shard and
+space strategies start from a materialised model (`parallel.apply` moves it to the device first),
+so for them the whole model is allocated once on this process before being split: the dry run
+says so and refuses models whose full size exceeds `max_full_bytes`.
+Values computed on fake collectives are garbage (the received buffers are never filled); the
+shapes, the bytes and the memory are what a real rank would see.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..plan import Plan
+
+
+def _fake_group(rank: int, world: int) -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised in this process; the dry run "
+                           "needs its own (run it in a fresh process)")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+
+
+def fake_mesh(plan: Plan, rank: int):
+    """A live `Mesh` for `plan` in which this process is `rank`, over the fake backend."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..mesh import Mesh
+    _fake_group(rank, plan.world_size)
+    device_mesh = init_device_mesh("cpu", tuple(plan.degrees().values()),
+                                   mesh_dim_names=tuple(plan.degrees()))
+    return Mesh(plan, torch.device("cpu"), "fake", device_mesh, local_rank=0)
+
+
+def _build(config, on_meta: bool):
+    workload = config.run.workload
+    if workload == "gpt":
+        from ..models.gpt import GPT, gpt_loss
+        from ..workloads.gpt import model_config
+        cfg = model_config(config.model)
+        with torch.device("meta" if on_meta else "cpu"):
+            model = GPT(cfg)
+        return model, cfg, gpt_loss
+    if workload == "cosmoflow":
+        from ..models.cosmoflow import CosmoFlow
+        m = config.model
+        with torch.device("meta" if on_meta else "cpu"):
+            model = CosmoFlow(size=m.size, base_channels=m.base_channels,
+                              conv_layers=m.conv_layers)
+        return model, m, torch.nn.functional.mse_loss
+    raise ValueError(f"run.workload={workload!r}: the dry run knows gpt and cosmoflow")
+
+
+def dry_run(config, plan: Plan, rank: int, max_full_bytes: float = 4 * 2 ** 30) -> dict:
+    """Run one step of rank `rank` of `plan` in this process (see the module doc)."""
+    from ..parallel import parallelize
+    from ..parallel.options import ParallelOptions
+    from ..train.memory import StepPeak, state_bytes
+
+    plan.require_implemented()
+    world = plan.world_size
+    if not 0 <= rank < world:
+        raise ValueError(f"--dry-run {rank}: ranks of {plan} are 0..{world - 1}")
+    p = config.parallel
+    options = ParallelOptions(zero_stage=p.zero_stage, precision=p.precision,
+                              activation_checkpointing=p.activation_checkpointing)
+    splits_on_meta = plan.tensor_degree > 1
+    notes = []
+    model, shape, loss_fn = _build(config, on_meta=True)
+    full = sum(t.numel() * t.element_size() for t in model.parameters())
+    if not splits_on_meta:
+        if full > max_full_bytes:
+            raise ValueError(
+                f"{plan}: the data/shard/space strategies split a materialised model "
+                f"(parallel.apply moves it to the device first), so this dry run would allocate "
+                f"the whole model ({full / 2 ** 30:.1f} GiB) in this process; limit "
+                f"{max_full_bytes / 2 ** 30:.1f} GiB. Tensor Plans split on the meta device.")
+        model = model.to_empty(device="cpu")
+        notes.append("model materialised whole before splitting (data/shard/space start from "
+                     "a materialised model)")
+    mesh = fake_mesh(plan, rank)
+    try:
+        replicas = plan.data * plan.shard
+        batch = config.train.batch_size
+        if batch % replicas:
+            raise ValueError(f"train.batch_size={batch} does not split over data×shard="
+                             f"{replicas}; use a multiple of {replicas}")
+        per_rank = batch // replicas // config.train.grad_accum
+        net = parallelize(model, mesh, options)
+        if plan.tensor_degree > 1 and any(t.is_meta for t in net.parameters()):
+            notes.append("parameters left on meta")
+        x, y = _inputs(config, shape, mesh, per_rank)
+        optim = torch.optim.SGD(net.parameters(), lr=0.0) if config.optim.name == "sgd" else \
+            torch.optim.AdamW(net.parameters(), lr=0.0)
+        peak = StepPeak(mesh.device)
+        mesh.ledger.reset()
+        with peak.track():
+            out = net(x)
+            loss_fn(out, y).backward()
+        ledger = mesh.ledger.bytes_by_axis()
+        optim.step()
+        state = state_bytes(net, optim)
+        # what this rank holds: a DTensor's (FSDP2's) local shard, not its logical shape
+        shapes = {name: list((t.to_local() if hasattr(t, "to_local") else t).shape)
+                  for name, t in net.named_parameters()}
+        return {"plan": str(plan), "rank": rank, "world": world, "coords": mesh.coords,
+                "samples_per_rank": per_rank, "input_shape": list(x.shape),
+                "param_shapes": shapes, "params_local": sum(math.prod(s) for s in shapes.values()),
+                "params_full": sum(t.numel() for t in model.parameters()) if not splits_on_meta
+                else None, "state_bytes": state, "step_peak_bytes": peak.bytes,
+                "ledger_bytes": ledger, "notes": notes}
+    finally:
+        mesh.close()
+
+
+def _inputs(config, shape, mesh, per_rank: int):
+    if config.run.workload == "gpt":
+        idx = torch.zeros(per_rank, shape.block_size, dtype=torch.long)
+        return idx, idx
+    size = shape.size
+    x = torch.zeros(per_rank, 4, size, size, size)
+    if mesh is not None and mesh.plan.space_degree > 1:
+        from ..parallel.spatial import block_region
+        region = block_region((size,) * 3, mesh)
+        x = x[(slice(None), slice(None)) + region].contiguous()
+    return x, torch.zeros(per_rank, 4)

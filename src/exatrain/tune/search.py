@@ -1,0 +1,167 @@
+"""The Plan space: every Plan for N ranks, the options worth trying with each, and why some are refused.
+
+Which Plans are valid is decided by `exatrain.plan` (`Plan.validate`, `Plan.require_implemented`):
+the planner calls those rules, it does not restate them, so an axis that a later version lets
+through (pipe, new compositions) appears here without a change. On top of them it checks what
+only the model knows (indivisible shapes) and what only the system knows (memory):
+
+  plan rule          PlanError from plan.py, its message
+  indivisible        the global batch over data × shard (× micro-batches), heads and MLP width
+                     over 1D tensor, the 3D grid over the widths, the sample grid over space,
+                     the blocks over pipeline stages
+  not applicable     space > 1 for a model without a spatial grid (a GPT)
+  out of memory      predicted memory per rank above the system's usable memory
+
+Enumeration: every assignment of N's prime factors to the axes pipe, data, shard, space (d, h, w)
+and tensor (1D, or 3D x, y, z), i.e. all ordered factorisations; for each Plan the options that
+change its cost (`option_variants`: ZeRO stage with shard, checkpointing none/full, micro-batches
+under pipe). trainer stays 1: population
+training is a different job, not a layout of one model.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, replace
+
+from ..plan import Plan, PlanError
+from .cost import Options, predict
+from .spec import ModelSpec
+from .systems import System
+
+
+@dataclass
+class Refusal:
+    plan: Plan
+    options: Options
+    kind: str          # plan rule | indivisible | not applicable | out of memory
+    reason: str
+
+    def to_dict(self) -> dict:
+        return {"plan": str(self.plan), "options": self.options.label(), "kind": self.kind,
+                "reason": self.reason}
+
+
+def _factorisations(n: int, slots: int):
+    """Every tuple of `slots` positive ints whose product is n."""
+    if slots == 1:
+        yield (n,)
+        return
+    for d in range(1, n + 1):
+        if n % d == 0:
+            for rest in _factorisations(n // d, slots - 1):
+                yield (d,) + rest
+
+
+def all_plans(world: int, spatial: bool = True, tensor_3d: bool = True):
+    """Every Plan of `world` ranks (trainer = 1); space only when `spatial`."""
+    seen = set()
+    for pipe, data, shard, rest in _factorisations(world, 4):
+        space_opts = _factorisations(rest, 4) if spatial else [(1, 1, 1, rest)]
+        for sd, sh, sw, t in space_opts:
+            tensors = [t]
+            if tensor_3d and t > 1:
+                tensors += [xyz for xyz in _factorisations(t, 3) if sum(v > 1 for v in xyz) > 1]
+            for tensor in tensors:
+                plan = Plan(pipe=pipe, data=data, shard=shard, space=(sd, sh, sw), tensor=tensor)
+                key = (pipe, data, shard, (sd, sh, sw), tensor)
+                if key not in seen:
+                    seen.add(key)
+                    yield plan
+
+
+def shape_problem(spec: ModelSpec, plan: Plan, options: Options) -> tuple[str, str] | None:
+    """(kind, reason) when the model's shapes do not fit the Plan, else None."""
+    replicas = plan.data * plan.shard
+    m = options.microbatches or (2 * plan.pipe if plan.pipe > 1 else 1)
+    if options.batch % (replicas * m):
+        return ("indivisible", f"batch {options.batch} does not split over data×shard = "
+                               f"{replicas}" + (f" × {m} micro-batches" if m > 1 else ""))
+    if plan.space_degree > 1:
+        if not spec.spatial_shape:
+            return ("not applicable", f"{spec.name} has no spatial grid to split (space)")
+        from ..parallel.spatial import SpatialSplitError, block_slices
+        try:
+            block_slices(spec.spatial_shape, plan.space, (0, 0, 0))
+        except SpatialSplitError as exc:
+            return ("indivisible", str(exc))
+    t = plan.tensor_degree
+    if t > 1:
+        if spec.family != "gpt":
+            return ("not applicable", f"{spec.name}: tensor parallelism splits Linears; its "
+                                      "cost is modelled for transformer blocks only")
+        if plan.tensor_3d:
+            x, y, _z = plan.tensor
+            bad = [w for w in spec.widths if w % x or w % y]
+            if bad or spec.heads % x:
+                return ("indivisible", f"widths {spec.widths} / {spec.heads} heads do not split "
+                                       f"over tensor_x={x}, tensor_y={y}")
+        elif spec.heads % t or any(w % t for w in spec.widths):
+            return ("indivisible", f"{spec.heads} heads and widths {spec.widths} do not split "
+                                   f"over tensor={t} (whole heads per rank)")
+    if plan.pipe > 1 and spec.blocks < plan.pipe:
+        return ("indivisible", f"{spec.blocks} blocks cannot fill pipe={plan.pipe} stages")
+    return None
+
+
+def option_variants(plan: Plan, base: Options) -> list[Options]:
+    """The options that change a Plan's cost: ZeRO stage (shard), checkpointing, and under pipe
+    the micro-batch count (the config's, else two per stage, and one sample per micro-batch)."""
+    stages = (1, 2, 3) if plan.shard > 1 else (3,)   # (the stage means nothing without shard)
+    ckpts = ("none", "full")
+    micro = [base.microbatches]
+    if plan.pipe > 1:
+        replica = base.batch // (plan.data * plan.shard)
+        if replica > 0 and replica not in micro and replica != 2 * plan.pipe:
+            micro.append(replica)
+    return [replace(base, zero_stage=z, checkpointing=c, microbatches=m)
+            for z in stages for c in ckpts for m in micro]
+
+
+@dataclass
+class Ranking:
+    ranked: list            # Prediction, fastest first
+    refused: list           # Refusal
+    considered: int
+
+    def refusal_counts(self) -> dict[str, int]:
+        return dict(Counter(r.kind for r in self.refused))
+
+
+def rank_plans(spec: ModelSpec, world: int, system: System, base: Options,
+               vary_options: bool = True, keep_rule_refused_costs: bool = False) -> Ranking:
+    """Every (Plan, options) for `world` ranks: predicted and ranked, or refused with the reason."""
+    ranked, refused, considered = [], [], 0
+    for plan in all_plans(world, spatial=bool(spec.spatial_shape), tensor_3d=spec.family == "gpt"):
+        variants = option_variants(plan, base) if vary_options else [base]
+        try:
+            plan.validate(world)
+            plan.require_implemented()
+            rule = None
+        except PlanError as exc:
+            rule = str(exc)
+        for options in variants:
+            considered += 1
+            if rule:
+                refused.append(Refusal(plan, options, "plan rule", rule))
+                continue
+            problem = shape_problem(spec, plan, options)
+            if problem:
+                refused.append(Refusal(plan, options, *problem))
+                continue
+            pred = predict(spec, plan, system, options, world)
+            if pred.memory["total"] > system.usable_memory:
+                refused.append(Refusal(plan, options, "out of memory",
+                                       f"needs {_gib(pred.memory['total'])} per rank, "
+                                       f"{system.name} has {_gib(system.usable_memory)} usable"))
+                continue
+            ranked.append(pred)
+    ranked.sort(key=lambda p: p.step_s)
+    return Ranking(ranked, refused, considered)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2 ** 30:.1f} GiB"
+
+
+__all__ = ["Ranking", "Refusal", "all_plans", "option_variants", "rank_plans", "shape_problem"]

@@ -1,0 +1,226 @@
+"""ModelSpec: what the cost model needs to know about a model, without building it for real.
+
+Measured once per model (not per Plan), in one process and no real memory, by running the real
+model under torch's FakeTensorMode (tensors with shapes and dtypes but no storage; the CPU's
+kernel choices, e.g. SDPA's, are kept, so the bytes are those a real CPU run saves):
+
+  param_shapes             every parameter's shape, registration order (ZeRO chunk padding)
+  act_bytes_per_sample     bytes autograd saves for backward in one forward + loss of one sample
+                           (distinct tensors, parameters excluded: `trace_saved_bytes`)
+  block_input_bytes        bytes of one block's input per sample (what full checkpointing keeps)
+  block_act_bytes          saved bytes of one block's internals per sample (recomputed under
+                           full checkpointing; one block's worth is alive at a time in backward)
+  boundary_bytes           the activation crossing a pipeline stage boundary, per sample
+  flops_per_sample         training FLOPs (forward + backward) of one sample
+
+A GPT is traced with 1 and 2 layers (the difference is one block), so an 80B model costs no more
+than a small one. Other models are traced whole at batch 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def trace_saved_bytes(model: nn.Module, inputs, loss_fn, largest: list | None = None) -> int:
+    """Bytes of the distinct non-parameter tensors autograd saves for one forward + loss
+    (the largest one's bytes appended to `largest`, when given)."""
+    params = {id(p) for p in model.parameters()}
+    saved: dict[int, int] = {}
+    keep = []
+
+    def pack(t):
+        base = t._base if t._base is not None else t
+        if id(t) not in params and id(base) not in params:
+            saved[id(base)] = base.numel() * base.element_size()
+            keep.append(base)          # hold it, so its id is not reused during the trace
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss_fn(model(*inputs))
+    if largest is not None:
+        largest.append(max(saved.values(), default=0))
+    return sum(saved.values())
+
+
+def pipe_layers(model: nn.Module, example: torch.Tensor) -> list[list[tuple]]:
+    """The layers `parallel.pipe` cuts between (its own tracer), each as its parameters' shapes."""
+    from ..parallel.pipe.split import trace_layers
+    layers = trace_layers(model, example)
+    return [[tuple(p.shape) for p in model.get_submodule(name).parameters()]
+            for name in layers.layer_names]
+
+
+def _fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+@dataclass
+class ModelSpec:
+    family: str                    # gpt | cosmoflow
+    name: str
+    param_shapes: list
+    flops_per_sample: float
+    act_bytes_per_sample: float
+    block_input_bytes: float
+    block_act_bytes: float
+    boundary_bytes: float
+    blocks: int
+    block_ranges: list = field(default_factory=list)  # [start, end) in param_shapes, per block
+    tensor_dims: list = field(default_factory=list)    # per parameter: dim 1D tensor splits, or -1
+    compute_kind: str = "matmul"   # matmul | conv: which device rate applies
+    # GPT: heads and widths that tensor parallelism must divide; CosmoFlow: the sample's grid
+    heads: int = 0
+    widths: tuple = ()
+    spatial_shape: tuple = ()
+    tokens: int = 0
+    tensor_split_fraction: float = 0.0   # share of activations inside split (tensor) regions
+    pipe_layers: list = field(default_factory=list)   # per layer `parallel.pipe` may cut
+                                                      # between: its parameters' shapes
+    largest_act_bytes: float = 0.0       # the largest saved tensor per sample (backward's
+                                         # gradient of it and its input are alive at once)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def params(self) -> int:
+        return sum(math.prod(s) for s in self.param_shapes)
+
+
+# ------------------------------------------------------------------------------------------ GPT
+def _gpt_tensor_dims(cfg) -> list[int]:
+    """Per parameter (registration order), the dim 1D tensor parallelism splits, -1 if whole:
+    q/k/v and fc_in are column layers (weight and bias split on dim 0), out_proj and fc_out row
+    layers (weight split on dim 1, bias whole); lm_head a column layer (`parallel.tensor.convert`:
+    a Linear outside a pair is split when its shapes divide); embeddings and norms stay whole."""
+    b = cfg.bias
+    ln = [-1, -1] if b else [-1]
+    col = [0, 0] if b else [0]
+    row = [1, -1] if b else [1]
+    block = ln + col * 3 + row + ln + col + row
+    return [-1, -1] + block * cfg.n_layer + ln + ([] if cfg.tie_weights else [0])
+
+
+def _gpt_block_shapes(cfg) -> list[tuple]:
+    E, Hm, b = cfg.n_embd, cfg.mlp_hidden, cfg.bias
+    ln = [(E,), (E,)] if b else [(E,)]
+    block = ln[:]
+    for _ in range(4):                       # q, k, v, out
+        block += [(E, E)] + ([(E,)] if b else [])
+    block += ln
+    block += [(Hm, E)] + ([(Hm,)] if b else []) + [(E, Hm)] + ([(E,)] if b else [])
+    return block
+
+
+def gpt_param_shapes(cfg) -> list[tuple]:
+    """Every parameter's shape in GPT's registration order (`models.gpt.GPT`)."""
+    E, V, T = cfg.n_embd, cfg.vocab_size, cfg.block_size
+    ln = [(E,), (E,)] if cfg.bias else [(E,)]
+    shapes = [(V, E), (T, E)] + _gpt_block_shapes(cfg) * cfg.n_layer + ln
+    if not cfg.tie_weights:
+        shapes.append((V, E))
+    return shapes
+
+
+def gpt_spec(cfg, name: str = "") -> ModelSpec:
+    from ..models.gpt import GPT, flops_per_token, gpt_loss
+
+    def saved(layers: int) -> int:
+        with _fake_mode():
+            torch.manual_seed(0)
+            model = GPT(cfg.replace(n_layer=layers, dropout=0.0))
+            idx = torch.zeros(1, cfg.block_size, dtype=torch.long)
+            return trace_saved_bytes(model, (idx,), lambda logits: gpt_loss(logits, idx), biggest)
+
+    biggest: list = []
+    per = len(_gpt_block_shapes(cfg))
+    one, two = saved(1), saved(2)
+    with torch.device("meta"):
+        layers = pipe_layers(GPT(cfg.replace(dropout=0.0)),
+                             torch.zeros(1, cfg.block_size, dtype=torch.long))
+    per_block = two - one
+    act = one + (cfg.n_layer - 1) * per_block
+    x_bytes = cfg.block_size * cfg.n_embd * 4
+    # What 1D tensor parallelism does not split inside a block (as in Korthikanti et al. 2022,
+    # Table 2): the two layer norms' inputs and outputs, 4 fp32 tensors of T × E per sample;
+    # everything else a block saves (q, k, v, attention output, the MLP's hidden) is split.
+    split = max(0.0, 1 - 4 * x_bytes / per_block) if per_block else 0.0
+    return ModelSpec(
+        family="gpt", name=name or f"GPT {cfg.n_layer}x{cfg.n_embd}",
+        param_shapes=gpt_param_shapes(cfg), tensor_dims=_gpt_tensor_dims(cfg),
+        flops_per_sample=float(cfg.block_size * flops_per_token(cfg, cfg.block_size)),
+        act_bytes_per_sample=float(act), block_input_bytes=float(x_bytes),
+        block_act_bytes=float(per_block), boundary_bytes=float(x_bytes), blocks=cfg.n_layer,
+        block_ranges=[(2 + i * per, 2 + (i + 1) * per) for i in range(cfg.n_layer)],
+        heads=cfg.n_head, widths=(cfg.n_embd, cfg.mlp_hidden), tokens=cfg.block_size,
+        tensor_split_fraction=split, largest_act_bytes=float(max(biggest)), pipe_layers=layers,
+        extra={"n_embd": cfg.n_embd, "vocab_size": cfg.vocab_size, "n_layer": cfg.n_layer})
+
+
+# ------------------------------------------------------------------------------------ CosmoFlow
+def conv_flops(model: nn.Module, x: torch.Tensor) -> float:
+    """Training FLOPs (3 × forward multiply-adds × 2) of the convolutions and linears."""
+    total = [0.0]
+
+    def hook(m, inp, out):
+        if isinstance(m, nn.Conv3d | nn.Conv2d | nn.Conv1d):
+            k = math.prod(m.kernel_size) * m.in_channels // m.groups
+            total[0] += 2.0 * out.numel() * k
+        elif isinstance(m, nn.Linear):
+            total[0] += 2.0 * out.numel() * m.in_features
+    hooks = [m.register_forward_hook(hook) for m in model.modules()]
+    with torch.no_grad():
+        model(x)
+    for h in hooks:
+        h.remove()
+    return 3.0 * total[0]
+
+
+def cosmoflow_spec(size: int, base_channels: int = 32, conv_layers: int = 5,
+                   in_channels: int = 4) -> ModelSpec:
+    from ..models.cosmoflow import CosmoFlow
+
+    with _fake_mode():
+        model = CosmoFlow(size=size, in_channels=in_channels, base_channels=base_channels,
+                          conv_layers=conv_layers)
+        x = torch.zeros(1, in_channels, size, size, size)
+        y = torch.zeros(1, 4)
+        biggest: list = []
+        act = trace_saved_bytes(model, (x,), lambda out: F.mse_loss(out, y), biggest)
+        flops = conv_flops(model, x)
+        shapes = [tuple(p.shape) for p in model.parameters()]
+        features = len(list(model.features.parameters()))
+        flat = model.head[1].in_features
+    with torch.device("meta"):
+        layers = pipe_layers(CosmoFlow(size=size, in_channels=in_channels,
+                                       base_channels=base_channels, conv_layers=conv_layers),
+                             torch.zeros(1, in_channels, size, size, size))
+    # blocks (checkpointing, `parallel.memory.find_blocks`): `features` and `head`
+    return ModelSpec(family="cosmoflow", name=f"CosmoFlow {size}^3", param_shapes=shapes,
+                     flops_per_sample=flops, act_bytes_per_sample=float(act),
+                     block_input_bytes=float(in_channels * size ** 3 * 4),
+                     block_act_bytes=float(act), boundary_bytes=float(base_channels * size ** 3),
+                     blocks=2, block_ranges=[(0, features), (features, len(shapes))],
+                     compute_kind="conv", spatial_shape=(size, size, size),
+                     largest_act_bytes=float(biggest[0]), pipe_layers=layers,
+                     extra={"size": size, "in_channels": in_channels,
+                            "flatten_elements": flat})
+
+
+def spec_from_config(config) -> ModelSpec:
+    """The ModelSpec of a run config's model (workloads gpt and cosmoflow)."""
+    workload = config.run.workload
+    if workload == "gpt":
+        from ..workloads.gpt import model_config
+        cfg = model_config(config.model)
+        return gpt_spec(cfg, name=config.model.preset or "")
+    if workload == "cosmoflow":
+        m = config.model
+        return cosmoflow_spec(m.size, m.base_channels, m.conv_layers)
+    raise ValueError(f"run.workload={workload!r}: the planner knows the gpt and cosmoflow "
+                     "workloads; add a spec builder in exatrain.tune.spec for others.")

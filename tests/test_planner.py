@@ -1,0 +1,167 @@
+"""The planner: ranking with reasons, the dry run at 1024 ranks, the tuner, published figures.
+
+Nothing here times anything: step times are predicted (deterministic) or, for the tuner, come
+from a deterministic stand-in for the machine.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+
+from exatrain.models.gpt import GPTConfig
+from exatrain.plan import Plan, PlanError
+from exatrain.tune.cost import Options, predict
+from exatrain.tune.search import rank_plans
+from exatrain.tune.spec import cosmoflow_spec, gpt_spec
+from exatrain.tune.systems import load_system
+from exatrain.tune.tuner import features, search
+
+SMALL_GPT = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
+
+
+def test_ranking_orders_plans_and_gives_reasons():
+    spec = gpt_spec(SMALL_GPT)
+    ranking = rank_plans(spec, 8, load_system("a100-selene"), Options(batch=16))
+    times = [p.step_s for p in ranking.ranked]
+    assert times == sorted(times) and len(times) > 5
+    assert len(ranking.ranked) + len(ranking.refused) == ranking.considered
+    kinds = ranking.refusal_counts()
+    assert kinds.get("indivisible", 0) > 0          # e.g. tensor=8 with 4 heads
+    # the plan rules are plan.py's: the refusal carries PlanError's own message
+    for refusal in ranking.refused:
+        if refusal.kind == "plan rule":
+            try:
+                refusal.plan.require_implemented()
+            except PlanError as exc:
+                assert refusal.reason == str(exc)
+            else:
+                raise AssertionError(f"{refusal.plan} refused though plan.py accepts it")
+    for pred in ranking.ranked:
+        pred.plan.require_implemented()
+
+
+def test_a_plan_that_cannot_fit_is_ranked_out_with_the_reason():
+    spec = gpt_spec(SMALL_GPT)
+    roomy = load_system("a100-selene")
+    serial = predict(spec, Plan(data=4), roomy, Options(batch=16))
+    sharded = predict(spec, Plan(shard=4), roomy, Options(batch=16, zero_stage=3))
+    assert sharded.memory["state"] < serial.memory["state"]
+    # memory between the two: the replicated Plans no longer fit, ZeRO-3 still does
+    limit = (serial.memory["total"] + sharded.memory["total"]) / 2
+    tight = dataclasses.replace(roomy, memory_bytes=limit, memory_reserved_bytes=0)
+    ranking = rank_plans(spec, 4, tight, Options(batch=16))
+    oom = [r for r in ranking.refused if r.kind == "out of memory"]
+    assert any(r.plan == Plan(data=4) and r.options.checkpointing == "none" for r in oom)
+    assert all("GiB per rank" in r.reason for r in oom)
+    assert all(p.memory["total"] <= limit for p in ranking.ranked)
+    assert any(p.plan == Plan(shard=4) for p in ranking.ranked)
+
+
+def test_cosmoflow_512_needs_spatial_parallelism_on_40gb_gpus():
+    spec = cosmoflow_spec(512)
+    assert 50 * 2 ** 30 < spec.act_bytes_per_sample < 56 * 2 ** 30   # LBANN: ~53 GiB per sample
+    system = load_system("a100-slingshot")                            # 40 GB GPUs
+    # a whole sample per rank does not fit, whatever the layout
+    full = rank_plans(spec, 16, system, Options(batch=16))
+    assert not full.ranked and full.refusal_counts()["out of memory"] > 0
+    assert all("GiB per rank" in r.reason for r in full.refused if r.kind == "out of memory")
+    # a quarter of a sample per rank does, and only by splitting samples over space
+    quarter = rank_plans(spec, 16, system, Options(batch=4))
+    assert quarter.ranked and all(p.plan.space_degree >= 4 for p in quarter.ranked)
+
+
+def test_tuner_finds_the_best_of_an_enumerated_set_within_a_third():
+    spec = gpt_spec(SMALL_GPT)
+    candidates = rank_plans(spec, 8, load_system("cpu-local"), Options(batch=16)).ranked
+
+    def machine(pred):   # the machine disagrees with the model: ZeRO costs more, tensor less
+        r = 0.5 * math.log2(pred.plan.shard) - 0.4 * math.log2(pred.plan.tensor_degree)
+        return pred.step_s * math.exp(r + (0.3 if pred.options.checkpointing == "full" else 0))
+
+    truth = min(machine(p) for p in candidates)
+    assert min(candidates, key=machine) is not candidates[0]   # the model alone would miss it
+    budget = len(candidates) // 3
+    found = search(candidates, machine, budget, spec.params)
+    assert len(found.trials) <= budget
+    assert found.best.measured_s == truth
+    # a prior from a sibling model with the same residual pattern finds it sooner
+    prior = [(features(p, 2 * spec.params), math.log(machine(p) / p.step_s))
+             for p in candidates[::3]]
+    primed = search(candidates, machine, budget, spec.params, prior)
+    assert primed.best.measured_s == truth
+    assert primed.trials_to_best <= found.trials_to_best
+
+
+def test_published_megatron_runs_are_predicted():
+    from exatrain.bench.planner import _mape, published_cases
+    cases = published_cases()
+    assert len(cases) == 8
+    assert all(c["predicted_s"] > 0 for c in cases)
+    assert _mape((c["predicted_s"], c["published_s"]) for c in cases) < 15
+
+
+_DRY_RUNS = """
+import json, sys
+from exatrain.plan import Plan
+from exatrain.train.config import load_config
+from exatrain.tune.dryrun import dry_run
+gpt = load_config(None, ["run.workload=gpt", "model.preset=125m", "model.n_head=16",
+                         "model.block_size=128", "model.vocab_size=256", "train.batch_size=128"])
+cosmo = load_config(None, ["run.workload=cosmoflow", "model.size=128", "train.batch_size=32"])
+out = [dry_run(gpt, Plan(data=128, tensor=8), 1023),
+       dry_run(cosmo, Plan(data=32, space=(2, 4, 4)), 1023)]
+json.dump(out, sys.stdout, default=str)
+"""
+
+
+def test_dry_runs_at_1024_ranks_in_one_process():
+    """Rank 1023 of two 1024-rank jobs, one after the other, in one fresh process."""
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "src"))
+    out = subprocess.run([sys.executable, "-c", _DRY_RUNS], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    gpt, cosmo = json.loads(out.stdout)
+
+    shapes = gpt["param_shapes"]
+    assert gpt["world"] == 1024 and gpt["coords"]["tensor"] == 7 and gpt["coords"]["data"] == 127
+    assert shapes["blocks.0.attn.q_proj.weight"] == [768 // 8, 768]
+    assert shapes["blocks.0.attn.out_proj.weight"] == [768, 768 // 8]
+    assert shapes["blocks.0.mlp.fc_in.weight"] == [3072 // 8, 768]
+    assert shapes["wte.weight"] == [256, 768]
+    assert shapes["lm_head.weight"] == [256 // 8, 768]
+    assert gpt["input_shape"] == [1, 128]
+    assert gpt["ledger_bytes"]["tensor"] > 0 and gpt["ledger_bytes"]["data"] > 0
+    assert gpt["state_bytes"]["total"] > 0 and gpt["step_peak_bytes"] > 0
+
+    assert cosmo["world"] == 1024
+    assert cosmo["coords"]["space_d"] == 1 and cosmo["coords"]["space_w"] == 3
+    assert cosmo["input_shape"] == [1, 4, 64, 32, 32]       # this rank's block of one sample
+    assert cosmo["param_shapes"]["module.features.0.weight"] == [32, 4, 3, 3, 3]
+    assert cosmo["ledger_bytes"]["space"] > 0              # halos and the gather were issued
+    assert cosmo["ledger_bytes"]["data+space"] == 4 * 8907556   # the gradient all-reduce: 4Ψ
+
+
+def test_plan_table_calibrate_and_tune_commands(tmp_path, capsys):
+    from exatrain.cli import main
+    from exatrain.tune.systems import load_system
+
+    assert main(["plan", "examples/gpt.toml", "--world", "4", "--system", "a100-selene"]) == 0
+    table = capsys.readouterr().out
+    assert "ranked by predicted step time" in table and "refused" in table
+    system_file = tmp_path / "here.toml"
+    assert main(["plan", "--calibrate", "--quick", "--calibrate-out", str(system_file)]) == 0
+    here = load_system(str(system_file))
+    assert here.flops["fp32"] > 0 and here.intra.bandwidth > 0 and here.intra.latency > 0
+    # tune with a prior from an earlier run's record: one measured Plan, the prior's point kept
+    record, report = tmp_path / "record.json", tmp_path / "tune.json"
+    record.write_text(json.dumps({"points": [{"features": [0.0] * 10, "residual": 0.1}]}))
+    args = ["tune", "--set", "run.workload=gpt", "--set", "model.preset=1m",
+            "--set", "model.block_size=32", "--set", "train.batch_size=2", "--world", "1",
+            "--budget", "1", "--steps", "1", "--system", str(system_file)]
+    assert main([*args, "--prior", str(record), "--json", str(report)]) == 0
+    result = json.loads(report.read_text())
+    assert result["tune_trials"] == 1 and result["best_measured_step_s"] > 0
+    assert result["prior_points"] == 1
