@@ -40,9 +40,12 @@ def test_unimplemented_axis_is_refused_not_ignored():
     Plan(data=8).require_implemented()
 
 
-def test_tensor_composes_with_data_only_in_this_version():
-    Plan(data=2, tensor=(2, 1, 2)).require_implemented()
-    with pytest.raises(PlanError, match="not with shard=2.*tensor_z"):
-        Plan(shard=2, tensor=2).require_implemented()
-    with pytest.raises(PlanError, match=r"not with space=\(1, 2, 1\)"):
+def test_composition_rules_accept_and_refuse_with_the_nearest_plan():
+    for plan in (Plan(data=2, tensor=(2, 1, 2)), Plan(shard=2, tensor=2),
+                 Plan(data=2, shard=2, tensor=2), Plan(shard=2, space=(1, 1, 2)),
+                 Plan(data=2, shard=2, space=(1, 2, 1))):
+        assert plan.require_implemented() is plan
+    with pytest.raises(PlanError, match=r"tensor_z already.*Plan\(tensor=\(2, 1, 4\)\)"):
+        Plan(shard=2, tensor=(2, 1, 2)).require_implemented()
+    with pytest.raises(PlanError, match=r"Plan\(data=2, tensor=2\)"):
         Plan(space=(1, 2, 1), tensor=2).require_implemented()
