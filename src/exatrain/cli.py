@@ -22,8 +22,11 @@ def _run(args) -> int:
         find_resume_checkpoint(args.resume)  # fail now, before any rank starts
         config_path = config_path or str(Path(args.resume) / "config.toml")
     config = load_config(config_path, args.set or [])
-    if detect() is not None:  # under torchrun / srun / flux / jsrun / mpirun: this is one rank
-        run_job(config, args.resume)
+    launch = detect()
+    if launch is not None:  # under torchrun / srun / flux / jsrun / mpirun: this is one rank
+        summary = run_job(config, args.resume)
+        if launch.rank == 0:
+            _draw_timeline(summary.get("run_dir"))
         return 0
     nproc = args.nproc or config.run.nproc
     config.plan.resolve(nproc)  # refuse a Plan that does not fit before any rank starts
@@ -34,8 +37,17 @@ def _run(args) -> int:
         summary = run_job(config, args.resume)
     else:
         summary = spawn(run_job, nproc, args=(config, args.resume))[0]
+    _draw_timeline(summary.get("run_dir"))
     _print_summary(console, summary)
     return 0
+
+
+def _draw_timeline(run_dir) -> None:
+    """A pipelined run keeps the picture of its last logged step beside the JSON."""
+    path = Path(run_dir or ".") / "pipeline_timeline.json"
+    if run_dir and path.is_file():
+        from .observe.timeline import plot_timeline
+        plot_timeline(path)
 
 
 def _progress(console: Console, label: str):

@@ -122,6 +122,12 @@ def init(plan: Plan, backend: str | None = None, timeout_s: float = 600.0) -> Me
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
+        local_ranks = launch.local_world_size if launch else 1
+        if local_ranks > torch.cuda.device_count():
+            raise RuntimeError(
+                f"rank {launch.rank if launch else 0}: {local_ranks} ranks on this node but "
+                f"{torch.cuda.device_count()} GPU(s); NCCL needs one GPU per rank. Start at most "
+                f"{torch.cuda.device_count()} ranks per node, or set run.backend='gloo' (CPU).")
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:

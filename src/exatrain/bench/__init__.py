@@ -12,7 +12,8 @@ from rich.console import Console
 from rich.table import Table
 
 BENCHMARKS = {"dp": "exatrain.bench.dp", "spatial": "exatrain.bench.spatial",
-              "zero": "exatrain.bench.zero", "tensor": "exatrain.bench.tensor"}
+              "zero": "exatrain.bench.zero", "tensor": "exatrain.bench.tensor",
+              "graph": "exatrain.bench.graph", "pipeline": "exatrain.bench.pipeline"}
 
 
 def bench_module(name: str):

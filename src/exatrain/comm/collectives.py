@@ -15,6 +15,11 @@ import torch.distributed as dist
 
 from .ledger import Ledger
 
+# The single-tensor all-gather / reduce-scatter: torch >= 2.13 names them *_single; older releases
+# (2.11, 2.12: what many sites and GPU images ship) only have the *_tensor names, same semantics.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
@@ -62,7 +67,7 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, axis: Axis, tag:
         output.copy_(tensor)
         return None
     axis.ledger.record(axis.name, "all_gather", nbytes(output), tag)
-    return dist.all_gather_single(output, tensor, group=axis.group, async_op=async_op)
+    return all_gather_single(output, tensor, group=axis.group, async_op=async_op)
 
 
 def reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, axis: Axis,
@@ -72,7 +77,7 @@ def reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, axis: Axis,
         output.copy_(tensor)
         return None
     axis.ledger.record(axis.name, "reduce_scatter", nbytes(tensor), tag)
-    return dist.reduce_scatter_single(output, tensor, op=op, group=axis.group, async_op=async_op)
+    return reduce_scatter_single(output, tensor, op=op, group=axis.group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, axis: Axis, src: int = 0, tag: str = ""):
@@ -107,3 +112,13 @@ def broadcast_object(obj, axis: Axis, src: int = 0, tag: str = "control"):
     dist.broadcast_object_list(holder, src=axis.global_rank(src), group=axis.group)
     axis.ledger.record(axis.name, "broadcast", len(pickle.dumps(holder[0])), tag)
     return holder[0]
+
+
+def all_gather_object(obj, axis: Axis, tag: str = "control") -> list:
+    """Every member's picklable `obj`, in axis order, on every member."""
+    if axis.size == 1:
+        return [obj]
+    out = [None] * axis.size
+    dist.all_gather_object(out, obj, group=axis.group)
+    axis.ledger.record(axis.name, "all_gather", sum(len(pickle.dumps(o)) for o in out), tag)
+    return out

@@ -28,10 +28,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from .collectives import Axis, nbytes
-
-# the calls FSDP2's default collectives make (older torch: the deprecated names)
-_all_gather = dist.all_gather_single
-_reduce_scatter = dist.reduce_scatter_single
+from .collectives import all_gather_single as _all_gather
+from .collectives import reduce_scatter_single as _reduce_scatter
 
 
 class LedgerAllGather(AllGather):

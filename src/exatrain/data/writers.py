@@ -60,7 +60,32 @@ def _forecast(sub):
     return write
 
 
-WRITERS = {"cosmoflow": _cosmoflow, "deepcam": _deepcam, "text": _text, "forecast": _forecast}
+def _graph(sub):
+    p = sub.add_parser("graph", help="a power-law graph with community labels (graph.npz)")
+    p.add_argument("--nodes", type=int, default=20000)
+    p.add_argument("--classes", type=int, default=8)
+    p.add_argument("--features", type=int, default=64)
+    p.add_argument("--avg-degree", type=float, default=10.0)
+    p.add_argument("--seed", type=int, default=0)
+
+    def write(args, progress):
+        from .graph import write_graph
+        return write_graph(args.out, nodes=args.nodes, classes=args.classes,
+                           features=args.features, avg_degree=args.avg_degree, seed=args.seed)
+    return write
+
+
+def _qm9(sub):
+    sub.add_parser("qm9", help="the QM9 molecules (from the installed qm9pack CSVs) as qm9.npz")
+
+    def write(args, progress):
+        from .qm9 import convert_qm9
+        return convert_qm9(args.out)
+    return write
+
+
+WRITERS = {"cosmoflow": _cosmoflow, "deepcam": _deepcam, "text": _text, "forecast": _forecast,
+           "graph": _graph, "qm9": _qm9}
 
 
 def add_parsers(data_parser: argparse.ArgumentParser) -> None:

@@ -2,9 +2,9 @@
 
     split into stages -> tensor -> space -> activation checkpointing -> compile -> shard -> data
 
-(torchtitan's order, for the same reasons.) `split_stages` cuts the model's depth into pipeline
-stages (the identity while pipe = 1; the pipe axis plugs in there) and every stage goes through
-the remaining steps, in order, with no early return: each step is a no-op where its axis has size
+(torchtitan's order, for the same reasons.) Under pipe > 1, `pipe.pipeline_parallel` cuts the
+model's depth into stages and hands each of this rank's stages to `parallelize_stage`, which runs
+the remaining steps in order, with no early return: each step is a no-op where its axis has size
 1 and works on what the previous one produced. Layer-splitting strategies come first because they
 replace modules; memory and compile wrappers act on the replaced modules; sharding and data
 replication come last, since they only need the final parameters.
@@ -65,11 +65,6 @@ def gradient_reduction(plan) -> GradientReduction:
 
 
 # ------------------------------------------------------------------------- the steps
-def split_stages(model: nn.Module, mesh: Mesh, options) -> list[nn.Module]:
-    """The model's pipeline stages held by this rank (one module each). pipe = 1: the model."""
-    return [model]
-
-
 def tensor_step(model, mesh, options, reduction):
     if mesh.plan.tensor_degree == 1:
         return model.to(mesh.device)
@@ -116,13 +111,19 @@ def parallelize_stage(stage: nn.Module, mesh: Mesh, options) -> nn.Module:
     return stage
 
 
-def parallelize(model: nn.Module, mesh: Mesh, options=None) -> nn.Module:
+def parallelize(model: nn.Module, mesh: Mesh, options=None, example=None) -> nn.Module:
     """Return a module that trains like `model` on one process, laid out over `mesh`.
 
     `options` is a `ParallelOptions` (the config's [parallel] section); None means defaults.
+    `example`: one per-replica batch of inputs; needed to split the model under `pipe`.
     """
     if options is None:
         options = ParallelOptions()
-    stages = [parallelize_stage(s, mesh, options) for s in split_stages(model, mesh, options)]
-    (stage,) = stages  # pipe = 1; the pipe axis assembles several stages into a schedule here
-    return stage
+    plan = mesh.plan
+    if plan.tensor_degree > 1 and _strategy("graph").has_graph_convs(model):  # 3D GCN (Plexus)
+        return _strategy("graph").parallelize_graph(model, mesh, options)
+    if plan.pipe > 1:  # split into stages; each of this rank's stages goes through the steps
+        return _strategy("pipe").pipeline_parallel(
+            model.to(mesh.device), mesh, options, example,
+            lambda stage: parallelize_stage(stage, mesh, options))
+    return parallelize_stage(model, mesh, options)

@@ -5,7 +5,7 @@ It lives with the strategies that read it, so they need not import the training 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -18,3 +18,12 @@ class ParallelOptions:
     compile: bool = False           # torch.compile each block
     sequence_parallel: bool = False  # 1D tensor parallelism: split norms/dropout over the sequence
     bucket_cap_mb: float = 25.0     # gradient all-reduce bucket size
+    # with plan.pipe > 1 (see parallel/pipe): schedule, micro-batches per replica batch (0 = two per
+    # stage), stages per rank of the looped schedules, split override (layer indices where stages
+    # 1.. begin; [] = balanced), balance by "params" or measured "time"
+    pipe_schedule: str = "1f1b"     # gpipe | 1f1b | interleaved | zero_bubble
+    microbatches: int = 0
+    pipe_virtual_stages: int = 2
+    pipe_split: list[int] = field(default_factory=list)
+    pipe_balance: str = "params"
+    graph_balance: bool = True      # 3D GCN: random row/column permutations of the adjacency

@@ -22,6 +22,7 @@ on 2).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -93,10 +94,15 @@ def load(path: str | Path, model, optimizer) -> dict:
     if zero is not None:
         _init_optimizer_state(optimizer)  # DCP loads into existing tensors
     model_state, optim_state = _state_dicts(model, optimizer)
+    # Hyperparameters come from the config (and the schedule, every step), not the checkpoint:
+    # DCP keeps one rank's `param_groups`, which under `pipe` names only that rank's layers.
+    live_groups = copy.deepcopy(optim_state.get("param_groups"))
     # tensor-parallel parts become DTensors sharing memory with the local tensors: DCP loads
     # straight into model_state / optim_state, resharding from whatever grid wrote them
     dcp.load({"model": for_checkpoint(model, model_state),
               "optim": for_checkpoint(model, optim_state)}, checkpoint_id=str(path))
+    if live_groups is not None:
+        optim_state["param_groups"] = live_groups
     state = {"model": model_state, "optim": optim_state}
     if zero is not None:
         set_model_state_dict(zero.module, state["model"])

@@ -216,6 +216,22 @@ def validate(config: Config) -> None:
             raise ConfigError(f"{where}={value} must be at least 1.")
     if t.steps < 0 or t.epochs < 1 and t.steps == 0:
         raise ConfigError(f"train.steps={t.steps}, train.epochs={t.epochs}: give steps > 0 or epochs ≥ 1.")
+    if config.plan.pipe > 1:
+        from ..parallel.pipe.schedules import check_schedule
+        check_schedule(config.parallel.pipe_schedule)
+        if t.grad_accum != 1:
+            raise ConfigError(f"train.grad_accum={t.grad_accum} with plan.pipe={config.plan.pipe}: "
+                              "the pipeline already accumulates over micro-batches; set "
+                              "train.grad_accum=1 and parallel.microbatches instead.")
+        if config.parallel.precision == "fp16":
+            raise ConfigError("parallel.precision='fp16' with plan.pipe > 1 is not supported (no "
+                              "loss scaling across stages); use 'bf16' or 'fp32'.")
+        if config.parallel.pipe_balance not in ("params", "time"):
+            raise ConfigError(f"parallel.pipe_balance={config.parallel.pipe_balance!r} must be "
+                              "'params' or 'time'.")
+        if config.parallel.microbatches < 0:
+            raise ConfigError(f"parallel.microbatches={config.parallel.microbatches} must be >= 1 "
+                              "(or 0: two per stage).")
     if config.parallel.zero_stage not in (1, 2, 3):
         raise ConfigError(f"parallel.zero_stage={config.parallel.zero_stage} must be 1, 2 or 3 "
                           "(stage 0 is plain data parallelism: set plan.shard=1).")

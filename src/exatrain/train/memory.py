@@ -49,7 +49,11 @@ def _plain_tensors(t):
             inner = getattr(t, name)
             if isinstance(inner, torch.Tensor):  # (DTensor also lists its DeviceMesh)
                 yield from _plain_tensors(inner)
-    else:
+    elif t.layout == torch.sparse_coo:  # sparse tensors own no storage: their parts do
+        yield from (t._indices(), t._values())
+    elif t.layout == torch.sparse_csr:
+        yield from (t.crow_indices(), t.col_indices(), t.values())
+    elif t.layout == torch.strided:
         yield t
 
 

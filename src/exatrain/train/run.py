@@ -45,6 +45,14 @@ def find_resume_checkpoint(run_dir: str | Path) -> Path:
     return path
 
 
+def pipeline_example(workload, config: Config, plan) -> "torch.Tensor | None":
+    """One per-replica batch of inputs, from which `pipe` traces the model and sizes its stages."""
+    if plan.pipe == 1:
+        return None
+    per_replica = config.train.batch_size // (plan.data * plan.shard)
+    return torch.stack([workload.train_set[i][0] for i in range(per_replica)])
+
+
 def setup(config: Config, resume_dir: str | None = None) -> tuple:
     """Join the job, build workload, model and Trainer on this rank. Returns (mesh, trainer)."""
     from ..launch import detect
@@ -76,7 +84,8 @@ def setup(config: Config, resume_dir: str | None = None) -> tuple:
         run_dir = Path(broadcast_object(str(run_dir) if run_dir else None, mesh.world))
         torch.manual_seed(config.run.seed)  # identical initial weights on every rank
         workload = workload_module.build(config, mesh)
-        model = parallelize(workload.model, mesh, config.parallel)
+        model = parallelize(workload.model, mesh, config.parallel,
+                            example=pipeline_example(workload, config, plan))
         workload.model = model  # drop the plain model: under tensor plans it is the full size
         console = TrainConsole() if mesh.rank == 0 else None
         trainer = Trainer(mesh, workload, config, model, run_dir=run_dir, console=console)

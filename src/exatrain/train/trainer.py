@@ -35,10 +35,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ..comm import all_reduce
+from ..comm import all_gather_object, all_reduce, broadcast_object
 from ..mesh import Mesh
 from ..parallel.data import unwrap
 from ..parallel.gradnorm import clip_grad_norm_
+from ..parallel.pipe.model import PipelineModel
 from ..parallel.shard import build_optimizer_for
 from ..workloads.base import Workload
 from . import checkpoint
@@ -153,7 +154,11 @@ class Trainer:
         watch = self.mesh.device.type == "cuda" or self.step == self._track_step
         track = self.step_peak.track() if watch else contextlib.nullcontext()
         with track:
-            for micro in range(accum):
+            if isinstance(self.model, PipelineModel):  # micro-batches run by the schedule
+                x, y = self._to_device(next(batches))
+                loss_sum = self.model.train_step(
+                    x, y, lambda output, target: self.workload.loss_fn(output.float(), target))
+            for micro in range(accum if not isinstance(self.model, PipelineModel) else 0):
                 x, y = self._to_device(next(batches))
                 sync = micro == accum - 1 or not hasattr(self.model, "no_sync")
                 with (self.model.no_sync() if not sync else contextlib.nullcontext()):
@@ -205,19 +210,26 @@ class Trainer:
         for batch in DataLoader(val, batch_size=self.micro, sampler=indices,
                                 num_workers=self.config.train.num_workers):
             x, y = self._to_device(batch)
-            with self.precision.autocast():
-                output = model(x)
+            if isinstance(model, PipelineModel):
+                output = model.eval_batch(x)  # on the last stage's rank only
+            else:
+                with self.precision.autocast():
+                    output = model(x)
             keep = max(0, min(len(y), valid - seen))
             seen += len(y)
-            if keep == 0:
+            if keep == 0 or output is None:
                 continue
             for key, value in self.workload.metric_sums(output[:keep].float(), y[:keep]).items():
                 sums[key] = sums.get(key, 0) + value.detach().double().cpu()
         keys = sorted(sums)
+        axes = tuple(self.workload.metric_axes)
+        if isinstance(model, PipelineModel):  # the last stage's rank has the sums: share them
+            pipe = self.mesh.axis("pipe")
+            keys = broadcast_object(keys, pipe, src=pipe.size - 1)
+            axes += ("pipe",)
         vector = torch.stack([torch.as_tensor(sums.get(k, 0.0), dtype=torch.float64)
                               for k in keys]).to(self.mesh.device)
         # validation samples are split like training batches: over data and shard ranks too
-        axes = tuple(self.workload.metric_axes)
         if self.mesh.plan.shard > 1 and "shard" not in axes:
             axes += ("shard",)
         all_reduce(vector, self.mesh.axis(*axes), tag="metric")
@@ -277,6 +289,26 @@ class Trainer:
                        matmul_flops_per_s_measured=peak, mfu=per_rank / peak)
         return out
 
+    def _pipeline_timeline(self) -> dict:
+        """The last step's bubble (idle share of stage time, mean over ranks); rank 0 keeps the
+        step's timeline as pipeline_timeline.json in the run directory."""
+        model = self.model
+        line = model.timeline
+        mine = {"events": line.events, "start": line.step_start, "end": line.step_end,
+                "idle": line.idle_fraction()}
+        every = all_gather_object(mine, self.mesh.world)
+        bubble = sum(r["idle"] for r in every) / len(every)
+        if self.is_main and self.run_dir:
+            t0 = min(r["start"] for r in every)
+            events = [{**e, "start_s": e["start_s"] - t0, "end_s": e["end_s"] - t0}
+                      for r in every for e in r["events"]]
+            (self.run_dir / "pipeline_timeline.json").write_text(json.dumps({
+                "schedule": model.schedule_name, "stages": model.axis.size,
+                "virtual_stages": model.per_rank, "microbatches": model.microbatches,
+                "step": self.step, "bubble_measured": bubble,
+                "bubble_formula": model.bubble_formula(), "events": events}))
+        return {"bubble_fraction": bubble, "bubble_formula": model.bubble_formula()}
+
     def fit(self) -> dict:
         # the second step: the first one also allocates what persists (communication buckets,
         # FSDP2's lazy initialisation), which is not activation memory
@@ -321,6 +353,8 @@ class Trainer:
                         record["tokens_per_s"] = record["samples_per_s"] * self.tokens_per_sample
                     if self.scaler.enabled:
                         record.update(loss_scale=self.scaler.scale, skipped_steps=self.skipped_steps)
+                    if isinstance(self.model, PipelineModel):
+                        record.update(self._pipeline_timeline())
                     self._log(record)
                     if progress:
                         progress.log(record)

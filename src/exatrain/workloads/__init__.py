@@ -8,7 +8,9 @@ import importlib
 WORKLOAD_MODULES = {
     "cosmoflow": "exatrain.workloads.cosmoflow",
     "deepcam": "exatrain.workloads.deepcam",
+    "gcn": "exatrain.workloads.gcn",
     "gpt": "exatrain.workloads.gpt",
+    "qm9": "exatrain.workloads.qm9",
     "vit": "exatrain.workloads.vit",
 }
 

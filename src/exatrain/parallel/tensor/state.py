@@ -29,6 +29,7 @@ be deduplicated: only one rank's part would be saved).
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import torch
@@ -125,12 +126,21 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], stric
 
 
 def placements_for(tensor: torch.Tensor, dims: tuple[str, ...]):
-    """DTensor placements over the mesh dims `dims` (e.g. the tensor dims) for `tensor`'s layout."""
-    from torch.distributed.tensor import Replicate, Shard
+    """DTensor placements over the mesh dims `dims` (e.g. the tensor dims) for `tensor`'s layout.
 
+    DTensor splits a dim over its mesh dims left to right; where the layout splits a dim first
+    over a later mesh dim (the 3D GCN's weight: input features, then depth), the inner axis gets
+    a `_StridedShard` whose split factor is the size of those outer, later axes.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    layout = [(dim, axis) for dim, axis in layout_of(tensor) if axis.size > 1]
     placements = [Replicate() for _ in dims]
-    for dim, axis in layout_of(tensor):
-        placements[dims.index(axis.name)] = Shard(dim)
+    for i, (dim, axis) in enumerate(layout):
+        where = dims.index(axis.name)
+        factor = math.prod(a.size for d, a in layout[:i] if d == dim and dims.index(a.name) > where)
+        placements[where] = _StridedShard(dim, split_factor=factor) if factor > 1 else Shard(dim)
     return placements
 
 

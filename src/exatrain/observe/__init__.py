@@ -1,0 +1,1 @@
+"""Seeing what a run did: figures drawn from a run directory."""

@@ -1,0 +1,155 @@
+"""PipelineModel: this rank's pipeline stages under their serial names, trained by a schedule.
+
+`parallelize` splits the model (split.py), puts each of this rank's stage modules through the
+remaining per-stage steps (tensor, space, checkpointing, compile, shard, data), and hands them
+here. The PipelineModel is an `nn.Module` whose tree holds exactly this rank's layers at their
+serial paths (`blocks.4...`), so `parameters()`, optimizers, gradient clipping, state dicts and
+DCP checkpoints see the serial model's names; the stage modules that the schedule calls share
+those parameters.
+
+A training step: the per-replica batch is cut into m micro-batches; the schedule runs them
+through the stages; the loss (mean over each micro-batch) is summed over micro-batches and
+divided by m by the schedule's gradient scaling, so gradients equal the un-pipelined step's
+gradient of the batch-mean loss (equal micro-batches). Stage input and output shapes are
+found once, before the first step, by running the stages on fake tensors of one micro-batch --
+no run-time shape exchange between ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ...comm import Axis, all_reduce
+from .schedules import bubble_formula, build_schedule
+from .stage import CountedStage, Timeline
+
+
+def _as_tuple(x):
+    return x if isinstance(x, tuple) else (x,)
+
+
+def _is_path(module: nn.Module) -> bool:
+    """A module a stage made only to hold the path to its layers (see split.py), no layer itself."""
+    return type(module) in (nn.Module, nn.ModuleList)
+
+
+def _merge_into(shell: nn.Module, part: nn.Module) -> None:
+    """Mount `part`'s layers, parameters and buffers on `shell` at the same paths.
+
+    Path modules are recreated, never adopted: two stages of one rank each have a `blocks`, and
+    adopting the first stage's would put the second stage's blocks inside the first stage.
+    """
+    for name, p in part.named_parameters(recurse=False):
+        shell.register_parameter(name, p)
+    for name, b in part.named_buffers(recurse=False):
+        shell.register_buffer(name, b, persistent=name not in part._non_persistent_buffers_set)
+    for name, child in part.named_children():
+        mine = shell._modules.get(name)
+        if mine is None:
+            if not _is_path(child):
+                shell.add_module(name, child)
+                continue
+            mine = type(child)()
+            shell.add_module(name, mine)
+        if mine is not child:
+            _merge_into(mine, child)
+
+
+def check_microbatches(batch: int, microbatches: int) -> None:
+    if batch % microbatches:
+        raise ValueError(
+            f"parallel.microbatches={microbatches} does not divide the per-replica batch of {batch} "
+            f"samples; choose a divisor of {batch} (or change train.batch_size).")
+
+
+def stage_shapes(modules: list[nn.Module], micro: torch.Tensor, autocast) -> list[tuple]:
+    """(inputs, outputs) of each stage for one micro-batch, as meta tensors (fake execution)."""
+    shapes = []
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode, autocast():
+        x = (mode.from_tensor(micro),)
+        for module in modules:
+            y = _as_tuple(module(*x))
+            meta = lambda ts: tuple(torch.empty(t.shape, dtype=t.dtype, device="meta",
+                                                requires_grad=t.requires_grad) for t in ts)
+            shapes.append((meta(x), meta(y)))
+            x = y
+    return shapes
+
+
+class PipelineModel(nn.Module):
+    """This rank's stages of a pipeline; `train_step` / `eval_batch` run the schedule."""
+
+    def __init__(self, all_modules: list[nn.Module], wrapped: dict[int, nn.Module],
+                 axis: Axis, device: torch.device, schedule: str, microbatches: int,
+                 example: torch.Tensor, autocast, starts: list[int]):
+        super().__init__()
+        self.axis, self.device, self.autocast = axis, device, autocast
+        self.schedule_name, self.microbatches, self.layer_starts = schedule, microbatches, starts
+        self.num_stages = len(all_modules)
+        self.stage_ids = sorted(wrapped)
+        for i in self.stage_ids:
+            _merge_into(self, all_modules[i])
+        for p in self.parameters():  # the gradient norm sums over the stages' ranks too
+            p.exatrain_norm_axes = tuple(getattr(p, "exatrain_norm_axes", ())) + (axis,)
+        check_microbatches(example.shape[0], microbatches)
+        self.batch = example.shape[0]
+        micro = example[: self.batch // microbatches]
+        shapes = stage_shapes(all_modules, micro, autocast)
+        self.timeline = Timeline(axis.rank, device)
+        self.stages = [CountedStage(wrapped[i], i, self.num_stages, device, shapes[i][0],
+                                    shapes[i][1], axis, self.timeline) for i in self.stage_ids]
+        self.is_first = 0 in self.stage_ids
+        self.is_last = self.num_stages - 1 in self.stage_ids
+        self._loss_fn = None
+        self.schedule = build_schedule(schedule, self.stages, microbatches, self._loss)
+        self.per_rank = len(self.stage_ids)
+
+    def _loss(self, output, target):
+        return self._loss_fn(output, target)
+
+    def forward(self, *args):
+        raise RuntimeError("a pipelined model runs by schedule: call train_step(x, y, loss_fn) or "
+                           "eval_batch(x) (the Trainer does).")
+
+    def bubble_formula(self) -> float:
+        return bubble_formula(self.schedule_name, self.axis.size, self.microbatches, self.per_rank)
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> float:
+        """One pipelined forward and backward of the batch; returns its mean loss (every rank)."""
+        self._loss_fn = loss_fn
+        losses: list = []
+        self.timeline.begin_step()
+        with self.autocast():
+            self.schedule.step(*((x,) if self.is_first else ()), target=y if self.is_last else None,
+                               losses=losses, return_outputs=False)
+        self.timeline.end_step()
+        return self._shared_mean(losses)
+
+    def _shared_mean(self, losses: list) -> float:
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.is_last:
+            total += torch.stack([l.detach().double() for l in losses]).mean()
+        all_reduce(total, self.axis, tag="metric")  # only the last stage's rank adds a value
+        return float(total)
+
+    @torch.no_grad()
+    def eval_batch(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Forward only; the output on the last stage's rank, None elsewhere.
+
+        A batch smaller than the training batch (the last one) is padded with its last sample,
+        since the stages' shapes are fixed; the padding is cut off the output.
+        """
+        n = x.shape[0]
+        if n > self.batch:
+            raise ValueError(f"evaluation batch of {n} exceeds the pipelined batch {self.batch}.")
+        if n < self.batch:
+            x = torch.cat([x, x[-1:].expand(self.batch - n, *x.shape[1:])])
+        # the schedule computes a loss on the last stage whenever it has a loss function: give
+        # it a placeholder target and a loss that costs nothing
+        self._loss_fn = lambda output, target: output.new_zeros(())
+        placeholder = torch.zeros(self.batch, device=self.device) if self.is_last else None
+        with self.autocast():
+            out = self.schedule.eval(*((x,) if self.is_first else ()), target=placeholder)
+        return out[:n] if self.is_last else None

@@ -1,0 +1,97 @@
+"""A pipeline stage whose sends are counted on the `pipe` axis and whose work is timestamped.
+
+Communication (torch.distributed.pipelining's point-to-point ops, batched isend/irecv to the
+neighbouring stages' ranks): per micro-batch, each stage boundary carries the activations forward
+and their gradients backward, `2 · A` bytes for A activation bytes at that boundary. Per step and
+over all ranks:
+
+    p2p bytes = 2 · m · Σ_boundaries A_b        (m micro-batches; S stages have S − 1 boundaries)
+
+Each rank records what it sends (tag "act" forward, "grad" backward) on the ledger's `pipe` axis,
+so a rank's count is its outgoing share and the sum over ranks is the formula above.
+
+The timeline records (stage, micro-batch, kind, start, end) around each forward (F), backward (B:
+input gradients, or input and weight gradients together) and weight-gradient (W, zero-bubble
+schedules) call with `time.perf_counter` -- monotonic and shared by the processes of one node --
+synchronising the device first on GPUs, so that a box ends when its work does.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+from torch.distributed.pipelining import PipelineStage
+
+from ...comm import Axis
+from ...comm.collectives import nbytes
+
+
+class Timeline:
+    """Work spans of this rank's stages during the current step."""
+
+    def __init__(self, rank: int, device: torch.device):
+        self.rank, self.device = rank, device
+        self.events: list[dict] = []
+        self.step_start = self.step_end = 0.0
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def begin_step(self) -> None:
+        self.events = []
+        self.step_start = self._now()
+
+    def end_step(self) -> None:
+        self.step_end = self._now()
+
+    @contextmanager
+    def span(self, stage: int, microbatch: int, kind: str):
+        start = self._now()
+        try:
+            yield
+        finally:
+            self.events.append({"rank": self.rank, "stage": stage, "microbatch": microbatch,
+                                "kind": kind, "start_s": start, "end_s": self._now()})
+
+    def idle_fraction(self) -> float:
+        """Share of this rank's step spent not computing: its bubble (and its waits)."""
+        span = self.step_end - self.step_start
+        busy = sum(e["end_s"] - e["start_s"] for e in self.events)
+        return max(0.0, 1.0 - busy / span) if span > 0 else 0.0
+
+
+class CountedStage(PipelineStage):
+    """`PipelineStage` with explicit shapes, counted sends and a timeline."""
+
+    def __init__(self, module, stage_index: int, num_stages: int, device: torch.device,
+                 input_args, output_args, axis: Axis, timeline: Timeline):
+        super().__init__(module, stage_index, num_stages, device, input_args=input_args,
+                         output_args=output_args, group=axis.group)
+        self.axis, self.timeline = axis, timeline
+
+    def _count(self, ops, tag: str):
+        for op in ops:
+            self.axis.ledger.record(self.axis.name, "send", nbytes(op.tensor), tag)
+        return ops
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int):
+        return self._count(super().get_fwd_send_ops(fwd_chunk_id), "act")
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int):
+        return self._count(super().get_bwd_send_ops(bwd_chunk_id), "grad")
+
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        with self.timeline.span(self.stage_index, fwd_chunk_id, "F"):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        with self.timeline.span(self.stage_index, bwd_chunk_id, "B"):
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        with self.timeline.span(self.stage_index, bwd_chunk_id, "W"):
+            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
