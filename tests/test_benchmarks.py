@@ -21,8 +21,11 @@ def test_bench_spatial(tmp_path):
     r = bench(tmp_path, "spatial", "--size", "32")
     for key in ("max_rel_err_vs_serial", "halo_bytes_per_step", "halo_bytes_min",
                 "activation_bytes_per_rank", "activation_bytes_serial", "step_s_serial",
-                "step_s_spatial", "ranks"):
+                "step_s_spatial", "ranks", "exposed_comm_fraction_spatial",
+                "exposed_comm_fraction_spatial_overlap"):
         assert key in r, key
+    assert r["exposed_comm_fraction_serial"] == 0  # the serial step communicates nothing
+    assert 0 < r["exposed_comm_fraction_spatial"] < 1
     for ranks in (2, 4):
         assert r[f"halo_bytes_per_step_{ranks}ranks"] <= 1.05 * r[f"halo_bytes_min_{ranks}ranks"]
         assert r[f"halo_bytes_per_step_{ranks}ranks"] >= r[f"halo_bytes_min_{ranks}ranks"] > 0

@@ -34,9 +34,10 @@ def test_bad_degrees_are_refused():
         Plan(space=(1, 1, 1, 2))
 
 
-def test_unimplemented_axis_is_refused_not_ignored():
-    with pytest.raises(PlanError, match="trainer.*does not implement yet.*trainer=1"):
-        Plan(trainer=2).require_implemented()
+def test_every_axis_is_implemented_and_clashes_are_refused():
+    from exatrain.plan import AXIS_ORDER, IMPLEMENTED_AXES
+    assert IMPLEMENTED_AXES == set(AXIS_ORDER)
+    Plan(trainer=2, pipe=2, data=2).require_implemented()
     Plan(data=8).require_implemented()
     Plan(pipe=2, data=4).require_implemented()
     Plan(pipe=2, tensor=2).require_implemented()

@@ -6,12 +6,15 @@
     model = et.parallelize(et.models.CosmoFlow(size=32), mesh)
 """
 
-from . import models
+from . import data, models
 from .mesh import Mesh, init
 from .parallel import parallelize
 from .plan import Plan, PlanError
 from .train import Config, ConfigError, NonFiniteLoss, Trainer, load_config
+from .train.fit import fit, launch
+from .workloads.metrics import Mean, Ratio
+from .workloads.user import Task
 
 __version__ = "0.1.0"
-__all__ = ["Config", "ConfigError", "Mesh", "NonFiniteLoss", "Plan", "PlanError", "Trainer",
-           "init", "load_config", "models", "parallelize"]
+__all__ = ["Config", "ConfigError", "Mean", "Mesh", "NonFiniteLoss", "Plan", "PlanError", "Ratio",
+           "Task", "Trainer", "fit", "data", "init", "launch", "load_config", "models", "parallelize"]

@@ -17,11 +17,19 @@ def _run(args) -> int:
     from .workloads import get_workload
 
     console = Console(stderr=True)
+    if args.config and args.config.endswith(".py"):  # a script that calls exatrain.fit
+        from .train.fit import launch, run_script
+        if detect() is not None:
+            run_script(args.config)
+        else:
+            launch(args.config, args.nproc or 1)
+        return 0
     config_path = args.config
     if args.resume:
         find_resume_checkpoint(args.resume)  # fail now, before any rank starts
         config_path = config_path or str(Path(args.resume) / "config.toml")
-    config = load_config(config_path, args.set or [])
+    overrides = (args.set or []) + ([f"observe.profile_steps={args.profile}"] if args.profile else [])
+    config = load_config(config_path, overrides)
     launch = detect()
     if launch is not None:  # under torchrun / srun / flux / jsrun / mpirun: this is one rank
         summary = run_job(config, args.resume)
@@ -62,9 +70,16 @@ def _print_summary(console: Console, summary: dict) -> None:
     from rich.table import Table
 
     table = Table(title="run summary", show_header=False)
+    from .train.units import human_bytes, human_value
+
     for key, value in summary.items():
-        if isinstance(value, float):
-            value = f"{value:.5g}"
+        if key == "memory_per_rank":  # a list per rank: its largest figures are what matter
+            value = "max over ranks: state " + human_bytes(max(r["state_bytes"] or 0 for r in value)) \
+                + ", peak " + human_bytes(max(r["peak_mem_bytes"] or 0 for r in value))
+        elif key == "bytes_per_step":
+            value = " ".join(f"{a}={human_bytes(b)}" for a, b in value.items()) or "-"
+        else:
+            value = human_value(key, value)
         table.add_row(key, str(value))
     console.print(table)
     if summary.get("run_dir"):
@@ -76,6 +91,14 @@ def _data(args) -> int:
     console = Console(stderr=True)
     info = args.write(args, progress=_progress(console, f"exatrain data {args.name}"))
     console.print(json.dumps(info, indent=1, default=str))
+    return 0
+
+
+def _report(args) -> int:
+    from .observe.report import build_report
+
+    made = build_report(args.paths, args.out)
+    Console(stderr=True).print(f"report: [bold]{made['report']}[/] ({len(made) - 1} figures)")
     return 0
 
 
@@ -94,13 +117,22 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="train (no CONFIG: the built-in CosmoFlow example)")
-    run.add_argument("config", nargs="?", help="TOML config file (see examples/)")
+    run.add_argument("config", nargs="?", help="TOML config file (see examples/), or a Python "
+                                                "script calling exatrain.fit")
     run.add_argument("--nproc", type=int, default=0, help="local ranks to spawn (default: run.nproc)")
     run.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                      help="override a config value; repeatable")
     run.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its "
                                                          "latest checkpoint")
+    run.add_argument("--profile", type=int, metavar="STEPS", help="record a torch.profiler "
+                     "trace of STEPS steps on every rank into RUN_DIR/profile/ (observe.profile_*)")
     run.set_defaults(func=_run)
+
+    report = sub.add_parser("report", help="figures and a summary of finished runs or benchmarks")
+    report.add_argument("paths", nargs="+", metavar="RUN_DIR|BENCH.json")
+    report.add_argument("--out", metavar="DIR", help="where to write (default: RUN_DIR/report "
+                                                     "for one run, ./report for several)")
+    report.set_defaults(func=_report)
 
     from .data import writers
     data = sub.add_parser("data", help="write a data set as HDF5")

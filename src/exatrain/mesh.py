@@ -48,6 +48,7 @@ class Mesh:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.ledger = Ledger()
+        self.group = None  # the job's process group for whole-job collectives (None: the default)
         self._grid = torch.arange(self.world_size).reshape(tuple(plan.degrees().values()))
         self._axes: dict[tuple[str, ...], Axis] = {}
 
@@ -104,6 +105,65 @@ class Mesh:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    def trainer_mesh(self) -> "TrainerMesh":
+        """This rank's trainer as a mesh of its own (collective: every rank calls it once)."""
+        return TrainerMesh(self)
+
+
+class TrainerMesh:
+    """One trainer of the population, seen as a job of its own.
+
+    It has the parent's interface (plan, rank, world_size, axis, world, coords, ledger, device,
+    device_mesh) with the `trainer` dimension taken away: its plan is the intra-trainer Plan
+    (trainer=1), its ranks are numbered 0.. within the trainer exactly as a job of that size
+    numbers them, and every axis is the parent's group for the same dims, which never spans two
+    trainers (a group spans only the dims it names, and `trainer` is never among them). So every
+    strategy, the Trainer and the workloads run unchanged inside one trainer; only the
+    population code asks the parent for the `trainer` axis: the K ranks, one per trainer, at this
+    rank's position inside its trainer (the "corresponding ranks" that exchange models).
+
+    `group` is a real process group over the trainer's ranks even when it has only one rank
+    (collective checkpointing needs a group that excludes the other trainers).
+    """
+
+    def __init__(self, parent: Mesh):
+        self.parent = parent
+        self.plan = parent.plan.intra_trainer()
+        self.device, self.backend = parent.device, parent.backend
+        self.local_rank, self.ledger = parent.local_rank, parent.ledger
+        # slicing it by dim names (FSDP2's shard mesh, the tensor dims) gives this rank's sub-mesh
+        self.device_mesh = parent.device_mesh
+        self.trainers = parent.plan.trainer
+        self.trainer_axis = parent.axis("trainer")
+        self.trainer = self.trainer_axis.rank
+        self.world = parent.axis("pipe", "data", "shard", "space", "tensor")
+        self.rank, self.world_size = self.world.rank, parent.world_size // self.trainers
+        rows = parent._grid.reshape(self.trainers, -1).tolist()
+        self.group = None
+        for row in rows:  # new_group is collective over the whole world: make all, keep ours
+            g = dist.new_group(row) if self.trainers > 1 else dist.group.WORLD
+            if parent.rank in row:
+                self.group = g
+
+    def axis(self, *names: str) -> Axis:
+        names = tuple(n for n in names if n != "trainer")
+        if not names:
+            return Axis("trainer-local", 1, 0, None, self.ledger, (self.parent.rank,))
+        return self.parent.axis(*names)
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return {k: v for k, v in self.parent.coords.items() if k != "trainer"}
+
+    def coord(self, name: str) -> int:
+        return self.axis(name).rank
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def close(self) -> None:
+        self.parent.close()
 
 
 def init(plan: Plan, backend: str | None = None, timeout_s: float = 600.0) -> Mesh:

@@ -19,7 +19,7 @@ AXIS_ORDER = ("trainer", "pipe", "data", "shard", "space", "tensor")
 
 # Axes whose strategies exist in this version.  A Plan that needs any other is refused by
 # `require_implemented`, with a message saying so, rather than silently ignored.
-IMPLEMENTED_AXES = frozenset({"data", "pipe", "space", "shard", "tensor"})
+IMPLEMENTED_AXES = frozenset({"trainer", "data", "pipe", "space", "shard", "tensor"})
 
 
 class PlanError(ValueError):
@@ -122,6 +122,11 @@ class Plan:
         if refusal:
             raise PlanError(refusal)
         return self
+
+    def intra_trainer(self) -> "Plan":
+        """The Plan of one trainer: this Plan with trainer=1 (what each trainer runs)."""
+        return Plan(pipe=self.pipe, data=self.data, shard=self.shard, space=self.space,
+                    tensor=self.tensor)
 
     def __str__(self) -> str:
         parts = [f"{a}={getattr(self, a)}" for a in ("trainer", "pipe", "data", "shard")

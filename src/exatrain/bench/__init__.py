@@ -13,7 +13,8 @@ from rich.table import Table
 
 BENCHMARKS = {"dp": "exatrain.bench.dp", "spatial": "exatrain.bench.spatial",
               "zero": "exatrain.bench.zero", "tensor": "exatrain.bench.tensor",
-              "graph": "exatrain.bench.graph", "pipeline": "exatrain.bench.pipeline"}
+              "graph": "exatrain.bench.graph", "pipeline": "exatrain.bench.pipeline",
+              "ltfb": "exatrain.bench.ltfb"}
 
 
 def bench_module(name: str):

@@ -36,6 +36,10 @@ Figures, per rank count n in (2, 4) (suffix `_{n}ranks`; unsuffixed ones are for
   step_s_serial / step_s_spatial / step_s_spatial_overlap  medians of the timed steps, each step
                             lasting until the slower rank finishes; variants interleaved step
                             by step so load drift hits all alike
+  exposed_comm_fraction_{serial,spatial,spatial_overlap}  the part of each step a rank spent
+                            blocked in exatrain.comm (halo waits, gradient all-reduce), measured
+                            (exatrain.comm.timing), of its step time; worst rank, median of steps;
+                            serial communicates nothing: 0
 """
 
 from __future__ import annotations
@@ -184,6 +188,8 @@ def _rank_main(size: int, batch: int, steps: int, warmup: int, data_dir: str, sp
             optims = {"serial": torch.optim.AdamW(serial.parameters(), lr=1e-4),
                       "spatial": torch.optim.AdamW(model.parameters(), lr=1e-4)}
             times: dict[str, list[float]] = {"serial": [], "spatial": [], "spatial_overlap": []}
+            # measured by exatrain.comm: seconds blocked in halo exchange and gradient sums
+            exposed: dict[str, list[float]] = {name: [] for name in times}
 
             def step(name):
                 mesh.barrier()
@@ -196,11 +202,13 @@ def _rank_main(size: int, batch: int, steps: int, warmup: int, data_dir: str, sp
                 else:
                     runtime.overlap = name == "spatial_overlap"
                     net, inp, opt = model, xb, optims["spatial"]
+                blocked0 = mesh.ledger.blocked_total()
                 t0 = time.perf_counter()
                 F.mse_loss(net(inp), y).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 dt = time.perf_counter() - t0
+                exposed[name].append(mesh.ledger.blocked_total() - blocked0)
                 if name == "serial":
                     torch.set_num_threads(1)
                     mesh.barrier()
@@ -212,10 +220,12 @@ def _rank_main(size: int, batch: int, steps: int, warmup: int, data_dir: str, sp
             for _ in range(warmup):
                 for name in times:
                     step(name)
+            for name in times:
+                exposed[name].clear()
             for _ in range(steps):
                 for name in times:
                     times[name].append(step(name))
-            out["times"] = times
+            out["times"], out["exposed"] = times, exposed
         return out
     finally:
         mesh.close()
@@ -257,6 +267,10 @@ def run(args) -> dict:
                     per_step = [max(t for t in (r["times"][name][i] for r in per_rank) if t is not None)
                                 for i in range(steps)]
                     result[f"step_s_{name}"] = statistics.median(per_step)
+                    # of each rank's own step time, worst rank, median over steps
+                    result[f"exposed_comm_fraction_{name}"] = statistics.median(
+                        max(r["exposed"][name][i] / r["times"][name][i] for r in per_rank
+                            if r["times"][name][i] is not None) for i in range(steps))
     result["input_bytes_per_sample"] = size ** 3 * 4 * 2
     for key in ("max_rel_err_vs_serial", "halo_bytes_per_step", "halo_bytes_min",
                 "activation_bytes_per_rank", "activation_bytes_serial", "halo_ratio",

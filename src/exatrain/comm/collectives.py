@@ -8,12 +8,14 @@ records nothing. Asynchronous calls return the backend's work handle (or None fo
 from __future__ import annotations
 
 import pickle
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from .ledger import Ledger
+from .timing import comm_range, timed
 
 # The single-tensor all-gather / reduce-scatter: torch >= 2.13 names them *_single; older releases
 # (2.11, 2.12: what many sites and GPU images ship) only have the *_tensor names, same semantics.
@@ -46,7 +48,9 @@ def all_reduce(tensor: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM, tag: str 
     if axis.size == 1:
         return None
     axis.ledger.record(axis.name, "all_reduce", nbytes(tensor), tag)
-    return dist.all_reduce(tensor, op=op, group=axis.group, async_op=async_op)
+    with comm_range(axis.ledger, axis.name, "all_reduce", tag):
+        work = dist.all_reduce(tensor, op=op, group=axis.group, async_op=async_op)
+    return timed(work, axis.ledger, axis.name, "all_reduce", tag)
 
 
 def all_reduce_future(tensor: torch.Tensor, axis: Axis, tag: str = "") -> torch.futures.Future:
@@ -56,8 +60,16 @@ def all_reduce_future(tensor: torch.Tensor, axis: Axis, tag: str = "") -> torch.
         fut.set_result(tensor)
         return fut
     axis.ledger.record(axis.name, "all_reduce", nbytes(tensor), tag)
-    work = dist.all_reduce(tensor, group=axis.group, async_op=True)
-    return work.get_future().then(lambda f: f.value()[0])
+    # DDP's reducer waits on this future inside C++, out of our sight: the span from launch to
+    # completion is recorded instead (see Ledger.drain_async_tail)
+    launched = time.perf_counter()
+    with comm_range(axis.ledger, axis.name, "all_reduce", tag):
+        work = dist.all_reduce(tensor, group=axis.group, async_op=True)
+
+    def done(f):
+        axis.ledger.add_async_span(launched, time.perf_counter())
+        return f.value()[0]
+    return work.get_future().then(done)
 
 
 def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, axis: Axis, tag: str = "",
@@ -67,7 +79,9 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, axis: Axis, tag:
         output.copy_(tensor)
         return None
     axis.ledger.record(axis.name, "all_gather", nbytes(output), tag)
-    return all_gather_single(output, tensor, group=axis.group, async_op=async_op)
+    with comm_range(axis.ledger, axis.name, "all_gather", tag):
+        work = all_gather_single(output, tensor, group=axis.group, async_op=async_op)
+    return timed(work, axis.ledger, axis.name, "all_gather", tag)
 
 
 def reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, axis: Axis,
@@ -77,7 +91,9 @@ def reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, axis: Axis,
         output.copy_(tensor)
         return None
     axis.ledger.record(axis.name, "reduce_scatter", nbytes(tensor), tag)
-    return reduce_scatter_single(output, tensor, op=op, group=axis.group, async_op=async_op)
+    with comm_range(axis.ledger, axis.name, "reduce_scatter", tag):
+        work = reduce_scatter_single(output, tensor, op=op, group=axis.group, async_op=async_op)
+    return timed(work, axis.ledger, axis.name, "reduce_scatter", tag)
 
 
 def broadcast(tensor: torch.Tensor, axis: Axis, src: int = 0, tag: str = ""):
@@ -85,7 +101,8 @@ def broadcast(tensor: torch.Tensor, axis: Axis, src: int = 0, tag: str = ""):
     if axis.size == 1:
         return None
     axis.ledger.record(axis.name, "broadcast", nbytes(tensor), tag)
-    return dist.broadcast(tensor, src=axis.global_rank(src), group=axis.group)
+    with comm_range(axis.ledger, axis.name, "broadcast", tag):
+        return dist.broadcast(tensor, src=axis.global_rank(src), group=axis.group)
 
 
 def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
@@ -101,7 +118,11 @@ def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tens
     for tensor, peer in recvs:
         axis.ledger.record(axis.name, "recv", nbytes(tensor), tag)
         ops.append(dist.P2POp(dist.irecv, tensor, axis.global_rank(peer), group=axis.group))
-    return dist.batch_isend_irecv(ops) if ops else []
+    if not ops:
+        return []
+    with comm_range(axis.ledger, axis.name, "exchange", tag):
+        works = dist.batch_isend_irecv(ops)
+    return [timed(w, axis.ledger, axis.name, "exchange", tag) for w in works]
 
 
 def broadcast_object(obj, axis: Axis, src: int = 0, tag: str = "control"):
@@ -109,7 +130,8 @@ def broadcast_object(obj, axis: Axis, src: int = 0, tag: str = "control"):
     if axis.size == 1:
         return obj
     holder = [obj]
-    dist.broadcast_object_list(holder, src=axis.global_rank(src), group=axis.group)
+    with comm_range(axis.ledger, axis.name, "broadcast", tag):
+        dist.broadcast_object_list(holder, src=axis.global_rank(src), group=axis.group)
     axis.ledger.record(axis.name, "broadcast", len(pickle.dumps(holder[0])), tag)
     return holder[0]
 
@@ -119,6 +141,7 @@ def all_gather_object(obj, axis: Axis, tag: str = "control") -> list:
     if axis.size == 1:
         return [obj]
     out = [None] * axis.size
-    dist.all_gather_object(out, obj, group=axis.group)
+    with comm_range(axis.ledger, axis.name, "all_gather", tag):
+        dist.all_gather_object(out, obj, group=axis.group)
     axis.ledger.record(axis.name, "all_gather", sum(len(pickle.dumps(o)) for o in out), tag)
     return out

@@ -30,6 +30,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from .collectives import Axis, nbytes
 from .collectives import all_gather_single as _all_gather
 from .collectives import reduce_scatter_single as _reduce_scatter
+from .timing import comm_range, timed
 
 
 class LedgerAllGather(AllGather):
@@ -44,7 +45,9 @@ class LedgerAllGather(AllGather):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False):
         self.axis.ledger.record(self.axis.name, "all_gather", nbytes(output_tensor), self.tag)
-        return _all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
+        with comm_range(self.axis.ledger, self.axis.name, "all_gather", self.tag):
+            work = _all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
+        return timed(work, self.axis.ledger, self.axis.name, "all_gather", self.tag)
 
 
 class LedgerReduceScatter(ReduceScatter):
@@ -59,4 +62,7 @@ class LedgerReduceScatter(ReduceScatter):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op=dist.ReduceOp.SUM, async_op: bool = False):
         self.axis.ledger.record(self.axis.name, "reduce_scatter", nbytes(input_tensor), self.tag)
-        return _reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        with comm_range(self.axis.ledger, self.axis.name, "reduce_scatter", self.tag):
+            work = _reduce_scatter(output_tensor, input_tensor, op=op, group=group,
+                                   async_op=async_op)
+        return timed(work, self.axis.ledger, self.axis.name, "reduce_scatter", self.tag)

@@ -28,6 +28,31 @@ class Ledger:
     """Counts keyed by (axis, op, tag); `tag` says what for, e.g. "grad", "halo", "metric"."""
 
     entries: dict = field(default_factory=lambda: defaultdict(Entry))
+    # seconds the calling thread was blocked in communication, per axis (see comm.timing)
+    blocked_s: dict = field(default_factory=lambda: defaultdict(float))
+
+    def add_blocked(self, axis: str, seconds: float) -> None:
+        self.blocked_s[axis] += seconds
+
+    def blocked_total(self) -> float:
+        return sum(self.blocked_s.values())
+
+    # (launch, done) perf_counter times of collectives that someone else waits on (DDP's reducer)
+    async_spans: list = field(default_factory=list)
+
+    def add_async_span(self, launched: float, done: float) -> None:
+        self.async_spans.append((launched, done))
+
+    def drain_async_tail(self) -> float:
+        """Seconds from the last launch to the last completion of the recorded async collectives.
+
+        The last launch comes when the last gradient bucket is ready, i.e. when backward's compute
+        is done; what is still in flight then cannot hide behind compute: it is exposed.
+        """
+        spans, self.async_spans = self.async_spans, []
+        if not spans:
+            return 0.0
+        return max(0.0, max(d for _, d in spans) - max(launch for launch, _ in spans))
 
     def record(self, axis: str, op: str, nbytes: int, tag: str = "") -> None:
         entry = self.entries[(axis, op, tag)]
@@ -65,3 +90,5 @@ class Ledger:
 
     def reset(self) -> None:
         self.entries.clear()
+        self.blocked_s.clear()
+        self.async_spans.clear()

@@ -1,0 +1,5 @@
+"""Data sets: generic HDF5 / NumPy arrays, and each workload's readers and generators."""
+
+from .arrays import HDF5Dataset, NumpyDataset
+
+__all__ = ["HDF5Dataset", "NumpyDataset"]

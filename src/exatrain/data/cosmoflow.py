@@ -191,9 +191,15 @@ def write_cosmoflow(out_dir, samples: int, size: int, seed: int = 0, val_fractio
 class CosmoFlowDataset(Dataset):
     """CosmoFlow samples as ``(x, y)``: x float32 (4, S, S, S) channels first, y float32 (4,).
 
-    ``path`` is either a file in the exatrain layout (``x`` (N, S, S, S, 4) integer counts,
-    ``y`` (N, 4)), or a directory of MLPerf HPC per-sample ``.h5``/``.hdf5`` files with ``full``
-    (S, S, S, 4) integer counts and ``unitPar`` (4,).  ``transform`` is ``"log1p"`` (as the
+    ``path`` is one of the layouts:
+
+    * a file in the exatrain layout: ``x`` (N, S, S, S, 4) integer counts, ``y`` (N, 4) float32;
+    * a directory of MLPerf HPC per-sample ``.h5``/``.hdf5`` files, each with ``full``
+      (S, S, S, 4) integer counts and ``unitPar`` (4,) float targets;
+    * a directory of MLPerf's preprocessed numpy pairs: ``NAME_data.npy`` (S, S, S, 4) int16 and
+      ``NAME_label.npy`` (4,) float32 (memory-mapped: a block reads only its voxels).
+
+    (The MLPerf ``train/`` and ``validation/`` subdirectories are found by the workload.)  ``transform`` is ``"log1p"`` (as the
     MLPerf reference does), ``None`` (raw counts as float32) or a callable on the float32 array.
     ``bytes_read`` counts the bytes of data read from files by this process (selected voxels
     and targets; equal to the file bytes because the data are stored uncompressed).
@@ -209,7 +215,16 @@ class CosmoFlowDataset(Dataset):
         self._handle, self._pid = None, None
         if not self.path.exists():
             raise FileNotFoundError(f"CosmoFlow data not found: {self.path}; {_HINT}")
-        if self.path.is_dir():
+        if self.path.is_dir() and any(self.path.glob("*_data.npy")):
+            # MLPerf's preprocessed numpy: NAME_data.npy (S, S, S, 4) int16, NAME_label.npy (4,) f32
+            self.layout = "numpy"
+            self.files = sorted(self.path.glob("*_data.npy"))
+            for file in self.files:
+                if not _label_file(file).exists():
+                    raise FileNotFoundError(f"{file} has no targets file {_label_file(file).name}")
+            self.sample_shape = self._check_x(np.load(self.files[0], mmap_mode="r"), self.files[0], 0)
+            self._len = len(self.files)
+        elif self.path.is_dir():
             self.layout = "mlperf"
             self.files = sorted(p for p in self.path.iterdir() if p.suffix in (".h5", ".hdf5"))
             if not self.files:
@@ -281,7 +296,13 @@ class CosmoFlowDataset(Dataset):
         sel = (*region, slice(None))
         file = self.files[0 if self.layout == "exatrain" else index]
         try:
-            if self.layout == "exatrain":
+            if self.layout == "numpy":
+                cube = np.load(file, mmap_mode="r")
+                if self._check_x(cube, file, index) != self.sample_shape:
+                    raise ValueError(f"{file} (sample {index}): shape {cube.shape} differs "
+                                     f"from the data set's {self.sample_shape}")
+                raw, y = np.asarray(cube[sel]), np.load(_label_file(file))
+            elif self.layout == "exatrain":
                 f = self._file()
                 raw, y = f["x"][(index, *sel)], f["y"][index]
             else:
@@ -306,10 +327,18 @@ class CosmoFlowDataset(Dataset):
     def __getitem__(self, index: int):
         return self.read(index)
 
+    def sample_ids(self) -> list[str]:
+        """Index in a file; file name (without suffix) in a per-sample directory."""
+        if self.layout == "exatrain":
+            return [str(i) for i in range(self._len)]
+        return [f.name.removesuffix("_data.npy").removesuffix(f.suffix) for f in self.files]
+
     def targets(self) -> np.ndarray:
         """All targets (N, 4) float32, reading only the target datasets."""
         if self.layout == "exatrain":
             y = np.asarray(self._file()["y"][...], dtype=np.float32)
+        elif self.layout == "numpy":
+            y = np.stack([np.load(_label_file(f)).astype(np.float32).reshape(-1) for f in self.files])
         else:
             ys = []
             for i in range(self._len):
@@ -324,15 +353,24 @@ class CosmoFlowDataset(Dataset):
         return y
 
 
+def _label_file(data_file: Path) -> Path:
+    return data_file.with_name(data_file.name.removesuffix("_data.npy") + "_label.npy")
+
+
 def predict_mean_baseline_mae(train_set, val_set) -> float:
     """MAE on ``val_set`` of always predicting the mean training target (averaged over the 4 targets).
 
     A model must beat this number to have learnt anything; for uniform targets in [-1, 1] it is ~0.5.
     """
+    return float(predict_mean_baseline_per_target(train_set, val_set).mean())
+
+
+def predict_mean_baseline_per_target(train_set, val_set) -> np.ndarray:
+    """The same baseline for each target separately: (4,) MAEs in PARAM_NAMES order."""
     def ys(ds):
         if hasattr(ds, "targets"):
             return np.asarray(ds.targets(), dtype=np.float64)
         return np.stack([np.asarray(ds[i][1], dtype=np.float64) for i in range(len(ds))])
 
     mean = ys(train_set).mean(axis=0)
-    return float(np.abs(ys(val_set) - mean).mean())
+    return np.abs(ys(val_set) - mean).mean(axis=0)

@@ -60,19 +60,21 @@ def latest(run_dir: str | Path) -> Path | None:
     return complete[-1] if complete else None
 
 
-def save(run_dir: str | Path, step: int, model, optimizer, trainer_state: dict, keep: int = 2) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint path."""
+def save(run_dir: str | Path, step: int, model, optimizer, trainer_state: dict, keep: int = 2,
+         group=None) -> Path:
+    """Collective over `group` (None: every rank). Returns the final checkpoint path."""
     root = checkpoint_dir(run_dir)
     final = root / f"step_{step:08d}"
     partial = root / f"step_{step:08d}.partial"
-    rank0 = dist.get_rank() == 0
+    rank0 = dist.get_rank(group) == 0
     if rank0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save
-    dist.barrier()
+    dist.barrier(group=group)
     model_state, optim_state = _state_dicts(model, optimizer)
     dcp.save({"model": for_checkpoint(model, model_state),
-              "optim": for_checkpoint(model, optim_state)}, checkpoint_id=str(partial))
+              "optim": for_checkpoint(model, optim_state)}, checkpoint_id=str(partial),
+             process_group=group)
     if rank0:
         _write_atomic(partial / STATE_FILE, json.dumps(trainer_state, indent=1))
         if final.exists():
@@ -81,12 +83,13 @@ def save(run_dir: str | Path, step: int, model, optimizer, trainer_state: dict, 
         _write_atomic(root / "latest", final.name)
         for old in sorted(p for p in root.glob("step_*") if not p.name.endswith(".partial"))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    dist.barrier(group=group)
     return final
 
 
-def load(path: str | Path, model, optimizer) -> dict:
-    """Collective: load model and optimizer state in place; return the trainer state."""
+def load(path: str | Path, model, optimizer, group=None) -> dict:
+    """Collective over `group` (None: every rank): load model and optimizer state in place;
+    return the trainer state."""
     path = Path(path)
     if not (path / STATE_FILE).is_file():
         raise CheckpointError(f"{path} is not a complete exatrain checkpoint (no {STATE_FILE}).")
@@ -100,7 +103,8 @@ def load(path: str | Path, model, optimizer) -> dict:
     # tensor-parallel parts become DTensors sharing memory with the local tensors: DCP loads
     # straight into model_state / optim_state, resharding from whatever grid wrote them
     dcp.load({"model": for_checkpoint(model, model_state),
-              "optim": for_checkpoint(model, optim_state)}, checkpoint_id=str(path))
+              "optim": for_checkpoint(model, optim_state)}, checkpoint_id=str(path),
+             process_group=group)
     if live_groups is not None:
         optim_state["param_groups"] = live_groups
     state = {"model": model_state, "optim": optim_state}

@@ -22,6 +22,9 @@ from typing import Any
 
 from ..parallel.options import ParallelOptions
 from ..plan import Plan
+from .observe_options import MLPerfOptions, ObserveOptions
+from ..population.options import PopulationOptions
+from ..population.options import validate as validate_population
 
 
 class ConfigError(ValueError):
@@ -69,6 +72,7 @@ class TrainOptions:
     checkpoint_every: int = 0   # 0 = only at the end
     checkpoint_keep: int = 2
     num_workers: int = 0        # DataLoader worker processes per rank
+    target: str = ""            # e.g. "val_mae <= 0.124": stop when an evaluation reaches it
 
 
 @dataclass
@@ -92,7 +96,8 @@ class ScheduleOptions:
 
 FIXED_SECTIONS = {"run": RunOptions, "plan": PlanOptions, "train": TrainOptions,
                   "optim": OptimOptions, "schedule": ScheduleOptions,
-                  "parallel": ParallelOptions}
+                  "parallel": ParallelOptions, "population": PopulationOptions,
+                  "observe": ObserveOptions, "mlperf": MLPerfOptions}
 
 
 @dataclass
@@ -103,6 +108,9 @@ class Config:
     optim: OptimOptions
     schedule: ScheduleOptions
     parallel: ParallelOptions
+    observe: ObserveOptions
+    mlperf: MLPerfOptions
+    population: PopulationOptions
     model: Any
     data: Any
 
@@ -237,6 +245,16 @@ def validate(config: Config) -> None:
                           "(stage 0 is plain data parallelism: set plan.shard=1).")
     if o.lr <= 0:
         raise ConfigError(f"optim.lr={o.lr} must be positive.")
+    if t.target:
+        from .target import Target
+        try:
+            Target.parse(t.target)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    try:
+        validate_population(config.population, config.plan.trainer)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def micro_batch_size(config: Config, replicas: int) -> int:

@@ -24,7 +24,9 @@ class ResumeError(FileNotFoundError):
 
 def make_run_dir(config: Config) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    base = Path(config.run.out_dir) / f"{config.run.name or config.run.workload}-{stamp}"
+    # a user workload is named by its file or module: "dir/unet.py:build" -> "unet"
+    name = config.run.name or Path(config.run.workload.split(":")[0]).name.removesuffix(".py")
+    base = Path(config.run.out_dir) / f"{name.split('.')[-1]}-{stamp}"
     path, n = base, 1
     while path.exists():
         path, n = Path(f"{base}-{n}"), n + 1
@@ -37,6 +39,8 @@ def find_resume_checkpoint(run_dir: str | Path) -> Path:
     if not run_dir.is_dir():
         raise ResumeError(f"--resume {run_dir}: no such run directory.")
     path = checkpoint.latest(run_dir)
+    if path is None and (run_dir / "trainer_00").is_dir():  # a population: one run per trainer
+        path = checkpoint.latest(run_dir / "trainer_00")
     if path is None:
         raise ResumeError(
             f"--resume {run_dir}: it holds no complete checkpoint (looked in "
@@ -53,42 +57,60 @@ def pipeline_example(workload, config: Config, plan) -> "torch.Tensor | None":
     return torch.stack([workload.train_set[i][0] for i in range(per_replica)])
 
 
-def setup(config: Config, resume_dir: str | None = None) -> tuple:
-    """Join the job, build workload, model and Trainer on this rank. Returns (mesh, trainer)."""
+def join(config: Config):
+    """Join the job: the mesh of the configured Plan over this launch's ranks."""
     from ..launch import detect
 
     launch = detect()
     plan = config.plan.resolve(launch.world_size if launch else 1)
     backend = None if config.run.backend == "auto" else config.run.backend
-    mesh = init(plan, backend=backend, timeout_s=config.run.timeout_s)
+    return init(plan, backend=backend, timeout_s=config.run.timeout_s)
+
+
+def prepare_run(config: Config, mesh, resume_dir: str | None):
+    """Collective: rank 0 prepares the data and the run directory. Returns (workload module,
+    run directory) on every rank."""
+    workload_module = get_workload(config.run.workload)
+    failure = None
+    if mesh.rank == 0:
+        try:
+            workload_module.prepare(config)
+        except Exception as exc:  # tell the others now, or they wait out run.timeout_s
+            failure = exc
+    message = broadcast_object(f"{type(failure).__name__}: {failure}" if failure else None,
+                               mesh.world)
+    if failure is not None:
+        raise failure
+    if message is not None:
+        raise RuntimeError(f"rank 0 could not prepare the data: {message}")
+    if mesh.rank == 0:
+        run_dir = Path(resume_dir) if resume_dir else make_run_dir(config)
+        (run_dir / "config.toml").write_text(tomli_w.dumps(config.to_dict()))
+    else:
+        run_dir = None
+    return workload_module, Path(broadcast_object(str(run_dir) if run_dir else None, mesh.world))
+
+
+def setup(config: Config, resume_dir: str | None = None) -> tuple:
+    """Join the job, build workload, model and Trainer on this rank. Returns (mesh, trainer)."""
+    setup_times = {"init_start": time.time()}  # MLPerf's init and staging phases
+    mesh = join(config)
     try:
-        workload_module = get_workload(config.run.workload)
-        failure = None
-        if mesh.rank == 0:
-            try:
-                workload_module.prepare(config)
-            except Exception as exc:  # tell the others now, or they wait out run.timeout_s
-                failure = exc
-        message = broadcast_object(f"{type(failure).__name__}: {failure}" if failure else None,
-                                   mesh.world)
-        if failure is not None:
-            raise failure
-        if message is not None:
-            raise RuntimeError(f"rank 0 could not prepare the data: {message}")
         resume_from = find_resume_checkpoint(resume_dir) if resume_dir else None
-        if mesh.rank == 0:
-            run_dir = Path(resume_dir) if resume_dir else make_run_dir(config)
-            (run_dir / "config.toml").write_text(tomli_w.dumps(config.to_dict()))
-        else:
-            run_dir = None
-        run_dir = Path(broadcast_object(str(run_dir) if run_dir else None, mesh.world))
+        setup_times["staging_start"] = time.time()
+        workload_module, run_dir = prepare_run(config, mesh, resume_dir)
+        setup_times["staging_stop"] = time.time()
         torch.manual_seed(config.run.seed)  # identical initial weights on every rank
         workload = workload_module.build(config, mesh)
         model = parallelize(workload.model, mesh, config.parallel,
-                            example=pipeline_example(workload, config, plan))
+                            example=pipeline_example(workload, config, mesh.plan))
         workload.model = model  # drop the plain model: under tensor plans it is the full size
         console = TrainConsole() if mesh.rank == 0 else None
         trainer = Trainer(mesh, workload, config, model, run_dir=run_dir, console=console)
+        from ..launch import detect
+        launch = detect()
+        trainer.observer.setup_times.update(setup_times,
+                                            local_world_size=launch.local_world_size if launch else 1)
         if resume_from:
             trainer.resume(resume_from)
             if console:
@@ -101,6 +123,9 @@ def setup(config: Config, resume_dir: str | None = None) -> tuple:
 
 def run_job(config: Config, resume_dir: str | None = None) -> dict:
     """Train per `config` on this rank; returns the run summary."""
+    if config.plan.trainer > 1:
+        from .population import run_population
+        return run_population(config, resume_dir)
     mesh, trainer = setup(config, resume_dir)
     try:
         return trainer.fit()

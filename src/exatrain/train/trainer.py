@@ -45,6 +45,7 @@ from ..workloads.base import Workload
 from . import checkpoint
 from .config import Config, micro_batch_size
 from .memory import StepPeak, state_bytes
+from .observer import StepObserver
 from ..parallel.precision import Precision, keep_norms_fp32, measured_matmul_flops
 from .schedule import lr_at, scaled_lr
 
@@ -107,6 +108,9 @@ class Trainer:
         self.skipped_steps = 0
         self.step = 0
         self.history: list[dict] = []
+        # the ranks that write a checkpoint together: the job, or one trainer of a population
+        self.checkpoint_group = mesh.group
+        self.observer = StepObserver(self)  # exposed comm, ranges, profile, TensorBoard, MLPerf
 
     # ------------------------------------------------------------------ data
     def _rank_indices(self, epoch: int, first_step: int) -> list[int]:
@@ -162,10 +166,11 @@ class Trainer:
                 x, y = self._to_device(next(batches))
                 sync = micro == accum - 1 or not hasattr(self.model, "no_sync")
                 with (self.model.no_sync() if not sync else contextlib.nullcontext()):
-                    with self.precision.autocast():
+                    with self.precision.autocast(), self.observer.phase("forward"):
                         output = self.model(x)
                     loss = self.workload.loss_fn(output.float(), y) / accum  # fp32 loss
-                    self.scaler.scale_loss(loss).backward()
+                    with self.observer.phase("backward"):
+                        self.scaler.scale_loss(loss).backward()
                 loss_sum += loss.detach().item()
         self.scaler.unscale_(self.opt_params)
         # The gradient norm is global (the same on every rank), so every rank reaches the same
@@ -183,7 +188,8 @@ class Trainer:
                 + "Lower optim.lr, add schedule.warmup_steps, set train.clip_grad_norm, or check "
                   "the data for NaNs.")
         if self.scaler.update(finite):
-            self.optimizer.step()
+            with self.observer.phase("optimizer"):
+                self.optimizer.step()
             # at the optimizer step: gradients still alive, optimizer state (lazily) created
             self.last_state_bytes = state_bytes(self.model, self.optimizer)
         else:  # fp16 overflow: skip this step, with a halved loss scale
@@ -195,11 +201,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self, dataset=None) -> dict[str, float]:
+        """The workload's metrics on the validation set (or on `dataset`, e.g. a tournament set)."""
         model = unwrap(self.model)
         was_training = model.training
         model.eval()
-        val = self.workload.val_set
+        val = self.workload.val_set if dataset is None else dataset
         indices = list(range(len(val)))[self.data_axis.rank::self.replicas]
         # Every rank runs the same number of batches, because a sharded or split model's forward
         # is itself collective: the short ranks pad with a repeated sample and ignore its output.
@@ -243,25 +250,34 @@ class Trainer:
         if self.is_main and self.run_dir:
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
+        self.observer.written(record)
+
+    def checkpoint_state(self) -> dict:
+        """What a checkpoint stores besides model and optimizer (subclasses add theirs)."""
+        return {"step": self.step, "plan": str(self.mesh.plan),
+                "world_size": self.mesh.world_size,
+                "zero_stage": self.config.parallel.zero_stage if self.mesh.plan.shard > 1 else 0,
+                "precision": self.precision.name,
+                "loss_scaler": self.scaler.state_dict(),
+                "skipped_steps": self.skipped_steps}
 
     def _save(self) -> None:
         if self.run_dir:
             checkpoint.save(self.run_dir, self.step, self.model, self.optimizer,
-                            {"step": self.step, "plan": str(self.mesh.plan),
-                             "world_size": self.mesh.world_size,
-                             "zero_stage": self.config.parallel.zero_stage
-                             if self.mesh.plan.shard > 1 else 0,
-                             "precision": self.precision.name,
-                             "loss_scaler": self.scaler.state_dict(),
-                             "skipped_steps": self.skipped_steps},
-                            keep=self.config.train.checkpoint_keep)
+                            self.checkpoint_state(), keep=self.config.train.checkpoint_keep,
+                            group=self.checkpoint_group)
 
-    def resume(self, path: Path) -> None:
-        state = checkpoint.load(path, self.model, self.optimizer)
+    def resume(self, path: Path) -> dict:
+        state = checkpoint.load(path, self.model, self.optimizer, group=self.checkpoint_group)
         self.step = int(state["step"])
         if self.scaler.enabled and "loss_scaler" in state and state.get("precision") == "fp16":
             self.scaler.load_state_dict(state["loss_scaler"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        return state
+
+    def after_step(self) -> None:
+        """Called after every step's logging and evaluation, before its checkpoint (a hook for
+        subclasses: the population's tournaments)."""
 
     @property
     def tokens_per_sample(self) -> int:
@@ -320,13 +336,16 @@ class Trainer:
         mark, start = ledger.snapshot(), time.perf_counter()
         eval_metrics: dict[str, float] = {}
         progress = self.console.progress(self.total_steps, self.step) if self.console else None
+        self.observer.fit_begin()
         try:
             while self.step < self.total_steps:
                 t0 = time.perf_counter()
+                self.observer.step_begin()
                 loss, lr = self._train_step(batches)
                 if self.mesh.device.type == "cuda":
                     torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
+                self.observer.step_end()
                 self.step += 1
                 interval_losses.append(loss)
                 interval_times.append(dt)
@@ -355,21 +374,29 @@ class Trainer:
                         record.update(loss_scale=self.scaler.scale, skipped_steps=self.skipped_steps)
                     if isinstance(self.model, PipelineModel):
                         record.update(self._pipeline_timeline())
+                    self.observer.log(record)
                     self._log(record)
                     if progress:
                         progress.log(record)
                     interval_losses, interval_times, mark = [], [], ledger.snapshot()
+                reached = False
                 if (t.eval_every and self.step % t.eval_every == 0) or last:
+                    eval_start = time.time()
                     eval_metrics = self.evaluate()
                     self._log({"step": self.step, **eval_metrics})
                     if progress:
                         progress.log({"step": self.step, **eval_metrics})
-                if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or last:
+                    reached = self.observer.evaluated(eval_metrics, eval_start)  # train.target
+                self.after_step()
+                if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or last or reached:
                     self._save()
+                if reached:
+                    break
         finally:  # a failed step must not leave a live progress bar or loader workers
             if progress:
                 progress.close()
             batches.close()
+            self.observer.close()  # the profile trace and event files of what ran
         if not eval_metrics:
             eval_metrics = self.evaluate()
         wall = time.perf_counter() - start
@@ -393,6 +420,7 @@ class Trainer:
             summary["zero_stage"] = self.config.parallel.zero_stage
         if self.scaler.enabled:
             summary.update(loss_scale=self.scaler.scale, skipped_steps=self.skipped_steps)
+        summary.update(self.observer.summary(start))
         if self.is_main and self.run_dir:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary

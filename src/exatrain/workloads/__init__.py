@@ -16,10 +16,15 @@ WORKLOAD_MODULES = {
 
 
 def get_workload(name: str):
+    """The built-in workload `name`, or a user's `module:function` / `file.py[:function]`."""
+    from .user import is_user_spec, load_user_workload
+    if is_user_spec(name):
+        return load_user_workload(name)
     if name not in WORKLOAD_MODULES:
         import difflib
         close = difflib.get_close_matches(name, WORKLOAD_MODULES, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"run.workload={name!r} is unknown; choose one of "
-                         f"{', '.join(sorted(WORKLOAD_MODULES))}.{hint}")
+                         f"{', '.join(sorted(WORKLOAD_MODULES))}, or name your own build "
+                         f"function as 'package.module:build' or 'path/to/file.py'.{hint}")
     return importlib.import_module(WORKLOAD_MODULES[name])

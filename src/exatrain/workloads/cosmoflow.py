@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..data.cosmoflow import CosmoFlowDataset, predict_mean_baseline_mae, write_cosmoflow
+from ..data.cosmoflow import (PARAM_NAMES, CosmoFlowDataset, predict_mean_baseline_per_target,
+                              write_cosmoflow)
 from ..models.cosmoflow import CosmoFlow
 from .base import Workload
 
@@ -78,7 +79,9 @@ def prepare(config, progress=None) -> Path:
     """Generate the synthetic set once if asked and missing (run on one process, before build)."""
     options = config.data
     path = Path(options.path)
-    if options.generate and not (path / "train.h5").exists() and not any(path.glob("*/*.h5")):
+    given = (path / "train.h5").exists() or any(path.glob("*/*.h5")) or any(path.glob("*/*.hdf5")) \
+        or any(path.glob("*/*_data.npy"))
+    if options.generate and not given:
         write_cosmoflow(path, samples=options.samples, size=options.size, seed=options.seed,
                         progress=progress)
     return path
@@ -92,13 +95,34 @@ def _split(path: Path, name: str) -> Path:
     return path / f"{name}.h5"  # the dataset raises a FileNotFoundError that says what to run
 
 
+def check_model_fits_data(config, data_set: CosmoFlowDataset) -> None:
+    """Refuse, before any step, a model whose input cube differs from the data's samples
+    (otherwise the first step fails deep inside with a matmul shape error)."""
+    m, d = config.model, config.data
+    edge = data_set.sample_shape[:3]
+    if edge == (m.size,) * 3:
+        return
+    cube = "×".join(map(str, edge))
+    generated = (f" (data.size={d.size} only sizes newly generated data; {d.path} already "
+                 "holds data, so nothing was generated: delete it or point data.path elsewhere "
+                 "to generate new data)") if d.generate and d.size == m.size else ""
+    fix = (f"set model.size={edge[0]}" + ("" if d.size == edge[0] else f" and data.size={edge[0]}")
+           if len(set(edge)) == 1 else "use cubic samples")
+    new = (f"; to generate {m.size}³ data instead, set data.size={m.size} and a data.path "
+           "that does not exist yet") if d.generate else ""
+    raise ValueError(
+        f"model.size={m.size} expects {m.size}³ samples, but the data in {data_set.path} "
+        f"({data_set.layout} layout) hold {cube} samples of {data_set.sample_shape[3]} "
+        f"channels{generated}. To train on these data, {fix}{new}.")
+
+
 def build(config, mesh) -> Workload:
     m, d = config.model, config.data
-    if m.size != d.size and d.generate:
-        raise ValueError(f"model.size={m.size} but data.size={d.size}: they must match.")
     path = Path(d.path)
     train_set = CosmoFlowDataset(_split(path, "train"))
     val_set = CosmoFlowDataset(_split(path, "val"))
+    for data_set in (train_set, val_set):
+        check_model_fits_data(config, data_set)
     region = None
     if mesh.plan.space_degree > 1:
         # spatial parallelism: each rank reads only its block of every sample (HDF5 hyperslab)
@@ -114,16 +138,22 @@ def build(config, mesh) -> Workload:
                       dropout=m.dropout)
 
     def metric_sums(output, target):
-        return {"abs_err": (output.float() - target).abs().sum(),
-                "sq_err": ((output.float() - target) ** 2).sum(),
-                "count": torch.tensor(float(target.numel()))}
+        err = (output.float() - target).abs()
+        return {"abs_err": err.sum(), "sq_err": ((output.float() - target) ** 2).sum(),
+                "count": torch.tensor(float(target.numel())),
+                **{f"abs_err_{name}": err[:, i].sum() for i, name in enumerate(PARAM_NAMES)}}
 
     def finalize(s):
-        return {"val_mae": s["abs_err"] / s["count"], "val_mse": s["sq_err"] / s["count"]}
+        per_target = s["count"] / len(PARAM_NAMES)
+        return {"val_mae": s["abs_err"] / s["count"], "val_mse": s["sq_err"] / s["count"],
+                **{f"val_mae_{name}": s[f"abs_err_{name}"] / per_target for name in PARAM_NAMES}}
 
+    baseline = predict_mean_baseline_per_target(train_set, val_set)
     return Workload(model=model, train_set=train_set, val_set=val_set, loss_fn=F.mse_loss,
                     metric_sums=metric_sums, finalize=finalize,
-                    baselines={"baseline_mae": predict_mean_baseline_mae(train_set, val_set)},
+                    baselines={"baseline_mae": float(baseline.mean()),
+                               **{f"baseline_mae_{name}": float(b)
+                                  for name, b in zip(PARAM_NAMES, baseline)}},
                     flops_per_sample=3 * cosmoflow_forward_flops(m.size, m.base_channels, m.conv_layers))
 
 

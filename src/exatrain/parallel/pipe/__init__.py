@@ -17,7 +17,7 @@ from torch import nn
 from ...comm import broadcast_object
 from ..precision import Precision
 from .model import PipelineModel, check_microbatches
-from .schedules import SCHEDULES, bubble_formula, stage_indices, virtual_stages
+from .schedules import SCHEDULES, bubble_formula, check_schedule_microbatches, stage_indices, virtual_stages
 from .split import PipeSplitError, split_model
 
 __all__ = ["PipelineModel", "PipeSplitError", "SCHEDULES", "bubble_formula", "pipeline_parallel",
@@ -38,6 +38,7 @@ def pipeline_parallel(model: nn.Module, mesh, options, example: torch.Tensor | N
     stages = axis.size * per_rank
     microbatches = options.microbatches or 2 * stages
     check_microbatches(example.shape[0], microbatches)
+    check_schedule_microbatches(options.pipe_schedule, axis.size, microbatches)
     micro = example[: max(1, example.shape[0] // microbatches)].to(mesh.device)
     split = list(options.pipe_split) or None
     modules, starts = split_model(model, stages, micro, starts=split, balance=options.pipe_balance)

@@ -54,6 +54,17 @@ def bubble_formula(name: str, ranks: int, microbatches: int, per_rank: int = 1) 
     return (p - 1) / (work + p - 1)
 
 
+def check_schedule_microbatches(name: str, ranks: int, microbatches: int) -> None:
+    """Refuse, with the fix, what torch's schedules would reject only inside the first step:
+    1f1b needs m ≥ p micro-batches (torch 2.13's Schedule1F1B raises at its first step, without
+    saying which setting to change)."""
+    if name == "1f1b" and microbatches < ranks:
+        raise ValueError(f"parallel.pipe_schedule='1f1b' needs at least as many micro-batches as "
+                         f"pipeline ranks: parallel.microbatches={microbatches} < plan.pipe={ranks}; "
+                         f"set parallel.microbatches >= {ranks} (the bubble shrinks as it grows), "
+                         "or use gpipe.")
+
+
 def build_schedule(name: str, stages: list, microbatches: int, loss_fn):
     cls, looped = SCHEDULES[name]
     if looped:

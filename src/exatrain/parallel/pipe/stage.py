@@ -85,6 +85,13 @@ class CountedStage(PipelineStage):
     def get_bwd_send_ops(self, bwd_chunk_id: int):
         return self._count(super().get_bwd_send_ops(bwd_chunk_id), "grad")
 
+    def forward_maybe_with_nosync(self, *args, **kwargs):
+        # zero-bubble's split backward (torch's stage_backward_input) detaches the stage output
+        # in place, which a view does not allow (a stage of only a Flatten failed, or hung its
+        # peer): hand it a tensor of its own
+        out = super().forward_maybe_with_nosync(*args, **kwargs)
+        return out.clone() if isinstance(out, torch.Tensor) and out._base is not None else out
+
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
         with self.timeline.span(self.stage_index, fwd_chunk_id, "F"):
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)

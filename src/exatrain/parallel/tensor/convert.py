@@ -42,11 +42,17 @@ Gradient synchronisation (`gradsync.GradSync`) follows each parameter's metadata
     whole parameters inside a
     sequence-parallel region         sum over tensor, mean over data
 
+Attention heads: a split attention module's head-count attributes (`n_head`, `n_heads`,
+`num_heads`, `num_attention_heads`) are set to the rank's local head count, and a forward that
+cannot run on a share of the heads (`C // self.n_head`) is refused before training (heads.py).
+
 Dropout: at each training forward the tensor group agrees on one seed (an 8-byte broadcast on
-the tensor axis, tag "control", drawn from rank 0's generator, which the Trainer seeds per step),
-offset by the z coordinate, so replicated activations get identical masks on every rank holding
-them. Masks inside split regions (attention heads, sequence shards) come from the same stream,
-so they are valid masks but not the ones a serial run would draw.
+the tensor axis, tag "control", derived on rank 0 from its last torch.manual_seed without drawing
+from its stream), offset by the z coordinate, so replicated activations get identical masks on
+every rank holding them. The forward draws from exatrain's stream and the user's global random
+state is restored when the forward returns (rng.py). Masks inside split regions (attention
+heads, sequence shards) come from the same stream, so they are valid masks but not the ones a
+serial run would draw.
 
 Communication per step is the sum of the per-layer formulas in linear1d.py / linear3d.py, the
 boundary conversions and the gradient all-reduce; `TensorParallel.bytes_per_step()` evaluates
@@ -65,8 +71,10 @@ from ...comm import broadcast
 from ...comm.autograd import gather, scatter
 from ...mesh import Mesh
 from ..gradsync import GradSync, set_grad_axes
+from .heads import head_count_attrs, localize_heads
 from .linear1d import SEQ_DIM, ColumnParallelLinear, RowParallelLinear, SharedInput
 from .linear3d import Grid3D, Linear3D, SharedScatter, gather_batch, scatter_batch
+from .rng import ForwardRng
 
 # Modules through which features stay where they are (elementwise, or identity).
 FEATURE_LOCAL = (nn.GELU, nn.ReLU, nn.ReLU6, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.LeakyReLU,
@@ -244,10 +252,17 @@ class TensorParallel:
         self._sp_pair_parents: list[nn.Module] = []
         self.gradsync: GradSync | None = None
         self._seed = 0
+        self.rng = ForwardRng()
+        self.local_heads: dict[str, dict[str, int]] = {}  # module name -> {attribute: heads}
         self._boundary = {"rows_out": 0, "rows_in_grad": 0, "seed": 0}
         self._sp_bytes: dict[str, int] = {}
 
     # ------------------------------------------------------------------ construction
+    @property
+    def _heads_split(self) -> tuple[int, str]:
+        """How many parts a split attention module's heads go into, and over which axis."""
+        return (self.grid.x.size, "tensor_x") if self.three_d else (self.tensor.size, "tensor")
+
     def _fits_pair(self, cols: list[nn.Linear], row: nn.Linear, head_dim: int | None) -> bool:
         if self.three_d:
             X, Y, Z = self.grid.x.size, self.grid.y.size, self.grid.z.size
@@ -281,9 +296,15 @@ class TensorParallel:
             for parent_name, parent, col_names, row_name in find_pairs(root):
                 cols = [getattr(parent, n) for n in col_names]
                 row = getattr(parent, row_name)
+                heads = head_count_attrs(parent)
+                head_dim = _head_dim(parent) or (cols[0].out_features // min(heads.values())
+                                                 if heads else None)
                 if any(id(l.weight) in tied for l in (*cols, row)) or \
-                        not self._fits_pair(cols, row, _head_dim(parent)):
+                        not self._fits_pair(cols, row, head_dim):
                     continue
+                if heads:  # before anything is split: a refusal leaves nothing half-done
+                    self.local_heads[parent_name] = localize_heads(parent_name, parent,
+                                                                   *self._heads_split)
                 sp = id(parent) in in_sp
                 if self.three_d:
                     shared = SharedScatter(self.grid.y)
@@ -390,7 +411,9 @@ class TensorParallel:
                 if id(module) in applied:
                     continue
                 leaf = not any(True for _ in module.children())
-                if _head_dim(module) is not None or isinstance(module, nn.MultiheadAttention) \
+                # attention: a head size, or a head count (nanoGPT's fused c_attn has only n_head)
+                if _head_dim(module) is not None or head_count_attrs(module) or \
+                        isinstance(module, nn.MultiheadAttention) \
                         or leaf and not isinstance(module, TOKEN_LOCAL):
                     raise ValueError(
                         f"parallel.sequence_parallel: {names.get(id(module), module)} "
@@ -416,7 +439,7 @@ class TensorParallel:
         checkpointing) draws the same ones again."""
         if self._is_training:
             offset = 0 if shared else 1 + self.tensor.rank
-            torch.manual_seed((self._seed + 1_000_003 * (site + 1) + offset) % 2 ** 63)
+            self.rng.reseed((self._seed + 1_000_003 * (site + 1) + offset) % 2 ** 63)
 
     def _record(self, key: str, t: torch.Tensor) -> None:
         self._sp_bytes[key] = self._sp_bytes.get(key, 0) + t.numel() * t.element_size()
@@ -475,11 +498,11 @@ class TensorParallel:
         if self._is_training and self.tensor.size > 1:
             seed = torch.zeros(1, dtype=torch.int64, device=self.mesh.device)
             if self.tensor.rank == 0:
-                seed.fill_(int(torch.randint(0, 2 ** 62, (1,))))
+                seed.fill_(self.rng.next_seed())
             broadcast(seed, self.tensor, src=0, tag="control")
             self._seed = int(seed)
             self._boundary["seed"] = seed.numel() * seed.element_size()
-            torch.manual_seed(self._seed + (self.z.rank if self.z is not None else 0))
+            self.rng.enter(self._seed + (self.z.rank if self.z is not None else 0))
         if not self.three_d or self.z.size == 1:
             return None
         batch = None
@@ -507,6 +530,7 @@ class TensorParallel:
         return args, kwargs
 
     def _after(self, module, args, output):
+        self.rng.exit()  # the user's random state, as it was before the forward
         if not self.three_d or self.z.size == 1 or self._batch is None:
             return output
         batch, self._batch = self._batch, None
@@ -559,6 +583,7 @@ class TensorParallel:
     def summary(self) -> dict:
         return {"plan": str(self.mesh.plan), "split": list(self.split_names),
                 "whole": list(self.whole_names), "chained": list(self.pairs),
+                "local_heads": dict(self.local_heads),
                 "sequence_parallel_regions": list(self.sp_regions)}
 
 

@@ -1,0 +1,142 @@
+"""The Python API: train your own model on your own data, under any Plan and any launcher.
+
+    import exatrain as et
+    summary = et.fit(model, train_set, val_set, loss=F.mse_loss,
+                     metrics={"mae": lambda out, y: (out - y).abs()},
+                     plan=et.Plan(data=2), train={"steps": 200, "batch_size": 8},
+                     optim={"lr": 1e-3})
+
+`fit` runs on every rank of the job: start the script with `torchrun --nproc-per-node N`,
+`srun`, `exatrain run script.py --nproc N`, or, from a notebook, `et.launch(fn, nproc=N)` with
+`fn` importable from a module. It uses the same Trainer, checkpoints, metrics.jsonl and
+summary.json as `exatrain run`; the keyword sections are the config file's (run, plan, train,
+optim, schedule, parallel), checked the same way.
+
+The model: give an nn.Module built identically on every rank, or a zero-argument function
+that builds it (called after seeding with run.seed, so every rank builds the same weights). A
+module is made equal on every rank by a broadcast of its parameters and buffers from rank 0
+(4 bytes per fp32 element, over the whole job, tag "control") before any strategy is applied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import runpy
+import sys
+from pathlib import Path
+
+import tomli_w
+import torch
+from torch import nn
+
+from ..comm import broadcast, broadcast_object
+from ..mesh import init
+from ..parallel import parallelize
+from ..plan import Plan
+from ..workloads.user import Task, workload_from_task
+from .config import FIXED_SECTIONS, Config, ConfigError, build_section, load_config, validate
+from .console import TrainConsole
+from .run import make_run_dir
+from .trainer import Trainer
+
+
+@dataclasses.dataclass
+class NoOptions:
+    """[model] and [data] of a job started from Python: the objects are given, not configured."""
+
+
+def make_config(config=None, **sections) -> Config:
+    """A Config from a TOML path, a Config, or nothing, with keyword sections on top."""
+    if isinstance(config, (str, Path)):
+        base = load_config(config)
+    elif isinstance(config, Config):
+        base = config
+    elif config is None:
+        base = None
+    else:
+        raise TypeError(f"config must be a TOML path or an exatrain Config, got {config!r}")
+    unknown = set(sections) - set(FIXED_SECTIONS)
+    if unknown:
+        raise ConfigError(f"unknown section(s) {sorted(unknown)}; fit takes "
+                          f"{', '.join(FIXED_SECTIONS)}")
+    built = {}
+    for name, cls in FIXED_SECTIONS.items():
+        values = dataclasses.asdict(getattr(base, name)) if base is not None else {}
+        values.update(sections.get(name) or {})
+        built[name] = build_section(cls, values, name)
+    if base is None or built["run"].workload == "cosmoflow":
+        built["run"].workload = "python"
+    out = Config(**built, model=base.model if base else NoOptions(),
+                 data=base.data if base else NoOptions())
+    validate(out)
+    return out
+
+
+def _same_on_every_rank(model: nn.Module, mesh) -> None:
+    for t in [*model.parameters(), *model.buffers()]:
+        if not t.is_meta:
+            broadcast(t.data, mesh.world, src=0, tag="control")
+
+
+def fit(model, train_set, val_set, loss, metrics: dict | None = None, *, plan: Plan | None = None,
+        config=None, baselines: dict | None = None, resume: str | None = None,
+        **sections) -> dict:
+    """Train `model` (or a function building it) on `train_set`; evaluate `loss` and `metrics`
+    on `val_set` every train.eval_every steps. Returns the run summary (also in
+    RUN_DIR/summary.json), with `val_loss` and `val_<name>` for every metric."""
+    from ..launch import detect
+
+    config = make_config(config, **sections)
+    launch = detect()
+    world = launch.world_size if launch else 1
+    if plan is None:
+        plan = config.plan.resolve(world)
+    elif plan.world_size != world:
+        raise ValueError(
+            f"{plan} needs {plan.world_size} ranks but this process is one of {world}. Start the "
+            f"script with `exatrain run SCRIPT --nproc {plan.world_size}`, `torchrun "
+            f"--nproc-per-node {plan.world_size} SCRIPT`, srun, or et.launch(fn, "
+            f"nproc={plan.world_size}).")
+    backend = None if config.run.backend == "auto" else config.run.backend
+    mesh = init(plan, backend=backend, timeout_s=config.run.timeout_s)
+    try:
+        torch.manual_seed(config.run.seed)
+        if not isinstance(model, nn.Module):
+            model = model()
+        else:
+            model = model.to(mesh.device)
+            _same_on_every_rank(model, mesh)
+        workload = workload_from_task(Task(model=model, train_set=train_set, val_set=val_set,
+                                           loss=loss, metrics=dict(metrics or {}),
+                                           baselines=dict(baselines or {})))
+        run_dir = None
+        if mesh.rank == 0:
+            run_dir = Path(resume) if resume else make_run_dir(config)
+            (run_dir / "config.toml").write_text(tomli_w.dumps(config.to_dict()))
+        run_dir = Path(broadcast_object(str(run_dir) if run_dir else None, mesh.world))
+        parallel_model = parallelize(workload.model, mesh, config.parallel)
+        workload.model = parallel_model
+        trainer = Trainer(mesh, workload, config, parallel_model, run_dir=run_dir,
+                          console=TrainConsole() if mesh.rank == 0 else None)
+        if resume:
+            from .run import find_resume_checkpoint
+            trainer.resume(find_resume_checkpoint(resume))
+        return trainer.fit()
+    finally:
+        mesh.close()
+
+
+def run_script(path: str, argv: list[str] | None = None):
+    """Run a Python script as `__main__` (what every rank of `exatrain run SCRIPT` does)."""
+    sys.argv = [str(path), *(argv or [])]
+    runpy.run_path(str(path), run_name="__main__")
+
+
+def launch(fn, nproc: int, args: tuple = ()) -> list:
+    """Start `nproc` local ranks (e.g. from a notebook) running `fn(*args)`, or the script at
+    path `fn`; returns each rank's result. `fn` must be importable from a module (spawned ranks
+    import it), not defined in a notebook cell."""
+    from ..launch import spawn
+    if isinstance(fn, (str, Path)):
+        return spawn(run_script, nproc, args=(str(fn), list(args)))
+    return spawn(fn, nproc, args=tuple(args))

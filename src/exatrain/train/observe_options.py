@@ -1,0 +1,24 @@
+"""Config sections for what a run records about itself: [observe] and [mlperf]."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ObserveOptions:
+    tensorboard: bool = True     # event files in RUN_DIR/tensorboard (`tensorboard --logdir runs`)
+    profile_steps: int = 0       # > 0: torch.profiler trace of this many steps (`--profile N`)
+    profile_skip: int = 2        # steps to leave out first (warm-up, allocation), then 1 of warm-up
+    profile_ranks: list[int] = field(default_factory=list)  # empty: every rank
+
+
+@dataclass
+class MLPerfOptions:
+    enabled: bool = False        # write RUN_DIR/mlperf.log (:::MLLOG lines, MLPerf HPC keys)
+    benchmark: str = ""          # empty: the workload's MLPerf HPC name (cosmoflow, deepcam)
+    organization: str = "exatrain"
+    division: str = "open"       # closed | open
+    status: str = "research"     # onprem | cloud | preview | research
+    platform: str = ""           # empty: "<nodes>x<accelerator>"
+    accelerators_per_node: int = 0  # 0: the local ranks of this job (GPUs on a node, CPU ranks)

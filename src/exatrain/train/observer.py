@@ -1,0 +1,206 @@
+"""What a run records about itself, step by step, beside metrics.jsonl.
+
+The Trainer calls one `StepObserver` from a few places (phase ranges, step begin/end, each logged
+record, each evaluation, the end of fit), so strategies and the training loop stay free of it:
+
+- exposed communication: the seconds this rank was blocked in `exatrain.comm` during the step (the
+  ledger's `blocked_s`, see `comm.timing`), as `exposed_comm_s` (mean per step over the logging
+  interval) and `exposed_comm_fraction` (of the step time) in every logged record;
+- named ranges `phase.forward`, `phase.backward`, `phase.optimizer` (profiler + NVTX);
+- `[observe] profile_steps = N` (`exatrain run --profile N`): a torch.profiler trace of N steps, after
+  `profile_skip` steps and one warm-up step, written as Chrome/Perfetto JSON to
+  RUN_DIR/profile/rank<R>.json on every rank (or the ranks in `profile_ranks`);
+- TensorBoard event files in RUN_DIR/tensorboard (rank 0): every number of every metrics.jsonl
+  record under its own key, `bytes_per_step/<axis>` for the per-axis bytes, and `step_loss` for
+  each step's loss;
+- `[mlperf] enabled`: the MLPerf HPC log (`train.mlperf`), and `train.target`: stop when reached.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from ..comm import all_gather_object
+from ..comm.timing import named_range
+from ..parallel.precision import measured_matmul_flops
+from .target import Target
+
+
+class StepObserver:
+    def __init__(self, trainer, setup_times: dict | None = None):
+        config, mesh = trainer.config, trainer.mesh
+        self.trainer, self.ledger = trainer, mesh.ledger
+        self.options = config.observe
+        self.setup_times = setup_times or {}
+        self.run_dir = trainer.run_dir
+        self.is_main = trainer.is_main
+        self.target = Target.parse(config.train.target) if config.train.target else None
+        self.reached_at: int | None = None
+        self.time_to_train_s: float | None = None
+        self._blocked0 = 0.0
+        self._exposed: list[float] = []
+        self._peak_flops: float | None = None
+        self.writer = self._tensorboard() if self.is_main and self.run_dir else None
+        self.profiler = self._profiler(mesh.rank)
+        self.mlperf = None  # opened at fit_begin, once the launcher's figures are known
+
+    # ------------------------------------------------------------------ set-up
+    def _tensorboard(self):
+        if not self.options.tensorboard:
+            return None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise ImportError(f"observe.tensorboard = true needs the tensorboard package ({exc}); "
+                              "pip install tensorboard, or set observe.tensorboard = false.") from None
+        return SummaryWriter(str(self.run_dir / "tensorboard"))
+
+    def _profiler(self, rank: int):
+        o = self.options
+        if o.profile_steps <= 0 or not self.run_dir or (o.profile_ranks and rank not in o.profile_ranks):
+            return None
+        out = Path(self.run_dir) / "profile"
+        out.mkdir(exist_ok=True)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available() and self.trainer.mesh.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+
+        def write(prof) -> None:
+            prof.export_chrome_trace(str(out / f"rank{rank}.json"))
+
+        profiler = torch.profiler.profile(
+            activities=activities, record_shapes=False, with_stack=False,
+            schedule=torch.profiler.schedule(wait=o.profile_skip, warmup=1,
+                                             active=o.profile_steps, repeat=1),
+            on_trace_ready=write)
+        profiler.start()
+        return profiler
+
+    # ------------------------------------------------------------------ called by the Trainer
+    def phase(self, name: str):
+        """A named range around one phase of the step (forward, backward, optimizer)."""
+        return named_range(f"phase.{name}")
+
+    def fit_begin(self) -> None:
+        t, c = self.trainer, self.trainer.config
+        if c.mlperf.enabled and self.is_main and self.run_dir and self.mlperf is None:
+            from .mlperf import MLPerfLog
+            world = t.mesh.world_size
+            per_node = c.mlperf.accelerators_per_node or \
+                int(self.setup_times.get("local_world_size") or world)
+            self.mlperf = MLPerfLog(self.run_dir / "mlperf.log", c.mlperf, c.run.workload,
+                                    max(1, world // per_node), per_node)
+            hyper = {"global_batch_size": c.train.batch_size, "gradient_accumulation_frequency":
+                     c.train.grad_accum, "train_samples": len(t.workload.train_set),
+                     "eval_samples": len(t.workload.val_set), "seed": c.run.seed,
+                     "opt_name": c.optim.name, "opt_base_learning_rate": t.peak_lr,
+                     "opt_learning_rate_warmup_steps": c.schedule.warmup_steps}
+            self.mlperf.begin(self.setup_times, hyper)
+            self.mlperf.block_start(self.epoch(), self._epochs_per_block())
+
+    def step_begin(self) -> None:
+        self._blocked0 = self.ledger.blocked_total()
+        self.ledger.drain_async_tail()  # spans of what ran between steps (evaluation) do not count
+
+    def step_end(self) -> None:
+        self._exposed.append(self.ledger.blocked_total() - self._blocked0
+                             + self.ledger.drain_async_tail())
+        if self.profiler:
+            self.profiler.step()
+
+    def log(self, record: dict) -> None:
+        """Add the interval's exposed communication to a training record (before it is written)."""
+        if self._exposed and "step_s" in record:
+            exposed = sum(self._exposed) / len(self._exposed)
+            mean_step = record["samples_per_s"] and \
+                self.trainer.config.train.batch_size / record["samples_per_s"]
+            record["exposed_comm_s"] = exposed
+            record["exposed_comm_fraction"] = exposed / mean_step if mean_step else math.nan
+            self._exposed = []
+        flops = self.trainer.workload.flops_per_sample
+        if flops and "samples_per_s" in record and "mfu" not in record:
+            if self._peak_flops is None:  # measured once per run: it takes a tenth of a second
+                self._peak_flops = measured_matmul_flops(self.trainer.mesh.device,
+                                                         self.trainer.precision.dtype)
+            record["mfu"] = flops * record["samples_per_s"] / self._peak_flops / \
+                self.trainer.mesh.world_size
+
+    def written(self, record: dict) -> None:
+        """A record went to metrics.jsonl: the same numbers go to TensorBoard."""
+        if not self.writer:
+            return
+        step = record["step"]
+        for key, value in record.items():
+            if key == "step":
+                continue
+            if isinstance(value, bool):
+                value = float(value)
+            if isinstance(value, (int, float)):
+                self.writer.add_scalar(key, value, step)
+            elif isinstance(value, dict):
+                for sub, v in value.items():
+                    if isinstance(v, (int, float)):
+                        self.writer.add_scalar(f"{key}/{sub}", v, step)
+            elif key == "step_losses":
+                for i, loss in enumerate(value):
+                    self.writer.add_scalar("step_loss", loss, step - len(value) + 1 + i)
+        self.writer.flush()
+
+    def epoch(self) -> float:
+        """The (1-based, fractional) epoch the next step belongs to, as MLPerf counts."""
+        return 1 + self.trainer.step / self.trainer.steps_per_epoch
+
+    def _epochs_per_block(self) -> float:
+        t = self.trainer
+        every = t.config.train.eval_every or t.total_steps
+        return max(1, min(every, t.total_steps - t.step)) / t.steps_per_epoch
+
+    def evaluated(self, metrics: dict, eval_start_s: float) -> bool:
+        """After an evaluation: MLPerf records; True when `train.target` is reached (stop now)."""
+        reached = bool(self.target and self.target.reached(metrics))
+        if self.mlperf:
+            self.mlperf.evaluation(self.epoch(), metrics, eval_start_s)
+            if not reached and self.trainer.step < self.trainer.total_steps:
+                self.mlperf.block_start(self.epoch(), self._epochs_per_block())
+        if reached and self.reached_at is None:
+            self.reached_at = self.trainer.step
+        return reached
+
+    def summary(self, fit_start_s: float) -> dict:
+        """Figures for the run summary; closes the log, the writer and the profiler."""
+        out: dict = {"memory_per_rank": self._memory_per_rank()}
+        if self.target:
+            out["target"] = str(self.target)
+            out["target_reached"] = self.reached_at is not None
+            if self.reached_at is not None:
+                out["target_reached_step"] = self.reached_at
+        if self.mlperf:
+            self.time_to_train_s = self.mlperf.end(self.reached_at is not None)
+        elif self.reached_at is not None:
+            self.time_to_train_s = time.perf_counter() - fit_start_s
+        if self.time_to_train_s is not None and self.reached_at is not None:
+            out["time_to_train_s"] = self.time_to_train_s
+        self.close()
+        return out
+
+    def _memory_per_rank(self) -> list[dict]:
+        """Every rank's state and peak bytes (one small all-gather at the end of fit)."""
+        from .trainer import peak_memory_bytes
+        t = self.trainer
+        figures = t._memory_figures()
+        mine = {"rank": t.mesh.rank, "state_bytes": figures.get("state_bytes"),
+                "peak_activation_bytes": figures.get("peak_activation_bytes"),
+                "peak_mem_bytes": peak_memory_bytes(t.mesh.device)[0]}
+        return all_gather_object(mine, t.mesh.world)
+
+    def close(self) -> None:
+        if self.profiler:
+            self.profiler.stop()
+            self.profiler = None
+        if self.writer:
+            self.writer.close()
+            self.writer = None

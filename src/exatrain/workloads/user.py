@@ -1,0 +1,223 @@
+"""Workloads written by the user: a Task (model, data sets, loss, metrics), and the entry point
+`run.workload = "package.module:build"` or `"path/to/file.py:build"` (`:build` may be left out of
+a file path, which then must define `build`).
+
+The named function receives its options from the config's [model] and [data] sections. It
+declares them in its signature, so a typo is still an error that names the closest key:
+
+    @dataclass
+    class DataOptions:
+        path: str = "volumes.h5"
+
+    def build(data: DataOptions, channels: int = 16, depth: int = 2, mesh=None) -> exatrain.Task:
+        ...
+
+  * a parameter `data` (or `model`) annotated with a dataclass (or defaulting to one of its
+    instances) takes that section, checked against the dataclass fields;
+  * every other parameter with a default is a key of [model];
+  * a parameter named `mesh` receives the live Mesh (for rank-dependent reading).
+
+The function returns a `Task` (or a dict with its fields).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from torch import nn
+from torch.utils.data import Dataset
+
+from .base import Workload
+from .metrics import Mean, metric_functions
+
+
+@dataclass
+class Task:
+    """What a user hands exatrain: a plain model, map-style data sets, a loss, named metrics.
+
+    `loss(output, target)` returns the batch-mean loss; `metrics` maps names to a callable
+    (a Mean of its values), `exatrain.Mean` or `exatrain.Ratio`; they appear as `val_<name>`.
+    `val_loss` is always reported. `baselines` are copied into the run summary.
+    """
+    model: nn.Module
+    train_set: Dataset
+    val_set: Dataset
+    loss: Callable
+    metrics: dict = field(default_factory=dict)
+    baselines: dict = field(default_factory=dict)
+    flops_per_sample: float = 0.0
+
+
+def workload_from_task(task: Task) -> Workload:
+    for name in ("train_set", "val_set"):
+        ds = getattr(task, name)
+        if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
+            raise TypeError(f"Task.{name} must be a map-style Dataset (with __getitem__ and "
+                            f"__len__), got {type(ds).__name__}")
+    if not isinstance(task.model, nn.Module):
+        raise TypeError(f"Task.model must be a torch.nn.Module, got {type(task.model).__name__}")
+    metrics = {"loss": Mean(task.loss), **task.metrics}
+    metric_sums, finalize = metric_functions(metrics)
+    return Workload(model=task.model, train_set=task.train_set, val_set=task.val_set,
+                    loss_fn=task.loss, metric_sums=metric_sums, finalize=finalize,
+                    baselines=dict(task.baselines), flops_per_sample=task.flops_per_sample)
+
+
+def as_task(result, where: str) -> Task:
+    if isinstance(result, Task):
+        return result
+    if isinstance(result, dict):
+        known = {f.name for f in dataclasses.fields(Task)}
+        unknown = set(result) - known
+        if unknown:
+            raise ValueError(f"{where} returned unknown key(s) {sorted(unknown)}; a Task has "
+                             f"{', '.join(sorted(known))}")
+        return Task(**result)
+    raise TypeError(f"{where} must return an exatrain.Task or a dict of its fields, got "
+                    f"{type(result).__name__}")
+
+
+# ---------------------------------------------------------------------------- the entry point
+def split_spec(spec: str) -> tuple[str, str]:
+    target, sep, function = spec.rpartition(":")
+    if not sep or "/" in function or function.endswith(".py"):   # "file.py" alone, or a path
+        target, function = spec, "build"
+    return target, function
+
+
+def _load_module(target: str, spec: str):
+    if target.endswith(".py"):
+        path = Path(target).resolve()
+        if not path.is_file():
+            raise ValueError(f"run.workload={spec!r}: no such file {path}.")
+        name = f"exatrain_user_{path.stem}_{abs(hash(str(path))) % 10 ** 8}"
+        if name not in sys.modules:  # once per process: its classes stay the same objects
+            module_spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[name] = module
+            try:
+                module_spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[name]
+                raise
+        return sys.modules[name]
+    try:
+        return importlib.import_module(target)
+    except ModuleNotFoundError as exc:
+        raise ValueError(f"run.workload={spec!r}: cannot import module {target!r} ({exc}); "
+                         "put its folder on PYTHONPATH, or give a file path such as "
+                         "'path/to/model.py:build'.") from None
+
+
+def _options_class(spec: str, section: str, fields: list) -> type:
+    """A dataclass for one config section; it pickles by (spec, section, values), so it crosses
+    into spawned ranks although it is made at run time."""
+    cls = dataclasses.make_dataclass(f"{section.title()}Options", fields)
+    cls.__reduce__ = lambda self: (_rebuild_options, (spec, section, dataclasses.asdict(self)))
+    return cls
+
+
+def _rebuild_options(spec: str, section: str, values: dict):
+    workload = load_user_workload(spec)
+    return getattr(workload, "ModelOptions" if section == "model" else "DataOptions")(**values)
+
+
+def _dataclass_of(parameter: inspect.Parameter):
+    if dataclasses.is_dataclass(parameter.annotation) and isinstance(parameter.annotation, type):
+        return parameter.annotation
+    if dataclasses.is_dataclass(parameter.default) and not isinstance(parameter.default, type):
+        return type(parameter.default)
+    return None
+
+
+def _field_of(cls_field: dataclasses.Field):
+    extra = {}
+    if cls_field.default is not dataclasses.MISSING:
+        extra["default"] = cls_field.default
+    elif cls_field.default_factory is not dataclasses.MISSING:
+        extra["default_factory"] = cls_field.default_factory
+    return (cls_field.name, cls_field.type, field(**extra))
+
+
+class UserWorkload:
+    """Duck-types a built-in workload module: ModelOptions, DataOptions, prepare, build."""
+
+    def __init__(self, spec: str, function: Callable):
+        self.spec, self.function = spec, function
+        self.where = f"run.workload={spec!r}"
+        self.signature = inspect.signature(function)
+        self.section_classes: dict[str, type] = {}
+        scalar_fields = []
+        for name, p in self.signature.parameters.items():
+            if name == "mesh":
+                continue
+            cls = _dataclass_of(p)
+            if name in ("model", "data") and cls is not None:
+                self.section_classes[name] = cls
+            elif p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                continue
+            elif p.default is inspect.Parameter.empty:
+                raise ValueError(f"{self.where}: parameter {name!r} of {function.__name__} has no "
+                                 "default; give it one (it is a [model] key), or annotate "
+                                 "`model`/`data` with an options dataclass.")
+            else:
+                kind = p.annotation if p.annotation in (int, float, str, bool) else \
+                    type(p.default) if type(p.default) in (int, float, str, bool) else Any
+                scalar_fields.append((name, kind, field(default=p.default)))
+        if "model" in self.section_classes and scalar_fields:
+            raise ValueError(f"{self.where}: {function.__name__} takes both `model` options and "
+                             f"keyword options {[f[0] for f in scalar_fields]}; choose one.")
+        model_fields = [_field_of(f) for f in dataclasses.fields(self.section_classes["model"])] \
+            if "model" in self.section_classes else scalar_fields
+        data_fields = [_field_of(f) for f in dataclasses.fields(self.section_classes["data"])] \
+            if "data" in self.section_classes else []
+        self.ModelOptions = _options_class(spec, "model", model_fields)
+        self.DataOptions = _options_class(spec, "data", data_fields)
+
+    def prepare(self, config, progress=None) -> None:
+        """Nothing to generate: the user's data exist already."""
+
+    def build(self, config, mesh) -> Workload:
+        kwargs = {}
+        params = self.signature.parameters
+        for section in ("model", "data"):
+            values = dataclasses.asdict(getattr(config, section))
+            if section in self.section_classes:
+                kwargs[section] = self.section_classes[section](**values)
+            else:
+                kwargs.update(values)
+        if "mesh" in params:
+            kwargs["mesh"] = mesh
+        task = as_task(self.function(**kwargs), f"{self.function.__name__} ({self.spec})")
+        return workload_from_task(task)
+
+
+_LOADED: dict[str, UserWorkload] = {}
+
+
+def is_user_spec(name: str) -> bool:
+    return ":" in name or name.endswith(".py")
+
+
+def load_user_workload(spec: str) -> UserWorkload:
+    if spec not in _LOADED:
+        target, function_name = split_spec(spec)
+        module = _load_module(target, spec)
+        function = getattr(module, function_name, None)
+        if not callable(function):
+            import difflib
+            names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+                     and getattr(v, "__module__", None) == module.__name__]
+            close = difflib.get_close_matches(function_name, names, n=1)
+            raise ValueError(f"run.workload={spec!r}: {target} has no function {function_name!r}."
+                             + (f" Did you mean {close[0]!r}?" if close else
+                                f" Functions there: {', '.join(sorted(names)) or 'none'}."))
+        _LOADED[spec] = UserWorkload(spec, function)
+    return _LOADED[spec]

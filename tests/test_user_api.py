@@ -1,0 +1,186 @@
+"""Your own model and data: the README example verbatim, user workloads from the CLI, the data
+layouts against what the writers wrote, and the errors a newcomer meets first."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+import exatrain as et
+from exatrain.data.cosmoflow import CosmoFlowDataset, write_cosmoflow
+from exatrain.train.config import ConfigError, load_config
+from exatrain.train.run import run_job
+
+README = Path(__file__).parents[1] / "README.md"
+
+
+def _readme_code() -> str:
+    """The README's "Your own model" example, verbatim (the block that starts `# train_unet.py`)."""
+    return next(block for block in re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+                if block.startswith("# train_unet.py"))
+
+
+def test_readme_example_runs_as_written_on_one_rank_and_on_data_2(tmp_path):
+    (tmp_path / "train_unet.py").write_text(_readme_code())
+    runs = {}
+    for name, command in {"serial": [sys.executable, "train_unet.py"],
+                          "data2": [sys.executable, "-m", "exatrain.cli", "run", "train_unet.py",
+                                    "--nproc", "2"]}.items():
+        done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        run_dir = max((tmp_path / "runs").iterdir(), key=lambda p: p.stat().st_mtime)
+        runs[name] = json.loads((run_dir / "summary.json").read_text())
+        assert (run_dir / "config.toml").is_file() and (run_dir / "checkpoints").is_dir()
+    serial, data2 = runs["serial"], runs["data2"]
+    assert serial["world_size"] == 1 and data2["world_size"] == 2
+    assert serial["val_iou"] > 0.5 and serial["val_accuracy"] > 0.9   # it learned
+    for key in ("val_loss", "val_iou", "val_accuracy", "final_loss"):  # data parallel = serial
+        assert data2[key] == pytest.approx(serial[key], rel=1e-4), key
+
+
+def test_metrics_are_ratios_of_sums_over_batches():
+    from exatrain.workloads.metrics import metric_functions
+    sums_of, finalize = metric_functions({
+        "mae": lambda o, y: (o - y).abs(),                      # per element
+        "batch_mean": lambda o, y: (o - y).abs().mean(),        # 0-dim: weighted by batch size
+        "iou": et.Ratio(lambda o, y: (((o > 0) & (y > 0)).sum(), ((o > 0) | (y > 0)).sum()))})
+    out, target = torch.randn(10, 3, dtype=torch.float64), torch.randn(10, 3, dtype=torch.float64)
+    total: dict = {}
+    for a, b in ((0, 3), (3, 10)):   # unequal batches, as ranks and last batches are
+        for k, v in sums_of(out[a:b], target[a:b]).items():
+            total[k] = total.get(k, 0) + v
+    got = finalize(total)
+    assert got["val_mae"] == pytest.approx(float((out - target).abs().mean()), rel=1e-12)
+    assert got["val_batch_mean"] == pytest.approx(float((out - target).abs().mean()), rel=1e-12)
+    inter, union = ((out > 0) & (target > 0)).sum(), ((out > 0) | (target > 0)).sum()
+    assert got["val_iou"] == pytest.approx(int(inter) / int(union), rel=1e-12)
+
+
+USER_MODULE = '''
+from dataclasses import dataclass
+import torch.nn.functional as F
+from torch import nn
+import exatrain as et
+
+@dataclass
+class DataOptions:
+    path: str = "d.h5"
+
+def build(data: DataOptions, hidden: int = 8, mesh=None) -> et.Task:
+    ds = et.data.HDF5Dataset(data.path)
+    model = nn.Sequential(nn.Linear(6, hidden), nn.Tanh(), nn.Linear(hidden, 2))
+    return et.Task(model=model, train_set=ds, val_set=ds, loss=F.mse_loss,
+                   metrics={"mae": lambda o, y: (o - y).abs()})
+'''
+
+
+def test_user_workload_as_module_function_and_as_file_path(tmp_path, monkeypatch):
+    (tmp_path / "my_work.py").write_text(USER_MODULE)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 6)).astype(np.float32)
+    with h5py.File(tmp_path / "d.h5", "w") as f:
+        f["x"], f["y"] = x, x[:, :2] * 2
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    common = ["train.steps=3", "train.batch_size=4", "train.log_every=1", "run.nproc=1",
+              f"run.out_dir={tmp_path}/runs", "data.path=d.h5", "model.hidden=4"]
+    for spec in ("my_work:build", f"{tmp_path}/my_work.py", "my_work.py:build"):
+        config = load_config(None, [f"run.workload={spec}", *common])
+        summary = run_job(config)
+        assert summary["steps"] == 3 and "val_mae" in summary and "val_loss" in summary
+    # the same through the real command line, spawning two ranks
+    done = subprocess.run([sys.executable, "-m", "exatrain.cli", "run", "--nproc", "2", "--set",
+                           "run.workload=my_work.py:build", *sum((["--set", c] for c in common), [])],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "my_work-" in done.stderr   # the run directory is named after the file
+
+    with pytest.raises(ConfigError, match=r"model.hiden.*Did you mean 'hidden'"):
+        load_config(None, ["run.workload=my_work:build", "model.hiden=3"])
+    with pytest.raises(ConfigError, match=r"data.pth.*Did you mean 'path'"):
+        load_config(None, ["run.workload=my_work:build", "data.pth=x"])
+    with pytest.raises(ConfigError, match=r"my_work has no function 'buidl'.*Did you mean 'build'"):
+        load_config(None, ["run.workload=my_work:buidl"])
+    with pytest.raises(ConfigError, match=r"cannot import module 'no_such_module'"):
+        load_config(None, ["run.workload=no_such_module:build"])
+    with pytest.raises(ConfigError, match=r"no such file"):
+        load_config(None, ["run.workload=missing.py:build"])
+
+
+def _mlperf_copies(src: Path, root: Path) -> dict[str, Path]:
+    """The exatrain-written train.h5 rewritten in each MLPerf layout."""
+    with h5py.File(src / "train.h5") as f:
+        cubes, targets = f["x"][...], f["y"][...]
+    flat, npy, split = root / "flat", root / "npy" / "train", root / "split" / "train"
+    for d in (flat, npy, split, root / "npy" / "validation", root / "split" / "validation"):
+        d.mkdir(parents=True)
+    for i, (cube, y) in enumerate(zip(cubes, targets)):
+        for d in (flat, split):
+            with h5py.File(d / f"univ_{i:03d}.hdf5", "w") as f:
+                f["full"], f["unitPar"] = cube, y
+        np.save(npy / f"univ_{i:03d}_data.npy", cube)
+        np.save(npy / f"univ_{i:03d}_label.npy", y)
+    return {"flat": flat, "npy": npy, "split": split}
+
+
+def test_every_layout_reads_the_samples_the_writer_wrote(tmp_path):
+    write_cosmoflow(tmp_path / "cf", samples=5, size=8, seed=2)
+    reference = CosmoFlowDataset(tmp_path / "cf" / "train.h5")
+    copies = _mlperf_copies(tmp_path / "cf", tmp_path)
+    for name, path in copies.items():
+        ds = CosmoFlowDataset(path)
+        assert len(ds) == len(reference) and ds.layout == ("numpy" if name == "npy" else "mlperf")
+        for i in range(len(ds)):
+            for got, want in zip(ds[i], reference[i]):
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+        np.testing.assert_array_equal(ds.targets(), reference.targets())
+        block = ds.read(1, (slice(0, 4), slice(2, 6), slice(None)))[0]
+        torch.testing.assert_close(block, reference[1][0][:, 0:4, 2:6, :], rtol=0, atol=0)
+    assert CosmoFlowDataset(copies["npy"]).sample_ids()[0] == "univ_000"
+
+    # generic readers: one HDF5 file, a directory of per-sample files, .npy pair and .npz
+    with h5py.File(tmp_path / "cf" / "train.h5") as f:
+        x, y = f["x"][...], f["y"][...]
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", y)
+    np.savez(tmp_path / "xy.npz", x=x, y=y)
+    per_sample = tmp_path / "per_sample"
+    per_sample.mkdir()
+    for i in range(len(x)):
+        with h5py.File(per_sample / f"s{i}.h5", "w") as f:
+            f["cube"], f["par"] = x[i], y[i]
+    for ds in (et.data.HDF5Dataset(tmp_path / "cf" / "train.h5"),
+               et.data.HDF5Dataset(per_sample, x="cube", y="par"),
+               et.data.NumpyDataset(tmp_path / "x.npy", tmp_path / "y.npy"),
+               et.data.NumpyDataset(tmp_path / "xy.npz")):
+        assert len(ds) == len(x)
+        for i in range(len(x)):
+            got_x, got_y = ds[i]
+            np.testing.assert_array_equal(got_x.numpy(), x[i].astype(np.float32))
+            np.testing.assert_array_equal(got_y.numpy(), y[i])
+    with pytest.raises(ValueError, match="no dataset 'volume'.*params, x, y"):
+        et.data.HDF5Dataset(tmp_path / "cf" / "train.h5", x="volume")
+
+
+def test_data_model_size_mismatch_is_refused_at_build(tiny_config, cosmo_data):
+    from exatrain.workloads import cosmoflow
+    config = tiny_config("model.size=32", "data.size=32")
+    mesh = et.init(et.Plan())
+    try:
+        with pytest.raises(ValueError, match=r"model.size=32[\s\S]*16×16×16[\s\S]*set model.size=16"):
+            cosmoflow.build(config, mesh)
+        workload = cosmoflow.build(tiny_config(), mesh)   # per-target MAE and baselines
+        assert {f"baseline_mae_{n}" for n in ("Omega_m", "sigma_8", "n_s", "H0")} <= set(workload.baselines)
+        metrics = workload.finalize({k: torch.tensor(1.0) for k in
+                                     workload.metric_sums(torch.zeros(2, 4), torch.ones(2, 4))})
+        assert metrics["val_mae_H0"] == pytest.approx(4.0) and "val_mae_Omega_m" in metrics
+    finally:
+        mesh.close()
