@@ -21,21 +21,21 @@ import torch
 from harness import rel_err, run_ranks
 from test_pipe import _gpt
 
-CASES_4 = (("plan.pipe=2", "plan.tensor=2"), ("plan.pipe=2", "plan.tensor=[1,1,2]"))
-CASES_8 = (("plan.pipe=2", "plan.data=2", "plan.tensor=[1,1,2]"),)
+CASES_4 = (("plan.pipe=2", "plan.tensor=2", "parallel.microbatches=2"),
+           ("plan.pipe=2", "plan.tensor=[1,1,2]", "parallel.microbatches=2"))
+CASES_8 = (("plan.pipe=2", "plan.data=2", "plan.tensor=[1,1,2]", "parallel.microbatches=2"),)
 
 
-def fit_whole(configs) -> list[dict]:
+def fit(config) -> dict:
     from exatrain.train.run import setup
 
-    out = []
-    for config in configs:
-        mesh, trainer = setup(config)
+    mesh, trainer = setup(config)
+    try:
         summary = trainer.fit()
-        out.append({"losses": [l for h in trainer.history if "step_losses" in h
-                               for l in h["step_losses"]], "val": summary["val_loss"]})
+        return {"losses": [l for h in trainer.history if "step_losses" in h
+                           for l in h["step_losses"]], "val": summary["val_loss"]}
+    finally:
         mesh.close()
-    return out
 
 
 def _check(ranks, serial, label):
@@ -48,10 +48,8 @@ def _check(ranks, serial, label):
 
 
 def test_gpt_pipe_times_tensor_equals_serial(corpus, tmp_path):
-    serial = fit_whole([_gpt(corpus, tmp_path / "serial")])[0]
-    four = run_ranks(4, fit_whole, [_gpt(corpus, tmp_path / "4", *c) for c in CASES_4])
-    eight = run_ranks(8, fit_whole, [_gpt(corpus, tmp_path / "8", *c) for c in CASES_8])
-    for i, case in enumerate(CASES_4):
-        _check([r[i] for r in four], serial, case)
-    for i, case in enumerate(CASES_8):
-        _check([r[i] for r in eight], serial, case)
+    serial = fit(_gpt(corpus, tmp_path / "serial"))
+    for case in CASES_4:  # one launch per case, as test_pipe.py does
+        _check(run_ranks(4, fit, _gpt(corpus, tmp_path / "4", *case)), serial, case)
+    for case in CASES_8:
+        _check(run_ranks(8, fit, _gpt(corpus, tmp_path / "8", *case)), serial, case)
