@@ -40,15 +40,20 @@ def test_every_axis_is_implemented_and_clashes_are_refused():
     Plan(trainer=2, pipe=2, data=2).require_implemented()
     Plan(data=8).require_implemented()
     Plan(pipe=2, data=4).require_implemented()
-    with pytest.raises(PlanError, match="pipe=1 with space"):
+    Plan(pipe=2, tensor=2).require_implemented()
+    Plan(pipe=2, data=2, tensor=(1, 1, 2)).require_implemented()
+    with pytest.raises(PlanError, match=r"space=\(1, 1, 2\) are not implemented.*Plan\(pipe=2, data=2\)"):
         Plan(pipe=2, space=(1, 1, 2)).require_implemented()
-    with pytest.raises(PlanError, match="data instead of shard"):
-        Plan(pipe=2, shard=2).require_implemented()
+    with pytest.raises(PlanError, match=r"shard=2 are not implemented.*Plan\(pipe=2, data=2, tensor=2\)"):
+        Plan(pipe=2, shard=2, tensor=2).require_implemented()
 
 
-def test_tensor_composes_with_data_only_in_this_version():
-    Plan(data=2, tensor=(2, 1, 2)).require_implemented()
-    with pytest.raises(PlanError, match="not with shard=2.*tensor_z"):
-        Plan(shard=2, tensor=2).require_implemented()
-    with pytest.raises(PlanError, match=r"not with space=\(1, 2, 1\)"):
+def test_composition_rules_accept_and_refuse_with_the_nearest_plan():
+    for plan in (Plan(data=2, tensor=(2, 1, 2)), Plan(shard=2, tensor=2),
+                 Plan(data=2, shard=2, tensor=2), Plan(shard=2, space=(1, 1, 2)),
+                 Plan(data=2, shard=2, space=(1, 2, 1))):
+        assert plan.require_implemented() is plan
+    with pytest.raises(PlanError, match=r"tensor_z already.*Plan\(tensor=\(2, 1, 4\)\)"):
+        Plan(shard=2, tensor=(2, 1, 2)).require_implemented()
+    with pytest.raises(PlanError, match=r"Plan\(data=2, tensor=2\)"):
         Plan(space=(1, 2, 1), tensor=2).require_implemented()

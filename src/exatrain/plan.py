@@ -118,25 +118,9 @@ class Plan:
                 f"does not implement yet (implemented: {', '.join(sorted(IMPLEMENTED_AXES))}). "
                 f"Set {' and '.join(f'{a}=1' for a in missing)} or use data parallelism."
             )
-        if self.tensor_degree > 1:
-            clash = {k: v for k, v, degree in (("shard", self.shard, self.shard),
-                                               ("pipe", self.pipe, self.pipe),
-                                               ("space", self.space, self.space_degree))
-                     if degree > 1}
-            if clash:
-                what = ", ".join(f"{k}={v}" for k, v in clash.items())
-                raise PlanError(
-                    f"{self}: tensor parallelism composes with data (and trainer) in this version, "
-                    f"not with {what}. Under the 3D grid tensor_z already shards weights and their "
-                    f"gradients (ZeRO-3 style); put those ranks on tensor_z or data instead.")
-        if self.pipe > 1 and (self.space_degree > 1 or self.shard > 1):
-            what = f"space={self.space}" if self.space_degree > 1 else f"shard={self.shard}"
-            other = "space=(1, 1, 1)" if self.space_degree > 1 else "data instead of shard"
-            raise PlanError(f"{self}: pipeline stages (pipe > 1) with {what} are not implemented "
-                            f"yet; use pipe=1 with {what.split('=')[0]}, or {other} with pipe.")
-        if self.shard > 1 and self.space_degree > 1:
-            raise PlanError(f"{self}: sharding (shard > 1) together with spatial parallelism is not "
-                            "implemented; use shard=1 with space, or space=(1, 1, 1) with shard.")
+        refusal = composition_refusal(self)
+        if refusal:
+            raise PlanError(refusal)
         return self
 
     def intra_trainer(self) -> "Plan":
@@ -167,6 +151,41 @@ class Plan:
             )
         return cls(data=world_size // partial.world_size, **{k: v for k, v in degrees.items()
                                                               if k != "data"})
+
+
+# ---------------------------------------------------------------------- composition rules
+# Which axes compose (the README's table is docs/readme/9-composition.md). Every pair of
+# implemented axes composes except those `composition_refusal` names, each with its reason and the
+# nearest Plan that works. How gradients are reduced for each combination: parallel/apply.py.
+def composition_refusal(plan: Plan) -> str | None:
+    """Why `plan` combines axes that cannot run together, with the nearest Plan that works; None
+    when its axes compose."""
+    if plan.tensor_3d and plan.tensor_degree > 1 and plan.shard > 1:
+        x, y, z = plan.tensor
+        nearest = Plan(trainer=plan.trainer, pipe=plan.pipe, data=plan.data, space=plan.space,
+                       tensor=(x, y, z * plan.shard))
+        return (f"{plan}: under 3D tensor parallelism tensor_z already does what shard would: it "
+                f"splits the batch and shards every split weight and its gradient ZeRO-3 style "
+                f"over z. A shard axis on top would shard the same weights again with FSDP2, "
+                f"whose per-parameter buckets cannot also sum the whole parameters' gradients "
+                f"over tensor_z. Put the shard ranks on tensor_z: {nearest}.")
+    if plan.pipe > 1 and (plan.space_degree > 1 or plan.shard > 1):
+        nearest = Plan(trainer=plan.trainer, pipe=plan.pipe, tensor=plan.tensor,
+                       data=plan.data * plan.shard * plan.space_degree)
+        what = f"shard={plan.shard}" if plan.shard > 1 else f"space={plan.space}"
+        return (f"{plan}: pipeline stages with {what} are not implemented yet (each stage would "
+                f"go through apply.py's steps, but FSDP2 / ZeRO stages and spatial stages are "
+                f"not yet tested inside the schedules). Put those ranks on data: {nearest}, or "
+                f"set pipe=1.")
+    if plan.tensor_degree > 1 and plan.space_degree > 1:
+        nearest = Plan(trainer=plan.trainer, pipe=plan.pipe, data=plan.data * plan.space_degree,
+                       shard=plan.shard, tensor=plan.tensor)
+        return (f"{plan}: tensor and spatial parallelism in one model are not implemented: the "
+                f"spatial converter splits convolution inputs into blocks and does not know the "
+                f"tensor-parallel Linears, whose boundary expects whole samples. Use one of "
+                f"them, e.g. "
+                f"{nearest}.")
+    return None
 
 
 def _suggest(plan: Plan, world_size: int) -> str:

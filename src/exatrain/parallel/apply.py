@@ -1,25 +1,42 @@
-"""parallelize(): lay a plain module out over the mesh, applying strategies in a fixed order.
+"""parallelize(): lay a plain module out over the mesh as one ordered list of steps per stage.
 
-Order (torchtitan's, for the same reasons):
+    split into stages -> tensor -> space -> activation checkpointing -> compile -> shard -> data
 
-    [pipe: split into stages, then per stage:] tensor -> space -> activation checkpointing
-    -> compile -> shard -> data
+(torchtitan's order, for the same reasons.) Under pipe > 1, `pipe.pipeline_parallel` cuts the
+model's depth into stages and hands each of this rank's stages to `parallelize_stage`, which runs
+the remaining steps in order, with no early return: each step is a no-op where its axis has size
+1 and works on what the previous one produced. Layer-splitting strategies come first because they
+replace modules; memory and compile wrappers act on the replaced modules; sharding and data
+replication come last, since they only need the final parameters.
 
-Layer-splitting strategies first, because they replace modules; then memory and compile wrappers,
-which act on the replaced modules; sharding and data replication last, since they only need the
-final parameters. Each strategy lives in its own module and is imported only when its axis is used.
+Gradient synchronisation is decided once for the combination (`gradient_reduction`), then each
+step does its part of it:
 
-Gradient synchronisation over the replicated axes:
-  data only        all-reduce over `data`, mean
-  data × space     all-reduce over `data+space`: summed over the spatial ranks of one sample
-                   (each holds a partial weight gradient), averaged over the data replicas
-  shard            the sharding strategy reduce-scatters over `shard` and all-reduces over `data`
-  tensor           the tensor strategy syncs each parameter over the axes its metadata names
+  replica axes   every gradient is averaged over them: `data`, and `shard` when shard > 1
+                 (both split the batch). Owned by exactly one step: shard when shard > 1, else
+                 the tensor strategy's GradSync when tensor > 1 (one all-reduce over data and
+                 tensor_z together), else the data step (DDP).
+  partial axes   every gradient is summed over them, because each rank holds a partial sum of
+                 the same gradient: `space` (each spatial rank saw a block of every sample).
+                 Summed by whichever step owns the replica axes, in the same collective.
+  per-parameter  set by the tensor strategy in parameter metadata (`gradsync.set_grad_axes`):
+                 `tensor_z` for whole parameters under 3D, `tensor` inside sequence-parallel
+                 regions. These differ from parameter to parameter, which ZeRO's buckets do not
+                 express; `plan.py` and the shard step refuse them together with shard > 1.
+
+  Plan                   replica axes    partial    who reduces
+  data                   data            -          data step (DDP, mean)
+  data × space           data            space      data step (DDP over data+space, ÷ data)
+  shard (× data)         data, shard     -          shard step (ZeRO-1/2 buckets or FSDP2)
+  shard × space          data, shard     space      shard step (+ space in its all-reduce)
+  tensor (× data)        data            per-param  tensor step (GradSync over data+tensor_z)
+  tensor 1D × shard      data, shard     -          shard step; TP leaves only the layout
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -30,6 +47,68 @@ from .options import ParallelOptions
 
 def _strategy(name: str):
     return importlib.import_module(f"exatrain.parallel.{name}")
+
+
+@dataclass(frozen=True)
+class GradientReduction:
+    """Over which axes every parameter's gradient is averaged and summed, and who does it."""
+    replica_axes: tuple[str, ...]   # mean over these (they split the batch)
+    partial_axes: tuple[str, ...]   # sum over these (partial gradients of the same samples)
+    owner: str                      # "data" | "shard" | "tensor": the step that reduces
+
+
+def gradient_reduction(plan) -> GradientReduction:
+    replica = ("data", "shard") if plan.shard > 1 else ("data",)
+    partial = ("space",) if plan.space_degree > 1 else ()
+    owner = "shard" if plan.shard > 1 else "tensor" if plan.tensor_degree > 1 else "data"
+    return GradientReduction(replica, partial, owner)
+
+
+# ------------------------------------------------------------------------- the steps
+def tensor_step(model, mesh, options, reduction):
+    if mesh.plan.tensor_degree == 1:
+        return model.to(mesh.device)
+    replica = ("data",) if reduction.owner == "tensor" else ()
+    return _strategy("tensor").parallelize_tensor(model, mesh, options, replica_axes=replica,
+                                                  checkpoint_and_compile=False)
+
+
+def space_step(model, mesh, options, reduction):
+    if mesh.plan.space_degree == 1:
+        return model
+    return _strategy("spatial").parallelize_spatial(model, mesh)
+
+
+def checkpoint_and_compile_step(model, mesh, options, reduction):
+    if options.activation_checkpointing == "none" and not options.compile:
+        return model
+    return _strategy("memory").apply_checkpointing_and_compile(model, options)
+
+
+def shard_step(model, mesh, options, reduction):
+    if mesh.plan.shard == 1:
+        return model
+    return _strategy("shard").parallelize_shard(model, mesh, options,
+                                                partial_axes=reduction.partial_axes)
+
+
+def data_step(model, mesh, options, reduction):
+    if reduction.owner != "data":
+        return model
+    axis = mesh.axis("data", *reduction.partial_axes)
+    return data_parallel(model, axis, replicas=mesh.plan.data, bucket_cap_mb=options.bucket_cap_mb,
+                         device=mesh.device, broadcast_buffers=not reduction.partial_axes)
+
+
+STEPS = (tensor_step, space_step, checkpoint_and_compile_step, shard_step, data_step)
+
+
+def parallelize_stage(stage: nn.Module, mesh: Mesh, options) -> nn.Module:
+    """One pipeline stage through every step after the split, in order."""
+    reduction = gradient_reduction(mesh.plan)
+    for step in STEPS:
+        stage = step(stage, mesh, options, reduction)
+    return stage
 
 
 def parallelize(model: nn.Module, mesh: Mesh, options=None, example=None) -> nn.Module:
@@ -43,27 +122,8 @@ def parallelize(model: nn.Module, mesh: Mesh, options=None, example=None) -> nn.
     plan = mesh.plan
     if plan.tensor_degree > 1 and _strategy("graph").has_graph_convs(model):  # 3D GCN (Plexus)
         return _strategy("graph").parallelize_graph(model, mesh, options)
-    if plan.tensor_degree > 1:  # places the model itself: a meta-device model is built shard by shard
-        return _strategy("tensor").parallelize_tensor(model, mesh, options)
-    model = model.to(mesh.device)
-    if plan.pipe > 1:  # split into stages, then lay out each of this rank's stages
+    if plan.pipe > 1:  # split into stages; each of this rank's stages goes through the steps
         return _strategy("pipe").pipeline_parallel(
-            model, mesh, options, example, lambda stage: _lay_out_stage(stage, mesh, options))
-    return _lay_out_stage(model, mesh, options)
-
-
-def _lay_out_stage(model: nn.Module, mesh: Mesh, options) -> nn.Module:
-    """space -> activation checkpointing -> compile -> shard -> data, on one (stage) module."""
-    plan = mesh.plan
-    if plan.space_degree > 1:
-        model = _strategy("spatial").parallelize_spatial(model, mesh)
-    if options.activation_checkpointing != "none" or options.compile:
-        model = _strategy("memory").apply_checkpointing_and_compile(model, options)
-    if plan.shard > 1:
-        return _strategy("shard").parallelize_shard(model, mesh, options)
-    if plan.space_degree > 1:
-        return data_parallel(model, mesh.axis("data", "space"), replicas=plan.data,
-                             bucket_cap_mb=options.bucket_cap_mb, device=mesh.device,
-                             broadcast_buffers=False)
-    return data_parallel(model, mesh.axis("data"), bucket_cap_mb=options.bucket_cap_mb,
-                         device=mesh.device)
+            model.to(mesh.device), mesh, options, example,
+            lambda stage: parallelize_stage(stage, mesh, options))
+    return parallelize_stage(model, mesh, options)

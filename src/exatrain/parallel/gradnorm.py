@@ -5,7 +5,8 @@ finiteness), whatever slice of the parameters it holds:
 
   plain tensors (replicated, e.g. after a data-parallel all-reduce): local squares count as they are
   DTensor gradients (FSDP2, DTensor tensor parallelism): torch's own norm, which reduces over
-              the DTensor's mesh
+              the DTensor's mesh, then summed over the parameter's `exatrain_norm_axes` (FSDP2
+              over a tensor-parallel layer)
   a parameter sharded by an exatrain strategy carries `exatrain_norm_axes`, a tuple of
               `comm.Axis` over which its gradient is split: its squares are summed over them
 
@@ -38,10 +39,20 @@ def clip_grad_norm_(parameters, max_norm: float = math.inf) -> float:
     nccl = dist.is_initialized() and dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     total_sq = torch.zeros((), dtype=torch.float64, device=device)
-    if dtensor:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in dtensor])
+    # DTensor gradients grouped by the exatrain axes their parameter is split over besides the
+    # DTensor's own mesh (FSDP2 over a tensor-parallel layer: shard mesh + tensor axes)
+    dtensor_groups: dict[tuple[str, ...], tuple[tuple, list]] = {}
+    for p in dtensor:
+        axes = tuple(getattr(p, "exatrain_norm_axes", ()))
+        key = tuple(axis.name for axis in axes)
+        dtensor_groups.setdefault(key, (axes, []))[1].append(p.grad)
+    for axes, grads in dtensor_groups.values():
+        norm = torch.nn.utils.get_total_norm(grads)
         norm = norm.full_tensor() if _is_dtensor(norm) else norm
-        total_sq += norm.detach().double().to(device) ** 2
+        sq = norm.detach().double().to(device) ** 2
+        for axis in axes:
+            all_reduce(sq, axis, tag="metric")
+        total_sq += sq
     # keyed by axis names (an Axis holds its group and ledger and is not hashable); the insertion
     # order follows the parameters, which every rank lists alike, so the all-reduces match
     by_axes: dict[tuple[str, ...], tuple[tuple, torch.Tensor]] = {}

@@ -118,17 +118,19 @@ class ZeroDataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, mesh: Mesh, stage: int, offload: bool = False,
-                 bucket_cap_mb: float = 25.0):
+                 bucket_cap_mb: float = 25.0, partial_axes: tuple[str, ...] = ()):
         super().__init__()
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel implements ZeRO stages 1 and 2, not {stage}.")
         self.module = module
         self.stage, self.offload = stage, offload
-        self.shard_axis, self.data_axis = mesh.axis("shard"), mesh.axis("data")
-        self.grad_axis = mesh.axis("data", "shard")  # stage 1 reduces full gradients over both
+        # partial_axes (space): ranks holding partial sums of the same gradients, summed in the
+        # same collective as the data replicas (see apply.gradient_reduction)
+        self.shard_axis, self.data_axis = mesh.axis("shard"), mesh.axis("data", *partial_axes)
+        self.grad_axis = mesh.axis("data", "shard", *partial_axes)  # stage 1: all at once
+        self.replicas = mesh.plan.shard * mesh.plan.data
         self.shard_mesh = mesh.device_mesh["shard"]
         shard_axis = self.shard_axis
-        self.replicas = shard_axis.size * self.data_axis.size
         self.device = mesh.device
         self._sync = True
         self._pending = False
@@ -157,8 +159,9 @@ class ZeroDataParallel(nn.Module):
             else:
                 shard = nn.Parameter(own)  # shares the parameter's storage: no extra memory
                 host_grad = None
-            # the gradient chunks are split over `shard` and equal over `data` (parallel.gradnorm)
-            shard.exatrain_norm_axes = norm_axes
+            # the gradient chunks are split over `shard` and equal over `data` (parallel.gradnorm),
+            # and over the axes a tensor-parallel layer already split the parameter over
+            shard.exatrain_norm_axes = norm_axes + tuple(getattr(p, "exatrain_norm_axes", ()))
             entries.append(_Entry(clean_fqn(name), p, chunk, lo, hi, p[0].numel(), shard,
                                   host_grad=host_grad))
         self._entries = entries
@@ -407,15 +410,16 @@ def build_optimizer_for(model: nn.Module, build) -> torch.optim.Optimizer:
 
 
 # ---------------------------------------------------------------------- stage 3: FSDP2
-def _fully_shard(model: nn.Module, mesh: Mesh, options) -> nn.Module:
+def _fully_shard(model: nn.Module, mesh: Mesh, options, partial_axes=()) -> nn.Module:
     from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
                                         OffloadPolicy, fully_shard)
 
     from ..comm.fsdp import LedgerAllGather, LedgerReduceScatter
     from .precision import compute_dtype, is_norm
 
-    shard_axis, data_axis = mesh.axis("shard"), mesh.axis("data")
+    shard_axis, data_axis = mesh.axis("shard"), mesh.axis("data", *partial_axes)
     shard_mesh = mesh.device_mesh["shard"]
+    metadata = _exatrain_metadata(model)
     dtype = compute_dtype(options.precision)
     mixed = dtype != torch.float32
     mp = MixedPrecisionPolicy(param_dtype=dtype if mixed else None, reduce_dtype=torch.float32)
@@ -446,31 +450,72 @@ def _fully_shard(model: nn.Module, mesh: Mesh, options) -> nn.Module:
     hook = None
     if data_axis.size > 1:
         def hook(reduced: torch.Tensor) -> None:  # hybrid: sum the shard's gradients over data
-            all_reduce(reduced, data_axis, tag="grad")
+            all_reduce(reduced, data_axis, tag="grad")  # (and over the partial axes: space)
     for module in model.modules():
         if isinstance(module, FSDPModule):  # grouped units share a state: setting twice is harmless
             module.set_custom_all_gather(LedgerAllGather(shard_axis))
             module.set_custom_reduce_scatter(LedgerReduceScatter(shard_axis))
             # sum-only collectives (gloo has no AVG), mean over all data × shard replicas
             module.set_force_sum_reduction_for_comms(True)
-            module.set_gradient_divide_factor(float(shard_axis.size * data_axis.size))
+            module.set_gradient_divide_factor(float(mesh.plan.shard * mesh.plan.data))
             if hook is not None:
                 module.set_all_reduce_hook(hook)
+    _restore_metadata(model, metadata)
     return model
 
 
-def parallelize_shard(model: nn.Module, mesh: Mesh, options) -> nn.Module:
-    """Shard `model`'s training state over `shard` (× replicate over `data`): ZeRO-1, 2 or 3."""
-    stage = options.zero_stage  # (Plan.require_implemented refuses shard with space or tensor)
+def _exatrain_metadata(model: nn.Module) -> dict[str, dict]:
+    """Each parameter's exatrain_* attributes (a tensor-parallel layout, norm axes) by name."""
+    return {name: {k: v for k, v in vars(p).items() if k.startswith("exatrain_")}
+            for name, p in model.named_parameters()}
+
+
+def _restore_metadata(model: nn.Module, metadata: dict[str, dict]) -> None:
+    """Put them back on the DTensor parameters fully_shard made: the tensor-parallel state dict
+    and the gradient norm still need to know over which tensor axes a weight is split."""
+    for name, p in model.named_parameters():
+        for key, value in metadata.get(name, {}).items():
+            setattr(p, key, value)
+
+
+def _refuse_per_parameter_sums(model: nn.Module, mesh: Mesh) -> None:
+    """ZeRO buckets reduce all gradients over the same axes; a parameter whose gradient must in
+    addition be summed over its own axes (3D whole parameters over tensor_z, sequence-parallel
+    norms over tensor) cannot be expressed; name it and what works."""
+    for name, p in model.named_parameters():
+        axes = tuple(getattr(p, "exatrain_grad_sum_axes", ()))
+        if any(mesh.axis(a).size > 1 for a in axes):
+            raise ValueError(
+                f"{mesh.plan}: parameter {clean_fqn(name)!r} needs its gradient summed over "
+                f"{axes} (sequence parallelism or 3D tensor_z), which sharding does not do. "
+                "Set parallel.sequence_parallel=false, or use shard=1.")
+
+
+def parallelize_shard(model: nn.Module, mesh: Mesh, options, partial_axes=()) -> nn.Module:
+    """Shard `model`'s training state over `shard` (× replicate over `data`): ZeRO-1, 2 or 3.
+
+    `model` may already be laid out by tensor (1D) or space: each rank shards what it holds.
+    `partial_axes` (space) are summed over together with the data replicas.
+    """
+    stage = options.zero_stage
+    _refuse_per_parameter_sums(model, mesh)
+    if stage == 3 and "space" in partial_axes:
+        # layers that run replicated after a spatial gather scale their weight gradients by 1/S
+        # with tensor hooks on the parameters (parallel/spatial/convert.py); FSDP2 computes
+        # gradients on its own unsharded copies, so those hooks would never run
+        raise ValueError(
+            f"{mesh.plan}: parallel.zero_stage=3 (FSDP2) is not implemented with spatial "
+            "parallelism. Set parallel.zero_stage=2 (or 1): gradients and optimizer state are "
+            "then sharded over `shard` and summed over `space`.")
     if stage == 3:
-        return _fully_shard(model, mesh, options)
+        return _fully_shard(model, mesh, options, partial_axes)
     if stage not in (1, 2):
         raise ValueError(f"parallel.zero_stage={stage} must be 1, 2 or 3 with plan.shard > 1.")
     if options.precision != "fp32":
         from .precision import keep_norms_fp32
         keep_norms_fp32(model)
     return ZeroDataParallel(model, mesh, stage, offload=options.offload,
-                            bucket_cap_mb=options.bucket_cap_mb)
+                            bucket_cap_mb=options.bucket_cap_mb, partial_axes=partial_axes)
 
 
 __all__ = ["ZeroDataParallel", "build_optimizer_for", "clean_fqn",

@@ -22,6 +22,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ...comm import Axis, all_reduce
+from ..data import unwrap
 from .schedules import bubble_formula, build_schedule
 from .stage import CountedStage, Timeline
 
@@ -89,8 +90,8 @@ class PipelineModel(nn.Module):
         self.schedule_name, self.microbatches, self.layer_starts = schedule, microbatches, starts
         self.num_stages = len(all_modules)
         self.stage_ids = sorted(wrapped)
-        for i in self.stage_ids:
-            _merge_into(self, all_modules[i])
+        for i in self.stage_ids:  # as laid out by the per-stage steps (tensor: new local shards)
+            _merge_into(self, unwrap(wrapped[i]))
         for p in self.parameters():  # the gradient norm sums over the stages' ranks too
             p.exatrain_norm_axes = tuple(getattr(p, "exatrain_norm_axes", ())) + (axis,)
         check_microbatches(example.shape[0], microbatches)

@@ -225,8 +225,10 @@ class TensorParallel:
     """
 
     def __init__(self, mesh: Mesh, options, pairs: bool, overlap: bool, prefetch: bool,
-                 device=None):
+                 device=None, replica_axes=("data",)):
         plan = mesh.plan
+        # the axes this strategy averages gradients over; () when another strategy (shard) does
+        self.replica_axes = tuple(a for a in replica_axes if mesh.axis(a).size > 1)
         self.device = device if device is not None else mesh.device
         self.mesh, self.options = mesh, options
         self.three_d = plan.tensor_3d
@@ -476,7 +478,7 @@ class TensorParallel:
 
     # ------------------------------------------------------------------ gradients
     def _set_grad_metadata(self, root: nn.Module, sp_regions: list[nn.Module]) -> None:
-        mean = ("data",) if self.mesh.plan.data > 1 else ()
+        mean = self.replica_axes
         sp_params = {id(p) for region in sp_regions for p in region.parameters()}
         for p in root.parameters():
             if hasattr(p, "exatrain_grad_sum_axes") or getattr(p, "exatrain_layout", ()):
@@ -611,23 +613,27 @@ def _tied_parameters(root: nn.Module) -> set[int]:
 
 
 def parallelize_tensor(model: nn.Module, mesh: Mesh, options=None, *, pairs: bool = True,
-                       overlap: bool = True, prefetch: bool = True) -> nn.Module:
+                       overlap: bool = True, prefetch: bool = True, replica_axes=("data",),
+                       checkpoint_and_compile: bool = True) -> nn.Module:
     """Lay `model` out over the mesh's tensor axes (and data); see the module docstring.
 
     Returns a new module tree whose parameters have the plain model's names (local parts of split
     ones, see state.py for full-weight state dicts), with gradient synchronisation over data
     and the replicated axes attached, and `no_sync()` for gradient accumulation. `pairs=False`
     converts every Linear on its own (no chaining); `overlap` / `prefetch` switch the 3D
-    backward overlap and weight prefetch (for measurement).
+    backward overlap and weight prefetch (for measurement). `replica_axes`: the axes whose
+    gradient average this strategy does (() when the shard step owns it, see apply.py);
+    `checkpoint_and_compile=False` when apply.py runs that step itself.
     """
     if options is None:
         from ..options import ParallelOptions
         options = ParallelOptions()
     on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
     root = clone_tree(model if on_meta else model.to(mesh.device))
-    state = TensorParallel(mesh, options, pairs, overlap, prefetch, device=mesh.device)
+    state = TensorParallel(mesh, options, pairs, overlap, prefetch, device=mesh.device,
+                           replica_axes=replica_axes)
     root = state.apply(root)
-    if options.activation_checkpointing != "none" or options.compile:
+    if checkpoint_and_compile and (options.activation_checkpointing != "none" or options.compile):
         from ..memory import apply_checkpointing_and_compile
         root = apply_checkpointing_and_compile(root, options)
     root.exatrain_tensor = state

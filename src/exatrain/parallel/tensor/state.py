@@ -88,6 +88,8 @@ def full_state_dict(model: nn.Module, cpu: bool = True) -> dict[str, torch.Tenso
     out = {}
     for key, value in _state_tensors(model).items():
         layout = layout_of(value)
+        if type(value).__name__ == "DTensor":  # sharded over `shard` by FSDP2 (tensor × shard)
+            value = value.full_tensor()
         full = gather_full(value, layout) if layout else value.detach().clone()
         out[key] = full.cpu() if cpu else full
     return out
