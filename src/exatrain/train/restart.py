@@ -64,13 +64,8 @@ def cleanup_failed_start(trainer, resumed: bool) -> None:
 
 def planned_run_dir(config) -> Path:
     """A fresh run directory's path (not created: rank 0 creates it when the run starts)."""
-    import time
-    base = Path(config.run.out_dir) / f"{config.run.name or config.run.workload}-" \
-        f"{time.strftime('%Y%m%d-%H%M%S')}"
-    path, n = base, 1
-    while path.exists():
-        path, n = Path(f"{base}-{n}"), n + 1
-    return path
+    from .run import fresh_run_dir  # (run imports this module)
+    return fresh_run_dir(config)
 
 
 def supervise(run_job, config, nproc: int, resume_dir: str | None, max_restarts: int,

@@ -29,10 +29,8 @@ class ResumeError(FileNotFoundError):
     pass
 
 
-def make_run_dir(config: Config, stable: Path | None = None) -> Path:
-    if stable is not None:
-        stable.mkdir(parents=True, exist_ok=True)
-        return stable
+def fresh_run_dir(config: Config) -> Path:
+    """A new run directory's path, `OUT_DIR/NAME-YYYYmmdd-HHMMSS[-n]` (not created)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     # a user workload is named by its file or module: "dir/unet.py:build" -> "unet"
     name = config.run.name or Path(config.run.workload.split(":")[0]).name.removesuffix(".py")
@@ -40,6 +38,14 @@ def make_run_dir(config: Config, stable: Path | None = None) -> Path:
     path, n = base, 1
     while path.exists():
         path, n = Path(f"{base}-{n}"), n + 1
+    return path
+
+
+def make_run_dir(config: Config, stable: Path | None = None) -> Path:
+    if stable is not None:
+        stable.mkdir(parents=True, exist_ok=True)
+        return stable
+    path = fresh_run_dir(config)
     path.mkdir(parents=True)
     return path
 
