@@ -113,7 +113,7 @@ class Mesh:
 
 
 def _forget_redistribution_plans() -> None:
-    """Drop DTensor's cached redistribution plans, which hold DeviceMeshes.
+    """Drop DTensor's cached redistribution plans and op output specs, which hold DeviceMeshes.
 
     torch compares meshes by layout, not by process group: in a process that closes one mesh and
     opens another of the same shape (a notebook, the tuner measuring Plans in one launch, the test
@@ -129,6 +129,13 @@ def _forget_redistribution_plans() -> None:
     clear = getattr(_redistribute, "clear_redistribute_planner_cache", None)
     if clear is not None:
         clear()
+    # the output specs of DTensor ops, cached by op schema (which holds the mesh) the same way
+    from torch.distributed.tensor import DTensor
+    propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
+    for cache in (getattr(propagator, "propagate_op_sharding", None),
+                  getattr(propagator, "_propagate_tensor_meta_cached", None)):
+        if hasattr(cache, "cache_clear"):
+            cache.cache_clear()
 
 
 class TrainerMesh:
