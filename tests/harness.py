@@ -109,8 +109,14 @@ def _close_pools() -> None:
         pool.close()
 
 
-def run_ranks(world_size: int, fn, *args, timeout_s: float = 300.0) -> list:
-    """`fn(*args)` on `world_size` gloo ranks (env:// set); returns the results by rank."""
+def run_ranks(world_size: int, fn, *args, timeout_s: float = 300.0, fresh: bool = False) -> list:
+    """`fn(*args)` on `world_size` gloo ranks (env:// set); returns the results by rank.
+
+    `fresh=True` starts new rank processes first: for a launch that must not inherit what earlier
+    tests left in torch's process-wide caches (see the caller).
+    """
+    if fresh and world_size in _pools:
+        _pools.pop(world_size).close()
     pool = _pools.get(world_size)
     if pool is None or not pool.alive():
         pool = _pools[world_size] = _Pool(world_size)

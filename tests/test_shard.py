@@ -108,7 +108,7 @@ def run_variants(corpus, out_dir, variants: dict) -> dict:
     return results
 
 
-def check_variants(corpus, tmp_path, variants: dict) -> dict:
+def check_variants(corpus, tmp_path, variants: dict, fresh: bool = False) -> dict:
     """Run `variants` on 4 ranks and hold each to its serial counterpart; returns rank results."""
     out = tmp_path / "runs"
     precisions = {next((o.split("=")[1].strip("'") for o in overrides
@@ -120,7 +120,7 @@ def check_variants(corpus, tmp_path, variants: dict) -> dict:
     for precision in precisions - {"fp32"}:
         serial[precision] = train(gpt_config(corpus, out, *ADAMW,
                                              f"parallel.precision='{precision}'"))
-    ranks = run_ranks(4, run_variants, corpus, out, variants)
+    ranks = run_ranks(4, run_variants, corpus, out, variants, fresh=fresh)
     numel = serial["adamw"]["numel"]
     for name, overrides in variants.items():
         precision = next((o.split("=")[1].strip("'") for o in overrides

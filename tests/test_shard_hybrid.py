@@ -14,7 +14,11 @@ from test_shard import HYBRID_VARIANTS, check_variants
 
 
 def test_hybrid_sgd_and_mixed_precision_equal_serial(corpus, tmp_path):
-    ranks = check_variants(corpus, tmp_path, HYBRID_VARIANTS)["ranks"]
+    # Fresh rank processes: after the suite's other 4-rank tests in the same processes, a gathered
+    # FSDP2 state could meet a DeviceMesh from a closed process group ("Could not resolve the
+    # process group registered under the name ..."): torch caches by mesh layout. Mesh.close clears
+    # DTensor's caches, which did not cure it here; the cause is not found yet.
+    ranks = check_variants(corpus, tmp_path, HYBRID_VARIANTS, fresh=True)["ranks"]
     # hybrid: the reduced shard is all-reduced over data, through the ledger
     assert ranks[0]["hybrid_zero3"]["grad_bytes"]["data"] > 0
     assert ranks[0]["hybrid_zero1"]["grad_bytes"]["data+shard"] > 0
