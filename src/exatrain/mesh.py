@@ -105,37 +105,10 @@ class Mesh:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
-        _forget_redistribution_plans()
 
     def trainer_mesh(self) -> "TrainerMesh":
         """This rank's trainer as a mesh of its own (collective: every rank calls it once)."""
         return TrainerMesh(self)
-
-
-def _forget_redistribution_plans() -> None:
-    """Drop DTensor's cached redistribution plans and op output specs, which hold DeviceMeshes.
-
-    torch compares meshes by layout, not by process group: in a process that closes one mesh and
-    opens another of the same shape (a notebook, the tuner measuring Plans in one launch, the test
-    pool), a cached plan would hand the new DTensors the old mesh, whose groups are gone ("Could
-    not resolve the process group registered under the name ...").
-    """
-    from torch.distributed.tensor import _redistribute
-
-    # (both exist in torch 2.13; older releases may lack one: nothing of it to forget then)
-    cached = getattr(_redistribute, "_gen_transform_infos", None)
-    if hasattr(cached, "cache_clear"):
-        cached.cache_clear()
-    clear = getattr(_redistribute, "clear_redistribute_planner_cache", None)
-    if clear is not None:
-        clear()
-    # the output specs of DTensor ops, cached by op schema (which holds the mesh) the same way
-    from torch.distributed.tensor import DTensor
-    propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
-    for cache in (getattr(propagator, "propagate_op_sharding", None),
-                  getattr(propagator, "_propagate_tensor_meta_cached", None)):
-        if hasattr(cache, "cache_clear"):
-            cache.cache_clear()
 
 
 class TrainerMesh:
