@@ -169,14 +169,6 @@ def composition_refusal(plan: Plan) -> str | None:
                 f"over z. A shard axis on top would shard the same weights again with FSDP2, "
                 f"whose per-parameter buckets cannot also sum the whole parameters' gradients "
                 f"over tensor_z. Put the shard ranks on tensor_z: {nearest}.")
-    if plan.pipe > 1 and (plan.space_degree > 1 or plan.shard > 1):
-        nearest = Plan(trainer=plan.trainer, pipe=plan.pipe, tensor=plan.tensor,
-                       data=plan.data * plan.shard * plan.space_degree)
-        what = f"shard={plan.shard}" if plan.shard > 1 else f"space={plan.space}"
-        return (f"{plan}: pipeline stages with {what} are not implemented yet (each stage would "
-                f"go through apply.py's steps, but FSDP2 / ZeRO stages and spatial stages are "
-                f"not yet tested inside the schedules). Put those ranks on data: {nearest}, or "
-                f"set pipe=1.")
     if plan.tensor_degree > 1 and plan.space_degree > 1:
         nearest = Plan(trainer=plan.trainer, pipe=plan.pipe, data=plan.data * plan.space_degree,
                        shard=plan.shard, tensor=plan.tensor)

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..mesh import Mesh
-from .data import data_parallel
+from .data import data_parallel, replicate_for_pipeline
 from .options import ParallelOptions
 
 
@@ -65,36 +65,40 @@ def gradient_reduction(plan) -> GradientReduction:
 
 
 # ------------------------------------------------------------------------- the steps
-def tensor_step(model, mesh, options, reduction):
+def tensor_step(model, mesh, options, layout):
     if mesh.plan.tensor_degree == 1:
         return model.to(mesh.device)
-    replica = ("data",) if reduction.owner == "tensor" else ()
+    replica = ("data",) if layout.reduction.owner == "tensor" else ()
     return _strategy("tensor").parallelize_tensor(model, mesh, options, replica_axes=replica,
                                                   checkpoint_and_compile=False)
 
 
-def space_step(model, mesh, options, reduction):
+def space_step(model, mesh, options, layout):
     if mesh.plan.space_degree == 1:
         return model
-    return _strategy("spatial").parallelize_spatial(model, mesh)
+    return _strategy("spatial").parallelize_spatial(model, mesh, split_input=layout.split_input)
 
 
-def checkpoint_and_compile_step(model, mesh, options, reduction):
+def checkpoint_and_compile_step(model, mesh, options, layout):
     if options.activation_checkpointing == "none" and not options.compile:
         return model
     return _strategy("memory").apply_checkpointing_and_compile(model, options)
 
 
-def shard_step(model, mesh, options, reduction):
+def shard_step(model, mesh, options, layout):
     if mesh.plan.shard == 1:
         return model
     return _strategy("shard").parallelize_shard(model, mesh, options,
-                                                partial_axes=reduction.partial_axes)
+                                                partial_axes=layout.reduction.partial_axes)
 
 
-def data_step(model, mesh, options, reduction):
+def data_step(model, mesh, options, layout):
+    reduction = layout.reduction
     if reduction.owner != "data":
         return model
+    if mesh.plan.pipe > 1:  # no DDP: reduced once after the schedule (see parallel/data.py)
+        return replicate_for_pipeline(model, mesh, ("data",), reduction.partial_axes,
+                                      options.bucket_cap_mb)
     axis = mesh.axis("data", *reduction.partial_axes)
     return data_parallel(model, axis, replicas=mesh.plan.data, bucket_cap_mb=options.bucket_cap_mb,
                          device=mesh.device, broadcast_buffers=not reduction.partial_axes)
@@ -103,11 +107,18 @@ def data_step(model, mesh, options, reduction):
 STEPS = (tensor_step, space_step, checkpoint_and_compile_step, shard_step, data_step)
 
 
-def parallelize_stage(stage: nn.Module, mesh: Mesh, options) -> nn.Module:
-    """One pipeline stage through every step after the split, in order."""
-    reduction = gradient_reduction(mesh.plan)
+@dataclass(frozen=True)
+class StageLayout:
+    """What the steps need to know about the stage they lay out."""
+    reduction: GradientReduction
+    split_input: bool = True  # under space: its input is split into blocks (not yet gathered)
+
+
+def parallelize_stage(stage: nn.Module, mesh: Mesh, options, split_input: bool = True) -> nn.Module:
+    """One pipeline stage (or the whole model) through every step after the split, in order."""
+    layout = StageLayout(gradient_reduction(mesh.plan), split_input)
     for step in STEPS:
-        stage = step(stage, mesh, options, reduction)
+        stage = step(stage, mesh, options, layout)
     return stage
 
 
@@ -125,5 +136,5 @@ def parallelize(model: nn.Module, mesh: Mesh, options=None, example=None) -> nn.
     if plan.pipe > 1:  # split into stages; each of this rank's stages goes through the steps
         return _strategy("pipe").pipeline_parallel(
             model.to(mesh.device), mesh, options, example,
-            lambda stage: parallelize_stage(stage, mesh, options))
+            lambda stage, split_input: parallelize_stage(stage, mesh, options, split_input))
     return parallelize_stage(model, mesh, options)

@@ -10,6 +10,12 @@ each bucket's all-reduce goes through `exatrain.comm` and is counted in the ledg
 Communication per step, per rank: one SUM all-reduce of every gradient, i.e. 4Ψ bytes for Ψ fp32
 parameters (the payload convention of `comm.ledger`; a ring moves 2(N-1)/N of it over the wire).
 
+Under pipeline parallelism (`replicate_for_pipeline`) DDP's reducer cannot be used: a schedule's
+backward does not always pass through autograd hooks (zero-bubble schedules add weight
+gradients to `.grad` by hand), so the stage gets a deferred `gradsync.GradSync` instead, which the
+pipeline reduces once after the last micro-batch: the same bytes, 4Ψ per rank and step, without
+overlap with backward (which only the last micro-batch's backward could offer).
+
 The gradient is divided by `replicas` before the sum. Over plain `data`, replicas = the axis size
 (mean over the global batch). Over `data+space` (spatial parallelism) the ranks of one spatial
 group hold partial gradients of the same samples, which must be summed, so replicas is the data
@@ -20,7 +26,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..comm import Axis, all_reduce_future
+from ..comm import Axis, all_reduce_future, broadcast
+from .gradsync import GradSync, set_grad_axes
 
 
 class _HookState:
@@ -56,6 +63,24 @@ def data_parallel(model: nn.Module, axis: Axis, replicas: "int | None" = None,
     )
     ddp.register_comm_hook(_HookState(axis, replicas or axis.size), _ledger_allreduce_hook)
     return ddp
+
+
+def replicate_for_pipeline(stage: nn.Module, mesh, mean_axes: tuple[str, ...],
+                           sum_axes: tuple[str, ...], bucket_cap_mb: float = 25.0) -> nn.Module:
+    """Data parallelism for a pipeline stage: gradients averaged over `mean_axes` and summed over
+    `sum_axes` (space) by a deferred GradSync (`stage.exatrain_gradsync`), which the pipeline
+    calls after the schedule. Parameters start equal on every replica, as DDP makes them."""
+    axes = tuple(a for a in (*mean_axes, *sum_axes) if mesh.axis(a).size > 1)
+    if not axes:
+        return stage
+    group = mesh.axis(*axes)
+    with torch.no_grad():
+        for p in stage.parameters():
+            broadcast(p.data, group, src=0, tag="param")
+            set_grad_axes(p, sum_axes=sum_axes, mean_axes=mean_axes)
+    stage.exatrain_gradsync = GradSync(stage.parameters(), mesh, bucket_cap_mb=bucket_cap_mb)
+    stage.exatrain_gradsync.defer()
+    return stage
 
 
 def unwrap(model: nn.Module) -> nn.Module:

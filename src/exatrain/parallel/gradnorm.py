@@ -11,6 +11,11 @@ finiteness), whatever slice of the parameters it holds:
               `comm.Axis` over which its gradient is split: its squares are summed over them
 
 Communication: one all-reduce of one fp32 scalar per distinct set of `exatrain_norm_axes`.
+
+`across` (pipeline parallelism: the `pipe` axis) sums the squares once more, over ranks that hold
+different parameters. It is not a per-parameter axis because ranks of different stages hold
+different sets of `exatrain_norm_axes` (a stage of embeddings has no tensor-split weights), so
+their per-set all-reduces would not match; within a stage every rank lists the same sets.
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ def _is_dtensor(t) -> bool:
     return type(t).__name__ == "DTensor"
 
 
-def clip_grad_norm_(parameters, max_norm: float = math.inf) -> float:
-    """Scale gradients so their global 2-norm is at most `max_norm`; return the norm before."""
+def clip_grad_norm_(parameters, max_norm: float = math.inf, across=None) -> float:
+    """Scale gradients so their global 2-norm is at most `max_norm`; return the norm before.
+
+    `across`: an Axis whose members hold disjoint parameters (pipeline stages), or None."""
     # Every parameter takes part, with or without a gradient on this rank: which all-reduces run
     # must not depend on what one rank happened to use, or the ranks would stop matching.
     everything = list(parameters)
@@ -71,6 +78,8 @@ def clip_grad_norm_(parameters, max_norm: float = math.inf) -> float:
         for axis in axes:
             all_reduce(sq, axis, tag="metric")
         total_sq += sq
+    if across is not None:
+        all_reduce(total_sq, across, tag="metric")
     total = float(total_sq.sqrt())
     if math.isfinite(total) and total > max_norm:
         factor = max_norm / (total + 1e-6)

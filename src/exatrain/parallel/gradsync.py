@@ -24,6 +24,11 @@ Communication per step, per rank: one SUM all-reduce of every synchronised gradi
 4·Ψ_axes bytes on each axis group for Ψ_axes fp32 parameters (the ledger's payload convention).
 
 `no_sync()` suspends it (for gradient accumulation; the Trainer uses it when the model has one).
+
+Deferred mode (`defer()`, used under pipeline schedules): the hooks stay off and `sync_now()`
+reduces the accumulated gradients once, after the schedule. A schedule's backward does not
+always run through hooks: zero-bubble schedules compute weight gradients with
+`torch.autograd.grad` and add them to `.grad` by hand, which no post-accumulate hook sees.
 """
 
 from __future__ import annotations
@@ -157,6 +162,17 @@ class GradSync:
             yield
         finally:
             self.enabled = previous
+
+    def defer(self) -> None:
+        """From now on reduce only when `sync_now()` is called (hooks ignored)."""
+        self.enabled = False
+
+    def sync_now(self) -> None:
+        """Reduce every bucket's accumulated gradients now, in the fixed bucket order."""
+        for bucket in self.buckets:
+            bucket.work, bucket.launched = None, False
+        self._next = 0
+        self._finish()
 
     def bytes_per_step(self) -> dict[str, int]:
         """The formula: each bucket's payload once per step, on its axis."""

@@ -310,11 +310,28 @@ class ZeroDataParallel(nn.Module):
             if self.offload and self.stage == 2:
                 b.grad_flat = None  # the gradients now live on the host
 
+    def defer(self) -> None:
+        """Pipeline stages: reduce only when `sync_now()` is called, after the schedule (its
+        zero-bubble weight pass adds to `.grad` by hand, past the hooks; see gradsync.py)."""
+        self._sync = False
+
+    @torch.no_grad()
+    def sync_now(self) -> None:
+        """Reduce the gradients accumulated so far (hooks off), as a synchronised backward would."""
+        if self.stage == 1:  # a gradient assigned by hand: move it into the bucket's buffer
+            for b in self._buckets:
+                for e in b.entries:
+                    view = self._full_grad_view(b, e)
+                    if e.param.grad is not None and e.param.grad.data_ptr() != view.data_ptr():
+                        view.copy_(e.param.grad)
+                        e.param.grad = view
+        self._finish_backward()
+
     # ------------------------------------------------------------------ after the step
     def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Register the step hook that gathers updated parameters after every optimizer step."""
         ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        if ids != {id(e.shard) for e in self._entries}:
+        if not {id(e.shard) for e in self._entries} <= ids:
             raise ValueError("the optimizer must step exactly ZeroDataParallel.shard_parameters(); "
                              "build it with exatrain.parallel.shard.build_optimizer_for.")
         optimizer.register_step_post_hook(lambda opt, args, kwargs: self.gather_parameters())
@@ -360,40 +377,52 @@ class ZeroDataParallel(nn.Module):
                                   shape=e.param.shape, stride=e.param.stride())
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        """The optimizer state keyed like `torch.distributed.checkpoint.state_dict`'s: by
-        parameter name, per-element state as `Shard(0)` DTensors over the shard mesh (views of
-        the live state, so loading into it writes the optimizer's tensors in place)."""
-        fqn_of = {id(e.shard): e.fqn for e in self._entries}
-        state = {}
-        for e in self._entries:
-            st = optimizer.state.get(e.shard)
-            if not st:
-                continue
-            state[e.fqn] = {k: self._as_dtensor(v, e) if isinstance(v, torch.Tensor)
-                            and v.dim() > 0 and v.shape == e.shard.shape else v
-                            for k, v in st.items()}
-        groups = [{**{k: v for k, v in g.items() if k != "params"},
-                   "params": [fqn_of[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
-        return {"state": state, "param_groups": groups}
+        """See `zero_optimizer_state_dict`."""
+        return zero_optimizer_state_dict([self], optimizer)
 
-    @torch.no_grad()
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, loaded: dict) -> None:
-        """Copy a state dict loaded into `optimizer_state_dict`'s skeleton back into `optimizer`."""
-        by_fqn = {e.fqn: e for e in self._entries}
-        for fqn, values in loaded["state"].items():
-            st = optimizer.state[by_fqn[fqn].shard]
-            for k, v in values.items():
-                if isinstance(v, torch.Tensor):
-                    local = v.to_local() if hasattr(v, "to_local") else v
-                    if k in st and isinstance(st[k], torch.Tensor):
-                        if st[k].data_ptr() != local.data_ptr():
-                            st[k].copy_(local)
-                    else:
-                        st[k] = local.clone()
+        """See `zero_load_optimizer_state_dict`."""
+        zero_load_optimizer_state_dict([self], optimizer, loaded)
+
+
+def zero_optimizer_state_dict(units: list[ZeroDataParallel], optimizer) -> dict:
+    """The optimizer state of one or more ZeRO units (a pipeline rank's stages) keyed like
+    `torch.distributed.checkpoint.state_dict`'s: by parameter name, per-element state as
+    `Shard(0)` DTensors over the shard mesh (views of the live state, so loading into it writes
+    the optimizer's tensors in place)."""
+    entries = [(unit, e) for unit in units for e in unit._entries]
+    fqn_of = {id(e.shard): e.fqn for _, e in entries}
+    state = {}
+    for unit, e in entries:
+        st = optimizer.state.get(e.shard)
+        if not st:
+            continue
+        state[e.fqn] = {k: unit._as_dtensor(v, e) if isinstance(v, torch.Tensor)
+                        and v.dim() > 0 and v.shape == e.shard.shape else v
+                        for k, v in st.items()}
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [fqn_of[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
+    return {"state": state, "param_groups": groups}
+
+
+@torch.no_grad()
+def zero_load_optimizer_state_dict(units: list[ZeroDataParallel], optimizer, loaded: dict) -> None:
+    """Copy a state dict loaded into `zero_optimizer_state_dict`'s skeleton back into `optimizer`."""
+    by_fqn = {e.fqn: e for unit in units for e in unit._entries}
+    for fqn, values in loaded["state"].items():
+        st = optimizer.state[by_fqn[fqn].shard]
+        for k, v in values.items():
+            if isinstance(v, torch.Tensor):
+                local = v.to_local() if hasattr(v, "to_local") else v
+                if k in st and isinstance(st[k], torch.Tensor):
+                    if st[k].data_ptr() != local.data_ptr():
+                        st[k].copy_(local)
                 else:
-                    st[k] = v
-        for group, saved in zip(optimizer.param_groups, loaded["param_groups"]):
-            group.update({k: v for k, v in saved.items() if k != "params"})
+                    st[k] = local.clone()
+            else:
+                st[k] = v
+    for group, saved in zip(optimizer.param_groups, loaded["param_groups"]):
+        group.update({k: v for k, v in saved.items() if k != "params"})
 
 
 def build_optimizer_for(model: nn.Module, build) -> torch.optim.Optimizer:
@@ -402,11 +431,20 @@ def build_optimizer_for(model: nn.Module, build) -> torch.optim.Optimizer:
     Plain, DDP and FSDP2 models: the model's trainable parameters. ZeRO-1/2: the rank's shards,
     with the post-step all-gather registered.
     """
-    if isinstance(model, ZeroDataParallel):
-        optimizer = build(model.shard_parameters())
-        model.bind_optimizer(optimizer)
+    units = zero_units(model)
+    if units:
+        optimizer = build([p for unit in units for p in unit.shard_parameters()])
+        for unit in units:
+            unit.bind_optimizer(optimizer)
         return optimizer
     return build([p for p in model.parameters() if p.requires_grad])
+
+
+def zero_units(model: nn.Module) -> list[ZeroDataParallel]:
+    """The ZeRO-1/2 wrappers that train `model`: itself, or each of a pipeline rank's stages."""
+    if isinstance(model, ZeroDataParallel):
+        return [model]
+    return [s for s in getattr(model, "stage_wrappers", ()) if isinstance(s, ZeroDataParallel)]
 
 
 # ---------------------------------------------------------------------- stage 3: FSDP2
@@ -426,7 +464,10 @@ def _fully_shard(model: nn.Module, mesh: Mesh, options, partial_axes=()) -> nn.M
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     offload = (CPUOffloadPolicy(pin_memory=mesh.device.type == "cuda") if options.offload
                else OffloadPolicy())
-    kwargs = dict(mesh=shard_mesh, offload_policy=offload, reshard_after_forward=True)
+    # under pipe each micro-batch's forward would gather the stage's parameters again (m times
+    # the traffic); they stay gathered from forward to backward, as torchtitan does for PP
+    kwargs = dict(mesh=shard_mesh, offload_policy=offload,
+                  reshard_after_forward=mesh.plan.pipe == 1)
 
     def norms_of(module: nn.Module, exclude: set) -> list[nn.Module]:
         return [m for m in module.modules() if is_norm(m) and id(m) not in exclude
@@ -518,5 +559,5 @@ def parallelize_shard(model: nn.Module, mesh: Mesh, options, partial_axes=()) ->
                             bucket_cap_mb=options.bucket_cap_mb, partial_axes=partial_axes)
 
 
-__all__ = ["ZeroDataParallel", "build_optimizer_for", "clean_fqn",
-           "parallelize_shard"]
+__all__ = ["ZeroDataParallel", "build_optimizer_for", "clean_fqn", "parallelize_shard",
+           "zero_load_optimizer_state_dict", "zero_optimizer_state_dict", "zero_units"]

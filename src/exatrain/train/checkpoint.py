@@ -48,6 +48,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
+from ..parallel.data import unwrap
 from ..parallel.tensor.state import for_checkpoint
 from . import manifest as manifests
 
@@ -210,8 +211,8 @@ def load(path: str | Path, model, optimizer, group=None) -> dict:
     if not (path / STATE_FILE).is_file():
         raise CheckpointError(f"{path} is not a complete exatrain checkpoint (no {STATE_FILE}).")
     verify(path)  # before DCP reads (and unpickles its metadata) anything
-    zero = _zero(model)
-    if zero is not None:
+    zero = _zero_units(model)
+    if zero:
         _init_optimizer_state(optimizer)  # DCP loads into existing tensors
     model_state, optim_state = _state_dicts(model, optimizer)
     # Hyperparameters come from the config (and the schedule, every step), not the checkpoint:
@@ -225,26 +226,30 @@ def load(path: str | Path, model, optimizer, group=None) -> dict:
     if live_groups is not None:
         optim_state["param_groups"] = live_groups
     state = {"model": model_state, "optim": optim_state}
-    if zero is not None:
-        set_model_state_dict(zero.module, state["model"])
-        zero.load_optimizer_state_dict(optimizer, state["optim"])
-        zero.refresh_shards()
+    if zero:
+        from ..parallel.shard import zero_load_optimizer_state_dict
+        set_model_state_dict(unwrap(model), state["model"])
+        zero_load_optimizer_state_dict(zero, optimizer, state["optim"])
+        for unit in zero:
+            unit.refresh_shards()
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
     return json.loads((path / STATE_FILE).read_text())
 
 
-def _zero(model):
-    from ..parallel.shard import ZeroDataParallel
-    return model if isinstance(model, ZeroDataParallel) else None
+def _zero_units(model) -> list:
+    """The ZeRO-1/2 wrappers whose optimizer steps shards, not the model's parameters."""
+    from ..parallel.shard import zero_units
+    return zero_units(model)
 
 
 def _state_dicts(model, optimizer) -> tuple[dict, dict]:
     """(model, optimizer) state dicts keyed by parameter name, whatever holds them."""
-    zero = _zero(model)
-    if zero is not None:
-        return get_model_state_dict(zero.module), zero.optimizer_state_dict(optimizer)
+    zero = _zero_units(model)
+    if zero:
+        from ..parallel.shard import zero_optimizer_state_dict
+        return get_model_state_dict(unwrap(model)), zero_optimizer_state_dict(zero, optimizer)
     return get_state_dict(model, optimizer)
 
 

@@ -186,7 +186,8 @@ class Trainer:
         # The gradient norm is global (the same on every rank), so every rank reaches the same
         # verdict on finiteness without another collective.
         max_norm = t.clip_grad_norm if t.clip_grad_norm > 0 else math.inf
-        grad_norm = clip_grad_norm_(self.opt_params, max_norm)
+        grad_norm = clip_grad_norm_(self.opt_params, max_norm,
+                                    across=getattr(self.model, "norm_axis", None))
         finite = math.isfinite(grad_norm)
         # (the local loss is only reported: deciding on it could stop one rank and strand the rest)
         if not finite and not self.scaler.enabled and skip_nonfinite(self, loss_sum, grad_norm):

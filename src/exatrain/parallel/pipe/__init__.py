@@ -16,7 +16,7 @@ from torch import nn
 
 from ...comm import broadcast_object
 from ..precision import Precision
-from .model import PipelineModel, check_microbatches
+from .model import PipelineModel, check_microbatches, stage_shapes
 from .schedules import SCHEDULES, bubble_formula, check_schedule_microbatches, stage_indices, virtual_stages
 from .split import PipeSplitError, split_model
 
@@ -25,20 +25,36 @@ __all__ = ["PipelineModel", "PipeSplitError", "SCHEDULES", "bubble_formula", "pi
 
 
 def pipeline_parallel(model: nn.Module, mesh, options, example: torch.Tensor | None,
-                      per_stage: Callable[[nn.Module], nn.Module]) -> PipelineModel:
-    """Split `model` over the `pipe` axis; `per_stage` lays out each of this rank's stages.
+                      per_stage: Callable[[nn.Module, bool], nn.Module]) -> PipelineModel:
+    """Split `model` over the `pipe` axis; `per_stage(stage, split_input)` lays out each of this
+    rank's stages (`split_input`: under space, the stage's input is split into blocks).
 
-    `example`: one per-replica batch of inputs (the shapes the stages will see).
+    `example`: one per-replica batch of inputs, as this rank gets it (under space: blocks).
+
+    Under space the model is split and sized on whole samples; the activations that cross a
+    stage boundary before the spatial transition (nn.Flatten, global pool) are this rank's
+    blocks, after it whole tensors (`spatial.stage_regions`).
     """
     if example is None:
         raise ValueError("plan.pipe > 1: parallelize(model, mesh, options, example=x) needs one "
                          "per-replica batch of inputs x, to trace the model and size the stages.")
     axis = mesh.axis("pipe")
     per_rank = virtual_stages(options.pipe_schedule, options.pipe_virtual_stages)
+    if per_rank > 1 and mesh.plan.shard > 1 and options.zero_stage == 3:
+        # measured: two FSDP2 stages on one rank (looped schedules) train on NaNs in torch 2.13
+        raise ValueError(
+            f"{mesh.plan}: parallel.pipe_schedule={options.pipe_schedule!r} puts several stages on "
+            "each rank, which does not work with parallel.zero_stage=3 (FSDP2 stages: NaN "
+            "losses). Use zero_stage=2 (or 1) with this schedule, or pipe_schedule='1f1b' or "
+            "'gpipe' with zero_stage=3.")
     stages = axis.size * per_rank
     microbatches = options.microbatches or 2 * stages
     check_microbatches(example.shape[0], microbatches)
     check_schedule_microbatches(options.pipe_schedule, axis.size, microbatches)
+    spatial = mesh.plan.space_degree > 1
+    if spatial:  # trace and size the stages on whole samples
+        from ..spatial import block_shape, stage_regions, whole_shape
+        example = example.new_zeros(whole_shape(tuple(example.shape), mesh))
     micro = example[: max(1, example.shape[0] // microbatches)].to(mesh.device)
     split = list(options.pipe_split) or None
     modules, starts = split_model(model, stages, micro, starts=split, balance=options.pipe_balance)
@@ -46,7 +62,18 @@ def pipeline_parallel(model: nn.Module, mesh, options, example: torch.Tensor | N
         agreed = broadcast_object(starts, mesh.world)
         if agreed != starts:
             modules, starts = split_model(model, stages, micro, starts=agreed)
-    wrapped = {i: per_stage(modules[i]) for i in stage_indices(axis.rank, axis.size, per_rank)}
     autocast = Precision(options.precision, mesh.device).autocast
-    return PipelineModel(modules, wrapped, axis, mesh.device, options.pipe_schedule, microbatches,
+    shapes = stage_shapes(modules, micro, autocast)
+    regions = [(False, False)] * len(modules)
+    if spatial:
+        regions = stage_regions(modules)
+        block = lambda metas, split: tuple(
+            torch.empty(block_shape(tuple(t.shape), mesh), dtype=t.dtype, device="meta",
+                        requires_grad=t.requires_grad) if split else t for t in metas)
+        shapes = [(block(inputs, split_in), block(outputs, split_out))
+                  for (inputs, outputs), (split_in, split_out) in zip(shapes, regions)]
+    wrapped = {i: per_stage(modules[i], regions[i][0])
+               for i in stage_indices(axis.rank, axis.size, per_rank)}
+    return PipelineModel(len(modules), wrapped, shapes, axis, mesh.device, options.pipe_schedule,
+                         microbatches,
                          example.to(mesh.device), autocast, starts)

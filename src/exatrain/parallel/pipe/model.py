@@ -7,6 +7,12 @@ serial paths (`blocks.4...`), so `parameters()`, optimizers, gradient clipping, 
 DCP checkpoints see the serial model's names; the stage modules that the schedule calls share
 those parameters.
 
+Gradient reduction over the replica axes (data, shard, space, tensor_z) runs once per step, after
+the schedule: every stage's synchroniser (a deferred GradSync from the data or tensor step, or a
+ZeRO-1/2 wrapper) is put in deferred mode here and called by `train_step` after the last
+micro-batch. Hooks cannot do it: zero-bubble schedules add weight gradients to `.grad` by hand.
+FSDP2 stages (ZeRO-3) are reduced by torch's schedule itself (`perform_reduce_grad`).
+
 A training step: the per-replica batch is cut into m micro-batches; the schedule runs them
 through the stages; the loss (mean over each micro-batch) is summed over micro-batches and
 divided by m by the schedule's gradient scaling, so gradients equal the un-pipelined step's
@@ -58,6 +64,17 @@ def _merge_into(shell: nn.Module, part: nn.Module) -> None:
             _merge_into(mine, child)
 
 
+def _deferred_syncs(stage: nn.Module) -> list:
+    """The gradient synchronisers of one laid-out stage, switched to reduce on demand."""
+    syncs = [stage] if hasattr(stage, "sync_now") else []          # ZeRO-1/2
+    gradsync = getattr(unwrap(stage), "exatrain_gradsync", None)     # data or tensor step
+    if gradsync is not None:
+        syncs.append(gradsync)
+    for sync in syncs:
+        sync.defer()
+    return syncs
+
+
 def check_microbatches(batch: int, microbatches: int) -> None:
     if batch % microbatches:
         raise ValueError(
@@ -66,7 +83,10 @@ def check_microbatches(batch: int, microbatches: int) -> None:
 
 
 def stage_shapes(modules: list[nn.Module], micro: torch.Tensor, autocast) -> list[tuple]:
-    """(inputs, outputs) of each stage for one micro-batch, as meta tensors (fake execution)."""
+    """(inputs, outputs) of each stage for one micro-batch, as meta tensors (fake execution).
+
+    Run on the plain stages, before they are laid out: a sharded stage's forward would start
+    collectives (FSDP2's all-gather) that fake tensors must not reach."""
     shapes = []
     with FakeTensorMode(allow_non_fake_inputs=True) as mode, autocast():
         x = (mode.from_tensor(micro),)
@@ -82,22 +102,23 @@ def stage_shapes(modules: list[nn.Module], micro: torch.Tensor, autocast) -> lis
 class PipelineModel(nn.Module):
     """This rank's stages of a pipeline; `train_step` / `eval_batch` run the schedule."""
 
-    def __init__(self, all_modules: list[nn.Module], wrapped: dict[int, nn.Module],
+    def __init__(self, num_stages: int, wrapped: dict[int, nn.Module], shapes: list[tuple],
                  axis: Axis, device: torch.device, schedule: str, microbatches: int,
                  example: torch.Tensor, autocast, starts: list[int]):
         super().__init__()
         self.axis, self.device, self.autocast = axis, device, autocast
         self.schedule_name, self.microbatches, self.layer_starts = schedule, microbatches, starts
-        self.num_stages = len(all_modules)
+        self.num_stages = num_stages
         self.stage_ids = sorted(wrapped)
         for i in self.stage_ids:  # as laid out by the per-stage steps (tensor: new local shards)
             _merge_into(self, unwrap(wrapped[i]))
-        for p in self.parameters():  # the gradient norm sums over the stages' ranks too
-            p.exatrain_norm_axes = tuple(getattr(p, "exatrain_norm_axes", ())) + (axis,)
+        self.norm_axis = axis  # the gradient norm sums over the stages' ranks too
+        # the stages as laid out (ZeRO wrappers included): a tuple, not submodules, so that
+        # the parameters are registered once, under their serial names
+        self.stage_wrappers = tuple(wrapped[i] for i in self.stage_ids)
+        self.gradient_syncs = [sync for w in self.stage_wrappers for sync in _deferred_syncs(w)]
         check_microbatches(example.shape[0], microbatches)
         self.batch = example.shape[0]
-        micro = example[: self.batch // microbatches]
-        shapes = stage_shapes(all_modules, micro, autocast)
         self.timeline = Timeline(axis.rank, device)
         self.stages = [CountedStage(wrapped[i], i, self.num_stages, device, shapes[i][0],
                                     shapes[i][1], axis, self.timeline) for i in self.stage_ids]
@@ -125,7 +146,9 @@ class PipelineModel(nn.Module):
         with self.autocast():
             self.schedule.step(*((x,) if self.is_first else ()), target=y if self.is_last else None,
                                losses=losses, return_outputs=False)
-        self.timeline.end_step()
+        self.timeline.end_step()  # the bubble is the schedule's idle time, not the reduction's
+        for sync in self.gradient_syncs:
+            sync.sync_now()
         return self._shared_mean(losses)
 
     def _shared_mean(self, losses: list) -> float:

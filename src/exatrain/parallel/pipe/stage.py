@@ -23,7 +23,6 @@ from contextlib import contextmanager
 
 import torch
 from torch.distributed.pipelining import PipelineStage
-from torch.nn.parallel import DistributedDataParallel
 
 from ...comm import Axis
 from ...comm.collectives import nbytes
@@ -99,17 +98,6 @@ class CountedStage(PipelineStage):
     def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
         with self.timeline.span(self.stage_index, bwd_chunk_id, "B"):
             return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
-
-    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict,
-                                   last_backward: bool = False):
-        """torch syncs DDP and FSDP stages on the last micro-batch only; a stage with its own
-        gradient sync (tensor parallelism's GradSync, whose sums over tensor_z must run once on
-        the accumulated gradient) gets the same through its `no_sync()`."""
-        own = getattr(self.submod, "no_sync", None)
-        if own is None or last_backward or isinstance(self.submod, DistributedDataParallel):
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        with own():
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
     def backward_weight_one_chunk(self, bwd_chunk_id, *args, **kwargs):
         with self.timeline.span(self.stage_index, bwd_chunk_id, "W"):

@@ -5,9 +5,11 @@
   functions.py   autograd Functions: split/gather blocks, BatchNorm statistics, shared masks
 """
 
-from .convert import (SpatialBlocks, SpatialRuntime, block_region, block_slices, describe_spatial,
-                      gather_output, parallelize_spatial, split_input)
+from .convert import (SpatialBlocks, SpatialRuntime, block_region, block_shape, block_slices,
+                      describe_spatial, gather_output, is_transition, parallelize_spatial,
+                      split_input, stage_regions, whole_shape)
 from .layers import SpatialSplitError
 
-__all__ = ["SpatialBlocks", "SpatialRuntime", "SpatialSplitError", "block_region", "block_slices",
-           "describe_spatial", "gather_output", "parallelize_spatial", "split_input"]
+__all__ = ["SpatialBlocks", "SpatialRuntime", "SpatialSplitError", "block_region", "block_shape",
+           "block_slices", "describe_spatial", "gather_output", "is_transition",
+           "parallelize_spatial", "split_input", "stage_regions", "whole_shape"]

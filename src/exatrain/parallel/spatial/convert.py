@@ -46,7 +46,8 @@ from .layers import (SpatialBatchNorm, SpatialConv, SpatialConvTranspose, Spatia
                              SpatialSplitError, SpatialUpsample)
 
 __all__ = ["parallelize_spatial", "SpatialSplitError", "SpatialBlocks", "block_region", "block_slices",
-           "split_input", "gather_output", "describe_spatial", "DEFAULT_OVERLAP"]
+           "block_shape", "split_input", "gather_output", "describe_spatial", "DEFAULT_OVERLAP",
+           "is_transition", "stage_regions", "whole_shape"]
 
 # Overlap each convolution's interior with its halo transfer? Measured by `exatrain bench spatial`
 # (step_s_spatial vs step_s_spatial_overlap): on a 2-core CPU, gloo's transfers share the cores with
@@ -183,16 +184,25 @@ def _convert(name: str, module: nn.Module, rt: SpatialRuntime, may_gather: bool,
     raise _unsupported(name, module)
 
 
-def parallelize_spatial(model: nn.Module, mesh: Mesh, overlap: bool | None = None) -> nn.Module:
+def parallelize_spatial(model: nn.Module, mesh: Mesh, overlap: bool | None = None,
+                        split_input: bool = True) -> nn.Module:
     """A copy of `model` whose layers work on this rank's spatial blocks (see the module doc).
 
     Raises SpatialSplitError naming the first layer that cannot run under the split. Kernel,
     stride and split combinations are checked at the first forward (they need the input size).
+    `split_input=False`: `model` is a pipeline stage after the transition (its input is whole and
+    the same on every spatial rank): nothing is converted, all of it runs replicated.
     """
     if mesh.plan.space_degree == 1:
         return model
     rt = SpatialRuntime(mesh, DEFAULT_OVERLAP if overlap is None else overlap)
     model = copy.deepcopy(model)
+    if not split_input:
+        for name, module in model.named_modules():
+            if _direct_params(module):
+                rt.note_mode(module, replicated=True, name=name)
+        model.spatial_runtime = rt
+        return model
     named = list(model.named_modules(remove_duplicate=False))
     leaves = [(n, m) for n, m in named if not list(m.children())]
     transition = next((i for i, (_, m) in enumerate(leaves)
@@ -254,6 +264,40 @@ def describe_spatial(model: nn.Module) -> str:
                     f"  halo {received} elements")
             lines.append(line + (f"\n    because {m.gather_reason}" if mode == "gather" else ""))
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------- pipeline stages
+def is_transition(module: nn.Module) -> bool:
+    """Does `module` end the split region (gather or reduce the blocks)?"""
+    if type(module) is nn.Flatten:
+        return True
+    size = getattr(module, "output_size", None)
+    return isinstance(module, _GLOBAL_POOLS) and all(
+        s == 1 for s in (size if isinstance(size, tuple) else (size,)))
+
+
+def stage_regions(stages: list[nn.Module]) -> list[tuple[bool, bool]]:
+    """(input split?, output split?) of each pipeline stage, in order: tensors are split into
+    blocks from the model's input up to the first stage holding a transition layer."""
+    regions, split = [], True
+    for stage in stages:
+        after = split and not any(is_transition(m) for m in stage.modules())
+        regions.append((split, after))
+        split = after
+    return regions
+
+
+def whole_shape(shape: tuple[int, ...], mesh: Mesh) -> tuple[int, ...]:
+    """The whole (N, C, *spatial) shape whose blocks have `shape`."""
+    k = len(shape) - 2
+    parts = tuple(mesh.plan.space)[3 - k:]
+    return tuple(shape[:2]) + tuple(n * p for n, p in zip(shape[2:], parts))
+
+
+def block_shape(shape: tuple[int, ...], mesh: Mesh) -> tuple[int, ...]:
+    """This rank's block of a whole (N, C, *spatial) shape (equal blocks)."""
+    region = block_region(tuple(shape[2:]), mesh)
+    return tuple(shape[:2]) + tuple(r.stop - r.start for r in region)
 
 
 # ------------------------------------------------------------------------- data layout

@@ -638,6 +638,7 @@ def parallelize_tensor(model: nn.Module, mesh: Mesh, options=None, *, pairs: boo
         root = apply_checkpointing_and_compile(root, options)
     root.exatrain_tensor = state
     root.no_sync = state.gradsync.no_sync
+    root.exatrain_gradsync = state.gradsync  # pipeline stages reduce after the schedule
     return root
 
 
