@@ -19,7 +19,9 @@ CPU ranks over gloo, one thread each (several ranks could not share one GPU unde
   cores                CPU cores of this machine: cases with p > cores are oversubscribed, their
                        times say little (the done-when targets apply to p <= cores)
 
-Figures are flat keys `<figure>_p<p>_<schedule>_m<m>`.
+Figures are flat keys `<figure>_p<p>_<schedule>_m<m>`. With `--memory-cap-mib C`, also the memory
+case of `bench/pipe_memory.py` (GPT under Plan(pipe=2, tensor=2, shard=2) on 8 ranks): `memory_*`,
+`state_bytes_per_rank` against `state_bytes_formula`.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULE_NAMES))
     parser.add_argument("--micro-rows", type=int, default=32, help="rows per micro-batch")
+    parser.add_argument("--memory-cap-mib", type=float, default=0.0,
+                        help="also run the memory case (bench/pipe_memory.py) with this cap per "
+                             "rank: 8 ranks, pipe x tensor x shard")
 
 
 def _model(width: int, blocks: int) -> nn.Module:
@@ -156,4 +161,7 @@ def run(args) -> dict:
     result.update(bubble_excess_max=worst_bubble, p2p_bytes_ratio_max=worst_bytes,
                   max_rel_err_vs_serial=max(v for k, v in result.items()
                                             if k.startswith("max_rel_err_vs_serial_")))
+    if args.memory_cap_mib:
+        from .pipe_memory import run_memory_case
+        result.update(run_memory_case(args.memory_cap_mib))
     return result

@@ -182,5 +182,7 @@ def for_checkpoint(model: nn.Module, state: dict) -> dict:
     drops the others' (it deduplicates what it takes for replicas).
     """
     inner = getattr(model, "module", model)
-    tp = getattr(model, "exatrain_tensor", None) or getattr(inner, "exatrain_tensor", None)
+    stages = [getattr(s, "module", s) for s in getattr(model, "stage_wrappers", ())]  # pipe
+    tp = next((getattr(m, "exatrain_tensor", None) for m in (model, inner, *stages)
+               if getattr(m, "exatrain_tensor", None) is not None), None)
     return state if tp is None else dtensor_state_dict(model, state, tp.mesh)
