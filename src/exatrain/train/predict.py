@@ -185,13 +185,8 @@ def predict(run_dir, data=None, out=None, plan: Plan | None = None, *, step: int
     write `out` (default RUN_DIR/predictions.h5). Runs on every rank of the job (like `fit`);
     returns the summary on every rank. Without a launcher, a Plan of more than one rank (given,
     or the run's) has its ranks started here, locally."""
-    from ..comm import all_gather_object, broadcast_object
     from ..launch import detect
     from ..mesh import init
-    from ..parallel import parallelize
-    from ..parallel.data import unwrap
-    from ..parallel.precision import Precision
-    from ..workloads import get_workload
 
     run_dir = Path(run_dir)
     path = find_checkpoint(run_dir, step)
@@ -209,107 +204,120 @@ def predict(run_dir, data=None, out=None, plan: Plan | None = None, *, step: int
     backend = None if config.run.backend == "auto" else config.run.backend
     mesh = init(resolved, backend=backend, timeout_s=config.run.timeout_s)
     try:
-        torch.manual_seed(config.run.seed)
-        module = get_workload(config.run.workload)
-        try:
-            workload = module.build(config, mesh)
-        except FileNotFoundError as exc:
-            raise PredictError(
-                f"exatrain predict rebuilds the run's workload from {run_dir / 'config.toml'}, "
-                f"which reads the data at data.path={getattr(config.data, 'path', '?')!r} (input "
-                f"statistics come from the training samples): {exc}. Make those data readable "
-                "there, or pass --set data.path=DIR.") from None
-        adapter = ADAPTERS.get(config.run.workload, PredictAdapter())
-        if data is None:
-            data_set, data_name = workload.val_set, "the run's validation set"
-        elif adapter.open_data is None:
-            raise PredictError(
-                f"--data: the {config.run.workload!r} workload has no reader for a data set given "
-                "by path; leave --data out to predict the run's validation set, and point it at "
-                "your data with --set data.<key>=PATH (the keys of its [data] section).")
-        else:
-            data_set, _ = adapter.open_data(data, config, mesh, workload)
-            data_name = str(data)
-        if len(data_set) == 0:
-            raise PredictError(f"--data {data_name}: the data set has no samples.")
-        model = parallelize(workload.model, mesh, config.parallel)
-        state = checkpoint.load_model(path, model)
-        model = unwrap(model)
-        model.eval()
-        precision = Precision(config.parallel.precision, mesh.device)
-        meaning = adapter.meaning(config)
-        replica_axis = mesh.axis("data", "shard") if resolved.shard > 1 else mesh.axis("data")
-        leader = all(v == 0 for k, v in mesh.coords.items()
-                     if k.startswith(("space", "tensor")))
-        split_outputs = resolved.space_degree > 1 and "space" in workload.metric_axes
-        per_replica = max(1, (batch_size or config.train.batch_size) // replica_axis.size)
-        writer = _Writer(out, meaning) if mesh.rank == 0 else None
-        n = len(data_set)
-        base = _base(data_set)
-        ids = [str(i) for i in base.sample_ids()] if hasattr(base, "sample_ids") \
-            else [str(i) for i in range(n)]
-        global_batch = per_replica * replica_axis.size
-        batches = []
-        for b in range(math.ceil(n / global_batch)):
-            lo = b * global_batch + replica_axis.rank * per_replica
-            batches.append(list(range(lo, min(lo + per_replica, n))) or [n - 1])  # padding
-        loader = torch.utils.data.DataLoader(data_set, batch_sampler=batches,
-                                             num_workers=config.train.num_workers)
-        failure = None
-        start = time.perf_counter()
-        with torch.no_grad():
-            for b, batch in enumerate(loader):
-                x, y = (batch[0], batch[1]) if isinstance(batch, (list, tuple)) else (batch, None)
-                lo = b * global_batch + replica_axis.rank * per_replica
-                keep = max(0, min(per_replica, n - lo))
-                with precision.autocast():
-                    output = model(x.to(mesh.device))
-                if split_outputs:
-                    from ..parallel.spatial import gather_output
-                    output = gather_output(output, mesh)
-                if not leader:
-                    continue
-                mine = (lo, output[:keep].float().cpu(), None if y is None else y[:keep])
-                parts = all_gather_object(mine, replica_axis, tag="predict")
-                if writer is not None and failure is None:
-                    try:
-                        for first, rows, targets in parts:
-                            if len(rows):
-                                writer.append(first, rows, targets, ids[first:first + len(rows)])
-                    except Exception as exc:  # tell the others below, do not strand them
-                        failure = exc
-        wall = time.perf_counter() - start
-        summary = None
-        if writer is not None:
-            if failure is None:
-                try:
-                    summary = writer.close(attrs={
-                        "run_dir": str(run_dir.resolve()), "checkpoint": str(path.resolve()),
-                        "step": int(state["step"]), "plan": str(resolved),
-                        "trained_plan": str(state.get("plan", "")), "world_size": mesh.world_size,
-                        "workload": config.run.workload, "data": data_name,
-                        "precision": config.parallel.precision,
-                        "config": (run_dir / "config.toml").read_text()})
-                except Exception as exc:
-                    failure = exc
-            if failure is not None:
-                writer.abandon()
-                summary = {"error": f"{type(failure).__name__}: {failure}"}
-            else:
-                summary.update(samples=n, wall_s=wall, samples_per_s=n / wall, out=str(out),
-                               step=int(state["step"]), checkpoint=str(path), plan=str(resolved),
-                               world_size=mesh.world_size, data=data_name,
-                               input_bytes_read_rank0=int(getattr(data_set, "bytes_read", 0)))
-        summary = broadcast_object(summary, mesh.world)
-        if "error" in summary:
-            if failure is not None:
-                raise failure
-            raise RuntimeError(f"rank 0 could not write {out}: {summary['error']}")
-        if verbose and mesh.rank == 0:
-            print(format_summary(summary), flush=True)
-        return summary
+        return _predict_on(mesh, config, run_dir, path, data, out, batch_size, verbose)
     finally:
         mesh.close()
+
+
+def _predict_on(mesh, config: Config, run_dir: Path, path: Path, data, out: Path,
+                batch_size: int, verbose: bool) -> dict:
+    """predict() on this rank of a live mesh."""
+    from ..comm import all_gather_object, broadcast_object
+    from ..parallel import parallelize
+    from ..parallel.data import unwrap
+    from ..parallel.precision import Precision
+    from ..workloads import get_workload
+
+    resolved = mesh.plan
+    torch.manual_seed(config.run.seed)
+    module = get_workload(config.run.workload)
+    try:
+        workload = module.build(config, mesh)
+    except FileNotFoundError as exc:
+        raise PredictError(
+            f"exatrain predict rebuilds the run's workload from {run_dir / 'config.toml'}, "
+            f"which reads the data at data.path={getattr(config.data, 'path', '?')!r} (input "
+            f"statistics come from the training samples): {exc}. Make those data readable "
+            "there, or pass --set data.path=DIR.") from None
+    adapter = ADAPTERS.get(config.run.workload, PredictAdapter())
+    if data is None:
+        data_set, data_name = workload.val_set, "the run's validation set"
+    elif adapter.open_data is None:
+        raise PredictError(
+            f"--data: the {config.run.workload!r} workload has no reader for a data set given "
+            "by path; leave --data out to predict the run's validation set, and point it at "
+            "your data with --set data.<key>=PATH (the keys of its [data] section).")
+    else:
+        data_set, _ = adapter.open_data(data, config, mesh, workload)
+        data_name = str(data)
+    if len(data_set) == 0:
+        raise PredictError(f"--data {data_name}: the data set has no samples.")
+    model = parallelize(workload.model, mesh, config.parallel)
+    state = checkpoint.load_model(path, model)
+    model = unwrap(model)
+    model.eval()
+    precision = Precision(config.parallel.precision, mesh.device)
+    meaning = adapter.meaning(config)
+    replica_axis = mesh.axis("data", "shard") if resolved.shard > 1 else mesh.axis("data")
+    leader = all(v == 0 for k, v in mesh.coords.items()
+                 if k.startswith(("space", "tensor")))
+    split_outputs = resolved.space_degree > 1 and "space" in workload.metric_axes
+    per_replica = max(1, (batch_size or config.train.batch_size) // replica_axis.size)
+    writer = _Writer(out, meaning) if mesh.rank == 0 else None
+    n = len(data_set)
+    base = _base(data_set)
+    ids = [str(i) for i in base.sample_ids()] if hasattr(base, "sample_ids") \
+        else [str(i) for i in range(n)]
+    global_batch = per_replica * replica_axis.size
+    batches = []
+    for b in range(math.ceil(n / global_batch)):
+        lo = b * global_batch + replica_axis.rank * per_replica
+        batches.append(list(range(lo, min(lo + per_replica, n))) or [n - 1])  # padding
+    loader = torch.utils.data.DataLoader(data_set, batch_sampler=batches,
+                                         num_workers=config.train.num_workers)
+    failure = None
+    start = time.perf_counter()
+    with torch.no_grad():
+        for b, batch in enumerate(loader):
+            x, y = (batch[0], batch[1]) if isinstance(batch, (list, tuple)) else (batch, None)
+            lo = b * global_batch + replica_axis.rank * per_replica
+            keep = max(0, min(per_replica, n - lo))
+            with precision.autocast():
+                output = model(x.to(mesh.device))
+            if split_outputs:
+                from ..parallel.spatial import gather_output
+                output = gather_output(output, mesh)
+            if not leader:
+                continue
+            mine = (lo, output[:keep].float().cpu(), None if y is None else y[:keep])
+            parts = all_gather_object(mine, replica_axis, tag="predict")
+            if writer is not None and failure is None:
+                try:
+                    for first, rows, targets in parts:
+                        if len(rows):
+                            writer.append(first, rows, targets, ids[first:first + len(rows)])
+                except Exception as exc:  # tell the others below, do not strand them
+                    failure = exc
+    wall = time.perf_counter() - start
+    summary = None
+    if writer is not None:
+        if failure is None:
+            try:
+                summary = writer.close(attrs={
+                    "run_dir": str(run_dir.resolve()), "checkpoint": str(path.resolve()),
+                    "step": int(state["step"]), "plan": str(resolved),
+                    "trained_plan": str(state.get("plan", "")), "world_size": mesh.world_size,
+                    "workload": config.run.workload, "data": data_name,
+                    "precision": config.parallel.precision,
+                    "config": (run_dir / "config.toml").read_text()})
+            except Exception as exc:
+                failure = exc
+        if failure is not None:
+            writer.abandon()
+            summary = {"error": f"{type(failure).__name__}: {failure}"}
+        else:
+            summary.update(samples=n, wall_s=wall, samples_per_s=n / wall, out=str(out),
+                           step=int(state["step"]), checkpoint=str(path), plan=str(resolved),
+                           world_size=mesh.world_size, data=data_name,
+                           input_bytes_read_rank0=int(getattr(data_set, "bytes_read", 0)))
+    summary = broadcast_object(summary, mesh.world)
+    if "error" in summary:
+        if failure is not None:
+            raise failure
+        raise RuntimeError(f"rank 0 could not write {out}: {summary['error']}")
+    if verbose and mesh.rank == 0:
+        print(format_summary(summary), flush=True)
+    return summary
 
 
 class _Writer:
