@@ -14,7 +14,7 @@ import exatrain as et
 from conftest import TINY
 from exatrain.cli import main
 from exatrain.train.config import load_config
-from exatrain.train.predict import PredictError, predict
+from exatrain.train.predict import PredictError, check_plan, predict, replica_batches
 from exatrain.train.run import run_job
 from harness import rel_err, run_ranks
 
@@ -129,3 +129,16 @@ def test_errors_name_the_value_and_the_fix(trained, tmp_path, capfd):
     err = capfd.readouterr().err
     assert "no complete checkpoint" in err and "missing.h5: no such file" in err
     assert "does not divide the world size 3" in err
+
+
+def test_replica_batches_cover_every_sample_once_and_pad_with_one():
+    n, per, replicas = 9, 2, 3
+    batches = [replica_batches(n, per, replicas, r) for r in range(replicas)]
+    assert {len(b) for b in batches} == {2}  # every replica runs the same number of batches
+    kept = [i for b in range(2) for r in range(replicas)
+            for i in batches[r][b][:max(0, min(per, n - (b * replicas + r) * per))]]
+    assert kept == list(range(n))
+    assert batches[1][1] == [8]  # the last sample, in replica 1's short slice of the last batch
+    assert batches[2][1] == [8]  # replica 2's slice is empty: one padding sample, dropped
+    with pytest.raises(PredictError, match="tensor axis is not supported.*plan.tensor=1"):
+        check_plan(et.Plan(tensor=2))

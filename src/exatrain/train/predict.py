@@ -170,12 +170,28 @@ def run_config(run_dir: str | Path, overrides=(), plan: Plan | None = None) -> C
 
 
 def check_plan(plan: Plan) -> Plan:
-    if plan.pipe > 1 or plan.trainer > 1:
-        axis = "pipe" if plan.pipe > 1 else "trainer"
-        raise PredictError(f"predict under {plan}: the {axis} axis is not supported for "
-                           f"prediction; put those ranks on data (or space for large samples), "
-                           f"e.g. --set plan.{axis}=1.")
+    """Prediction runs under data, shard (ZeRO-1/2/3) and space; refuse the other axes."""
+    for axis, degree in (("trainer", plan.trainer), ("pipe", plan.pipe),
+                         ("tensor", plan.tensor_degree)):
+        if degree > 1:
+            raise PredictError(f"predict under {plan}: the {axis} axis is not supported for "
+                               "prediction yet; put those ranks on data, shard (weights too "
+                               f"large for one device) or space (samples too large), e.g. "
+                               f"--set plan.{axis}=1.")
     return plan.require_implemented()
+
+
+def replica_batches(n: int, per_replica: int, replicas: int, replica: int) -> list[list[int]]:
+    """This replica's sample indices, batch by batch: global batch b is samples
+    [b·B·R, (b+1)·B·R) and replica r takes its r-th slice of B. Every replica runs the same
+    number of batches (a split or sharded forward is collective): an empty slice of the last
+    batch becomes one padding sample, [n - 1], whose output is dropped."""
+    global_batch = per_replica * replicas
+    out = []
+    for b in range(math.ceil(n / global_batch)):
+        lo = b * global_batch + replica * per_replica
+        out.append(list(range(lo, min(lo + per_replica, n))) or [n - 1])
+    return out
 
 
 # ------------------------------------------------------------------ the job
@@ -216,6 +232,7 @@ def _predict_on(mesh, config: Config, run_dir: Path, path: Path, data, out: Path
     from ..parallel import parallelize
     from ..parallel.data import unwrap
     from ..parallel.precision import Precision
+    from ..parallel.spatial import gather_output
     from ..workloads import get_workload
 
     resolved = mesh.plan
@@ -258,36 +275,36 @@ def _predict_on(mesh, config: Config, run_dir: Path, path: Path, data, out: Path
     base = _base(data_set)
     ids = [str(i) for i in base.sample_ids()] if hasattr(base, "sample_ids") \
         else [str(i) for i in range(n)]
-    global_batch = per_replica * replica_axis.size
-    batches = []
-    for b in range(math.ceil(n / global_batch)):
-        lo = b * global_batch + replica_axis.rank * per_replica
-        batches.append(list(range(lo, min(lo + per_replica, n))) or [n - 1])  # padding
+    batches = replica_batches(n, per_replica, replica_axis.size, replica_axis.rank)
     loader = torch.utils.data.DataLoader(data_set, batch_sampler=batches,
                                          num_workers=config.train.num_workers)
     failure = None
     start = time.perf_counter()
-    with torch.no_grad():
-        for b, batch in enumerate(loader):
-            x, y = (batch[0], batch[1]) if isinstance(batch, (list, tuple)) else (batch, None)
-            lo = b * global_batch + replica_axis.rank * per_replica
-            keep = max(0, min(per_replica, n - lo))
-            with precision.autocast():
-                output = model(x.to(mesh.device))
-            if split_outputs:
-                from ..parallel.spatial import gather_output
-                output = gather_output(output, mesh)
-            if not leader:
-                continue
-            mine = (lo, output[:keep].float().cpu(), None if y is None else y[:keep])
-            parts = all_gather_object(mine, replica_axis, tag="predict")
-            if writer is not None and failure is None:
-                try:
-                    for first, rows, targets in parts:
-                        if len(rows):
-                            writer.append(first, rows, targets, ids[first:first + len(rows)])
-                except Exception as exc:  # tell the others below, do not strand them
-                    failure = exc
+    try:
+        with torch.no_grad():
+            for b, batch in enumerate(loader):
+                x, y = (batch[0], batch[1]) if isinstance(batch, (list, tuple)) else (batch, None)
+                with precision.autocast():
+                    output = model(x.to(mesh.device))
+                if split_outputs:
+                    output = gather_output(output, mesh)
+                if not leader:
+                    continue
+                first = (b * replica_axis.size + replica_axis.rank) * per_replica
+                keep = max(0, min(per_replica, n - first))  # 0: a padding sample
+                mine = (first, output[:keep].float().cpu(), None if y is None else y[:keep])
+                parts = all_gather_object(mine, replica_axis, tag="predict")
+                if writer is not None and failure is None:
+                    try:
+                        for lo, rows, targets in parts:
+                            if len(rows):
+                                writer.append(lo, rows, targets, ids[lo:lo + len(rows)])
+                    except Exception as exc:  # tell the others below, do not strand them
+                        failure = exc
+    except BaseException:
+        if writer is not None:
+            writer.abandon()
+        raise
     wall = time.perf_counter() - start
     summary = None
     if writer is not None:
