@@ -142,3 +142,38 @@ def test_replica_batches_cover_every_sample_once_and_pad_with_one():
     assert batches[2][1] == [8]  # replica 2's slice is empty: one padding sample, dropped
     with pytest.raises(PredictError, match="tensor axis is not supported.*plan.tensor=1"):
         check_plan(et.Plan(tensor=2))
+
+
+USER_MODULE = '''
+from dataclasses import dataclass
+import torch.nn.functional as F
+from torch import nn
+import exatrain as et
+
+@dataclass
+class DataOptions:
+    path: str = "train.h5"
+
+def build(data: DataOptions) -> et.Task:
+    ds = et.data.HDF5Dataset(data.path, x="inputs", y="outputs")
+    return et.Task(model=nn.Linear(6, 2), train_set=ds, val_set=ds, loss=F.mse_loss)
+'''
+
+
+def test_a_user_workload_predicts_its_own_hdf5_layout(tmp_path):
+    rng = np.random.default_rng(0)
+    for name, n, width in (("train.h5", 16, 6), ("new.h5", 5, 6), ("wide.h5", 3, 7)):
+        x = rng.normal(size=(n, width)).astype(np.float32)
+        with h5py.File(tmp_path / name, "w") as f:
+            f["inputs"], f["outputs"] = x, x[:, :2] * 2
+    (tmp_path / "mine.py").write_text(USER_MODULE)
+    config = load_config(None, [f"run.workload='{tmp_path / 'mine.py'}'",
+                                f"data.path='{tmp_path / 'train.h5'}'", f"run.out_dir='{tmp_path}'",
+                                "train.steps=2", "train.batch_size=4", "train.log_every=1"])
+    run_dir = run_job(config)["run_dir"]
+    got = predict(run_dir, tmp_path / "new.h5", tmp_path / "p.h5", verbose=False)
+    out = _read(tmp_path / "p.h5")
+    assert got["samples"] == 5 and out["predictions"].shape == (5, 2)
+    assert list(out["sample_id"]) == [str(i).encode() for i in range(5)]
+    with pytest.raises(PredictError, match=r"shape \(7,\) \('inputs'\).*shape \(6,\)"):
+        predict(run_dir, tmp_path / "wide.h5", tmp_path / "w.h5", verbose=False)

@@ -108,6 +108,20 @@ def _cosmoflow_open(path, config, mesh, workload):
     return _blocks(data_set, data_set.sample_shape[:3], mesh), data_set
 
 
+def _hdf5_open(path, config, mesh, workload):
+    """Any workload whose validation set is an `et.data.HDF5Dataset` (a user's own): the same
+    layout at PATH, with the same dataset names and transform."""
+    from ..data.arrays import HDF5Dataset
+    like = _base(workload.val_set)
+    data_set = HDF5Dataset(path, x=like.x_name, y=like.y_name, transform=like.transform)
+    if data_set.sample_shape != like.sample_shape:
+        raise PredictError(
+            f"--data {path} holds samples of shape {data_set.sample_shape} ('{like.x_name}'), but "
+            f"the run's model was trained on samples of shape {like.sample_shape} (its validation "
+            f"set {like.path}). Predict with data of that shape, or with a run trained on these.")
+    return _blocks(data_set, data_set.sample_shape[1:], mesh), data_set
+
+
 ADAPTERS: dict[str, PredictAdapter] = {
     # (this belongs beside the workload's build(); kept here while workloads/cosmoflow.py is
     # being changed elsewhere)
@@ -229,6 +243,7 @@ def _predict_on(mesh, config: Config, run_dir: Path, path: Path, data, out: Path
                 batch_size: int, verbose: bool) -> dict:
     """predict() on this rank of a live mesh."""
     from ..comm import all_gather_object, broadcast_object
+    from ..data.arrays import HDF5Dataset
     from ..parallel import parallelize
     from ..parallel.data import unwrap
     from ..parallel.precision import Precision
@@ -247,6 +262,8 @@ def _predict_on(mesh, config: Config, run_dir: Path, path: Path, data, out: Path
             f"statistics come from the training samples): {exc}. Make those data readable "
             "there, or pass --set data.path=DIR.") from None
     adapter = ADAPTERS.get(config.run.workload, PredictAdapter())
+    if adapter.open_data is None and isinstance(_base(workload.val_set), HDF5Dataset):
+        adapter = PredictAdapter(open_data=_hdf5_open)
     if data is None:
         data_set, data_name = workload.val_set, "the run's validation set"
     elif adapter.open_data is None:
