@@ -33,8 +33,10 @@ def _read(path) -> dict:
         return {**{k: f[k][...] for k in f}, "attrs": dict(f.attrs)}
 
 
-def _predict_rank(run_dir: str, data, out: str, plan: et.Plan, batch_size: int = 0) -> dict:
-    return predict(run_dir, data, out, plan, batch_size=batch_size, verbose=False)
+def _predict_rank(run_dir: str, data, out: str, plan: et.Plan, batch_size: int = 0,
+                  overrides=()) -> dict:
+    return predict(run_dir, data, out, plan, batch_size=batch_size, overrides=overrides,
+                   verbose=False)
 
 
 def test_predict_under_space_equals_serial(trained, tmp_path):
@@ -65,6 +67,16 @@ def test_predict_under_space_equals_serial(trained, tmp_path):
     with h5py.File(tmp_path / "serial.h5") as f:
         assert list(f["predictions_physical"].attrs["units"]) == ["", "", "", "km/s/Mpc"]
     assert serial["mae"] == pytest.approx(np.abs(a["predictions"] - a["targets"]).mean(), rel=1e-6)
+
+
+def test_predict_under_zero_2_equals_serial(trained, tmp_path):
+    """The model state loads into ZeRO-2's layout (each rank steps shards) without an optimizer."""
+    run_ranks(2, _predict_rank, str(trained), None, str(tmp_path / "zero.h5"), et.Plan(shard=2),
+              0, ["parallel.zero_stage=2"])
+    predict(trained, None, tmp_path / "serial.h5", verbose=False)
+    a, b = _read(tmp_path / "serial.h5"), _read(tmp_path / "zero.h5")
+    assert b["attrs"]["plan"] == "Plan(shard=2)"
+    assert rel_err(torch.from_numpy(b["predictions"]), torch.from_numpy(a["predictions"])) <= 1e-5
 
 
 def test_python_call_on_data_2_writes_one_file_in_sample_order(trained, cosmo_data, tmp_path):
