@@ -12,9 +12,10 @@ from .parallel import parallelize
 from .plan import Plan, PlanError
 from .train import Config, ConfigError, NonFiniteLoss, Trainer, load_config
 from .train.fit import fit, launch
+from .train.predict import predict
 from .workloads.metrics import Mean, Ratio
 from .workloads.user import Task
 
 __version__ = "0.1.0"
 __all__ = ["Config", "ConfigError", "Mean", "Mesh", "NonFiniteLoss", "Plan", "PlanError", "Ratio",
-           "Task", "Trainer", "fit", "data", "init", "launch", "load_config", "models", "parallelize"]
+           "Task", "Trainer", "fit", "data", "init", "launch", "load_config", "models", "parallelize", "predict"]

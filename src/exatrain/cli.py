@@ -1,4 +1,4 @@
-"""The `exatrain` command line: run, data, plan, tune, bench."""
+"""The `exatrain` command line: run, predict, data, plan, tune, bench."""
 
 from __future__ import annotations
 
@@ -69,6 +69,29 @@ def _export(args) -> int:
     info = export_run(args.run_dir, args.out, args.step)
     print(f"exported {info['tensors']} tensors ({info['bytes'] / 2**20:.1f} MiB) from "
           f"{info['checkpoint']} to {info['out']}", file=sys.stderr)
+    return 0
+
+
+def _predict(args) -> int:
+    from .launch import detect, spawn
+    from .train.predict import (PredictError, check_plan, find_checkpoint, predict, predict_rank,
+                                ranks_needed, run_config)
+
+    kwargs = dict(run_dir=args.run_dir, data=args.data, out=args.out, step=args.step,
+                  batch_size=args.batch_size, overrides=args.set or [])
+    if detect() is not None:  # under torchrun / srun / ...: this is one rank
+        predict(**kwargs)
+        return 0
+    find_checkpoint(args.run_dir, args.step)  # fail now, before any rank starts
+    if args.data and not Path(args.data).exists():
+        raise PredictError(f"--data {args.data}: no such file or directory.")
+    config = run_config(args.run_dir, args.set or [])
+    nproc = args.nproc or ranks_needed(config)
+    check_plan(config.plan.resolve(nproc))
+    if nproc == 1:
+        predict(**kwargs)
+    else:
+        spawn(predict_rank, nproc, args=(kwargs,))
     return 0
 
 
@@ -170,6 +193,22 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, help="output .safetensors path")
     export.add_argument("--step", type=int, default=None, help="a checkpoint's step (default: latest)")
     export.set_defaults(func=_export)
+
+    predict = sub.add_parser("predict", help="run a trained model over a data set; write the "
+                                             "predictions (with sample ids) to HDF5")
+    predict.add_argument("run_dir", metavar="RUN_DIR")
+    predict.add_argument("--data", metavar="PATH", help="data in a layout the run's workload "
+                         "reads (CosmoFlow: a .h5 file, a per-sample directory, or a data "
+                         "directory: its validation split); default: the run's validation set")
+    predict.add_argument("--out", metavar="FILE", help="output HDF5 (default: RUN_DIR/predictions.h5)")
+    predict.add_argument("--nproc", type=int, default=0, help="local ranks to spawn (default: the "
+                         "fewest the Plan needs)")
+    predict.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                         help="override the run's config, e.g. --set plan.space=[1,1,2]; repeatable")
+    predict.add_argument("--step", type=int, default=None, help="a checkpoint's step (default: latest)")
+    predict.add_argument("--batch-size", type=int, default=0,
+                         help="samples per global batch (default: the run's train.batch_size)")
+    predict.set_defaults(func=_predict)
 
     from .data import writers
     data = sub.add_parser("data", help="write a data set as HDF5")

@@ -2,9 +2,10 @@
 
 User-input errors: a config value or key (`ConfigError`), a Plan (`PlanError`), resuming
 (`ResumeError`), a checkpoint the manifest refuses (`CheckpointError`), a launcher environment
-(`LaunchError`), and a `FileNotFoundError`. A `ValueError` / `IndexError` is the user's when it
-was raised where input is checked: inside `exatrain.data` (the readers name file and sample) or
-`exatrain.workloads`, or in a constructor (`__init__`, `__post_init__`) of `exatrain.models` (a
+(`LaunchError`), a run directory or data set `predict` cannot use (`PredictError`), and a
+`FileNotFoundError`. A `ValueError` / `IndexError` is the user's when it was raised where input
+is checked: inside `exatrain.data` (the readers name file and sample) or `exatrain.workloads`, or
+in a constructor (`__init__`, `__post_init__`) of `exatrain.models` (a
 model option that does not fit). Anything else -- a `ValueError` from a model's forward, a bug in
 exatrain -- is internal: the CLI says so and keeps the traceback (printed, and in the run
 directory's `error_rank<R>.log`).
@@ -16,7 +17,7 @@ import traceback
 
 USER_ERROR_NAMES = frozenset({"ConfigError", "PlanError", "ResumeError", "CheckpointError",
                               "LaunchError", "FileNotFoundError", "NonFiniteLoss", "InitFromError",
-                              "BadSampleError"})
+                              "BadSampleError", "PredictError"})
 _INPUT_MODULES = ("/exatrain/data/", "/exatrain/workloads/")
 _CONSTRUCTORS = (" in __init__", " in __post_init__")
 

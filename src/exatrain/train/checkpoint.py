@@ -247,6 +247,24 @@ def load(path: str | Path, model, optimizer, group=None) -> dict:
     return json.loads((path / STATE_FILE).read_text())
 
 
+def load_model(path: str | Path, model, group=None) -> dict:
+    """Collective over `group`: load only the model state of a checkpoint in place (prediction:
+    no optimizer is built). DCP reads the pieces this rank's layout needs, whatever Plan wrote
+    them. Returns the trainer state (its `step`, `plan`)."""
+    path = Path(path)
+    if not (path / STATE_FILE).is_file():
+        raise CheckpointError(f"{path} is not a complete exatrain checkpoint (no {STATE_FILE}).")
+    verify(path)  # before DCP reads (and unpickles its metadata) anything
+    zero = _zero_units(model)
+    module = unwrap(model) if zero else model
+    state = get_model_state_dict(module)
+    dcp.load({"model": for_checkpoint(model, state)}, checkpoint_id=str(path), process_group=group)
+    set_model_state_dict(module, state)
+    for unit in zero:
+        unit.refresh_shards()
+    return json.loads((path / STATE_FILE).read_text())
+
+
 def _zero_units(model) -> list:
     """The ZeRO-1/2 wrappers whose optimizer steps shards, not the model's parameters."""
     from ..parallel.shard import zero_units

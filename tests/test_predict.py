@@ -1,0 +1,191 @@
+"""`exatrain predict` / `et.predict`: a trained CosmoFlow run's predictions, serial and under
+space=(1, 1, 2) and data=2, written to HDF5 in sample order with their ids; and its errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+import exatrain as et
+from conftest import TINY
+from exatrain.cli import main
+from exatrain.train.config import load_config
+from exatrain.train.predict import PredictError, check_plan, predict, replica_batches
+from exatrain.train.run import run_job
+from harness import rel_err, run_ranks
+
+
+@pytest.fixture(scope="module")
+def trained(cosmo_data, tmp_path_factory):
+    """A tiny CosmoFlow run, two steps, serial: its run directory."""
+    out = tmp_path_factory.mktemp("predict-runs")
+    config = load_config(None, [*TINY, f"data.path={cosmo_data}", f"run.out_dir={out}",
+                                "train.steps=2", "train.eval_every=0"])
+    return Path(run_job(config)["run_dir"])
+
+
+def _read(path) -> dict:
+    with h5py.File(path, "r") as f:
+        return {**{k: f[k][...] for k in f}, "attrs": dict(f.attrs)}
+
+
+def _predict_rank(run_dir: str, data, out: str, plan: et.Plan, batch_size: int = 0,
+                  overrides=()) -> dict:
+    return predict(run_dir, data, out, plan, batch_size=batch_size, overrides=overrides,
+                   verbose=False)
+
+
+def test_predict_under_space_equals_serial(trained, tmp_path):
+    """The issue's test: two spawned gloo ranks, each sample split in two along w."""
+    space = run_ranks(2, _predict_rank, str(trained), None, str(tmp_path / "space.h5"),
+                      et.Plan(space=(1, 1, 2)))
+    serial = predict(trained, None, tmp_path / "serial.h5", verbose=False)
+    a, b = _read(tmp_path / "serial.h5"), _read(tmp_path / "space.h5")
+    assert a["predictions"].shape == (6, 4) and a["attrs"]["plan"] == "Plan()"
+    assert b["attrs"]["plan"] == "Plan(space=(1, 1, 2))" and b["attrs"]["world_size"] == 2
+    assert rel_err(torch.from_numpy(b["predictions"]), torch.from_numpy(a["predictions"])) <= 1e-5
+    assert list(b["sample_id"]) == list(a["sample_id"]) == [str(i).encode() for i in range(6)]
+    np.testing.assert_array_equal(b["targets"], a["targets"])
+    assert space[0]["mae"] == space[1]["mae"] == pytest.approx(serial["mae"], rel=1e-5)
+    # rank 0 read only its half of each of the 6 cubes with their targets (and the 6 targets
+    # once more, for the workload's predict-the-mean baseline)
+    cube = 16 ** 3 * 4 * 2
+    assert space[0]["input_bytes_read_rank0"] == 6 * (cube // 2 + 16) + 6 * 16
+    # what the file says: the run, its step, the targets' names, physical values and units
+    attrs = a["attrs"]
+    assert attrs["step"] == 2 and Path(attrs["run_dir"]) == trained.resolve()
+    assert list(attrs["output_names"]) == ["Omega_m", "sigma_8", "n_s", "H0"]
+    low, high = np.array([0.20, 0.60, 0.90, 60.0]), np.array([0.40, 1.00, 1.02, 80.0])
+    np.testing.assert_allclose(a["predictions_physical"],
+                               low + (a["predictions"] + 1) / 2 * (high - low), rtol=1e-6)
+    np.testing.assert_allclose(a["targets_physical"], low + (a["targets"] + 1) / 2 * (high - low),
+                               rtol=1e-6)
+    with h5py.File(tmp_path / "serial.h5") as f:
+        assert list(f["predictions_physical"].attrs["units"]) == ["", "", "", "km/s/Mpc"]
+    assert serial["mae"] == pytest.approx(np.abs(a["predictions"] - a["targets"]).mean(), rel=1e-6)
+
+
+def test_predict_under_zero_2_equals_serial(trained, tmp_path):
+    """The model state loads into ZeRO-2's layout (each rank steps shards) without an optimizer."""
+    run_ranks(2, _predict_rank, str(trained), None, str(tmp_path / "zero.h5"), et.Plan(shard=2),
+              0, ["parallel.zero_stage=2"])
+    predict(trained, None, tmp_path / "serial.h5", verbose=False)
+    a, b = _read(tmp_path / "serial.h5"), _read(tmp_path / "zero.h5")
+    assert b["attrs"]["plan"] == "Plan(shard=2)"
+    assert rel_err(torch.from_numpy(b["predictions"]), torch.from_numpy(a["predictions"])) <= 1e-5
+
+
+def test_python_call_on_data_2_writes_one_file_in_sample_order(trained, cosmo_data, tmp_path):
+    """et.predict with a 2-rank Plan and no launcher starts its ranks itself. 42 samples in
+    global batches of 8: the last (2 samples) leaves replica 1 only a padding sample, whose
+    output is dropped; one file, in sample order, no duplicates."""
+    data = et.predict(trained, cosmo_data / "train.h5", tmp_path / "data.h5", plan=et.Plan(data=2),
+                      batch_size=8, verbose=False)
+    serial = predict(trained, cosmo_data / "train.h5", tmp_path / "serial.h5", batch_size=8,
+                     verbose=False)
+    c, d = _read(tmp_path / "serial.h5"), _read(tmp_path / "data.h5")
+    assert d["predictions"].shape == (42, 4) and d["attrs"]["plan"] == "Plan(data=2)"
+    np.testing.assert_array_equal(d["index"], np.arange(42))
+    assert list(d["sample_id"]) == list(c["sample_id"])
+    np.testing.assert_array_equal(d["targets"], c["targets"])
+    assert rel_err(torch.from_numpy(d["predictions"]), torch.from_numpy(c["predictions"])) <= 1e-5
+    assert data["samples"] == serial["samples"] == 42
+
+
+def test_cli_predicts_mlperf_files_with_their_names_as_ids(trained, cosmo_data, tmp_path, capfd):
+    """One rank, from the command line, on a directory of MLPerf per-sample files."""
+    folder = tmp_path / "mlperf"
+    folder.mkdir()
+    with h5py.File(cosmo_data / "val.h5") as f:
+        for i, name in enumerate(["univ_b", "univ_a", "univ_c"]):
+            with h5py.File(folder / f"{name}.h5", "w") as g:
+                g["full"], g["unitPar"] = f["x"][i], f["y"][i]
+    assert main(["predict", str(trained), "--data", str(folder), "--out",
+                 str(tmp_path / "p.h5")]) == 0
+    text = capfd.readouterr().out
+    assert "3 samples" in text and "samples/s" in text and "MAE vs targets" in text
+    got = _read(tmp_path / "p.h5")
+    assert list(got["sample_id"]) == [b"univ_a", b"univ_b", b"univ_c"]  # the reader's order
+    serial = _read(predict(trained, cosmo_data / "val.h5", tmp_path / "v.h5",
+                           verbose=False)["out"])
+    # the same samples in another batch: equal up to float32 rounding (relative to the largest)
+    assert rel_err(torch.from_numpy(got["predictions"]),
+                   torch.from_numpy(serial["predictions"][[1, 0, 2]])) <= 1e-5
+
+
+def test_errors_name_the_value_and_the_fix(trained, tmp_path, capfd):
+    empty = tmp_path / "no-checkpoint"
+    empty.mkdir()
+    (empty / "config.toml").write_text((trained / "config.toml").read_text())
+    with pytest.raises(PredictError, match="holds no complete checkpoint.*--resume"):
+        predict(empty, out=tmp_path / "x.h5")
+    with pytest.raises(PredictError, match="not a run directory"):
+        predict(tmp_path / "nowhere")
+    with pytest.raises(PredictError, match="--step 7: no complete checkpoint.*has \\[2\\]"):
+        predict(trained, step=7)
+    small = tmp_path / "cubes8"
+    from exatrain.data.cosmoflow import write_cosmoflow
+    write_cosmoflow(small, samples=2, size=8, seed=0, val_fraction=0.5)
+    with pytest.raises(PredictError, match=r"holds 8×8×8 samples .* takes 16³ samples "
+                                           r"\(model.size=16.*--size 16"):
+        predict(trained, small, tmp_path / "x.h5")
+    assert not (tmp_path / "x.h5").exists()
+    # from the command line: exit 2, one line, before any rank starts
+    assert main(["predict", str(empty)]) == 2
+    assert main(["predict", str(trained), "--data", str(tmp_path / "missing.h5")]) == 2
+    assert main(["predict", str(trained), "--nproc", "3", "--set", "plan.space=[1,1,2]"]) == 2
+    err = capfd.readouterr().err
+    assert "no complete checkpoint" in err and "missing.h5: no such file" in err
+    assert "does not divide the world size 3" in err
+
+
+def test_replica_batches_cover_every_sample_once_and_pad_with_one():
+    n, per, replicas = 9, 2, 3
+    batches = [replica_batches(n, per, replicas, r) for r in range(replicas)]
+    assert {len(b) for b in batches} == {2}  # every replica runs the same number of batches
+    kept = [i for b in range(2) for r in range(replicas)
+            for i in batches[r][b][:max(0, min(per, n - (b * replicas + r) * per))]]
+    assert kept == list(range(n))
+    assert batches[1][1] == [8]  # the last sample, in replica 1's short slice of the last batch
+    assert batches[2][1] == [8]  # replica 2's slice is empty: one padding sample, dropped
+    with pytest.raises(PredictError, match="tensor axis is not supported.*plan.tensor=1"):
+        check_plan(et.Plan(tensor=2))
+
+
+USER_MODULE = '''
+from dataclasses import dataclass
+import torch.nn.functional as F
+from torch import nn
+import exatrain as et
+
+@dataclass
+class DataOptions:
+    path: str = "train.h5"
+
+def build(data: DataOptions) -> et.Task:
+    ds = et.data.HDF5Dataset(data.path, x="inputs", y="outputs")
+    return et.Task(model=nn.Linear(6, 2), train_set=ds, val_set=ds, loss=F.mse_loss)
+'''
+
+
+def test_a_user_workload_predicts_its_own_hdf5_layout(tmp_path):
+    rng = np.random.default_rng(0)
+    for name, n, width in (("train.h5", 16, 6), ("new.h5", 5, 6), ("wide.h5", 3, 7)):
+        x = rng.normal(size=(n, width)).astype(np.float32)
+        with h5py.File(tmp_path / name, "w") as f:
+            f["inputs"], f["outputs"] = x, x[:, :2] * 2
+    (tmp_path / "mine.py").write_text(USER_MODULE)
+    config = load_config(None, [f"run.workload='{tmp_path / 'mine.py'}'",
+                                f"data.path='{tmp_path / 'train.h5'}'", f"run.out_dir='{tmp_path}'",
+                                "train.steps=2", "train.batch_size=4", "train.log_every=1"])
+    run_dir = run_job(config)["run_dir"]
+    got = predict(run_dir, tmp_path / "new.h5", tmp_path / "p.h5", verbose=False)
+    out = _read(tmp_path / "p.h5")
+    assert got["samples"] == 5 and out["predictions"].shape == (5, 2)
+    assert list(out["sample_id"]) == [str(i).encode() for i in range(5)]
+    with pytest.raises(PredictError, match=r"shape \(7,\) \('inputs'\).*shape \(6,\)"):
+        predict(run_dir, tmp_path / "wide.h5", tmp_path / "w.h5", verbose=False)
