@@ -128,8 +128,9 @@ def _print_summary(console: Console, summary: dict) -> None:
         table.add_row(key, str(value))
     console.print(table)
     if summary.get("run_dir"):
-        console.print(f"results: [bold]{summary['run_dir']}[/] (config.toml, metrics.jsonl, "
-                      "summary.json, checkpoints/)")
+        from pathlib import Path
+        kept = sorted(p.name + ("/" if p.is_dir() else "") for p in Path(summary["run_dir"]).iterdir())
+        console.print(f"results: [bold]{summary['run_dir']}[/] ({', '.join(kept)})")
 
 
 def _data(args) -> int:

@@ -338,8 +338,11 @@ class Trainer:
         step's timeline as pipeline_timeline.json in the run directory."""
         model = self.model
         line = model.timeline
-        mine = {"events": line.events, "start": line.step_start, "end": line.step_end,
-                "idle": line.idle_fraction()}
+        # the picture shows one pipeline: the one of rank 0 (every other mesh coordinate 0); the
+        # stages' other ranks (data, shard, space, tensor) would draw over its boxes
+        drawn = all(c == 0 for axis, c in self.mesh.coords.items() if axis != "pipe")
+        mine = {"events": line.events if drawn else [], "start": line.step_start,
+                "end": line.step_end, "idle": line.idle_fraction()}
         every = all_gather_object(mine, self.mesh.world)
         bubble = sum(r["idle"] for r in every) / len(every)
         if self.is_main and self.run_dir:
