@@ -7,7 +7,8 @@ weight after the steps before it); CosmoFlow also every weight, gathered from th
 
   4 ranks  GPT        Plan(pipe=2, tensor=2), Plan(pipe=2, tensor=(1, 1, 2))
                       Plan(pipe=2, shard=2) under ZeRO-1 (zero-bubble: its weight pass adds to
-                      .grad past every hook), ZeRO-2 (interleaved) and ZeRO-3 (FSDP2, 1F1B)
+                      .grad past every hook), ZeRO-2 (interleaved) and ZeRO-3 (FSDP2, 1F1B);
+                      ZeRO-3 with a looped schedule refused with the fix
            CosmoFlow  Plan(pipe=2, space=(1, 1, 2)) under zero-bubble, 4 stages: the spatial
                       gather inside a stage, stages wholly after it (replicated, grads ÷ S)
   8 ranks  GPT        Plan(pipe=2, shard=2, tensor=2) (ZeRO-3 over the tensor-parallel stages),
@@ -65,6 +66,14 @@ def fit(config, whole_state: bool = False) -> dict:
         mesh.close()
 
 
+def refusal(config) -> str:
+    try:
+        fit(config)
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
 def _check(ranks, serial, label):
     for per_rank in ranks:
         assert len(per_rank["losses"]) == 3, label
@@ -90,6 +99,10 @@ def test_gpt_pipe_composes_with_tensor_and_shard(corpus, tmp_path):
     for ranks, cases in ((4, GPT_4), (8, GPT_8)):
         for case in cases:
             _check(run_ranks(ranks, fit, _gpt(corpus, tmp_path / str(ranks), *case)), serial, case)
+    looped_zero3 = _gpt(corpus, tmp_path / "r", "plan.pipe=2", "plan.shard=2", MB, *ZERO_BUBBLE,
+                        "parallel.zero_stage=3")
+    for message in run_ranks(4, refusal, looped_zero3):  # before any step, with the fix
+        assert "zero_stage=3" in message and "zero_stage=2" in message and "'1f1b'" in message
 
 
 def test_cosmoflow_pipe_composes_with_space_and_data(tiny_config):
