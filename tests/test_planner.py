@@ -14,8 +14,9 @@ import sys
 from exatrain.models.gpt import GPTConfig
 from exatrain.plan import Plan, PlanError
 from exatrain.tune.cost import Options, predict
+from exatrain.train.config import load_config
 from exatrain.tune.search import rank_plans
-from exatrain.tune.spec import cosmoflow_spec, gpt_spec
+from exatrain.tune.spec import cosmoflow_spec, gpt_spec, spec_from_config
 from exatrain.tune.systems import load_system
 from exatrain.tune.tuner import features, search
 
@@ -108,40 +109,61 @@ import json, sys
 from exatrain.plan import Plan
 from exatrain.train.config import load_config
 from exatrain.tune.dryrun import dry_run
-gpt = load_config(None, ["run.workload=gpt", "model.preset=125m", "model.n_head=16",
-                         "model.block_size=128", "model.vocab_size=256", "train.batch_size=128"])
-cosmo = load_config(None, ["run.workload=cosmoflow", "model.size=128", "train.batch_size=32"])
-out = [dry_run(gpt, Plan(data=128, tensor=8), 1023),
-       dry_run(cosmo, Plan(data=32, space=(2, 4, 4)), 1023)]
+gpt, small = (load_config(None, o) for o in json.loads(sys.argv[2]))
+cosmo = load_config(None, ["run.workload=cosmoflow", "model.size=128", "train.batch_size=64"])
+out = [dry_run(gpt, Plan(data=32, shard=4, tensor=8), 1023),
+       dry_run(cosmo, Plan(data=64, space=(2, 4, 4)), 2047)]
+out += [dry_run(small, Plan(**eval(p)), r) for p, r in json.loads(sys.argv[1])]
 json.dump(out, sys.stdout, default=str)
 """
+_GPT_125M = ["run.workload=gpt", "model.preset=125m", "model.n_head=16", "model.block_size=128",
+             "model.vocab_size=256", "train.batch_size=128"]
+_GPT_1M = ["run.workload=gpt", "model.preset=1m", "model.block_size=64", "train.batch_size=6"]
+# 3D tensor Plans of a small GPT (world 8 and 4), each checked against the cost model's bytes:
+# z's weight gathers, x/y's activation all-reduces, the batch padding of 6 samples over z = 4
+_DRY_3D = [("dict(data=2, tensor=(2, 2, 2))", 5), ("dict(tensor=(1, 2, 4))", 6),
+           ("dict(data=2, tensor=(4, 1, 2))", 3), ("dict(tensor=(2, 2, 1))", 0)]
 
 
-def test_dry_runs_at_1024_ranks_in_one_process():
-    """Rank 1023 of two 1024-rank jobs, one after the other, in one fresh process."""
+def test_dry_runs_at_1024_and_2048_ranks_in_one_process():
+    """Rank 1023 of a 1024-rank GPT, rank 2047 of a 2048-rank CosmoFlow and four 3D tensor
+    Plans, one after the other, in one fresh process."""
     env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "src"))
-    out = subprocess.run([sys.executable, "-c", _DRY_RUNS], capture_output=True, text=True,
-                         env=env, timeout=300)
+    out = subprocess.run([sys.executable, "-c", _DRY_RUNS, json.dumps(_DRY_3D),
+                          json.dumps([_GPT_125M, _GPT_1M])],
+                         capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    gpt, cosmo = json.loads(out.stdout)
+    gpt, cosmo, *three_d = json.loads(out.stdout)
 
+    # Plan(data=32, shard=4, tensor=8): 1D tensor splits, then ZeRO-3 shards the local rows by 4
     shapes = gpt["param_shapes"]
-    assert gpt["world"] == 1024 and gpt["coords"]["tensor"] == 7 and gpt["coords"]["data"] == 127
-    assert shapes["blocks.0.attn.q_proj.weight"] == [768 // 8, 768]
-    assert shapes["blocks.0.attn.out_proj.weight"] == [768, 768 // 8]
-    assert shapes["blocks.0.mlp.fc_in.weight"] == [3072 // 8, 768]
-    assert shapes["wte.weight"] == [256, 768]
-    assert shapes["lm_head.weight"] == [256 // 8, 768]
+    assert gpt["world"] == 1024 and gpt["coords"]["tensor"] == 7 and gpt["coords"]["data"] == 31
+    assert gpt["coords"]["shard"] == 3
+    assert shapes["blocks.0.attn.q_proj.weight"] == [768 // 8 // 4, 768]
+    assert shapes["blocks.0.attn.out_proj.weight"] == [768 // 4, 768 // 8]
+    assert shapes["blocks.0.mlp.fc_in.weight"] == [3072 // 8 // 4, 768]
+    assert shapes["wte.weight"] == [256 // 4, 768]
+    assert shapes["lm_head.weight"] == [256 // 8 // 4, 768]
     assert gpt["input_shape"] == [1, 128]
-    assert gpt["ledger_bytes"]["tensor"] > 0 and gpt["ledger_bytes"]["data"] > 0
     assert gpt["state_bytes"]["total"] > 0 and gpt["step_peak_bytes"] > 0
+    pred = predict(spec_from_config(load_config(None, _GPT_125M)), Plan(data=32, shard=4, tensor=8),
+                   load_system("a100-selene"), Options(batch=128), 1024)
+    assert {a: b for a, b in gpt["ledger_bytes"].items() if b} == pred.bytes_by_axis
 
-    assert cosmo["world"] == 1024
+    assert cosmo["world"] == 2048
+    assert cosmo["coords"]["data"] == 63
     assert cosmo["coords"]["space_d"] == 1 and cosmo["coords"]["space_w"] == 3
     assert cosmo["input_shape"] == [1, 4, 64, 32, 32]       # this rank's block of one sample
     assert cosmo["param_shapes"]["module.features.0.weight"] == [32, 4, 3, 3, 3]
     assert cosmo["ledger_bytes"]["space"] > 0              # halos and the gather were issued
     assert cosmo["ledger_bytes"]["data+space"] == 4 * 8907556   # the gradient all-reduce: 4Ψ
+
+    spec = spec_from_config(load_config(None, _GPT_1M))
+    for (plan_text, rank), got in zip(_DRY_3D, three_d):
+        plan = Plan(**eval(plan_text))
+        pred = predict(spec, plan, load_system("cpu-local"), Options(batch=6))
+        assert {a: b for a, b in got["ledger_bytes"].items() if b} == pred.bytes_by_axis, plan
+        assert got["state_bytes"]["total"] == pred.memory["state"], plan
 
 
 def test_plan_table_calibrate_and_tune_commands(tmp_path, capsys):

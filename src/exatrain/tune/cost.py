@@ -33,9 +33,11 @@ Step time (seconds):
 The byte formulas are the strategies' own (imported, not rewritten): `zero_state_formula`,
 `parallel.tensor.linear1d.{shared_input,column,row}_bytes`, `parallel.spatial.volume`'s halo
 volume, `parallel.pipe`'s stage balance and bubble formula. A Plan's bytes agree with the ledger's
-counts exactly for data, ZeRO 1/2/3, space, 1D tensor and pipe (`tests/test_planner_measured.py`);
-3D tensor is costed with the 1D formulas, and compositions plan.py does not yet allow (tensor ×
-shard, tensor × pipe) are costed but unchecked.
+counts exactly for data, ZeRO 1/2/3, space, 1D tensor and pipe (`tests/test_planner_measured.py`),
+and for 3D tensor and 1D tensor × shard (the dry runs of `tests/test_planner.py`). 3D tensor uses
+`Linear3D.bytes_per_step` itself (`_linear3d_bytes`), summed over the layers as
+`TensorParallel.bytes_per_step` does. Compositions whose bytes no test has checked against a
+ledger (pipe × tensor, pipe × shard, pipe × space) are costed from the same parts.
 """
 
 from __future__ import annotations
@@ -148,7 +150,9 @@ def stage_params(spec: ModelSpec, plan: Plan) -> list[list]:
     without pipe)."""
     shapes = list(spec.param_shapes)
     t = plan.tensor_degree
-    if t > 1 and spec.tensor_dims:
+    if t > 1 and spec.tensor_dims and plan.tensor_3d:
+        shapes = _split_3d(spec, plan, shapes)
+    elif t > 1 and spec.tensor_dims:
         def split(s, d):
             if d < 0 or s[d] % t:
                 return s
@@ -167,6 +171,32 @@ def stage_params(spec: ModelSpec, plan: Plan) -> list[list]:
     for layer in layers:
         first.append(first[-1] + len(layer))
     return [shapes[first[a]:first[b]] for a, b in zip(bounds, bounds[1:])]
+
+
+def _split_3d(spec: ModelSpec, plan: Plan, shapes: list) -> list:
+    """The local shapes under the 3D grid (`parallel.tensor.linear3d.Linear3D`): a plain layer
+    (1D's column: q/k/v, fc_in, lm_head) keeps W[out/(X·Z), in/Y] and bias[out/X]; a transposed
+    one (1D's row: out_proj, fc_out) W[out/(Y·Z), in/X] and bias[out/Y]; lm_head only when
+    out divides X·Z and in divides Y (`convert._fits_single`), else whole."""
+    X, Y, Z = plan.tensor
+    dims, bias = spec.tensor_dims, spec.extra.get("bias", False)
+    out, k = [], 0
+    while k < len(shapes):
+        s, d = shapes[k], dims[k]
+        if d == 0 and len(s) == 2 and s[0] % (X * Z) == 0 and s[1] % Y == 0:
+            out.append((s[0] // (X * Z), s[1] // Y))
+            if bias and k + 1 < len(shapes) and dims[k + 1] == 0 and len(shapes[k + 1]) == 1:
+                out.append((shapes[k + 1][0] // X,))
+                k += 1
+        elif d == 1 and len(s) == 2:
+            out.append((s[0] // (Y * Z), s[1] // X))
+            if bias and k + 1 < len(shapes) and len(shapes[k + 1]) == 1:
+                out.append((shapes[k + 1][0] // Y,))   # the transposed layer's bias
+                k += 1
+        else:
+            out.append(s)
+        k += 1
+    return out
 
 
 def local_params(spec: ModelSpec, plan: Plan) -> tuple[int, list]:
@@ -221,7 +251,10 @@ def comms(spec: ModelSpec, plan: Plan, options: Options, psi: int, shapes: list)
         add(("space",), "all_gather", _transition_bytes(spec, plan.space) * mb, 1)
 
     t = plan.tensor_degree
-    if t > 1 and spec.family == "gpt":
+    if t > 1 and spec.family == "gpt" and plan.tensor_3d:
+        for axes, op, nbytes, calls, overlap in _tensor3d_comms(spec, plan, options, shapes):
+            add(axes, op, nbytes, calls, overlap)
+    elif t > 1 and spec.family == "gpt":
         s = PRECISION_BYTES[options.precision]
         rows = int(mb * spec.tokens)
         E, V = spec.extra["n_embd"], spec.extra["vocab_size"]
@@ -247,6 +280,117 @@ def comms(spec: ModelSpec, plan: Plan, options: Options, psi: int, shapes: list)
         add(("pipe",), "send", directions * v * act * m, directions * v * m)
     return out
 
+
+
+def _linear3d_bytes(in_f: int, out_f: int, grid: tuple, rows: int, act_s: int,
+                    transpose: bool = False, scatter_input: bool = True,
+                    gather_output: bool = True, shared: bool = False) -> dict[str, int]:
+    """One 3D layer's bytes per forward + backward, by the strategy's own formula:
+    `Linear3D.bytes_per_step` (`parallel.tensor.linear3d`) evaluated on a stand-in holding the
+    attributes it reads (the layer itself needs a live grid). The weight all-gathers and
+    reduce-scatter over z move fp32 master weights (4 bytes), the activations `act_s` bytes."""
+    from types import SimpleNamespace as NS
+
+    from ..parallel.tensor.linear3d import Linear3D
+    X, Y, Z = grid
+    x, y, z = (NS(name=f"tensor_{a}", size=n) for a, n in zip("xyz", (X, Y, Z)))
+    in_axis, out_axis = (x, y) if transpose else (y, x)
+
+    def evaluate(s):
+        stub = NS(weight=NS(element_size=lambda: s), _rows=rows, grid=NS(z=z), in_axis=in_axis,
+                  out_axis=out_axis, local_out=out_f // out_axis.size,
+                  local_in=in_f // in_axis.size, _input_grad=True,
+                  shared_input=object() if shared else None, scatter_input=scatter_input,
+                  in_features=in_f, out_features=out_f, gather_output=gather_output)
+        return Linear3D.bytes_per_step(stub)
+
+    got = {k: v for k, v in evaluate(act_s).items() if k != "tensor_z"}
+    weights = evaluate(4).get("tensor_z", 0)
+    if weights:
+        got["tensor_z"] = weights
+    return got
+
+
+def _tensor3d_comms(spec: ModelSpec, plan: Plan, options: Options, shapes: list) -> list:
+    """A GPT's collectives under the 3D grid (X, Y, Z), per step, as `parallel.tensor.convert`
+    lays it out and `TensorParallel.bytes_per_step` sums them:
+
+      per block   q/k/v plain layers sharing one input scatter over y (`SharedScatter`: backward
+                  all-gather n·E·s), out_proj transposed (no input scatter, output gathered
+                  over y); fc_in plain with its shared scatter, fc_out transposed
+      lm_head     a plain layer on its own (input scattered over y, output gathered over x) when
+                  vocab divides X·Z and n_embd divides Y
+      boundary    the 8-byte dropout seed broadcast on tensor; with Z > 1 the batch is split over
+                  z (zero-padded to a multiple of Z) and the logits all-gathered over z
+      gradients   `GradSync`: split weights mean over data; biases of 3D layers and whole
+                  parameters (embeddings, norms) also sum over tensor_z, one all-reduce over
+                  data+tensor_z; 4 bytes per parameter
+
+    n = rows of this z-shard, ceil(samples / Z) × tokens per forward; a pipe stage (micro-batches
+    m) holds its own blocks and repeats every forward/backward m times."""
+    from ..parallel.tensor.linear1d import shared_input_bytes
+    X, Y, Z = plan.tensor
+    s = PRECISION_BYTES[options.precision]
+    m = _microbatches(plan, options)
+    per_micro = samples_per_rank(plan, options) / m
+    rows = math.ceil(per_micro / Z) * spec.tokens
+    E, V = spec.extra["n_embd"], spec.extra["vocab_size"]
+    H = spec.extra.get("mlp_hidden", 4 * E)
+    grid = (X, Y, Z)
+    per_axis: dict[str, float] = {}
+    calls: dict[str, int] = {}
+
+    def add(parts: dict, n_calls: int = 1):
+        for k, v in parts.items():
+            if v:
+                per_axis[k] = per_axis.get(k, 0) + v * m
+                calls[k] = calls.get(k, 0) + n_calls * m
+
+    blocks = math.ceil(spec.blocks / plan.pipe)
+    for _ in range(blocks):
+        for _qkv in range(3):
+            add(_linear3d_bytes(E, E, grid, rows, s, gather_output=False, shared=True), 3)
+        add({"tensor_y": shared_input_bytes(rows, E, s) if Y > 1 else 0})
+        add(_linear3d_bytes(E, E, grid, rows, s, transpose=True, scatter_input=False), 4)
+        add(_linear3d_bytes(E, H, grid, rows, s, gather_output=False, shared=True), 3)
+        add({"tensor_y": shared_input_bytes(rows, E, s) if Y > 1 else 0})
+        add(_linear3d_bytes(H, E, grid, rows, s, transpose=True, scatter_input=False), 4)
+    head = not spec.extra.get("tie_weights") and V % (X * Z) == 0 and E % Y == 0
+    if head and plan.pipe == 1:
+        add(_linear3d_bytes(E, V, grid, rows, s), 5)
+    out = [(("tensor_x",), "all_reduce", per_axis.get("tensor_x", 0), calls.get("tensor_x", 1),
+            ""),
+           (("tensor_y",), "all_reduce", per_axis.get("tensor_y", 0), calls.get("tensor_y", 1),
+            ""),
+           (("tensor_z",), "all_gather", per_axis.get("tensor_z", 0), calls.get("tensor_z", 1),
+            "compute")]
+    out.append((("tensor",), "broadcast", 8 * m, m, ""))
+    if Z > 1 and plan.pipe == 1:
+        # the logits of this z-shard, all-gathered (counted as the gathered size); fp32 logits
+        out.append((("tensor_z",), "all_gather", rows * (V if head else V) * 4 * Z, 1, ""))
+    # gradients: split weights over data; 3D biases and whole parameters over data+tensor_z
+    # (GradSync names the group by its axes of size > 1: "tensor_z" alone when data = 1)
+    whole_axes = tuple(a for a, n in (("data", plan.data), ("tensor_z", Z)) if n > 1)
+    split_n = sum(math.prod(sh) for sh in shapes if len(sh) == 2) - _whole_2d(spec, plan)
+    rest = sum(math.prod(sh) for sh in shapes) - split_n
+    out.append((("data",), "all_reduce", 4 * split_n, 1, "backward"))
+    if whole_axes:
+        out.append((whole_axes, "all_reduce", 4 * rest, 1, "backward"))
+    return out
+
+
+def _whole_2d(spec: ModelSpec, plan: Plan) -> int:
+    """Elements of the 2-D parameters the 3D grid leaves whole on every rank of this stage:
+    the embeddings (first stage), and lm_head when it does not divide."""
+    X, Y, Z = plan.tensor
+    if plan.pipe > 1:
+        return 0   # not resolved per stage here (pipe × 3D tensor: bytes unchecked)
+    E, V = spec.extra["n_embd"], spec.extra["vocab_size"]
+    whole = sum(math.prod(sh) for sh, d in zip(spec.param_shapes, spec.tensor_dims)
+                if len(sh) == 2 and d < 0)
+    if not spec.extra.get("tie_weights") and not (V % (X * Z) == 0 and E % Y == 0):
+        whole += V * E
+    return whole
 
 
 def _microbatches(plan: Plan, options: Options) -> int:

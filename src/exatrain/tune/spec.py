@@ -159,7 +159,8 @@ def gpt_spec(cfg, name: str = "") -> ModelSpec:
         block_ranges=[(2 + i * per, 2 + (i + 1) * per) for i in range(cfg.n_layer)],
         heads=cfg.n_head, widths=(cfg.n_embd, cfg.mlp_hidden), tokens=cfg.block_size,
         tensor_split_fraction=split, largest_act_bytes=float(max(biggest)), pipe_layers=layers,
-        extra={"n_embd": cfg.n_embd, "vocab_size": cfg.vocab_size, "n_layer": cfg.n_layer})
+        extra={"n_embd": cfg.n_embd, "vocab_size": cfg.vocab_size, "n_layer": cfg.n_layer,
+               "mlp_hidden": cfg.mlp_hidden, "bias": cfg.bias, "tie_weights": cfg.tie_weights})
 
 
 # ------------------------------------------------------------------------------------ CosmoFlow
