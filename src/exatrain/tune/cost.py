@@ -199,8 +199,14 @@ def stage_bounds(spec: ModelSpec, plan: Plan) -> list[int]:
     if plan.pipe == 1 or not spec.pipe_layers:
         return [0, len(spec.pipe_layers)]
     from ..parallel.pipe.split import balanced_starts
-    costs = [sum(math.prod(s) for s in layer) for layer in spec.pipe_layers]
-    return [0, *balanced_starts(costs, plan.pipe), len(spec.pipe_layers)]
+    costs = tuple(sum(math.prod(s) for s in layer) for layer in spec.pipe_layers)
+    key = (costs, plan.pipe)
+    if key not in _BOUNDS_CACHE:   # an exact DP over the layers: once per model and degree
+        _BOUNDS_CACHE[key] = [0, *balanced_starts(list(costs), plan.pipe), len(costs)]
+    return _BOUNDS_CACHE[key]
+
+
+_BOUNDS_CACHE: dict = {}
 
 
 def _split_3d(spec: ModelSpec, plan: Plan, shapes: list) -> list:
@@ -389,21 +395,18 @@ def _tensor3d_comms(spec: ModelSpec, plan: Plan, options: Options, shapes: list)
     per_axis: dict[str, float] = {}
     calls: dict[str, int] = {}
 
-    def add(parts: dict, n_calls: int = 1):
+    def add(parts: dict, n_calls: int = 1, times: int = 1):
         for k, v in parts.items():
             if v:
-                per_axis[k] = per_axis.get(k, 0) + v * m
-                calls[k] = calls.get(k, 0) + n_calls * m
+                per_axis[k] = per_axis.get(k, 0) + v * m * times
+                calls[k] = calls.get(k, 0) + n_calls * m * times
 
-    blocks = math.ceil(spec.blocks / plan.pipe)
-    for _ in range(blocks):
-        for _qkv in range(3):
-            add(_linear3d_bytes(E, E, grid, rows, s, gather_output=False, shared=True), 3)
-        add({"tensor_y": shared_input_bytes(rows, E, s) if Y > 1 else 0})
-        add(_linear3d_bytes(E, E, grid, rows, s, transpose=True, scatter_input=False), 4)
-        add(_linear3d_bytes(E, H, grid, rows, s, gather_output=False, shared=True), 3)
-        add({"tensor_y": shared_input_bytes(rows, E, s) if Y > 1 else 0})
-        add(_linear3d_bytes(H, E, grid, rows, s, transpose=True, scatter_input=False), 4)
+    blocks = math.ceil(spec.blocks / plan.pipe)   # every block alike: one, times the count
+    add(_linear3d_bytes(E, E, grid, rows, s, gather_output=False, shared=True), 3, 3 * blocks)
+    add({"tensor_y": shared_input_bytes(rows, E, s) if Y > 1 else 0}, 1, 2 * blocks)
+    add(_linear3d_bytes(E, E, grid, rows, s, transpose=True, scatter_input=False), 4, blocks)
+    add(_linear3d_bytes(E, H, grid, rows, s, gather_output=False, shared=True), 3, blocks)
+    add(_linear3d_bytes(H, E, grid, rows, s, transpose=True, scatter_input=False), 4, blocks)
     head = not spec.extra.get("tie_weights") and V % (X * Z) == 0 and E % Y == 0
     if head and plan.pipe == 1:
         add(_linear3d_bytes(E, V, grid, rows, s), 5)
