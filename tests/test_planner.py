@@ -225,3 +225,16 @@ def test_pipe_with_shard_and_space_are_costed_once_plan_py_accepts_them(monkeypa
     assert both.bytes_by_axis["space"] > 0
     after = rank_plans(cosmo, 4, cpu, Options(batch=4))
     assert any(str(p.plan) == "Plan(pipe=2, space=(2, 1, 1))" for p in after.ranked)
+
+
+def test_bench_spread_and_the_cores_probe():
+    """The bench's repeats are consecutive blocks of the timed rounds; the probe turns rank 0's
+    time alone and both ranks' time together into the cores the two ranks really had."""
+    from exatrain.bench.planner import _blocks
+    from exatrain.tune.measure import cores_available
+    assert _blocks(list(range(24))) == [list(range(8)), list(range(8, 16)), list(range(16, 24))]
+    assert [len(b) for b in _blocks(list(range(7)))] == [2, 2, 3]
+    idle = [[(1.0, 1.0)] * 3, [(0.0, 1.0)] * 3]       # together as fast as alone: 2 cores
+    shared = [[(1.0, 2.0)] * 3, [(0.0, 2.1)] * 3]     # together twice as slow: one core
+    assert cores_available(idle)["cores_available"] == 2
+    assert cores_available(shared)["cores_available"] == 1.0

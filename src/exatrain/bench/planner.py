@@ -43,7 +43,9 @@ Three parts, one launch:
    tuner runs again. The replays are repeated on each block's table (tune_gap_blocks), and
    tune_table_block_spread (median over candidates of max/min − 1 of its block medians) says
    how much a candidate's time moves between repeats, against tune_table_range (slowest/fastest
-   − 1) between candidates.
+   − 1) between candidates. tune_gap_held_out: both searches choose on two blocks and their
+   choices are timed on the third (each block held out once), so the exhaustive best is not
+   simply the luckiest of the noisy numbers.
    tune_prior_saved_trials: the searches replayed without budget (every answer is in the table),
    how many more trials the prior-free one needs to come within 5% of the exhaustive best
    (trials_to_5pct_without_prior − trials_to_5pct_with_prior); tune_prior_saved_estimate is what
@@ -327,8 +329,20 @@ def tuner_part(steps: int, warmup: int = 2) -> dict:
                 for i, t in enumerate(per_case)}
 
     main = replay(table_of(times), table_of(sib_times))
-    blocks = [replay(table_of(times, b), table_of(sib_times, b))
-              for b in range(len(_blocks(times[0])))]
+    n_blocks = len(_blocks(times[0]))
+    blocks = [replay(table_of(times, b), table_of(sib_times, b)) for b in range(n_blocks)]
+
+    def pooled(per_case, skip):
+        return {i: statistics.median(x for b, part in enumerate(_blocks(t)) if b != skip
+                                     for x in part) for i, t in enumerate(per_case)}
+
+    # held out: both searches choose on two blocks, their choices are timed on the third, so
+    # the exhaustive best is not the luckiest of 14 noisy numbers (the winner's curse)
+    held_out = []
+    for h in range(n_blocks):
+        chosen = replay(pooled(times, h), pooled(sib_times, h))
+        timed = table_of(times, h)
+        held_out.append(timed[chosen["plain"].best.index] / timed[chosen["best"]] - 1)
     plain, primed = main["plain"], main["primed"]
     table = table_of(times)
     # how far apart the candidates are against how much one candidate's time moves between
@@ -345,6 +359,8 @@ def tuner_part(steps: int, warmup: int = 2) -> dict:
             "tune_gap": main["gap"],
             "tune_gap_blocks": [b["gap"] for b in blocks],
             "tune_gap_spread": [min(b["gap"] for b in blocks), max(b["gap"] for b in blocks)],
+            "tune_gap_held_out": held_out,
+            "tune_gap_held_out_median": statistics.median(held_out),
             "tune_table_block_spread": block_spread,
             "tune_table_range": max(table.values()) / min(table.values()) - 1,
             "tune_prior_trials": len(primed.trials),
