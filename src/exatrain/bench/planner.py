@@ -17,7 +17,8 @@ Three parts, one launch:
      * compute rates per model, leave-one-out: a case's rate is the median of what the same
        model's other cases measured, so no case is predicted from its own time
      * the spread: the timed rounds are cut into 3 consecutive blocks, each a repeat of the
-       whole measurement; step_time_mape_blocks is the MAPE of each block on its own
+       whole measurement; step_time_mape_blocks is the MAPE of each block on its own, predicted
+       with the cores its own rounds' probes found (cores_available_blocks)
      memory: measured = the state held when a step begins + StepPeak of its forward/backward
      (`tune.measure`); predicted = the cost model's total per rank
      bytes: the ledger's bytes per axis of one step against the cost model's, exactly
@@ -232,15 +233,19 @@ def local_part(steps: int, warmup: int = 2) -> tuple[dict, list]:
     probe: dict = {}
     measured = measure_many([(c, p, o) for c, (_f, _ov, p, o) in zip(configs, plans)], 2, steps,
                             warmup, serial_threads=1, probe=probe)
-    # the system as calibrated, with the cores the probe found (a serial case: one core)
-    base = dataclasses.replace(shipped, measured={**shipped.measured,
-                                                  "cores": probe["cores_available"]})
     one_core = dataclasses.replace(shipped, measured={**shipped.measured, "cores": 1})
-    cases, specs, preds = [], {}, []
-    for config, (family, _ov, plan, options), got in zip(configs, plans, measured):
-        spec = specs.setdefault(family, spec_from_config(config))
-        pred = predict(spec, plan, one_core if plan.world_size == 1 else base, options)
-        preds.append(pred)
+    specs = {family: spec_from_config(config) for config, (family, *_r) in zip(configs, plans)}
+
+    def predictions(cores: float) -> list:
+        """The system as calibrated, with the cores the probe found (a serial case: one)."""
+        base = dataclasses.replace(shipped, measured={**shipped.measured, "cores": cores})
+        return [predict(specs[family], plan, one_core if plan.world_size == 1 else base, options)
+                for family, _ov, plan, options in plans]
+
+    preds = predictions(probe["cores_available"])
+    cases = []
+    for (family, _ov, plan, options), got, pred in zip(plans, measured, preds):
+        spec = specs[family]
         ledger = {a: b for a, b in got["ledger_bytes"].items() if b}
         times = got["step_times"]
         cases.append({"model": spec.name, "plan": str(plan), "options": options.label(),
@@ -253,22 +258,28 @@ def local_part(steps: int, warmup: int = 2) -> tuple[dict, list]:
                       "predicted_bytes": pred.bytes_by_axis,
                       "bytes_exact": plan.world_size == 1 or ledger == pred.bytes_by_axis})
 
-    def mape_of(measured_times):
-        predicted = _loo_step_times(measured_times, cases, preds)
+    def mape_of(measured_times, with_preds):
+        predicted = _loo_step_times(measured_times, cases, with_preds)
         return _mape(zip(predicted, measured_times)), predicted
 
-    mape, predicted = mape_of([c["measured_step_s"] for c in cases])
+    mape, predicted = mape_of([c["measured_step_s"] for c in cases], preds)
     for case, p in zip(cases, predicted):
         case["predicted_step_s"] = p
-    by_block = [mape_of([c["measured_step_s_blocks"][b] for c in cases])[0]
+    # each block is a repeat on its own: its measured medians against the cores its own
+    # rounds' probes found (the other jobs' load changes during a run)
+    block_cores = [min(2.0, max(1.0, statistics.median(b)))
+                   for b in _blocks(probe["cores_available_rounds"])]
+    by_block = [mape_of([c["measured_step_s_blocks"][b] for c in cases],
+                        predictions(block_cores[b]))[0]
                 for b in range(len(cases[0]["measured_step_s_blocks"]))]
     result = {"cases": len(cases), "timed_steps": steps, "warmup_steps": max(2, warmup),
               "cores_available": probe["cores_available"],
+              "cores_available_blocks": block_cores,
               "step_time_mape": mape,
               "step_time_mape_blocks": by_block,
               "step_time_mape_spread": [min(by_block), max(by_block)],
               "step_time_mape_fastest_step": mape_of([c["measured_step_s_min"]
-                                                      for c in cases])[0],
+                                                      for c in cases], preds)[0],
               "memory_mape": _mape((c["predicted_memory"], c["measured_memory"]) for c in cases),
               "bytes_exact_cases": sum(c["bytes_exact"] for c in cases),
               "local_cases": cases}
