@@ -114,9 +114,11 @@ from exatrain.train.config import load_config
 from exatrain.tune.dryrun import dry_run
 gpt, small = (load_config(None, o) for o in json.loads(sys.argv[2]))
 cosmo = load_config(None, ["run.workload=cosmoflow", "model.size=128", "train.batch_size=64"])
-out = [dry_run(gpt, Plan(data=32, shard=4, tensor=8), 1023),
-       dry_run(cosmo, Plan(data=64, space=(2, 4, 4)), 2047)]
-out += [dry_run(small, Plan(**eval(p)), r) for p, r in json.loads(sys.argv[1])]
+if sys.argv[1] == "scale":
+    out = [dry_run(gpt, Plan(data=32, shard=4, tensor=8), 1023),
+           dry_run(cosmo, Plan(data=64, space=(2, 4, 4)), 2047)]
+else:
+    out = [dry_run(small, Plan(**eval(p)), r) for p, r in json.loads(sys.argv[1])]
 json.dump(out, sys.stdout, default=str)
 """
 _GPT_125M = ["run.workload=gpt", "model.preset=125m", "model.n_head=16", "model.block_size=128",
@@ -128,15 +130,19 @@ _DRY_3D = [("dict(data=2, tensor=(2, 2, 2))", 5), ("dict(tensor=(1, 2, 4))", 6),
            ("dict(data=2, tensor=(4, 1, 2))", 3), ("dict(tensor=(2, 2, 1))", 0)]
 
 
-def test_dry_runs_at_1024_and_2048_ranks_in_one_process():
-    """Rank 1023 of a 1024-rank GPT, rank 2047 of a 2048-rank CosmoFlow and four 3D tensor
-    Plans, one after the other, in one fresh process."""
+def _dry_runs(what: str) -> list:
+    """The dry runs `what` names, one after the other in one fresh process."""
     env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "src"))
-    out = subprocess.run([sys.executable, "-c", _DRY_RUNS, json.dumps(_DRY_3D),
+    out = subprocess.run([sys.executable, "-c", _DRY_RUNS, what,
                           json.dumps([_GPT_125M, _GPT_1M])],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    gpt, cosmo, *three_d = json.loads(out.stdout)
+    return json.loads(out.stdout)
+
+
+def test_dry_runs_at_1024_and_2048_ranks_in_one_process():
+    """Rank 1023 of a 1024-rank GPT and rank 2047 of a 2048-rank CosmoFlow."""
+    gpt, cosmo = _dry_runs("scale")
 
     # Plan(data=32, shard=4, tensor=8): 1D tensor splits, then ZeRO-3 shards the local rows by 4
     shapes = gpt["param_shapes"]
@@ -161,6 +167,11 @@ def test_dry_runs_at_1024_and_2048_ranks_in_one_process():
     assert cosmo["ledger_bytes"]["space"] > 0              # halos and the gather were issued
     assert cosmo["ledger_bytes"]["data+space"] == 4 * 8907556   # the gradient all-reduce: 4Ψ
 
+
+def test_3d_tensor_bytes_and_state_equal_the_dry_runs():
+    """The cost model's bytes per axis and model state for 3D tensor Plans equal what a rank
+    of each Plan counts in its ledger and holds (`Linear3D.bytes_per_step` is the formula)."""
+    three_d = _dry_runs(json.dumps(_DRY_3D))
     spec = spec_from_config(load_config(None, _GPT_1M))
     for (plan_text, rank), got in zip(_DRY_3D, three_d):
         plan = Plan(**eval(plan_text))
