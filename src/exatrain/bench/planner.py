@@ -7,17 +7,24 @@ Three parts, one launch:
    2 and 3, tensor=2 and pipe=2 (GPT), space=(2,1,1) (CosmoFlow), full checkpointing — the Plan
    is measured
    (`tune.measure.measure_many`: all cases in one launch of 2 ranks, interleaved step by step, the
-   serial ones on rank 0 with both cores) and predicted (`tune.cost.predict`, system cpu-local).
-   Compute rates are per model and leave-one-out: a case's rate is the median of what the same
-   model's other cases measured, so no case is predicted from its own time (the rate a 1024²
-   matmul reaches is 1.5-2× what a width-128 GPT's small matmuls reach here, so the calibrated
-   matmul rate alone is far off). Step times are the fastest of the timed steps (each the slowest
-   rank's): this machine is shared by other jobs, and the fastest step is the one they disturbed
-   least; the median is reported beside it.
+   serial ones on rank 0 with one thread) and predicted (`tune.cost.predict`, system cpu-local).
+   Measurement, made to hold up on a machine other jobs share:
+     * 3 warm-up rounds, then 24 timed rounds (--warmup, --steps); a case's step time is the
+       median of its timed steps (each the slowest rank's); the fastest step is kept beside it
+     * every timed round also runs a fixed matmul on rank 0 alone and on both ranks at once
+       (`measure.cores_available`): how many cores the two ranks really have now (2 on an idle
+       machine, near 1 when other jobs hold the cores); the prediction uses that many cores
+     * compute rates per model, leave-one-out: a case's rate is the median of what the same
+       model's other cases measured, so no case is predicted from its own time
+     * the spread: the timed rounds are cut into 3 consecutive blocks, each a repeat of the
+       whole measurement; step_time_mape_blocks is the MAPE of each block on its own, predicted
+       with the cores its own rounds' probes found (cores_available_blocks)
      memory: measured = the state held when a step begins + StepPeak of its forward/backward
      (`tune.measure`); predicted = the cost model's total per rank
      bytes: the ledger's bytes per axis of one step against the cost model's, exactly
-   Figures: step_time_mape, memory_mape, cases, bytes_exact_cases, and each case's numbers.
+   Figures: step_time_mape, step_time_mape_blocks, step_time_mape_spread,
+   step_time_mape_fastest_step, cores_available, memory_mape, cases, bytes_exact_cases, and each
+   case's numbers.
 
 2. Published: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
    Models", arXiv 2205.05198, Table 5), GPT 22B/175B/530B/1T trained with Megatron on A100s of
@@ -30,16 +37,22 @@ Three parts, one launch:
    8th, for each. The paper gives no per-GPU memory figures as numbers (only formulas and bar
    charts), so published_memory_mape is null: there is nothing measured to compare against.
 
-3. Tuner: all candidate (Plan, options) of the GPT at 2 ranks are measured once, interleaved in
-   one launch (the exhaustive search), then the tuner runs with budget = a third of them,
-   answered from those measurements (a replay: both searches see the same noisy numbers). With a
-   prior from a sibling GPT (width 192, every candidate measured) the tuner runs again.
+3. Tuner: all candidate (Plan, options) of the GPT at 2 ranks are measured, interleaved in one
+   launch (the exhaustive search; medians of the timed steps), then the tuner runs with budget =
+   a third of them, answered from those measurements (a replay: both searches see the same
+   noisy numbers). With a prior from a sibling GPT (width 192, every candidate measured) the
+   tuner runs again. The replays are repeated on each block's table (tune_gap_blocks), and
+   tune_table_block_spread (median over candidates of max/min − 1 of its block medians) says
+   how much a candidate's time moves between repeats, against tune_table_range (slowest/fastest
+   − 1) between candidates. tune_gap_held_out: both searches choose on two blocks and their
+   choices are timed on the third (each block held out once), so the exhaustive best is not
+   simply the luckiest of the noisy numbers.
    tune_prior_saved_trials: the searches replayed without budget (every answer is in the table),
    how many more trials the prior-free one needs to come within 5% of the exhaustive best
    (trials_to_5pct_without_prior − trials_to_5pct_with_prior); tune_prior_saved_estimate is what
    `exatrain tune` itself would report (tuner.estimate_prior_saving, no exhaustive table).
    Figures: tune_trials, tune_best_step_s, exhaustive_best_step_s, tune_gap (best/exhaustive − 1),
-   tune_candidates, tune_prior_trials, tune_prior_gap, tune_prior_saved_trials.
+   tune_gap_blocks, tune_candidates, tune_prior_trials, tune_prior_gap, tune_prior_saved_trials.
 """
 
 from __future__ import annotations
@@ -52,6 +65,19 @@ PUBLISHED = {   # name: (hidden, heads, layers, tensor, pipe, batch, micro, full
     "530B": (20480, 128, 105, 8, 35, 280, 1, 49.05, 37.83),
     "1T": (25600, 160, 128, 8, 64, 512, 1, 94.42, 71.49),
 }
+# Memory per GPU (GiB) of the same four Megatron runs, Korthikanti et al. 2022 (arXiv 2205.05198)
+# Figure 1: parameters + optimizer state, and activations, without recomputation or sequence
+# parallelism ("none") and with sequence parallelism + selective recomputation ("seqsel"). The
+# paper draws them as bars; these are the values Calculon (SC'23) validates its memory model
+# against (calculon-ai/calculon, calculon/llm/validation.py, `seqsel_fig1`). The runs are those
+# of Table 5 (tensor 8, pipe 1/8/35/64, the micro-batches of PUBLISHED); activations are the
+# first pipeline stage's, which keeps the most micro-batches.
+PUBLISHED_MEMORY_GIB = {   # name: {mode: (params + optimizer, activations)}
+    "22B": {"none": (45.5625, 59.25), "seqsel": (45.5625, 9.5625)},
+    "175B": {"none": (45.5625, 66.84375), "seqsel": (45.5625, 12.3515625)},
+    "530B": {"none": (31.640625, 114.0234375), "seqsel": (31.640625, 23.076171875)},
+    "1T": {"none": (32.958984375, 131.25), "seqsel": (32.958984375, 26.5625)},
+}
 
 
 def add_arguments(parser) -> None:
@@ -59,11 +85,24 @@ def add_arguments(parser) -> None:
                         help="which parts to run, comma-separated")
 
 
+def _megatron_options(batch: int, micro: int, pipe: int, mode: str):
+    """Options of a Megatron run of Korthikanti et al. 2022: fp16, its micro-batches, and where
+    it differs from exatrain's layers: vocabulary-parallel embedding, attention that keeps
+    softmax and dropout (which selective recomputation recomputes), fp32 gradient buffers.
+    These describe the published runs; none is fitted to their figures."""
+    from ..tune.cost import Options
+    return Options(batch=batch, precision="fp16", zero_stage=1,
+                   checkpointing={"seqsel": "selective"}.get(mode, mode),
+                   sequence_parallel=mode == "seqsel", attention="materialised",
+                   vocab_parallel=True, fp32_grads=True,
+                   microbatches=batch // micro if pipe > 1 else 0)
+
+
 def published_cases(system=None) -> list[dict]:
-    """Predicted against published iteration times (part 2 of the module doc)."""
+    """Predicted against published iteration times and memory (part 2 of the module doc)."""
     from ..models.gpt import GPTConfig
     from ..plan import Plan
-    from ..tune.cost import Options, predict
+    from ..tune.cost import predict
     from ..tune.spec import gpt_spec
     from ..tune.systems import load_system
 
@@ -72,14 +111,39 @@ def published_cases(system=None) -> list[dict]:
     for name, (h, a, layers, t, p, batch, micro, full_s, sel_s) in PUBLISHED.items():
         cfg = GPTConfig(vocab_size=51200, block_size=2048, n_layer=layers, n_head=a, n_embd=h)
         spec = gpt_spec(cfg, name)
-        for mode, ref in (("full", full_s), ("selective", sel_s)):
-            options = Options(batch=batch, precision="fp16", checkpointing=mode, zero_stage=1,
-                              microbatches=batch // micro if p > 1 else 0)
-            pred = predict(spec, Plan(pipe=p, tensor=t), system, options)
-            out.append({"model": name, "mode": mode, "published_s": ref,
-                        "predicted_s": pred.step_s, "compute_s": pred.parts_s["compute"],
-                        "memory_per_rank": pred.memory["total"]})
+        for mode, ref in (("full", full_s), ("seqsel", sel_s), ("none", None)):
+            pred = predict(spec, Plan(pipe=p, tensor=t), system,
+                           _megatron_options(batch, micro, p, mode))
+            first = pred.memory_by_stage[0]
+            case = {"model": name, "mode": mode, "published_s": ref,
+                    "predicted_s": pred.step_s, "compute_s": pred.parts_s["compute"],
+                    "memory_per_rank": pred.memory["total"],
+                    "predicted_state_gib": first["state"] / 2 ** 30,
+                    "predicted_activations_gib": first["activations"] / 2 ** 30}
+            if mode in PUBLISHED_MEMORY_GIB[name]:
+                state, acts = PUBLISHED_MEMORY_GIB[name][mode]
+                case.update(published_state_gib=state, published_activations_gib=acts)
+            out.append(case)
     return out
+
+
+def published_figures(cases: list[dict]) -> dict:
+    """The published MAPEs: step time (Table 5, 8 runs) and memory (Figure 1, 8 runs: params +
+    optimizer + activations of the first stage's GPU, and each part on its own)."""
+    timed = [c for c in cases if c["published_s"] is not None]
+    mem = [c for c in cases if "published_state_gib" in c]
+    return {
+        "published_step_time_mape": _mape((c["predicted_s"], c["published_s"]) for c in timed),
+        "published_step_time_mape_loo": published_loo(timed),
+        "published_memory_mape": _mape(
+            (c["predicted_state_gib"] + c["predicted_activations_gib"],
+             c["published_state_gib"] + c["published_activations_gib"]) for c in mem),
+        "published_memory_state_mape": _mape((c["predicted_state_gib"],
+                                              c["published_state_gib"]) for c in mem),
+        "published_memory_activations_mape": _mape((c["predicted_activations_gib"],
+                                                    c["published_activations_gib"])
+                                                   for c in mem),
+        "published_memory_cases": len(mem)}
 
 
 def _mape(pairs) -> float:
@@ -120,103 +184,205 @@ def _local_cases():
             ("cosmoflow", cosmo, Plan(space=(2, 1, 1)), Options(batch=4))]
 
 
-def local_part(steps: int) -> tuple[dict, list]:
+BLOCKS = 3   # the timed steps are cut into this many consecutive blocks, each a repeat
+
+
+def _blocks(times: list, n: int = BLOCKS) -> list[list]:
+    """`times` cut into `n` consecutive blocks (the last ones one longer when it does not
+    divide): each block is one repeat of the interleaved measurement."""
+    k, r = divmod(len(times), n)
+    out, at = [], 0
+    for b in range(n):
+        size = k + (1 if b >= n - r else 0)
+        out.append(times[at:at + size])
+        at += size
+    return [b for b in out if b]
+
+
+def _loo_step_times(measured: list, cases: list, preds: list) -> list[float]:
+    """Each case's predicted step time with the compute rate fitted on its model's OTHER cases
+    (median of measured / predicted compute time), so no case is predicted from itself."""
+    import statistics
+    out = []
+    for i, (case, pred) in enumerate(zip(cases, preds)):
+        other = pred.step_s - pred.parts_s["compute"]
+        factors = [(measured[j] - (p.step_s - p.parts_s["compute"])) / p.parts_s["compute"]
+                   for j, (c, p) in enumerate(zip(cases, preds))
+                   if j != i and c["model"] == case["model"]]
+        out.append(other + pred.parts_s["compute"] * statistics.median(factors))
+    return out
+
+
+def local_part(steps: int, warmup: int = 2) -> tuple[dict, list]:
+    import dataclasses
+    import statistics
+
     from ..train.config import load_config
     from ..tune.cost import predict
     from ..tune.measure import measure_many
     from ..tune.spec import spec_from_config
     from ..tune.systems import load_system
 
-    base = load_system("cpu-local")
+    shipped = load_system("cpu-local")
     plans = _local_cases()
     configs = [load_config(None, overrides) for _f, overrides, _p, _o in plans]
-    # every case in one launch on 2 ranks, interleaved step by step (serial ones on rank 0)
-    measured = measure_many([(c, p, o) for c, (_f, _ov, p, o) in zip(configs, plans)], 2, steps)
-    cases, specs, preds = [], {}, []
-    for config, (family, _ov, plan, options), got in zip(configs, plans, measured):
-        spec = specs.setdefault(family, spec_from_config(config))
-        pred = predict(spec, plan, base, options)
-        preds.append(pred)
+    # every case in one launch on 2 ranks, interleaved step by step (serial ones on rank 0, one
+    # thread: with both cores' threads on a machine other jobs oversubscribe, OpenMP's spinning
+    # threads wait for each other and one step took up to 8x its usual time); each timed round
+    # also probes how many cores the two ranks really have (`measure.cores_available`)
+    probe: dict = {}
+    measured = measure_many([(c, p, o) for c, (_f, _ov, p, o) in zip(configs, plans)], 2, steps,
+                            warmup, serial_threads=1, probe=probe)
+    one_core = dataclasses.replace(shipped, measured={**shipped.measured, "cores": 1})
+    specs = {family: spec_from_config(config) for config, (family, *_r) in zip(configs, plans)}
+
+    def predictions(cores: float) -> list:
+        """The system as calibrated, with the cores the probe found (a serial case: one)."""
+        base = dataclasses.replace(shipped, measured={**shipped.measured, "cores": cores})
+        return [predict(specs[family], plan, one_core if plan.world_size == 1 else base, options)
+                for family, _ov, plan, options in plans]
+
+    preds = predictions(probe["cores_available"])
+    cases = []
+    for (family, _ov, plan, options), got, pred in zip(plans, measured, preds):
+        spec = specs[family]
         ledger = {a: b for a, b in got["ledger_bytes"].items() if b}
+        times = got["step_times"]
         cases.append({"model": spec.name, "plan": str(plan), "options": options.label(),
                       "world": plan.world_size,
-                      "measured_step_s": got["step_s_min"],   # least disturbed: shared machine
-                      "measured_step_s_median": got["step_s"],
+                      "measured_step_s": statistics.median(times),
+                      "measured_step_s_min": min(times),
+                      "measured_step_s_blocks": [statistics.median(b) for b in _blocks(times)],
                       "measured_memory": got["step_peak_bytes"],
                       "predicted_memory": pred.memory["total"], "ledger_bytes": ledger,
                       "predicted_bytes": pred.bytes_by_axis,
                       "bytes_exact": plan.world_size == 1 or ledger == pred.bytes_by_axis})
-    # compute rate per model, leave-one-out: each case's rate comes from the model's OTHER cases
-    # (median of measured / predicted compute time), so no case is predicted from itself
-    import statistics
-    for i, (case, pred) in enumerate(zip(cases, preds)):
-        other = pred.step_s - pred.parts_s["compute"]
-        factors = [(c["measured_step_s"] - (p.step_s - p.parts_s["compute"]))
-                   / p.parts_s["compute"] for j, (c, p) in enumerate(zip(cases, preds))
-                   if j != i and c["model"] == case["model"]]
-        case["predicted_step_s"] = other + pred.parts_s["compute"] * statistics.median(factors)
-    result = {"cases": len(cases),
-              "step_time_mape": _mape((c["predicted_step_s"], c["measured_step_s"]) for c in cases),
+
+    def mape_of(measured_times, with_preds):
+        predicted = _loo_step_times(measured_times, cases, with_preds)
+        return _mape(zip(predicted, measured_times)), predicted
+
+    mape, predicted = mape_of([c["measured_step_s"] for c in cases], preds)
+    for case, p in zip(cases, predicted):
+        case["predicted_step_s"] = p
+    # each block is a repeat on its own: its measured medians against the cores its own
+    # rounds' probes found (the other jobs' load changes during a run)
+    block_cores = [min(2.0, max(1.0, statistics.median(b)))
+                   for b in _blocks(probe["cores_available_rounds"])]
+    by_block = [mape_of([c["measured_step_s_blocks"][b] for c in cases],
+                        predictions(block_cores[b]))[0]
+                for b in range(len(cases[0]["measured_step_s_blocks"]))]
+    result = {"cases": len(cases), "timed_steps": steps, "warmup_steps": max(2, warmup),
+              "cores_available": probe["cores_available"],
+              "cores_available_blocks": block_cores,
+              "step_time_mape": mape,
+              "step_time_mape_blocks": by_block,
+              "step_time_mape_spread": [min(by_block), max(by_block)],
+              "step_time_mape_fastest_step": mape_of([c["measured_step_s_min"]
+                                                      for c in cases], preds)[0],
               "memory_mape": _mape((c["predicted_memory"], c["measured_memory"]) for c in cases),
               "bytes_exact_cases": sum(c["bytes_exact"] for c in cases),
               "local_cases": cases}
     return result, cases
 
 
-def tuner_part(steps: int) -> dict:
+def tuner_part(steps: int, warmup: int = 2) -> dict:
+    import statistics
+
     from ..train.config import load_config
+    from ..tune.cost import Options
     from ..tune.measure import measure_many
     from ..tune.search import rank_plans
     from ..tune.spec import spec_from_config
     from ..tune.systems import load_system
     from ..tune.tuner import estimate_prior_saving, features, search
-    from ..tune.cost import Options
 
     def measured_candidates(overrides):
         config = load_config(None, overrides)
         spec = spec_from_config(config)
         ranking = rank_plans(spec, 2, load_system("cpu-local"), Options(batch=8))
-        got = measure_many([(config, p.plan, p.options) for p in ranking.ranked], 2, steps)
-        table = {i: g["step_s_min"] for i, g in enumerate(got)}
-        return spec, ranking.ranked, table
+        got = measure_many([(config, p.plan, p.options) for p in ranking.ranked], 2, steps,
+                           warmup)
+        return spec, ranking.ranked, [g["step_times"] for g in got]
 
-    spec, cands, table = measured_candidates(["run.workload=gpt", "model.preset=1m",
+    spec, cands, times = measured_candidates(["run.workload=gpt", "model.preset=1m",
                                               "train.batch_size=8"])
-    sib_spec, sib_cands, sib_table = measured_candidates(
+    sib_spec, sib_cands, sib_times = measured_candidates(
         ["run.workload=gpt", "model.preset=1m", "model.n_embd=192", "model.n_head=6",
          "train.batch_size=8"])
     budget = max(1, len(cands) // 3)
 
-    def oracle(pred):
-        return table[cands.index(pred)]
+    def replay(table: dict, sib_table: dict) -> dict:
+        """The tuner and the exhaustive search on one table of measured step times."""
+        def oracle(pred):
+            return table[cands.index(pred)]
 
-    plain = search(cands, oracle, budget, spec.params)
-    prior = [(features(p, sib_spec.params), math.log(sib_table[i] / p.step_s))
-             for i, p in enumerate(sib_cands)]
-    primed = search(cands, oracle, budget, spec.params, prior)
-    exhaustive = min(table.values())
+        plain = search(cands, oracle, budget, spec.params)
+        prior = [(features(p, sib_spec.params), math.log(sib_table[i] / p.step_s))
+                 for i, p in enumerate(sib_cands)]
+        primed = search(cands, oracle, budget, spec.params, prior)
+        exhaustive = min(table.values())
 
-    def trials_to_within_5pct(points) -> int:
-        """Replayed without a budget or early stop: every candidate is in the table."""
-        full = search(cands, oracle, len(cands), spec.params, points, min_gain=None)
-        return next(k + 1 for k, t in enumerate(full.trials)
-                    if t.measured_s <= 1.05 * exhaustive)
+        def trials_to_within_5pct(points) -> int:
+            """Replayed without a budget or early stop: every candidate is in the table."""
+            full = search(cands, oracle, len(cands), spec.params, points, min_gain=None)
+            return next(k + 1 for k, t in enumerate(full.trials)
+                        if t.measured_s <= 1.05 * exhaustive)
 
+        best = min(table, key=table.get)
+        return {"plain": plain, "primed": primed, "prior": prior, "exhaustive": exhaustive,
+                "best": best, "gap": plain.best.measured_s / exhaustive - 1,
+                "prior_gap": primed.best.measured_s / exhaustive - 1,
+                "to5": trials_to_within_5pct([]), "to5_prior": trials_to_within_5pct(prior)}
+
+    def table_of(per_case, pick=None):
+        return {i: statistics.median(t if pick is None else _blocks(t)[pick])
+                for i, t in enumerate(per_case)}
+
+    main = replay(table_of(times), table_of(sib_times))
+    n_blocks = len(_blocks(times[0]))
+    blocks = [replay(table_of(times, b), table_of(sib_times, b)) for b in range(n_blocks)]
+
+    def pooled(per_case, skip):
+        return {i: statistics.median(x for b, part in enumerate(_blocks(t)) if b != skip
+                                     for x in part) for i, t in enumerate(per_case)}
+
+    # held out: both searches choose on two blocks, their choices are timed on the third, so
+    # the exhaustive best is not the luckiest of 14 noisy numbers (the winner's curse)
+    held_out = []
+    for h in range(n_blocks):
+        chosen = replay(pooled(times, h), pooled(sib_times, h))
+        timed = table_of(times, h)
+        held_out.append(timed[chosen["plain"].best.index] / timed[chosen["best"]] - 1)
+    plain, primed = main["plain"], main["primed"]
+    table = table_of(times)
+    # how far apart the candidates are against how much one candidate's time moves between
+    # blocks: when the noise is as large as the differences, the measured best is partly luck
+    block_spread = statistics.median(
+        max(ts) / min(ts) - 1 for ts in ([statistics.median(b) for b in _blocks(t)]
+                                         for t in times))
     return {"tune_candidates": len(cands), "tune_budget": budget,
             "tune_trials": len(plain.trials), "tune_best_step_s": plain.best.measured_s,
             "tune_best_plan": f"{plain.best.plan} {plain.best.options}".strip(),
-            "exhaustive_best_step_s": exhaustive,
-            "exhaustive_best_plan": f"{cands[min(table, key=table.get)].plan} "
-                                    f"{cands[min(table, key=table.get)].options.label()}".strip(),
-            "tune_gap": plain.best.measured_s / exhaustive - 1,
+            "exhaustive_best_step_s": main["exhaustive"],
+            "exhaustive_best_plan": f"{cands[main['best']].plan} "
+                                    f"{cands[main['best']].options.label()}".strip(),
+            "tune_gap": main["gap"],
+            "tune_gap_blocks": [b["gap"] for b in blocks],
+            "tune_gap_spread": [min(b["gap"] for b in blocks), max(b["gap"] for b in blocks)],
+            "tune_gap_held_out": held_out,
+            "tune_gap_held_out_median": statistics.median(held_out),
+            "tune_table_block_spread": block_spread,
+            "tune_table_range": max(table.values()) / min(table.values()) - 1,
             "tune_prior_trials": len(primed.trials),
             "tune_prior_best_step_s": primed.best.measured_s,
-            "tune_prior_gap": primed.best.measured_s / exhaustive - 1,
-            "trials_to_5pct_without_prior": trials_to_within_5pct([]),
-            "trials_to_5pct_with_prior": trials_to_within_5pct(prior),
-            "tune_prior_saved_trials": trials_to_within_5pct([]) - trials_to_within_5pct(prior),
+            "tune_prior_gap": main["prior_gap"],
+            "trials_to_5pct_without_prior": main["to5"],
+            "trials_to_5pct_with_prior": main["to5_prior"],
+            "tune_prior_saved_trials": main["to5"] - main["to5_prior"],
+            "tune_prior_saved_trials_blocks": [b["to5"] - b["to5_prior"] for b in blocks],
             "tune_prior_saved_estimate": estimate_prior_saving(cands, primed, spec.params,
-                                                               budget, prior),
+                                                               budget, main["prior"]),
             "measured_table": {f"{p.plan} {p.options.label()}".strip(): table[i]
                                for i, p in enumerate(cands)}}
 
@@ -224,20 +390,19 @@ def tuner_part(steps: int) -> dict:
 def run(args) -> dict:
     parts = {p.strip() for p in getattr(args, "parts", "local,published,tuner").split(",")}
     import os
-    steps = args.steps or 3
+    # 24 timed steps (3 blocks of 8) after 3 warm-up rounds unless told otherwise
+    steps = args.steps or 24
+    warmup = getattr(args, "warmup", 0) or 3
     # how busy the machine was: step-time figures mean little when other jobs hold the cores
     result: dict = {"cores": os.cpu_count(), "load_average_start": os.getloadavg()[0]}
     if "local" in parts:
-        local, _ = local_part(steps)
+        local, _ = local_part(steps, warmup)
         result.update(local)
     if "published" in parts:
         cases = published_cases()
-        result["published_step_time_mape"] = _mape((c["predicted_s"], c["published_s"])
-                                                   for c in cases)
-        result["published_step_time_mape_loo"] = published_loo(cases)
-        result["published_memory_mape"] = None
+        result.update(published_figures(cases))
         result["published_cases"] = cases
     if "tuner" in parts:
-        result.update(tuner_part(steps))
+        result.update(tuner_part(steps, warmup))
     result["load_average_end"] = os.getloadavg()[0]
     return result

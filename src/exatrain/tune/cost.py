@@ -11,7 +11,12 @@ Memory per rank (bytes), for Ψ parameters held by the rank (after the tensor an
                    block inputs plus one block's internals; a pipeline stage holds 1/p of the
                    layers for min(m, p - s) micro-batches in flight (1F1B, stage s) or m (GPipe)
   under pipe       each stage's rank separately (its own parameters and in-flight
-                   micro-batches: `Prediction.memory_by_stage`); the Plan's figure is the largest
+                   micro-batches: `Prediction.memory_by_stage`); the Plan's figure is the largest;
+                   with shard the stage's state is sharded over shard (ZeRO within a stage), with
+                   space the stage's activations are split over space
+  published runs   `Options.sequence_parallel` (whole blocks split over tensor), `attention=
+                   "materialised"` (softmax and dropout kept, Megatron 2022), `vocab_parallel`
+                   and `fp32_grads` describe runs whose layers differ from exatrain's
   transient        backward's gradients of the largest saved activation and of its input
   comm buffers     one gradient bucket copy (tensor's GradSync), two gathered blocks (ZeRO-3,
                    prefetch); DDP, ZeRO-1 and ZeRO-2 need none beyond the gradients
@@ -22,7 +27,10 @@ Step time (seconds):
                    peak × efficiency for matmul or conv), × 4/3 under full checkpointing
   communication    every collective of the strategies' byte formulas (`bytes_by_axis` below, in
                    the ledger's convention) on the link its axis lands on (`systems.System.link`,
-                   from the mesh order and ranks per node), ring costs (`systems.collective_time`)
+                   from the mesh order and ranks per node), ring costs (`systems.collective_time`);
+                   under pipe, of the stage that communicates longest (its own gradients, its
+                   cuts' activations from `parallel.pipe.split.live_across`, the halos of its
+                   own convolution and pooling layers)
   overlap          the gradient all-reduce (data, ZeRO-1/2 buckets) overlaps backward (2/3 of the
                    compute); ZeRO-3's gathers are prefetched under compute; tensor, halo and
                    pipe messages are on the critical path
@@ -33,9 +41,11 @@ Step time (seconds):
 The byte formulas are the strategies' own (imported, not rewritten): `zero_state_formula`,
 `parallel.tensor.linear1d.{shared_input,column,row}_bytes`, `parallel.spatial.volume`'s halo
 volume, `parallel.pipe`'s stage balance and bubble formula. A Plan's bytes agree with the ledger's
-counts exactly for data, ZeRO 1/2/3, space, 1D tensor and pipe (`tests/test_planner_measured.py`);
-3D tensor is costed with the 1D formulas, and compositions plan.py does not yet allow (tensor ×
-shard, tensor × pipe) are costed but unchecked.
+counts exactly for data, ZeRO 1/2/3, space, 1D tensor and pipe (`tests/test_planner_measured.py`),
+and for 3D tensor and 1D tensor × shard (the dry runs of `tests/test_planner.py`). 3D tensor uses
+`Linear3D.bytes_per_step` itself (`_linear3d_bytes`), summed over the layers as
+`TensorParallel.bytes_per_step` does. Compositions whose bytes no test has checked against a
+ledger (pipe × tensor, pipe × shard, pipe × space) are costed from the same parts.
 """
 
 from __future__ import annotations
@@ -65,6 +75,19 @@ class Options:
     optimizer: str = "adamw"           # adamw | adam | sgd
     bucket_cap_mb: float = 25.0
     compute_dtype: str = ""            # overrides the rate's dtype (e.g. tf32 for fp32 on GPUs)
+    # 1D tensor: sequence parallelism (parallel.sequence_parallel) splits the whole of every
+    # block's activations over tensor, the layer norms' too (Korthikanti et al. 2022, Table 2)
+    sequence_parallel: bool = False
+    # how the runs being predicted differ from exatrain's own layers, for published runs:
+    # "materialised" attention keeps softmax, dropout mask and dropout output (5·a·s² bytes per
+    # sample and layer in fp16, Megatron 2022) where SDPA's fused kernels keep none;
+    # vocab_parallel splits the token embedding over tensor (Megatron) where exatrain's 1D
+    # tensor parallelism keeps it whole
+    attention: str = "fused"           # fused | materialised
+    vocab_parallel: bool = False
+    # Megatron's fp32 gradient buffer (main_grad) beside fp16 parameters: 2 + 4 + 12 bytes per
+    # parameter where the ZeRO paper's mixed-precision count (zero_state_formula) has 2 + 2 + 12
+    fp32_grads: bool = False
 
     def label(self) -> str:
         parts = []
@@ -143,41 +166,87 @@ def samples_per_rank(plan: Plan, options: Options) -> float:
 
 
 # ----------------------------------------------------------------------------------- parameters
-def stage_params(spec: ModelSpec, plan: Plan) -> list[list]:
+def stage_params(spec: ModelSpec, plan: Plan, vocab_parallel: bool = False) -> list[list]:
     """The parameter shapes each pipeline stage's rank holds after the tensor split (one list
     without pipe)."""
     shapes = list(spec.param_shapes)
     t = plan.tensor_degree
-    if t > 1 and spec.tensor_dims:
+    if t > 1 and spec.tensor_dims and plan.tensor_3d:
+        shapes = _split_3d(spec, plan, shapes)
+    elif t > 1 and spec.tensor_dims:
         def split(s, d):
             if d < 0 or s[d] % t:
                 return s
             return tuple(n // t if i == d else n for i, n in enumerate(s))
-        shapes = [split(s, d) for s, d in zip(shapes, spec.tensor_dims)]
+        dims = list(spec.tensor_dims)
+        if vocab_parallel and spec.family == "gpt":
+            dims[0] = 0   # the token embedding, split by vocabulary rows
+        shapes = [split(s, d) for s, d in zip(shapes, dims)]
     if plan.pipe == 1 or not spec.pipe_layers:
         return [shapes]
-    # the stages `parallel.pipe` cuts (balanced by parameters, its own `balanced_starts`); layers
-    # hold consecutive parameters (registration order is execution order here), so a stage is a
-    # slice of the (tensor-split) shapes
-    from ..parallel.pipe.split import balanced_starts
-    layers = spec.pipe_layers
-    costs = [sum(math.prod(s) for s in layer) for layer in layers]
-    bounds = [0, *balanced_starts(costs, plan.pipe), len(layers)]
+    # layers hold consecutive parameters (registration order is execution order here), so a
+    # stage is a slice of the (tensor-split) shapes
+    bounds = stage_bounds(spec, plan)
     first = [0]
-    for layer in layers:
+    for layer in spec.pipe_layers:
         first.append(first[-1] + len(layer))
     return [shapes[first[a]:first[b]] for a, b in zip(bounds, bounds[1:])]
 
 
-def local_params(spec: ModelSpec, plan: Plan) -> tuple[int, list]:
+def stage_bounds(spec: ModelSpec, plan: Plan) -> list[int]:
+    """[0, first layer of stage 1, ..., number of layers]: the stages `parallel.pipe` cuts
+    (balanced by parameters, its own `balanced_starts`)."""
+    if plan.pipe == 1 or not spec.pipe_layers:
+        return [0, len(spec.pipe_layers)]
+    from ..parallel.pipe.split import balanced_starts
+    costs = tuple(sum(math.prod(s) for s in layer) for layer in spec.pipe_layers)
+    key = (costs, plan.pipe)
+    if key not in _BOUNDS_CACHE:   # an exact DP over the layers: once per model and degree
+        _BOUNDS_CACHE[key] = [0, *balanced_starts(list(costs), plan.pipe), len(costs)]
+    return _BOUNDS_CACHE[key]
+
+
+_BOUNDS_CACHE: dict = {}
+
+
+def _split_3d(spec: ModelSpec, plan: Plan, shapes: list) -> list:
+    """The local shapes under the 3D grid (`parallel.tensor.linear3d.Linear3D`): a plain layer
+    (1D's column: q/k/v, fc_in, lm_head) keeps W[out/(X·Z), in/Y] and bias[out/X]; a transposed
+    one (1D's row: out_proj, fc_out) W[out/(Y·Z), in/X] and bias[out/Y]; lm_head only when
+    out divides X·Z and in divides Y (`convert._fits_single`), else whole."""
+    X, Y, Z = plan.tensor
+    dims, bias = spec.tensor_dims, spec.extra.get("bias", False)
+    out, k = [], 0
+    while k < len(shapes):
+        s, d = shapes[k], dims[k]
+        if d == 0 and len(s) == 2 and s[0] % (X * Z) == 0 and s[1] % Y == 0:
+            out.append((s[0] // (X * Z), s[1] // Y))
+            if bias and k + 1 < len(shapes) and dims[k + 1] == 0 and len(shapes[k + 1]) == 1:
+                out.append((shapes[k + 1][0] // X,))
+                k += 1
+        elif d == 1 and len(s) == 2:
+            out.append((s[0] // (Y * Z), s[1] // X))
+            if bias and k + 1 < len(shapes) and len(shapes[k + 1]) == 1:
+                out.append((shapes[k + 1][0] // Y,))   # the transposed layer's bias
+                k += 1
+        else:
+            out.append(s)
+        k += 1
+    return out
+
+
+def local_params(spec: ModelSpec, plan: Plan, vocab_parallel: bool = False) -> tuple[int, list]:
     """(Ψ held by the busiest rank, its parameter shapes) after the tensor and pipe splits."""
-    shapes = max(stage_params(spec, plan), key=lambda ss: sum(math.prod(s) for s in ss))
+    shapes = max(stage_params(spec, plan, vocab_parallel),
+                 key=lambda ss: sum(math.prod(s) for s in ss))
     return sum(math.prod(s) for s in shapes), shapes
 
 
 # ---------------------------------------------------------------------------- byte formulas
-def comms(spec: ModelSpec, plan: Plan, options: Options, psi: int, shapes: list) -> list[Comm]:
-    """Every collective of one training step on the busiest rank, ledger convention."""
+def comms(spec: ModelSpec, plan: Plan, options: Options, psi: int, shapes: list,
+          stage: int = 0) -> list[Comm]:
+    """Every collective of one training step on a rank of pipeline `stage` holding `shapes`
+    (Ψ = `psi`), ledger convention."""
     from ..parallel.tensor.linear1d import column_bytes, row_bytes, shared_input_bytes
 
     out: list[Comm] = []
@@ -202,7 +271,7 @@ def comms(spec: ModelSpec, plan: Plan, options: Options, psi: int, shapes: list)
             add(("data",), "all_reduce", padded / n, buckets, "backward")
             add(("shard",), "all_gather", padded, buckets)
         else:
-            units = len(spec.block_ranges) + 1
+            units = math.ceil(len(spec.block_ranges) / plan.pipe) + 1   # this stage's blocks
             # every unit, the root too, is gathered in forward and again in backward, in the
             # compute dtype (FSDP2's MixedPrecisionPolicy); gradients reduce in fp32
             gather = padded * PRECISION_BYTES[options.precision] / grad
@@ -215,13 +284,23 @@ def comms(spec: ModelSpec, plan: Plan, options: Options, psi: int, shapes: list)
         add(("data",), "all_reduce", psi * grad, buckets, "backward")
 
     if plan.space_degree > 1:
-        halo = _halo_bytes(spec, plan.space) / plan.space_degree * mb
+        # this stage's convolution and pooling layers (all of them without pipe): the halo of
+        # layers [g0, g1) as a difference of prefixes, so the model's first layer alone skips
+        # its input gradient
+        g0, g1, last = _stage_geometry(spec, plan, stage)
+        halo = (_halo_bytes(spec, plan.space, g1) - _halo_bytes(spec, plan.space, g0)) \
+            / plan.space_degree * mb
         # halos move both ways (send and receive are both counted)
-        add(("space",), "send", 2 * halo, 2 * _conv_layers(spec), "")
-        add(("space",), "all_gather", _transition_bytes(spec, plan.space) * mb, 1)
+        add(("space",), "send", 2 * halo, 2 * (g1 - g0), "")
+        at = _transition_index(spec, plan.space)
+        if g0 <= at < g1 or (at == len(_geometry(spec)) and last):
+            add(("space",), "all_gather", _transition_bytes(spec, plan.space) * mb, 1)
 
     t = plan.tensor_degree
-    if t > 1 and spec.family == "gpt":
+    if t > 1 and spec.family == "gpt" and plan.tensor_3d:
+        for axes, op, nbytes, calls, overlap in _tensor3d_comms(spec, plan, options, shapes):
+            add(axes, op, nbytes, calls, overlap)
+    elif t > 1 and spec.family == "gpt":
         s = PRECISION_BYTES[options.precision]
         rows = int(mb * spec.tokens)
         E, V = spec.extra["n_embd"], spec.extra["vocab_size"]
@@ -241,12 +320,129 @@ def comms(spec: ModelSpec, plan: Plan, options: Options, psi: int, shapes: list)
         # middle stage sends activations forward and gradients backward, an end stage one of the
         # two; a rank of a looped schedule holds v stages
         s = PRECISION_BYTES[options.precision]
-        act = spec.boundary_bytes / 4 * s * mb / m
         v = _virtual(options)
         directions = 2 if plan.pipe * v > 2 else 1
-        add(("pipe",), "send", directions * v * act * m, directions * v * m)
+        if v == 1 and spec.pipe_cut_shapes:
+            # what this stage's cuts carry (`live_across`): forward its output, backward the
+            # gradient of its input; a spatial block per space rank while the split lasts
+            bounds = stage_bounds(spec, plan)
+            sent = (_cut_bytes(spec, plan, bounds[stage + 1]) if stage < plan.pipe - 1 else 0.0) \
+                + (_cut_bytes(spec, plan, bounds[stage]) if stage > 0 else 0.0)
+            calls = (stage < plan.pipe - 1) + (stage > 0)
+            add(("pipe",), "send", sent / 4 * s * mb, calls * m)
+        else:
+            act = spec.boundary_bytes / 4 * s * mb / m
+            add(("pipe",), "send", directions * v * act * m, directions * v * m)
     return out
 
+
+
+def _linear3d_bytes(in_f: int, out_f: int, grid: tuple, rows: int, act_s: int,
+                    transpose: bool = False, scatter_input: bool = True,
+                    gather_output: bool = True, shared: bool = False) -> dict[str, int]:
+    """One 3D layer's bytes per forward + backward, by the strategy's own formula:
+    `Linear3D.bytes_per_step` (`parallel.tensor.linear3d`) evaluated on a stand-in holding the
+    attributes it reads (the layer itself needs a live grid). The weight all-gathers and
+    reduce-scatter over z move fp32 master weights (4 bytes), the activations `act_s` bytes."""
+    from types import SimpleNamespace as NS
+
+    from ..parallel.tensor.linear3d import Linear3D
+    X, Y, Z = grid
+    x, y, z = (NS(name=f"tensor_{a}", size=n) for a, n in zip("xyz", (X, Y, Z)))
+    in_axis, out_axis = (x, y) if transpose else (y, x)
+
+    def evaluate(s):
+        stub = NS(weight=NS(element_size=lambda: s), _rows=rows, grid=NS(z=z), in_axis=in_axis,
+                  out_axis=out_axis, local_out=out_f // out_axis.size,
+                  local_in=in_f // in_axis.size, _input_grad=True,
+                  shared_input=object() if shared else None, scatter_input=scatter_input,
+                  in_features=in_f, out_features=out_f, gather_output=gather_output)
+        return Linear3D.bytes_per_step(stub)
+
+    got = {k: v for k, v in evaluate(act_s).items() if k != "tensor_z"}
+    weights = evaluate(4).get("tensor_z", 0)
+    if weights:
+        got["tensor_z"] = weights
+    return got
+
+
+def _tensor3d_comms(spec: ModelSpec, plan: Plan, options: Options, shapes: list) -> list:
+    """A GPT's collectives under the 3D grid (X, Y, Z), per step, as `parallel.tensor.convert`
+    lays it out and `TensorParallel.bytes_per_step` sums them:
+
+      per block   q/k/v plain layers sharing one input scatter over y (`SharedScatter`: backward
+                  all-gather n·E·s), out_proj transposed (no input scatter, output gathered
+                  over y); fc_in plain with its shared scatter, fc_out transposed
+      lm_head     a plain layer on its own (input scattered over y, output gathered over x) when
+                  vocab divides X·Z and n_embd divides Y
+      boundary    the 8-byte dropout seed broadcast on tensor; with Z > 1 the batch is split over
+                  z (zero-padded to a multiple of Z) and the logits all-gathered over z
+      gradients   `GradSync`: split weights mean over data; biases of 3D layers and whole
+                  parameters (embeddings, norms) also sum over tensor_z, one all-reduce over
+                  data+tensor_z; 4 bytes per parameter
+
+    n = rows of this z-shard, ceil(samples / Z) × tokens per forward; a pipe stage (micro-batches
+    m) holds its own blocks and repeats every forward/backward m times."""
+    from ..parallel.tensor.linear1d import shared_input_bytes
+    X, Y, Z = plan.tensor
+    s = PRECISION_BYTES[options.precision]
+    m = _microbatches(plan, options)
+    per_micro = samples_per_rank(plan, options) / m
+    rows = math.ceil(per_micro / Z) * spec.tokens
+    E, V = spec.extra["n_embd"], spec.extra["vocab_size"]
+    H = spec.extra.get("mlp_hidden", 4 * E)
+    grid = (X, Y, Z)
+    per_axis: dict[str, float] = {}
+    calls: dict[str, int] = {}
+
+    def add(parts: dict, n_calls: int = 1, times: int = 1):
+        for k, v in parts.items():
+            if v:
+                per_axis[k] = per_axis.get(k, 0) + v * m * times
+                calls[k] = calls.get(k, 0) + n_calls * m * times
+
+    blocks = math.ceil(spec.blocks / plan.pipe)   # every block alike: one, times the count
+    add(_linear3d_bytes(E, E, grid, rows, s, gather_output=False, shared=True), 3, 3 * blocks)
+    add({"tensor_y": shared_input_bytes(rows, E, s) if Y > 1 else 0}, 1, 2 * blocks)
+    add(_linear3d_bytes(E, E, grid, rows, s, transpose=True, scatter_input=False), 4, blocks)
+    add(_linear3d_bytes(E, H, grid, rows, s, gather_output=False, shared=True), 3, blocks)
+    add(_linear3d_bytes(H, E, grid, rows, s, transpose=True, scatter_input=False), 4, blocks)
+    head = not spec.extra.get("tie_weights") and V % (X * Z) == 0 and E % Y == 0
+    if head and plan.pipe == 1:
+        add(_linear3d_bytes(E, V, grid, rows, s), 5)
+    out = [(("tensor_x",), "all_reduce", per_axis.get("tensor_x", 0), calls.get("tensor_x", 1),
+            ""),
+           (("tensor_y",), "all_reduce", per_axis.get("tensor_y", 0), calls.get("tensor_y", 1),
+            ""),
+           (("tensor_z",), "all_gather", per_axis.get("tensor_z", 0), calls.get("tensor_z", 1),
+            "compute")]
+    out.append((("tensor",), "broadcast", 8 * m, m, ""))
+    if Z > 1 and plan.pipe == 1:
+        # the logits of this z-shard, all-gathered (counted as the gathered size); fp32 logits
+        out.append((("tensor_z",), "all_gather", rows * (V if head else V) * 4 * Z, 1, ""))
+    # gradients: split weights over data; 3D biases and whole parameters over data+tensor_z
+    # (GradSync names the group by its axes of size > 1: "tensor_z" alone when data = 1)
+    whole_axes = tuple(a for a, n in (("data", plan.data), ("tensor_z", Z)) if n > 1)
+    split_n = sum(math.prod(sh) for sh in shapes if len(sh) == 2) - _whole_2d(spec, plan)
+    rest = sum(math.prod(sh) for sh in shapes) - split_n
+    out.append((("data",), "all_reduce", 4 * split_n, 1, "backward"))
+    if whole_axes:
+        out.append((whole_axes, "all_reduce", 4 * rest, 1, "backward"))
+    return out
+
+
+def _whole_2d(spec: ModelSpec, plan: Plan) -> int:
+    """Elements of the 2-D parameters the 3D grid leaves whole on every rank of this stage:
+    the embeddings (first stage), and lm_head when it does not divide."""
+    X, Y, Z = plan.tensor
+    if plan.pipe > 1:
+        return 0   # not resolved per stage here (pipe × 3D tensor: bytes unchecked)
+    E, V = spec.extra["n_embd"], spec.extra["vocab_size"]
+    whole = sum(math.prod(sh) for sh, d in zip(spec.param_shapes, spec.tensor_dims)
+                if len(sh) == 2 and d < 0)
+    if not spec.extra.get("tie_weights") and not (V % (X * Z) == 0 and E % Y == 0):
+        whole += V * E
+    return whole
 
 
 def _microbatches(plan: Plan, options: Options) -> int:
@@ -279,9 +475,46 @@ def _geometry(spec: ModelSpec):
     return _HALO_CACHE[key]
 
 
-def _halo_bytes(spec: ModelSpec, space: tuple) -> float:
+def _halo_bytes(spec: ModelSpec, space: tuple, upto: int | None = None) -> float:
+    """`parallel.spatial.volume`'s halo bytes of the model's first `upto` conv/pool layers."""
     from ..parallel.spatial.volume import halo_bytes_of_layers
-    return float(halo_bytes_of_layers(_geometry(spec), space))
+    return float(halo_bytes_of_layers(_geometry(spec)[:upto], space))
+
+
+def _stage_geometry(spec: ModelSpec, plan: Plan, stage: int) -> tuple[int, int, bool]:
+    """(first, one past last) index into `_geometry` of the conv/pool layers pipeline `stage`
+    holds, and whether it is the last stage."""
+    n = len(_geometry(spec))
+    if plan.pipe == 1 or not spec.pipe_layer_spatial:
+        return 0, n, True
+    bounds = stage_bounds(spec, plan)
+    counts = spec.pipe_layer_spatial
+    return (sum(counts[:bounds[stage]]), sum(counts[:bounds[stage + 1]]),
+            stage == plan.pipe - 1)
+
+
+def _transition_index(spec: ModelSpec, space: tuple) -> int:
+    """Index of the first conv/pool layer whose output no longer divides over the grid (the
+    split region's all-gather comes before it), or len(_geometry) (at the Flatten)."""
+    for k, (_layer, _shape, out_shape) in enumerate(_geometry(spec)):
+        if any(out_shape[2 + i] % space[i] for i in range(3)):
+            return k
+    return len(_geometry(spec))
+
+
+def _cut_bytes(spec: ModelSpec, plan: Plan, layer: int) -> float:
+    """fp32 bytes per sample of the activations a cut before pipe layer `layer` sends (batch-
+    first tensors of 2+ dims; a 5-D one that divides over the space grid is split over it)."""
+    total = 0.0
+    for shape in spec.pipe_cut_shapes[layer]:
+        if len(shape) < 2:
+            continue   # e.g. position ids: no batch dimension
+        n = 4.0 * math.prod(shape[1:])
+        if len(shape) == 5 and plan.space_degree > 1 and \
+                not any(shape[2 + i] % plan.space[i] for i in range(3)):
+            n /= plan.space_degree
+        total += n
+    return total
 
 
 def _transition_bytes(spec: ModelSpec, space: tuple) -> float:
@@ -292,10 +525,6 @@ def _transition_bytes(spec: ModelSpec, space: tuple) -> float:
         if any(out_shape[2 + i] % space[i] for i in range(3)):
             return 4.0 * math.prod(shape[1:])
     return 4.0 * spec.extra.get("flatten_elements", 0)
-
-
-def _conv_layers(spec: ModelSpec) -> int:
-    return len(_geometry(spec)) if spec.spatial_shape else 0
 
 
 # ----------------------------------------------------------------------------------- the model
@@ -309,12 +538,23 @@ def activation_bytes(spec: ModelSpec, plan: Plan, options: Options, stage: int =
         non_block = max(0.0, act - spec.blocks * spec.block_act_bytes)
         act = min(act, non_block + spec.blocks * spec.block_input_bytes + spec.block_act_bytes)
     t = plan.tensor_degree
+    sp = options.sequence_parallel and t > 1 and not plan.tensor_3d
+    if options.attention == "materialised" and spec.family == "gpt" and \
+            options.checkpointing != "selective":   # selective recomputes exactly these
+        # per sample and layer (2s + 1)·a·T² bytes: softmax and dropout output in the compute
+        # dtype, the mask in one byte; heads split over tensor; full checkpointing keeps only
+        # the recomputed block's; in fp32 units like `act` (scaled below)
+        s = PRECISION_BYTES[options.precision]
+        core = (2 * s + 1) * spec.heads * spec.tokens ** 2 / t / (s / 4)
+        act += core * (1 if options.checkpointing == "full" else spec.blocks)
     if t > 1:
-        # the split share applies inside the blocks; embeddings, logits and loss stay whole
-        f = spec.tensor_split_fraction
+        # the split share applies inside the blocks; embeddings, logits and loss stay whole;
+        # under sequence parallelism all of a block's activations split, its input too
+        f = 1.0 if sp else spec.tensor_split_fraction
         in_blocks = min(act, spec.blocks * spec.block_act_bytes)
         if options.checkpointing == "full":
-            in_blocks = spec.block_act_bytes
+            in_blocks = spec.block_act_bytes + (spec.blocks * spec.block_input_bytes if sp
+                                                else 0.0)
         act -= in_blocks * f * (1 - 1 / t)
         if plan.tensor_3d:
             act /= plan.tensor[2]
@@ -340,6 +580,8 @@ def _memory(spec: ModelSpec, plan: Plan, options: Options, shapes: list, stage_i
     state = zero_state_formula(stage, psi_state, plan.shard, mixed)
     if optim_per_param != 8:   # the formula is AdamW's; other optimizers keep less state
         state -= (8 - optim_per_param) * psi_state / (plan.shard if stage else 1)
+    if options.fp32_grads and mixed and stage < 2:   # unsharded gradients, 4 bytes not 2
+        state += 2 * psi_state
     if options.optimizer in ("adamw", "adam"):
         state += 4 * len(shapes)   # Adam's step counter: one fp32 scalar per parameter tensor
     acts = activation_bytes(spec, plan, options, stage_index)
@@ -363,11 +605,24 @@ def _memory(spec: ModelSpec, plan: Plan, options: Options, shapes: list, stage_i
 def predict(spec: ModelSpec, plan: Plan, system: System, options: Options,
             world: int | None = None) -> Prediction:
     """Memory per rank and step time of `plan` (see the module doc)."""
-    psi, shapes = local_params(spec, plan)
-    stages = stage_params(spec, plan)
+    stages = stage_params(spec, plan, options.vocab_parallel)
+    busiest = max(range(len(stages)), key=lambda k: sum(math.prod(s) for s in stages[k]))
+    shapes = stages[busiest]
+    psi = sum(math.prod(s) for s in shapes)
     by_stage = [_memory(spec, plan, options, ss, k) for k, ss in enumerate(stages)]
     memory = max(by_stage, key=lambda mem: mem["total"])
-    comm_list = comms(spec, plan, options, psi, shapes)
+    comm_list = comms(spec, plan, options, psi, shapes, busiest)
+    if plan.pipe > 1:
+        # the stage that communicates longest sets the pace: an end stage sends one way, a
+        # middle one both; candidates: the ends, their neighbours and the largest stage
+        def seconds(cs):
+            return sum(collective_time(c.op, c.nbytes / max(c.calls, 1), c.size,
+                                       system.link(c.span)) * c.calls for c in cs)
+        for k in sorted({0, 1, plan.pipe - 2, plan.pipe - 1} - {busiest}):
+            ss = stages[k]
+            other = comms(spec, plan, options, sum(math.prod(s) for s in ss), ss, k)
+            if seconds(other) > seconds(comm_list):
+                comm_list = other
 
     rate = system.rate(options.compute_dtype or PRECISION_RATE[options.precision],
                        spec.compute_kind)

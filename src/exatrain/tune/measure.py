@@ -15,6 +15,7 @@ Per case, as the Trainer measures them:
 
   step_s            median of the per-step maximum over ranks (a step ends with its slowest rank)
   step_s_min        the fastest of those steps: on a shared machine, the one least disturbed
+  step_times        every timed step's time (the slowest rank's), in order
   state_bytes       `train.memory.state_bytes` at the optimizer step (largest rank)
   step_peak_bytes   the most memory held during the second step: the state held when it begins
                     (parameters, optimizer state, gradient buffers that persist) plus
@@ -128,7 +129,43 @@ def _rank(config, plan_dict: dict, options: Options, steps: int) -> dict:
         mesh.close()
 
 
-def _rank_many(cases: list, steps: int) -> list[dict]:
+def _probe_work(n: int = 384, reps: int = 12) -> float:
+    """Seconds of a fixed single-thread matmul workload (the probe of `cores_available`)."""
+    a = torch.ones(n, n)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        torch.mm(a, a)
+    return time.perf_counter() - t0
+
+
+def _probe_round() -> tuple[float, float]:
+    """(rank 0 alone, this rank with every rank at once): the same work, one thread each."""
+    import torch.distributed as dist
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    dist.barrier()
+    alone = _probe_work() if dist.get_rank() == 0 else 0.0
+    dist.barrier()
+    together = _probe_work()
+    dist.barrier()
+    torch.set_num_threads(threads)
+    return alone, together
+
+
+def cores_available(probes: list) -> dict:
+    """How many cores the ranks of one launch really had, from `_probe_round`s interleaved with
+    the measured steps: world × t(alone) / t(all at once) per round, median over rounds, within
+    [1, world]. On an idle machine with a core per rank it is the world size; when other jobs
+    hold the cores it drops towards 1 (splitting the work over ranks then buys nothing)."""
+    world = len(probes)
+    ratios = [world * probes[0][r][0] / max(p[r][1] for p in probes)
+              for r in range(len(probes[0]))]
+    return {"cores_available": min(world, max(1.0, statistics.median(ratios))),
+            "cores_available_rounds": ratios}
+
+
+def _rank_many(cases: list, steps: int, warmup: int = 2, serial_threads: int = 0,
+               probe: bool = False) -> list[dict]:
     import torch.distributed as dist
 
     from ..mesh import init
@@ -144,17 +181,23 @@ def _rank_many(cases: list, steps: int) -> list[dict]:
             built.append(_Case(mesh, config, options))
     threads = torch.get_num_threads()
     order = list(range(len(built)))
-    for r in range(steps + 2):
+    probes: list = []
+    warmup = max(2, warmup)   # the second step measures memory, untimed
+    for r in range(steps + warmup):
         for k in order[r % len(order):] + order[:r % len(order)]:
             dist.barrier() if dist.is_initialized() else None
             case = built[k]
             if case is None:
                 continue
             if case.serial:
-                torch.set_num_threads(os.cpu_count() or 1)
-            case.step(timed=r >= 2)
+                torch.set_num_threads(serial_threads or os.cpu_count() or 1)
+            case.step(timed=r >= warmup)
             torch.set_num_threads(threads)
+        if probe and r >= warmup and dist.is_initialized():
+            probes.append(_probe_round())
     out = [c.result() if c is not None else None for c in built]
+    if probe:
+        out.append(probes)
     if mesh is not None:
         mesh.close()
     return out
@@ -166,6 +209,7 @@ def _summary(per_rank: list) -> dict:
     per_step = [max(r["times"][i] for r in per_rank) for i in range(n)]
     state = max(per_rank, key=lambda r: r["state"]["total"])["state"]
     return {"step_s": statistics.median(per_step), "step_s_min": min(per_step),
+            "step_times": per_step,
             "state_bytes": state["total"], "state": state,
             "step_peak_bytes": max(r["peak"] for r in per_rank),
             "ledger_bytes": per_rank[0]["ledger"]}
@@ -177,8 +221,15 @@ def measure(config, plan: Plan, options: Options, steps: int = 3) -> dict:
     return _summary(spawn(_rank, plan.world_size, args=(config, plan.to_dict(), options, steps)))
 
 
-def measure_many(cases: list, world: int, steps: int = 3) -> list[dict]:
-    """[(config, Plan, options)] of `world` ranks (or 1), interleaved in one launch."""
+def measure_many(cases: list, world: int, steps: int = 3, warmup: int = 2,
+                 serial_threads: int = 0, probe: dict | None = None) -> list[dict]:
+    """[(config, Plan, options)] of `world` ranks (or 1), interleaved in one launch; `warmup`
+    untimed rounds first (at least 2); serial cases run with `serial_threads` threads (0: every
+    core). With a `probe` dict, every timed round also runs `_probe_round` and the dict gets
+    `cores_available` (see there)."""
     from ..launch import spawn
-    per_rank = spawn(_rank_many, world, args=([(c, p.to_dict(), o) for c, p, o in cases], steps))
+    per_rank = spawn(_rank_many, world, args=([(c, p.to_dict(), o) for c, p, o in cases], steps,
+                                               warmup, serial_threads, probe is not None))
+    if probe is not None:
+        probe.update(cores_available([r[-1] for r in per_rank]))
     return [_summary([r[k] for r in per_rank]) for k in range(len(cases))]

@@ -91,11 +91,13 @@ def shape_problem(spec: ModelSpec, plan: Plan, options: Options) -> tuple[str, s
             return ("not applicable", f"{spec.name}: tensor parallelism splits Linears; its "
                                       "cost is modelled for transformer blocks only")
         if plan.tensor_3d:
-            x, y, _z = plan.tensor
-            bad = [w for w in spec.widths if w % x or w % y]
+            # `convert._fits_pair`: plain layers' outputs over x·z, transposed ones' over y·z
+            x, y, z = plan.tensor
+            bad = [w for w in spec.widths if w % (x * z) or w % (y * z)]
             if bad or spec.heads % x:
                 return ("indivisible", f"widths {spec.widths} / {spec.heads} heads do not split "
-                                       f"over tensor_x={x}, tensor_y={y}")
+                                       f"over tensor_x·tensor_z={x * z}, "
+                                       f"tensor_y·tensor_z={y * z}")
         elif spec.heads % t or any(w % t for w in spec.widths):
             return ("indivisible", f"{spec.heads} heads and widths {spec.widths} do not split "
                                    f"over tensor={t} (whole heads per rank)")

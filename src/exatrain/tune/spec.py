@@ -48,6 +48,31 @@ def trace_saved_bytes(model: nn.Module, inputs, loss_fn, largest: list | None = 
     return sum(saved.values())
 
 
+def pipe_cuts(model: nn.Module, example: torch.Tensor) -> tuple[list, list]:
+    """Per layer `parallel.pipe` may cut before: the shapes of the values a cut there sends
+    (`live_across`, run on the meta device), and the layer's convolution/pooling count."""
+    from torch import fx
+
+    from ..parallel.pipe.split import live_across, trace_layers
+    layers = trace_layers(model, example)
+    shapes: dict = {}
+
+    class Shapes(fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            if isinstance(out, torch.Tensor):
+                shapes[n] = tuple(out.shape)
+            return out
+
+    with torch.no_grad():
+        Shapes(fx.GraphModule(layers.model, layers.graph)).run(example.to("meta"))
+    cuts = [[shapes[n] for n in live_across(layers, pos) if n in shapes]
+            for pos in layers.layer_pos]
+    spatial = [sum(isinstance(m, (nn.Conv3d, nn.MaxPool3d, nn.AvgPool3d))
+                   for m in model.get_submodule(name).modules()) for name in layers.layer_names]
+    return cuts, spatial
+
+
 def pipe_layers(model: nn.Module, example: torch.Tensor) -> list[list[tuple]]:
     """The layers `parallel.pipe` cuts between (its own tracer), each as its parameters' shapes."""
     from ..parallel.pipe.split import trace_layers
@@ -85,6 +110,11 @@ class ModelSpec:
                                                       # between: its parameters' shapes
     largest_act_bytes: float = 0.0       # the largest saved tensor per sample (backward's
                                          # gradient of it and its input are alive at once)
+    # per pipe layer j: the shapes (batch 1) of what a stage starting at layer j receives
+    # (`parallel.pipe.split.live_across`, the strategy's own cut), and how many convolution /
+    # pooling layers layer j holds (the spatial strategy's halo layers, in execution order)
+    pipe_cut_shapes: list = field(default_factory=list)
+    pipe_layer_spatial: list = field(default_factory=list)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -141,8 +171,9 @@ def gpt_spec(cfg, name: str = "") -> ModelSpec:
     per = len(_gpt_block_shapes(cfg))
     one, two = saved(1), saved(2)
     with torch.device("meta"):
-        layers = pipe_layers(GPT(cfg.replace(dropout=0.0)),
-                             torch.zeros(1, cfg.block_size, dtype=torch.long))
+        meta_gpt = GPT(cfg.replace(dropout=0.0))
+        layers = pipe_layers(meta_gpt, torch.zeros(1, cfg.block_size, dtype=torch.long))
+        cuts, spatial = pipe_cuts(meta_gpt, torch.zeros(1, cfg.block_size, dtype=torch.long))
     per_block = two - one
     act = one + (cfg.n_layer - 1) * per_block
     x_bytes = cfg.block_size * cfg.n_embd * 4
@@ -159,7 +190,9 @@ def gpt_spec(cfg, name: str = "") -> ModelSpec:
         block_ranges=[(2 + i * per, 2 + (i + 1) * per) for i in range(cfg.n_layer)],
         heads=cfg.n_head, widths=(cfg.n_embd, cfg.mlp_hidden), tokens=cfg.block_size,
         tensor_split_fraction=split, largest_act_bytes=float(max(biggest)), pipe_layers=layers,
-        extra={"n_embd": cfg.n_embd, "vocab_size": cfg.vocab_size, "n_layer": cfg.n_layer})
+        pipe_cut_shapes=cuts, pipe_layer_spatial=spatial,
+        extra={"n_embd": cfg.n_embd, "vocab_size": cfg.vocab_size, "n_layer": cfg.n_layer,
+               "mlp_hidden": cfg.mlp_hidden, "bias": cfg.bias, "tie_weights": cfg.tie_weights})
 
 
 # ------------------------------------------------------------------------------------ CosmoFlow
@@ -197,9 +230,11 @@ def cosmoflow_spec(size: int, base_channels: int = 32, conv_layers: int = 5,
         features = len(list(model.features.parameters()))
         flat = model.head[1].in_features
     with torch.device("meta"):
-        layers = pipe_layers(CosmoFlow(size=size, in_channels=in_channels,
-                                       base_channels=base_channels, conv_layers=conv_layers),
-                             torch.zeros(1, in_channels, size, size, size))
+        meta_model = CosmoFlow(size=size, in_channels=in_channels, base_channels=base_channels,
+                               conv_layers=conv_layers)
+        example = torch.zeros(1, in_channels, size, size, size)
+        layers = pipe_layers(meta_model, example)
+        cuts, spatial = pipe_cuts(meta_model, example)
     # blocks (checkpointing, `parallel.memory.find_blocks`): `features` and `head`
     return ModelSpec(family="cosmoflow", name=f"CosmoFlow {size}^3", param_shapes=shapes,
                      flops_per_sample=flops, act_bytes_per_sample=float(act),
@@ -208,6 +243,7 @@ def cosmoflow_spec(size: int, base_channels: int = 32, conv_layers: int = 5,
                      blocks=2, block_ranges=[(0, features), (features, len(shapes))],
                      compute_kind="conv", spatial_shape=(size, size, size),
                      largest_act_bytes=float(biggest[0]), pipe_layers=layers,
+                     pipe_cut_shapes=cuts, pipe_layer_spatial=spatial,
                      extra={"size": size, "in_channels": in_channels,
                             "flatten_elements": flat})
 
