@@ -184,3 +184,24 @@ def test_data_model_size_mismatch_is_refused_at_build(tiny_config, cosmo_data):
         assert metrics["val_mae_H0"] == pytest.approx(4.0) and "val_mae_Omega_m" in metrics
     finally:
         mesh.close()
+
+
+def test_training_steps_leave_the_callers_global_rng_stream_alone(tmp_path):
+    """The Trainer seeds the global generator per step (dropout replayable on resume) inside
+    fork_rng: after fit the caller's stream is where fit's model build left it, not a step seed."""
+    script = tmp_path / "rng.py"
+    script.write_text(
+        "import torch, torch.nn.functional as F\n"
+        "from torch import nn\n"
+        "from torch.utils.data import TensorDataset\n"
+        "import exatrain as et\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "data = TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g))\n"
+        "et.fit(lambda: nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 1)), data, data,\n"
+        "       loss=F.mse_loss, train={'steps': 6, 'batch_size': 8, 'eval_every': 0},\n"
+        "       run={'out_dir': 'runs', 'name': 'rng', 'seed': 7})\n"
+        "print('initial_seed', torch.initial_seed())\n")
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "initial_seed 7\n" in done.stdout, done.stdout[-2000:]

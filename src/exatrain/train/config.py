@@ -64,12 +64,13 @@ class PlanOptions:
 
 @dataclass
 class TrainOptions:
-    steps: int = 300            # optimizer steps; 0 = run `epochs` epochs
+    steps: int = 900            # optimizer steps; 0 = run `epochs` epochs (900: the default
+                                # CosmoFlow job, about 2.5 min on 2 idle cores)
     epochs: int = 1
     batch_size: int = 8         # global batch per optimizer step, over all replicas and micro-steps
     grad_accum: int = 1         # micro-steps per optimizer step
     clip_grad_norm: float = 0.0  # 0 = no clipping
-    eval_every: int = 100       # 0 = only at the end
+    eval_every: int = 300       # 0 = only at the end
     log_every: int = 25
     checkpoint_every: int = 0   # 0 = only at the end
     checkpoint_keep: int = 2

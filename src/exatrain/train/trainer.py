@@ -379,7 +379,11 @@ class Trainer:
                 t0 = time.perf_counter()
                 self.observer.step_begin()
                 try:
-                    loss, lr = self._train_step(batches)
+                    # the step seeds the global generators (dropout masks replayable on resume);
+                    # fork_rng gives the caller's streams back after it, so user code never sees
+                    # them reset
+                    with torch.random.fork_rng(devices=_rng_devices(self.mesh.device)):
+                        loss, lr = self._train_step(batches)
                 except torch.OutOfMemoryError as exc:
                     raise torch.OutOfMemoryError(out_of_memory_advice(self, exc)) from exc
                 if self.mesh.device.type == "cuda":
@@ -479,3 +483,10 @@ class Trainer:
         if self.is_main and self.run_dir:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
+
+
+def _rng_devices(device: torch.device) -> list[int]:
+    """The CUDA devices whose generator states `fork_rng` saves: this rank's, or none on CPU."""
+    if device.type != "cuda":
+        return []
+    return [device.index if device.index is not None else torch.cuda.current_device()]

@@ -24,9 +24,10 @@ class ModelOptions:
 
 @dataclass
 class DataOptions:
-    path: str = "data/cosmoflow-32"   # directory with train.h5 and val.h5, or MLPerf per-sample files
+    path: str = "data/cosmoflow-32-2304"  # directory with train.h5 and val.h5, or MLPerf per-sample files
     generate: bool = True             # write a synthetic set there if it is missing
-    samples: int = 576                # samples to generate (train + val)
+    samples: int = 2304               # samples to generate (train + val): 2016 + 288; with 504
+                                      # the 900 steps overfit (val_mae 0.705 x baseline vs 0.63)
     size: int = 32
     seed: int = 1234
     standardize: bool = True          # log1p, then zero mean / unit variance (stats from train)
