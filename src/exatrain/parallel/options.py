@@ -27,3 +27,27 @@ class ParallelOptions:
     pipe_split: list[int] = field(default_factory=list)
     pipe_balance: str = "params"
     graph_balance: bool = True      # 3D GCN: random row/column permutations of the adjacency
+
+
+LOOPED_SCHEDULES = ("interleaved", "zero_bubble")  # several stages per rank
+
+
+def zero_stage_refusal(plan, zero_stage: int, pipe_schedule: str) -> str | None:
+    """Why `parallel.zero_stage` cannot run with `plan` and this schedule (with the fix); None
+    when it can. The strategies refuse with it at build time, the planner ranks with it."""
+    if plan.shard == 1 or zero_stage != 3:
+        return None
+    if plan.space_degree > 1:
+        # layers that run replicated after a spatial gather scale their weight gradients by 1/S
+        # with tensor hooks on the parameters (parallel/spatial/convert.py); FSDP2 computes
+        # gradients on its own unsharded copies, so those hooks would never run
+        return (f"{plan}: parallel.zero_stage=3 (FSDP2) is not implemented with spatial "
+                "parallelism. Set parallel.zero_stage=2 (or 1): gradients and optimizer state are "
+                "then sharded over `shard` and summed over `space`.")
+    if plan.pipe > 1 and pipe_schedule in LOOPED_SCHEDULES:
+        # measured: two FSDP2 stages on one rank (looped schedules) train on NaNs in torch 2.13
+        return (f"{plan}: parallel.pipe_schedule={pipe_schedule!r} puts several stages on each "
+                "rank, which does not work with parallel.zero_stage=3 (FSDP2 stages: NaN losses). "
+                "Use zero_stage=2 (or 1) with this schedule, or pipe_schedule='1f1b' or 'gpipe' "
+                "with zero_stage=3.")
+    return None

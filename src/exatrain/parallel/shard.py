@@ -67,6 +67,7 @@ from torch import nn
 from ..comm import all_gather_into, all_reduce, reduce_scatter_into
 from ..mesh import Mesh
 from .memory import find_blocks
+from .options import zero_stage_refusal
 
 _WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
 
@@ -540,14 +541,9 @@ def parallelize_shard(model: nn.Module, mesh: Mesh, options, partial_axes=()) ->
     """
     stage = options.zero_stage
     _refuse_per_parameter_sums(model, mesh)
-    if stage == 3 and "space" in partial_axes:
-        # layers that run replicated after a spatial gather scale their weight gradients by 1/S
-        # with tensor hooks on the parameters (parallel/spatial/convert.py); FSDP2 computes
-        # gradients on its own unsharded copies, so those hooks would never run
-        raise ValueError(
-            f"{mesh.plan}: parallel.zero_stage=3 (FSDP2) is not implemented with spatial "
-            "parallelism. Set parallel.zero_stage=2 (or 1): gradients and optimizer state are "
-            "then sharded over `shard` and summed over `space`.")
+    refusal = zero_stage_refusal(mesh.plan, stage, getattr(options, "pipe_schedule", "1f1b"))
+    if refusal:
+        raise ValueError(refusal)
     if stage == 3:
         return _fully_shard(model, mesh, options, partial_axes)
     if stage not in (1, 2):

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, replace
 
+from ..parallel.options import zero_stage_refusal
 from ..plan import Plan, PlanError
 from .cost import Options, predict
 from .spec import ModelSpec
@@ -146,6 +147,10 @@ def rank_plans(spec: ModelSpec, world: int, system: System, base: Options,
             considered += 1
             if rule:
                 refused.append(Refusal(plan, options, "plan rule", rule))
+                continue
+            refusal = zero_stage_refusal(plan, options.zero_stage, options.schedule)
+            if refusal:  # what the strategies refuse at build time (parallel/options.py)
+                refused.append(Refusal(plan, options, "plan rule", refusal))
                 continue
             problem = shape_problem(spec, plan, options)
             if problem:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ...comm import broadcast_object
+from ..options import zero_stage_refusal
 from ..precision import Precision
 from .model import PipelineModel, check_microbatches, stage_shapes
 from .schedules import SCHEDULES, bubble_formula, check_schedule_microbatches, stage_indices, virtual_stages
@@ -40,13 +41,9 @@ def pipeline_parallel(model: nn.Module, mesh, options, example: torch.Tensor | N
                          "per-replica batch of inputs x, to trace the model and size the stages.")
     axis = mesh.axis("pipe")
     per_rank = virtual_stages(options.pipe_schedule, options.pipe_virtual_stages)
-    if per_rank > 1 and mesh.plan.shard > 1 and options.zero_stage == 3:
-        # measured: two FSDP2 stages on one rank (looped schedules) train on NaNs in torch 2.13
-        raise ValueError(
-            f"{mesh.plan}: parallel.pipe_schedule={options.pipe_schedule!r} puts several stages on "
-            "each rank, which does not work with parallel.zero_stage=3 (FSDP2 stages: NaN "
-            "losses). Use zero_stage=2 (or 1) with this schedule, or pipe_schedule='1f1b' or "
-            "'gpipe' with zero_stage=3.")
+    refusal = zero_stage_refusal(mesh.plan, options.zero_stage, options.pipe_schedule)
+    if refusal:  # before tracing: the stages' shard step would refuse it anyway
+        raise ValueError(refusal)
     stages = axis.size * per_rank
     microbatches = options.microbatches or 2 * stages
     check_microbatches(example.shape[0], microbatches)
