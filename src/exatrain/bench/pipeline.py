@@ -1,7 +1,7 @@
 """`exatrain bench pipeline`: pipeline schedules against one process, and against their formulas.
 
-The model: an nn.Sequential of equal MLP blocks (width E, hidden 4E), so every stage does the same
-work; a regression loss. For each number of stages p (ranks on `pipe`, one thread each), each
+The model: an nn.Sequential of equal MLP blocks (width E = 512, hidden 4E; 256 rows per
+micro-batch by default), so every stage does the same work; a regression loss. For each number of stages p (ranks on `pipe`, one thread each), each
 schedule (gpipe, 1f1b, interleaved, zero_bubble; the looped ones with 2 stages per rank) and each
 micro-batch count m, with micro-batches of a fixed size (the batch grows with m):
 
@@ -41,7 +41,7 @@ def add_arguments(parser) -> None:
                         help="pipe ranks to run (default 2 4)")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULE_NAMES))
-    parser.add_argument("--micro-rows", type=int, default=32, help="rows per micro-batch")
+    parser.add_argument("--micro-rows", type=int, default=256, help="rows per micro-batch")
     parser.add_argument("--memory-cap-mib", type=float, default=0.0,
                         help="also run the memory case (bench/pipe_memory.py) with this cap per "
                              "rank: 8 ranks, pipe x tensor x shard")
@@ -140,7 +140,10 @@ def _rank_main(p, width, blocks, rows, schedules, microbatches, steps, warmup, s
 def run(args) -> dict:
     from ..launch import spawn
 
-    width = args.size or 256
+    # 30-70 ms of work per schedule action on a CPU core, so that an action's fixed cost (~1 ms
+    # of Python and a gloo send/receive) does not pass for bubble (at width 256 and 32 rows,
+    # 2-6 ms of work, it did: measured bubbles 0.03-0.18 above the formulas)
+    width = args.size or 512
     blocks = 8
     steps, warmup = args.steps or 5, args.warmup
     cores = len(os.sched_getaffinity(0))
