@@ -15,9 +15,8 @@ weight after the steps before it); CosmoFlow also every weight, gathered from th
                       Plan(pipe=2, data=2, tensor=(1, 1, 2))
            CosmoFlow  Plan(pipe=2, space=(1, 1, 2), data=2)
 
-A checkpoint written under Plan(pipe=2, shard=2) resumes serially and under Plan(data=2) with the
-same next losses (relative ≤ 1e-5); under tensor × shard checkpoints are refused (see
-train/checkpoint.py, `unsupported_layout`). The 3D cases pin that the sum over
+A checkpoint written under Plan(pipe=2, tensor=2, shard=2) resumes serially and under
+Plan(data=2) with the same next losses (relative ≤ 1e-5). The 3D cases pin that the sum over
 tensor_z runs once per step on the accumulated gradient, not once per micro-batch.
 """
 
@@ -113,15 +112,15 @@ def test_cosmoflow_pipe_composes_with_space_and_data(tiny_config):
         _check_state(runs, serial, case)
 
 
-def test_checkpoint_from_pipe_shard_resumes_serially_and_under_data(corpus, tmp_path):
-    """Written under Plan(pipe=2, shard=2) at step 2 (ZeRO-2: the optimizer state is Shard(0)
-    chunks of one stage's layers); resumed on one rank and under Plan(data=2): the same losses
-    at steps 3 and 4 (step 4's depends on the restored SGD momentum). Under Plan(pipe=2,
-    tensor=2, shard=2) checkpoints are refused before training, with the fix."""
+def test_checkpoint_from_pipe_tensor_shard_resumes_serially_and_under_data(corpus, tmp_path):
+    """Written under Plan(pipe=2, tensor=2, shard=2) at step 2 (ZeRO-2: the optimizer state is
+    Shard(0) chunks of tensor-parallel pieces of one stage's layers, stored as DTensors on the
+    (shard, tensor) mesh); resumed on one rank and under Plan(data=2): the same losses at steps 3
+    and 4 (step 4's depends on the restored SGD momentum)."""
     common = ("train.steps=4", "train.checkpoint_every=2", "train.checkpoint_keep=3", MB,
               "parallel.zero_stage=2")
-    full = Path(run_ranks(4, run_job, _gpt(corpus, tmp_path, *common, "plan.pipe=2",
-                                           "plan.shard=2"))[0]["run_dir"])
+    full = Path(run_ranks(8, run_job, _gpt(corpus, tmp_path, *common, "plan.pipe=2",
+                                           "plan.tensor=2", "plan.shard=2"))[0]["run_dir"])
     expected = logged_losses(full)
     serial_cut = interrupted_copy(full, tmp_path / "serial", stopped_at=2, later=4)
     run_job(_gpt(corpus, tmp_path, *common), str(serial_cut))
@@ -131,7 +130,3 @@ def test_checkpoint_from_pipe_shard_resumes_serially_and_under_data(corpus, tmp_
         resumed = logged_losses(cut)
         for step in (3, 4):
             assert resumed[step] == pytest.approx(expected[step], rel=1e-5), (cut.name, step)
-    from exatrain.plan import Plan
-    from exatrain.train.checkpoint import unsupported_layout
-    assert "strided shards" in unsupported_layout(Plan(pipe=2, tensor=2, shard=2))
-    assert unsupported_layout(Plan(pipe=2, tensor=2, data=2)) is None

@@ -204,15 +204,6 @@ def full_model_state(path: str | Path) -> dict[str, torch.Tensor]:
     return model
 
 
-def unsupported_layout(plan) -> str | None:
-    """Why checkpoints cannot be written under `plan`; None when they can."""
-    if plan.shard > 1 and plan.tensor_degree > 1:
-        return (f"{plan}: checkpoints of sharded tensor-parallel state are not implemented: each "
-                "ZeRO/FSDP2 chunk is a piece of a tensor-parallel piece, a two-level layout that "
-                "DCP can only store as strided shards, which exatrain does not build yet")
-    return None
-
-
 def load(path: str | Path, model, optimizer, group=None) -> dict:
     """Collective over `group` (None: every rank): load model and optimizer state in place;
     return the trainer state."""

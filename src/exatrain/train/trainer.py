@@ -114,10 +114,6 @@ class Trainer:
         self.stopped_by_signal = False
         self.faults = FaultInjector(mesh.rank, self.run_dir)
         self.checkpoint_writer = checkpoint.Writer(config.train.checkpoint_async)
-        self.checkpoint_refused = checkpoint.unsupported_layout(mesh.plan)
-        if self.checkpoint_refused and config.train.checkpoint_every:
-            raise ValueError(f"{self.checkpoint_refused}. Set train.checkpoint_every=0 (the run "
-                             "trains, without checkpoints), or put the shard ranks on data.")
         if config.train.on_bad_sample == "skip":
             workload.train_set = SkipBadSamples(workload.train_set, self.run_dir, mesh.rank)
         self.step = 0
@@ -280,10 +276,6 @@ class Trainer:
                 "nonfinite_skipped": self.nonfinite_skipped}
 
     def _save(self) -> None:
-        if self.run_dir and self.checkpoint_refused:
-            if self.mesh.rank == 0 and self.step == self.total_steps:
-                print(f"no checkpoint written: {self.checkpoint_refused}.")
-            return
         if self.run_dir:
             self.checkpoint_writer.save(self.run_dir, self.step, self.model, self.optimizer,
                                         self.checkpoint_state(),

@@ -132,10 +132,14 @@ def placements_for(tensor: torch.Tensor, dims: tuple[str, ...]):
     over a later mesh dim (the 3D GCN's weight: input features, then depth), the inner axis gets
     a `_StridedShard` whose split factor is the size of those outer, later axes.
     """
+    return _placements(layout_of(tensor), dims)
+
+
+def _placements(layout: Layout, dims: tuple[str, ...]):
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    layout = [(dim, axis) for dim, axis in layout_of(tensor) if axis.size > 1]
+    layout = [(dim, axis) for dim, axis in layout if axis.size > 1]
     placements = [Replicate() for _ in dims]
     for i, (dim, axis) in enumerate(layout):
         where = dims.index(axis.name)
@@ -154,17 +158,45 @@ def dtensor_state_dict(model: nn.Module, state: dict, mesh) -> dict:
 
     A tensor is wrapped when its key names a split parameter and its shape is that parameter's
     local shape (so optimizer moments are wrapped and scalar step counters are not).
+
+    Under tensor × shard a ZeRO / FSDP2 chunk of a split parameter arrives as a DTensor on the
+    `shard` mesh whose whole is the tensor-parallel piece: it becomes a DTensor on the (shard,
+    tensor) mesh whose layout is the piece's, then dim 0 chunked over shard. DTensor shards left
+    to right over mesh dims, so when both split dim 0 the shard placement is a `_StridedShard`
+    (torchtitan's FSDP2 + TP layout, see `placements_for`).
     """
     from torch.distributed.tensor import DTensor
 
     dims = tensor_dims(mesh)
     sub = mesh.device_mesh[dims] if len(dims) > 1 else mesh.device_mesh[dims[0]]
     split = {name: p for name, p in _state_tensors(model).items() if layout_of(p)}
+    shard = mesh.axis("shard") if mesh.plan.shard > 1 else None
+    with_shard = ("shard", *dims)
+    sharded_sub = mesh.device_mesh[with_shard] if shard is not None else None
+
+    def whole_shape(param):
+        shape = list(param.shape)
+        for dim, axis in layout_of(param):
+            shape[dim] *= axis.size
+        return torch.Size(shape)
 
     def wrap(value, param):
         if isinstance(value, dict):
             return {k: wrap(v, split.get(k, param) if isinstance(k, str) else param)
                     for k, v in value.items()}
+        if isinstance(value, DTensor):
+            if (shard is None or param is None or value.shape != param.shape
+                    or value.device_mesh.mesh_dim_names != ("shard",)):
+                return value
+            if param.shape[0] % shard.size:
+                raise ValueError(f"a checkpoint under {mesh.plan} needs dim 0 of every "
+                                 f"tensor-parallel piece to divide over shard={shard.size}; "
+                                 f"a piece of shape {tuple(param.shape)} does not.")
+            shape = whole_shape(param)
+            layout = layout_of(param) + ((0, shard),)
+            return DTensor.from_local(value.to_local(), sharded_sub, _placements(layout, with_shard),
+                                      run_check=False, shape=shape,
+                                      stride=torch.empty(shape, device="meta").stride())
         if isinstance(value, torch.Tensor) and param is not None and value.shape == param.shape:
             return DTensor.from_local(value, sub, placements_for(param, dims), run_check=False)
         return value
