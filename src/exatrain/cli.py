@@ -238,7 +238,11 @@ def main(argv=None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        code = args.func(args)
+        import torch.distributed as dist
+        if dist.is_initialized():  # a launched rank's group outlives its meshes (Mesh.close)
+            dist.destroy_process_group()
+        return code
     except RankFailed as exc:
         original = getattr(exc, "original", None)
         if getattr(exc, "diagnosis", None):

@@ -39,8 +39,9 @@ class Mesh:
     """The live counterpart of a Plan: process group, DeviceMesh, axes with groups, a ledger."""
 
     def __init__(self, plan: Plan, device: torch.device, backend: str, device_mesh: DeviceMesh,
-                 local_rank: int):
+                 local_rank: int, keep_group: bool = False):
         self.plan = plan
+        self.keep_group = keep_group  # see close()
         self.device = device
         self.backend = backend
         self.device_mesh = device_mesh
@@ -103,7 +104,12 @@ class Mesh:
         dist.barrier()
 
     def close(self) -> None:
-        if dist.is_initialized():
+        """Release the mesh. A launched job's process group (env:// rendezvous on the launcher's
+        MASTER_PORT) stays for the next mesh of the same process, which reuses it: creating it
+        again on the same port hangs both ranks in `init_process_group` (measured, torch 2.13),
+        which is what a second `predict`, `fit` or tuner measurement in one launch met. The
+        process's own single-rank group and the planner's fake group are destroyed."""
+        if dist.is_initialized() and not self.keep_group:
             dist.destroy_process_group()
 
     def trainer_mesh(self) -> "TrainerMesh":
@@ -204,4 +210,4 @@ def init(plan: Plan, backend: str | None = None, timeout_s: float = 600.0) -> Me
                                 device_id=device if backend == "nccl" else None)
     device_mesh = init_device_mesh(device.type, tuple(plan.degrees().values()),
                                    mesh_dim_names=tuple(plan.degrees()))
-    return Mesh(plan, device, backend, device_mesh, local_rank)
+    return Mesh(plan, device, backend, device_mesh, local_rank, keep_group=launch is not None)

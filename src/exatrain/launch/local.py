@@ -93,6 +93,9 @@ def _child(fn, args, rank: int, nproc: int, port: int, threads: int, result_dir:
     os.replace(path.with_suffix(".tmp"), path)
     if outcome[0] == "error":
         os._exit(1)
+    import torch.distributed as dist
+    if dist.is_initialized():  # meshes keep a launched job's group (Mesh.close); the rank ends here
+        dist.destroy_process_group()
 
 
 def spawn(fn, nproc: int, args: tuple = (), timeout_s: float | None = None,
