@@ -22,15 +22,12 @@ tensor_z runs once per step on the accumulated gradient, not once per micro-batc
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from exatrain.parallel import unwrap
-from exatrain.train.run import run_job
-from harness import interrupted_copy, logged_losses, max_rel_err_state, rel_err, run_ranks
-from test_pipe import _gpt
+from harness import max_rel_err_state, rel_err, run_ranks
+from test_pipe import _gpt, resumes_alike
 
 MB = "parallel.microbatches=2"
 ZERO_BUBBLE = ("parallel.pipe_schedule='zero_bubble'", "parallel.pipe_virtual_stages=2")
@@ -117,16 +114,6 @@ def test_checkpoint_from_pipe_tensor_shard_resumes_serially_and_under_data(corpu
     Shard(0) chunks of tensor-parallel pieces of one stage's layers, stored as DTensors on the
     (shard, tensor) mesh); resumed on one rank and under Plan(data=2): the same losses at steps 3
     and 4 (step 4's depends on the restored SGD momentum)."""
-    common = ("train.steps=4", "train.checkpoint_every=2", "train.checkpoint_keep=3", MB,
-              "parallel.zero_stage=2")
-    full = Path(run_ranks(8, run_job, _gpt(corpus, tmp_path, *common, "plan.pipe=2",
-                                           "plan.tensor=2", "plan.shard=2"))[0]["run_dir"])
-    expected = logged_losses(full)
-    serial_cut = interrupted_copy(full, tmp_path / "serial", stopped_at=2, later=4)
-    run_job(_gpt(corpus, tmp_path, *common), str(serial_cut))
-    data_cut = interrupted_copy(full, tmp_path / "data", stopped_at=2, later=4)
-    run_ranks(2, run_job, _gpt(corpus, tmp_path, *common, "plan.data=2"), str(data_cut))
-    for cut in (serial_cut, data_cut):
-        resumed = logged_losses(cut)
-        for step in (3, 4):
-            assert resumed[step] == pytest.approx(expected[step], rel=1e-5), (cut.name, step)
+    resumes_alike(corpus, tmp_path, (MB, "parallel.zero_stage=2"),
+                  (8, ("plan.pipe=2", "plan.tensor=2", "plan.shard=2")),
+                  {"serial": (1, ()), "data": (2, ("plan.data=2",))})

@@ -135,21 +135,30 @@ def test_sequential_cnn_every_schedule_equals_serial():
             assert rel_err(state[key], value) <= 1e-5, (schedule, key)
 
 
-def test_checkpoint_moves_between_stage_counts(corpus, tmp_path):
-    """Written with 2 stages at step 2; resumed serially and with 4 stages: the same losses at
+def resumes_alike(corpus, tmp_path, common, written: tuple, resumed: dict) -> None:
+    """A run of 4 steps checkpointed at 2, written on `written` = (ranks, overrides), then cut back
+    to step 2 and resumed under each of `resumed` {name: (ranks, overrides)}: the same losses at
     steps 3 and 4 (step 4's depends on the SGD momentum restored from the checkpoint)."""
-    common = ("train.steps=4", "train.checkpoint_every=2", "train.checkpoint_keep=3",
-              "parallel.microbatches=4")
-    full = Path(run_ranks(2, run_job, _gpt(corpus, tmp_path, *common, "plan.pipe=2"))[0]["run_dir"])
+    common = ("train.steps=4", "train.checkpoint_every=2", "train.checkpoint_keep=3", *common)
+    ranks, overrides = written
+    full = Path(run_ranks(ranks, run_job, _gpt(corpus, tmp_path, *common, *overrides))[0]["run_dir"])
     expected = logged_losses(full)
-    serial_cut = interrupted_copy(full, tmp_path / "serial", stopped_at=2, later=4)
-    run_job(_gpt(corpus, tmp_path, *common), str(serial_cut))
-    four_cut = interrupted_copy(full, tmp_path / "four", stopped_at=2, later=4)
-    run_ranks(4, run_job, _gpt(corpus, tmp_path, *common, "plan.pipe=4"), str(four_cut))
-    for cut in (serial_cut, four_cut):
-        resumed = logged_losses(cut)
+    for name, (ranks, overrides) in resumed.items():
+        cut = interrupted_copy(full, tmp_path / name, stopped_at=2, later=4)
+        config = _gpt(corpus, tmp_path, *common, *overrides)
+        if ranks == 1:
+            run_job(config, str(cut))
+        else:
+            run_ranks(ranks, run_job, config, str(cut))
+        resumed_losses = logged_losses(cut)
         for step in (3, 4):
-            assert resumed[step] == pytest.approx(expected[step], rel=1e-5), step
+            assert resumed_losses[step] == pytest.approx(expected[step], rel=1e-5), (name, step)
+
+
+def test_checkpoint_moves_between_stage_counts(corpus, tmp_path):
+    """Written with 2 stages at step 2; resumed serially and with 4 stages."""
+    resumes_alike(corpus, tmp_path, ("parallel.microbatches=4",), (2, ("plan.pipe=2",)),
+                  {"serial": (1, ()), "four": (4, ("plan.pipe=4",))})
 
 
 def test_errors_name_the_value_and_the_fix():

@@ -18,7 +18,7 @@ Ownership, the same for every stage: each parameter is split along dim 0 into N 
 ceil(rows/N) rows (torch.chunk's rule, which is FSDP2's and DTensor `Shard(0)`'s); shard rank r
 owns chunk r of every parameter and steps only its optimizer state. A checkpoint therefore
 stores every stage's optimizer state the same way, as `Shard(0)` DTensors keyed by parameter
-name (see `ZeroDataParallel.optimizer_state_dict`), and resumes under any stage or Plan.
+name (see `zero_optimizer_state_dict`), and resumes under any stage or Plan.
 
 Communication per optimizer step, per rank (ledger payload conventions, `comm.ledger`;
 Ψ_N = Ψ padded to whole chunks):
@@ -376,14 +376,6 @@ class ZeroDataParallel(nn.Module):
         from torch.distributed.tensor import DTensor, Shard
         return DTensor.from_local(local, self.shard_mesh, [Shard(0)], run_check=False,
                                   shape=e.param.shape, stride=e.param.stride())
-
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        """See `zero_optimizer_state_dict`."""
-        return zero_optimizer_state_dict([self], optimizer)
-
-    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, loaded: dict) -> None:
-        """See `zero_load_optimizer_state_dict`."""
-        zero_load_optimizer_state_dict([self], optimizer, loaded)
 
 
 def zero_optimizer_state_dict(units: list[ZeroDataParallel], optimizer) -> dict:

@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from ...comm import broadcast_object
-from ..options import zero_stage_refusal
 from ..precision import Precision
 from .model import PipelineModel, check_microbatches, stage_shapes
 from .schedules import SCHEDULES, bubble_formula, check_schedule_microbatches, stage_indices, virtual_stages
@@ -41,9 +40,6 @@ def pipeline_parallel(model: nn.Module, mesh, options, example: torch.Tensor | N
                          "per-replica batch of inputs x, to trace the model and size the stages.")
     axis = mesh.axis("pipe")
     per_rank = virtual_stages(options.pipe_schedule, options.pipe_virtual_stages)
-    refusal = zero_stage_refusal(mesh.plan, options.zero_stage, options.pipe_schedule)
-    if refusal:  # before tracing: the stages' shard step would refuse it anyway
-        raise ValueError(refusal)
     stages = axis.size * per_rank
     microbatches = options.microbatches or 2 * stages
     check_microbatches(example.shape[0], microbatches)
@@ -61,7 +57,7 @@ def pipeline_parallel(model: nn.Module, mesh, options, example: torch.Tensor | N
             modules, starts = split_model(model, stages, micro, starts=agreed)
     autocast = Precision(options.precision, mesh.device).autocast
     shapes = stage_shapes(modules, micro, autocast)
-    regions = [(False, False)] * len(modules)
+    regions = [(True, True)] * len(modules)  # (input split?, output split?): all, without space
     if spatial:
         regions = stage_regions(modules)
         block = lambda metas, split: tuple(
