@@ -55,7 +55,9 @@ def human_value(key: str, value) -> str:
         return f"{value:.4g} samples/s"
     if key.endswith("tokens_per_s"):
         return human_rate(value, "tokens/s")
-    if key.endswith("_s") or key.endswith("_s_median"):
+    # validation metrics are named after their targets (CosmoFlow's n_s), not units
+    metric = key.startswith(("val_", "baseline_"))
+    if (key.endswith("_s") or key.endswith("_s_median")) and not metric:
         return human_seconds(value)
     if key == "mfu" or "_fraction" in key:
         return f"{100 * value:.1f} %"
