@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from exatrain.models import CosmoFlow
 from exatrain.parallel import unwrap
 from exatrain.train.run import setup
 from harness import max_rel_err_state, rel_err, run_ranks
@@ -16,11 +17,16 @@ def train_and_report(config) -> dict:
         losses = [l for h in trainer.history if "step_losses" in h for l in h["step_losses"]]
         state = {k: v.detach().cpu().clone() for k, v in unwrap(trainer.model).state_dict().items()}
         grad_bytes = mesh.ledger.bytes_by_axis(tag="grad").get("data", 0)
+        bn_bytes = mesh.ledger.bytes_by_axis(tag="batchnorm").get("data", 0)
         n_param_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
         return {"losses": losses, "state": state, "summary": summary, "grad_bytes": grad_bytes,
-                "param_bytes": n_param_bytes, "rank": mesh.rank}
+                "param_bytes": n_param_bytes, "rank": mesh.rank, "bn_bytes": bn_bytes}
     finally:
         mesh.close()
+
+
+# the CosmoFlow of conftest.TINY
+TINY_MODEL = dict(size=16, conv_layers=4, base_channels=4, batchnorm=True)
 
 
 def test_data_parallel_equals_serial(tiny_config):
@@ -31,20 +37,34 @@ def test_data_parallel_equals_serial(tiny_config):
     lr·1e-9/eps when the sum is reordered; measured 2e-5 on 4 ranks with accumulation.
     """
     sgd = ("train.steps=3", "optim.name='sgd'", "optim.lr=0.05")
+    # the CosmoFlow here has BatchNorm (statistics over both replicas: the serial batch's);
+    # with accumulation BatchNorm sees a micro-batch, serially too, so those cases go without it
+    no_bn = ("model.batchnorm=false",)
     serial = train_and_report(tiny_config(*sgd))
+    serial_no_bn = train_and_report(tiny_config(*sgd, *no_bn))
     dp2 = run_ranks(2, train_and_report, tiny_config(*sgd))
-    dp4_accum = run_ranks(4, train_and_report, tiny_config(*sgd, "train.grad_accum=2"))
-    for run in (dp2, dp4_accum):
+    dp4_accum = run_ranks(4, train_and_report, tiny_config(*sgd, *no_bn, "train.grad_accum=2"))
+    for run, reference in ((dp2, serial), (dp4_accum, serial_no_bn)):
         for rank_result in run:
             assert len(rank_result["losses"]) == 3
-            assert rel_err(torch.tensor(rank_result["losses"]), torch.tensor(serial["losses"])) <= 1e-5
-            assert max_rel_err_state(rank_result["state"], serial["state"]) <= 1e-5
-    adam_serial = train_and_report(tiny_config("train.steps=3"))
-    adam_dp = run_ranks(4, train_and_report, tiny_config("train.steps=3", "train.grad_accum=2"))[0]
+            assert rel_err(torch.tensor(rank_result["losses"]), torch.tensor(reference["losses"])) <= 1e-5
+            assert max_rel_err_state(rank_result["state"], reference["state"]) <= 1e-5
+    adam_serial = train_and_report(tiny_config("train.steps=3", *no_bn))
+    adam_dp = run_ranks(4, train_and_report, tiny_config("train.steps=3", *no_bn,
+                                                         "train.grad_accum=2"))[0]
     assert rel_err(torch.tensor(adam_dp["losses"]), torch.tensor(adam_serial["losses"])) <= 1e-5
     assert max_rel_err_state(adam_dp["state"], adam_serial["state"]) <= 1e-4
     # the ledger counted exactly the gradient bytes per step on the data axis
     assert dp2[0]["grad_bytes"] == 3 * dp2[0]["param_bytes"]
+    # and BatchNorm's statistics travel on it: per layer and step, an all-gather of (count,
+    # mean, M2) in float64 from each of the 2 ranks, and an all-reduce of 2C sums in float32
+    channels = [m.num_features for m in CosmoFlow(**TINY_MODEL).modules()
+                if isinstance(m, torch.nn.BatchNorm3d)]
+    assert dp2[0]["bn_bytes"] == 3 * sum(2 * (2 * c + 1) * 8 + 2 * c * 4 for c in channels)
+    # per-replica statistics ("replica", DDP's behaviour) send nothing and train another model
+    replica = run_ranks(2, train_and_report, tiny_config(*sgd, "parallel.batchnorm='replica'"))[0]
+    assert replica["bn_bytes"] == 0
+    assert rel_err(torch.tensor(replica["losses"]), torch.tensor(serial["losses"])) > 1e-3
     assert serial["grad_bytes"] == 0
     assert dp2[0]["summary"]["world_size"] == 2 and serial["summary"]["world_size"] == 1
 

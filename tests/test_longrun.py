@@ -36,7 +36,8 @@ def test_bench_faults_kills_restart_bit_identical_and_a_hang_is_named(tmp_path, 
     assert r["lost_steps"] >= 0 and r["checkpoint_bytes"] > 0
     assert r["hang_detect_s"] <= r["timeout_s"] + 30
     assert r["flight_records"] == "rank0.json,rank1.json"
-    assert "all_reduce on mesh axis 'data'" in r["hang_diagnosis"]
+    # the first collective of step 3 on the data axis: BatchNorm's statistics in the forward
+    assert "all_gather on mesh axis 'data' (tag batchnorm" in r["hang_diagnosis"]
     assert "rank(s) [1] did not arrive" in r["hang_diagnosis"]
 
 

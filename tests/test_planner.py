@@ -117,7 +117,8 @@ from exatrain.plan import Plan
 from exatrain.train.config import load_config
 from exatrain.tune.dryrun import dry_run
 gpt, small = (load_config(None, o) for o in json.loads(sys.argv[2]))
-cosmo = load_config(None, ["run.workload=cosmoflow", "model.size=128", "train.batch_size=64"])
+cosmo = load_config(None, ["run.workload=cosmoflow", "model.size=128", "train.batch_size=64",
+                            "model.base_channels=32", "model.batchnorm=false"])  # MLPerf's
 if sys.argv[1] == "scale":
     out = [dry_run(gpt, Plan(data=32, shard=4, tensor=8), 1023),
            dry_run(cosmo, Plan(data=64, space=(2, 4, 4)), 2047)]

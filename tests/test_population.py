@@ -159,7 +159,10 @@ def test_the_winner_is_bit_identical_on_both_trainers_under_every_plan(tiny_conf
         "tensor": tiny_config(*common, "plan.tensor=2"),
         "pipe": tiny_config(*common, "plan.pipe=2"),
     }
-    results = run_ranks(4, _exchange_cases, configs)
+    # fresh ranks: several meshes in one launch, after other tests' groups in the pooled ranks,
+    # met "Could not resolve the process group registered under the name 11" in a DTensor
+    # grad-norm all-reduce (seen once in the full suite, not alone); as test_shard_hybrid
+    results = run_ranks(4, _exchange_cases, configs, fresh=True)
     for name in configs:
         by_rank = [r[name] for r in results]
         assert [r["trainer"] for r in by_rank] == [0, 0, 1, 1], name
@@ -210,7 +213,7 @@ def test_a_population_lifts_its_broken_trainers_and_selection_strategies(tiny_co
     assert [t["trainer"] for t in population["trainers"]] == [0, 1, 2, 3]
     assert (Path(run_dir) / "population_curves.png").stat().st_size > 10_000
     best = torch.load(Path(run_dir) / "best_model.pt")
-    plain = CosmoFlow(size=16, conv_layers=4, base_channels=4).state_dict()
+    plain = CosmoFlow(size=16, conv_layers=4, base_channels=4, batchnorm=True).state_dict()
     assert {k: v.shape for k, v in best.items()} == {k: v.shape for k, v in plain.items()}
 
     t = run_ranks(4, run_population, truncation)[0]
@@ -242,7 +245,9 @@ def test_regularized_evolution_and_throughput_mode(tiny_config):
     throughput = run_ranks(4, run_population, tiny_config(
         "plan.trainer=4", "train.eval_every=2", "train.log_every=2", "population.strategy=none",
         "population.target=0.41", "train.steps=20",
-        "population.lr=[0.003, 0.001, 0.003, 0.0003]"))[0]
+        # the target is set where every lr reaches it within 20 steps without BatchNorm (with
+        # it, the slowest, lr 0.0003, stays above 0.41)
+        "population.lr=[0.003, 0.001, 0.003, 0.0003]", "model.batchnorm=false"))[0]
     assert throughput["transfers"] == 0 and throughput["exchange_bytes"] == 0
     assert throughput["models_reached_target"] == 4 and throughput["models_per_hour"] > 0
     for k in range(4):  # each stopped at its first evaluation at or below the target

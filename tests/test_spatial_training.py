@@ -106,10 +106,11 @@ def test_cosmoflow_space_times_data_equals_serial(tiny_config, tmp_path):
         assert a["bytes_read"] == (16 + 4 * 4) * (cube // 2 + 16) + 42 * 16
         assert serial["bytes_read"] == (16 + 4 * 8) * (cube + 16) + 42 * 16
     # the deepest pooling (2³ -> 1³) cannot split in two: it and the dense head run replicated
+    # (blocks of Conv3d, BatchNorm3d, LeakyReLU, MaxPool3d: the 4th block's conv is features.12)
     modes = ranks[0]["modes"]
-    assert modes["features.0"] is False and modes["features.9"] is False
-    assert modes["features.11"] is True and modes["head.1"] is True
-    pool = next(l for l in ranks[0]["describe"].splitlines() if l.startswith("features.11"))
+    assert modes["features.0"] is False and modes["features.12"] is False
+    assert modes["features.15"] is True and modes["head.1"] is True
+    pool = next(l for l in ranks[0]["describe"].splitlines() if l.startswith("features.15"))
     assert "MaxPool3d" in pool and "gather" in pool
     assert "output length 1 does not divide into 2 equal blocks" in ranks[0]["describe"]
     # a spatial checkpoint resumes serially: steps 3..4 match the spatial run

@@ -8,7 +8,8 @@ import argparse
 def _cosmoflow(sub):
     p = sub.add_parser("cosmoflow", help="log-normal 3D density fields whose power spectrum depends "
                                          "on four cosmological parameters (the targets)")
-    p.add_argument("--samples", type=int, default=576)
+    # the defaults write the default job's data set (workloads/cosmoflow.py, DataOptions)
+    p.add_argument("--samples", type=int, default=4608, help="train + validation (1/8)")
     p.add_argument("--size", type=int, default=32, help="cube edge (MLPerf uses 128)")
     p.add_argument("--seed", type=int, default=1234)
 

@@ -7,17 +7,29 @@ At 128³×4 input the flattened features are 512 × 4³ and the model has 8,907,
 Weights are initialised as the MLPerf reference (Keras) does: Glorot-uniform kernels, zero biases.
 That matters here: with PyTorch's default init the signal shrinks through the seven layers and
 training sits on a plateau for ~100 extra steps (measured on the synthetic set at 32³).
+
+Options beyond the reference:
+* ``batchnorm=True``: Conv3d (no bias) -> BatchNorm3d -> LeakyReLU in each block. What made the
+  default job learn the spectral slope (n_s, and H0 through the spectrum's shape): measured on
+  the synthetic 32³ set, base_channels 16, 3,000 steps on 4,032 samples, val MAE 0.46-0.57 × the
+  predict-the-mean baseline with it against 0.59 × without, which never learned n_s or H0 (the
+  README's "The default job's figures" has the table).
+* ``channels_last=True``: the input is made channels-last (NDHWC in memory) before the first conv,
+  so oneDNN (CPU) and cuDNN run channels-last kernels: 1.5x faster per step on CPU at 32³ (26.7
+  against 40.6 ms, batch 4, one thread). The parameters keep their usual layout.
 Plain PyTorch: it knows nothing of parallelism.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
 class CosmoFlow(nn.Module):
     def __init__(self, size: int = 128, in_channels: int = 4, base_channels: int = 32,
-                 conv_layers: int = 5, dropout: float = 0.0, out_features: int = 4):
+                 conv_layers: int = 5, dropout: float = 0.0, out_features: int = 4,
+                 batchnorm: bool = False, channels_last: bool = False):
         super().__init__()
         if size % 2 ** conv_layers:
             raise ValueError(f"CosmoFlow size={size} must be divisible by 2^{conv_layers} = "
@@ -27,8 +39,12 @@ class CosmoFlow(nn.Module):
         channels = in_channels
         for i in range(conv_layers):
             out = base_channels * 2 ** i
-            layers += [nn.Conv3d(channels, out, kernel_size=3, padding=1),
-                       nn.LeakyReLU(0.01), nn.MaxPool3d(2)]
+            if batchnorm:  # the norm's shift makes the conv's bias redundant
+                layers += [nn.Conv3d(channels, out, kernel_size=3, padding=1, bias=False),
+                           nn.BatchNorm3d(out)]
+            else:
+                layers += [nn.Conv3d(channels, out, kernel_size=3, padding=1)]
+            layers += [nn.LeakyReLU(0.01), nn.MaxPool3d(2)]
             channels = out
         self.features = nn.Sequential(*layers)
         flat = channels * (size // 2 ** conv_layers) ** 3
@@ -39,10 +55,14 @@ class CosmoFlow(nn.Module):
             nn.Linear(64, out_features), nn.Tanh(),
         )
         self.output_scale = 1.2
+        self.channels_last = channels_last
         for module in self.modules():
             if isinstance(module, (nn.Conv3d, nn.Linear)):
                 nn.init.xavier_uniform_(module.weight)
-                nn.init.zeros_(module.bias)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
 
     def forward(self, x):
+        if self.channels_last and x.dim() == 5:
+            x = x.contiguous(memory_format=torch.channels_last_3d)
         return self.head(self.features(x)) * self.output_scale

@@ -1,13 +1,17 @@
 """parallelize(): lay a plain module out over the mesh as one ordered list of steps per stage.
 
-    split into stages -> tensor -> space -> activation checkpointing -> compile -> shard -> data
+    split into stages -> tensor -> space -> BatchNorm -> activation checkpointing -> compile
+                      -> shard -> data
 
 (torchtitan's order, for the same reasons.) Under pipe > 1, `pipe.pipeline_parallel` cuts the
 model's depth into stages and hands each of this rank's stages to `parallelize_stage`, which runs
 the remaining steps in order, with no early return: each step is a no-op where its axis has size
 1 and works on what the previous one produced. Layer-splitting strategies come first because they
 replace modules; memory and compile wrappers act on the replaced modules; sharding and data
-replication come last, since they only need the final parameters.
+replication come last, since they only need the final parameters. BatchNorm layers take their
+statistics over the replica axes (and `space`) unless `parallel.batchnorm = "replica"`
+(parallel/batchnorm.py); under `pipe` and `train.grad_accum` they are per micro-batch, as serial
+training with that micro-batch would be.
 
 Gradient synchronisation is decided once for the combination (`gradient_reduction`), then each
 step does its part of it:
@@ -76,7 +80,15 @@ def tensor_step(model, mesh, options, layout):
 def space_step(model, mesh, options, layout):
     if mesh.plan.space_degree == 1:
         return model
-    return _strategy("spatial").parallelize_spatial(model, mesh, split_input=layout.split_input)
+    return _strategy("spatial").parallelize_spatial(model, mesh, split_input=layout.split_input,
+                                                    batchnorm=options.batchnorm)
+
+
+def batchnorm_step(model, mesh, options, layout):
+    """Under `space` the spatial layers already hold the BatchNorm statistics' axes."""
+    if mesh.plan.space_degree > 1 or options.batchnorm != "global":
+        return model
+    return _strategy("batchnorm").globalise_batchnorm(model, mesh.axis(*layout.reduction.replica_axes))
 
 
 def checkpoint_and_compile_step(model, mesh, options, layout):
@@ -100,11 +112,15 @@ def data_step(model, mesh, options, layout):
         return replicate_for_pipeline(model, mesh, ("data",), reduction.partial_axes,
                                       options.bucket_cap_mb)
     axis = mesh.axis("data", *reduction.partial_axes)
+    # buffers that every replica keeps equal need no broadcast before each forward: BatchNorm's
+    # running statistics under space, or with global statistics (parallel/batchnorm.py)
+    equal_buffers = bool(reduction.partial_axes) or options.batchnorm == "global"
     return data_parallel(model, axis, replicas=mesh.plan.data, bucket_cap_mb=options.bucket_cap_mb,
-                         device=mesh.device, broadcast_buffers=not reduction.partial_axes)
+                         device=mesh.device, broadcast_buffers=not equal_buffers)
 
 
-STEPS = (tensor_step, space_step, checkpoint_and_compile_step, shard_step, data_step)
+STEPS = (tensor_step, space_step, batchnorm_step, checkpoint_and_compile_step, shard_step,
+         data_step)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ Activation checkpointing (`parallel.activation_checkpointing`):
 
 Both use PyTorch's non-reentrant checkpoint and preserve the RNG state, so dropout draws the same
 masks when a block is recomputed: in fp32 a checkpointed model trains bit-identically to an
-unchecked one. Blocks are wrapped with PyTorch's `checkpoint_wrapper`, whose
+unchecked one, and BatchNorm running statistics are updated once per forward, not again when
+recomputed (`KeepRunningStats`). Blocks are wrapped with PyTorch's `checkpoint_wrapper`, whose
 `_checkpoint_wrapped_module` level is left out of state-dict keys (by the wrapper's own
 state-dict hooks and by `torch.distributed.checkpoint`), so checkpoints stay loadable with
 checkpointing on or off.
@@ -36,6 +37,8 @@ the compiler and run eagerly (ZeRO-3 with compiled blocks matched serial trainin
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
@@ -81,21 +84,71 @@ def _selective_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _selective_context():
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-    return create_selective_checkpoint_contexts(_selective_policy)
+class KeepRunningStats:
+    """While a block is recomputed in backward, its BatchNorm running statistics stay as the
+    forward left them: the recomputation would otherwise count every batch twice (torch's
+    checkpoint does nothing about it), and evaluation would differ from an unchecked model's.
+    Covers every module with BatchNorm's buffers (torch's, GlobalBatchNorm, SpatialBatchNorm)."""
+
+    def __init__(self, norms: list[nn.Module]):
+        self.norms = norms
+        self.saved: list[tuple[torch.Tensor, ...]] = []
+
+    def __enter__(self):
+        self.saved = [tuple(getattr(m, n).clone() for n in _RUNNING) for m in self.norms]
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for m, values in zip(self.norms, self.saved):
+                for name, value in zip(_RUNNING, values):
+                    getattr(m, name).copy_(value)
+        self.saved = []
 
 
-def checkpoint_block(block: nn.Module, mode: str) -> nn.Module:
-    """`block` wrapped so its activations are recomputed in backward (`mode`: full | selective)."""
+_RUNNING = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def _running_stat_modules(block: nn.Module) -> list[nn.Module]:
+    return [m for m in block.modules()
+            if all(isinstance(getattr(m, n, None), torch.Tensor) for n in _RUNNING)]
+
+
+def _contexts(block: nn.Module, selective: bool, keep_stats: bool):
+    """`context_fn` for torch's checkpoint: (forward context, recomputation context)."""
+    norms = _running_stat_modules(block)
+
+    def make():
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+        forward, recompute = (create_selective_checkpoint_contexts(_selective_policy) if selective
+                              else (contextlib.nullcontext(), contextlib.nullcontext()))
+        if not keep_stats:
+            return forward, recompute
+        return forward, _both(recompute, KeepRunningStats(norms))
+    return make
+
+
+@contextlib.contextmanager
+def _both(first, second):
+    with first, second:
+        yield
+
+
+def checkpoint_block(block: nn.Module, mode: str, keep_running_stats: bool = True) -> nn.Module:
+    """`block` wrapped so its activations are recomputed in backward (`mode`: full | selective).
+
+    `keep_running_stats=False` where the block is compiled too: under torch.compile the
+    checkpoint's contexts must be TorchDispatchModes, which `KeepRunningStats` is not, so there
+    BatchNorm's running statistics are updated again by the recomputation (torch's behaviour)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl, checkpoint_wrapper)
-    kwargs = {"preserve_rng_state": True}
-    if mode == "selective":
-        kwargs["context_fn"] = _selective_context
-    elif mode != "full":
+    if mode not in ("full", "selective"):
         raise ValueError(f"parallel.activation_checkpointing={mode!r}: use none, full or selective.")
-    return checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
+    kwargs = {}
+    keep = keep_running_stats and bool(_running_stat_modules(block))
+    if mode == "selective" or keep:
+        kwargs["context_fn"] = _contexts(block, selective=mode == "selective", keep_stats=keep)
+    return checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                              preserve_rng_state=True, **kwargs)
 
 
 def apply_checkpointing_and_compile(model: nn.Module, options) -> nn.Module:
@@ -113,7 +166,7 @@ def apply_checkpointing_and_compile(model: nn.Module, options) -> nn.Module:
     mode = options.activation_checkpointing
     for parent, name, block in blocks:
         if mode != "none":
-            block = checkpoint_block(block, mode)
+            block = checkpoint_block(block, mode, keep_running_stats=not options.compile)
             parent.register_module(name, block)
         if options.compile:
             block.compile()

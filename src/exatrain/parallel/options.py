@@ -18,6 +18,9 @@ class ParallelOptions:
     compile: bool = False           # torch.compile each block
     sequence_parallel: bool = False  # 1D tensor parallelism: split norms/dropout over the sequence
     bucket_cap_mb: float = 25.0     # gradient all-reduce bucket size
+    # BatchNorm statistics over the whole batch of every replica ("global": the serial result, one
+    # small all-gather per layer) or per replica ("replica": DDP's default; see parallel/batchnorm)
+    batchnorm: str = "global"
     # with plan.pipe > 1 (see parallel/pipe): schedule, micro-batches per replica batch (0 = two per
     # stage), stages per rank of the looped schedules, split override (layer indices where stages
     # 1.. begin; [] = balanced), balance by "params" or measured "time"

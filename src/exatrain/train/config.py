@@ -64,14 +64,14 @@ class PlanOptions:
 
 @dataclass
 class TrainOptions:
-    steps: int = 900            # optimizer steps; 0 = run `epochs` epochs (900: the default
-                                # CosmoFlow job, about 2.5 min on 2 idle cores)
+    steps: int = 2000           # optimizer steps; 0 = run `epochs` epochs (2000: the default
+                                # CosmoFlow job, about 2 min on 2 idle cores)
     epochs: int = 1
     batch_size: int = 8         # global batch per optimizer step, over all replicas and micro-steps
     grad_accum: int = 1         # micro-steps per optimizer step
     clip_grad_norm: float = 0.0  # 0 = no clipping
-    eval_every: int = 300       # 0 = only at the end
-    log_every: int = 25
+    eval_every: int = 1000      # 0 = only at the end
+    log_every: int = 100
     checkpoint_every: int = 0   # 0 = only at the end
     checkpoint_keep: int = 2
     num_workers: int = 0        # DataLoader worker processes per rank
@@ -85,7 +85,7 @@ class TrainOptions:
 @dataclass
 class OptimOptions:
     name: str = "adamw"         # adamw | adam | sgd
-    lr: float = 3e-4            # for `schedule.base_batch_size`, scaled by `schedule.lr_scaling`
+    lr: float = 1e-3            # for `schedule.base_batch_size`, scaled by `schedule.lr_scaling`
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     momentum: float = 0.9       # sgd only
@@ -222,6 +222,7 @@ def validate(config: Config) -> None:
                "parallel.precision": (config.parallel.precision, ("fp32", "bf16", "fp16")),
                "parallel.activation_checkpointing": (config.parallel.activation_checkpointing,
                                                      ("none", "full", "selective")),
+               "parallel.batchnorm": (config.parallel.batchnorm, ("global", "replica")),
                "train.on_nonfinite": (t.on_nonfinite, ("stop", "skip")),
                "train.on_bad_sample": (t.on_bad_sample, ("stop", "skip"))}
     for where, (value, valid) in choices.items():

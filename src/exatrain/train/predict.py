@@ -74,13 +74,15 @@ class PredictAdapter:
 
 
 def _cosmoflow_meaning(config) -> OutputMeaning:
-    from ..data.cosmoflow import PARAM_HIGH, PARAM_LOW, PARAM_NAMES
-    lo, hi = np.asarray(PARAM_LOW), np.asarray(PARAM_HIGH)
+    """The outputs are targets normalised over the training data's parameter ranges: those in its
+    file's attributes (synthetic data), else the generator's (MLPerf data carry no ranges)."""
+    from ..data.cosmoflow import PARAM_HIGH, PARAM_LOW, PARAM_NAMES, parameter_ranges
+    lo, hi = parameter_ranges(Path(config.data.path), (PARAM_LOW, PARAM_HIGH))
     return OutputMeaning(
         names=PARAM_NAMES, units=("", "", "", "km/s/Mpc"),
         to_physical=lambda y: (lo + (np.asarray(y, dtype=np.float64) + 1) / 2 * (hi - lo)),
         normalisation="y = 2 (p - low) / (high - low) - 1 with low = "
-                      f"{list(PARAM_LOW)}, high = {list(PARAM_HIGH)}")
+                      f"{lo.tolist()}, high = {hi.tolist()}")
 
 
 def _cosmoflow_open(path, config, mesh, workload):

@@ -31,7 +31,8 @@ def options_from_config(config) -> Options:
                    microbatches=int(getattr(p, "microbatches", 0) or 0),
                    schedule=str(getattr(p, "pipe_schedule", "1f1b") or "1f1b").lower(),
                    virtual_stages=int(getattr(p, "pipe_virtual_stages", 2) or 2),
-                   optimizer=config.optim.name, bucket_cap_mb=p.bucket_cap_mb)
+                   optimizer=config.optim.name, bucket_cap_mb=p.bucket_cap_mb,
+                   batchnorm=p.batchnorm)
 
 
 def _human_bytes(n: float) -> str:

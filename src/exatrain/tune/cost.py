@@ -88,6 +88,7 @@ class Options:
     # Megatron's fp32 gradient buffer (main_grad) beside fp16 parameters: 2 + 4 + 12 bytes per
     # parameter where the ZeRO paper's mixed-precision count (zero_state_formula) has 2 + 2 + 12
     fp32_grads: bool = False
+    batchnorm: str = "global"          # parallel.batchnorm: global | replica
 
     def label(self) -> str:
         parts = []
@@ -296,6 +297,8 @@ def comms(spec: ModelSpec, plan: Plan, options: Options, psi: int, shapes: list,
         if g0 <= at < g1 or (at == len(_geometry(spec)) and last):
             add(("space",), "all_gather", _transition_bytes(spec, plan.space) * mb, 1)
 
+    _batchnorm_comms(spec, plan, options, stage, add)
+
     t = plan.tensor_degree
     if t > 1 and spec.family == "gpt" and plan.tensor_3d:
         for axes, op, nbytes, calls, overlap in _tensor3d_comms(spec, plan, options, shapes):
@@ -335,6 +338,32 @@ def comms(spec: ModelSpec, plan: Plan, options: Options, psi: int, shapes: list,
             add(("pipe",), "send", directions * v * act * m, directions * v * m)
     return out
 
+
+
+def _batchnorm_comms(spec: ModelSpec, plan: Plan, options: Options, stage: int, add) -> None:
+    """`parallel.batchnorm`'s statistics (global mode), per BatchNorm layer of the stage and
+    micro-batch: an all-gather of R × (2C + 1) float64 and an all-reduce of 2C float32 (R ranks:
+    the replica axes, and `space` where the layer's input is still split into blocks); the
+    all-gather runs again when checkpointing recomputes the block. A BatchNorm follows each
+    convolution (CosmoFlow's `model.batchnorm`): spec.extra["batchnorm_channels"]."""
+    from torch import nn
+    channels = spec.extra.get("batchnorm_channels") or []
+    if not channels or options.batchnorm != "global":
+        return
+    replicas = ("data", "shard") if plan.shard > 1 else ("data",)
+    geometry = _geometry(spec)
+    convs = [k for k, (layer, _i, _o) in enumerate(geometry) if isinstance(layer, nn.Conv3d)]
+    g0, g1, _ = _stage_geometry(spec, plan, stage)
+    at = _transition_index(spec, plan.space) if plan.space_degree > 1 else len(geometry)
+    micro = _microbatches(plan, options)
+    forwards = micro * (2 if options.checkpointing != "none" else 1)
+    for c, k in zip(channels, convs):
+        if not g0 <= k < g1:
+            continue
+        axes = replicas + (("space",) if plan.space_degree > 1 and k < at else ())
+        size = group(plan, *axes)[1]
+        add(axes, "all_gather", size * (2 * c + 1) * 8 * forwards, forwards)
+        add(axes, "all_reduce", 2 * c * 4 * micro, micro, "backward")
 
 
 def _linear3d_bytes(in_f: int, out_f: int, grid: tuple, rows: int, act_s: int,
@@ -460,17 +489,18 @@ _HALO_CACHE: dict = {}
 
 
 def _geometry(spec: ModelSpec):
-    key = (spec.name, spec.spatial_shape)
+    base = spec.extra.get("base_channels", 32)
+    key = (spec.name, spec.spatial_shape, base)
     if key not in _HALO_CACHE:
         from ..models.cosmoflow import CosmoFlow
         from ..parallel.spatial.volume import layer_geometry
         c = spec.extra.get("in_channels", 4)
-        model = CosmoFlow(size=spec.extra["size"], in_channels=c) if \
+        model = CosmoFlow(size=spec.extra["size"], in_channels=c, base_channels=base) if \
             spec.spatial_shape[0] <= 64 else None
         if model is None:
             import torch
             with torch.device("meta"):
-                model = CosmoFlow(size=spec.extra["size"], in_channels=c)
+                model = CosmoFlow(size=spec.extra["size"], in_channels=c, base_channels=base)
         _HALO_CACHE[key] = layer_geometry(model, (1, c) + tuple(spec.spatial_shape))
     return _HALO_CACHE[key]
 

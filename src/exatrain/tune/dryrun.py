@@ -68,7 +68,7 @@ def _build(config, on_meta: bool):
         m = config.model
         with torch.device("meta" if on_meta else "cpu"):
             model = CosmoFlow(size=m.size, base_channels=m.base_channels,
-                              conv_layers=m.conv_layers)
+                              conv_layers=m.conv_layers, batchnorm=m.batchnorm)
         return model, m, torch.nn.functional.mse_loss
     raise ValueError(f"run.workload={workload!r}: the dry run knows gpt and cosmoflow")
 
@@ -85,7 +85,8 @@ def dry_run(config, plan: Plan, rank: int, max_full_bytes: float = 4 * 2 ** 30) 
         raise ValueError(f"--dry-run {rank}: ranks of {plan} are 0..{world - 1}")
     p = config.parallel
     options = ParallelOptions(zero_stage=p.zero_stage, precision=p.precision,
-                              activation_checkpointing=p.activation_checkpointing)
+                              activation_checkpointing=p.activation_checkpointing,
+                              batchnorm=p.batchnorm)
     splits_on_meta = plan.tensor_degree > 1
     notes = []
     model, shape, loss_fn = _build(config, on_meta=True)

@@ -54,7 +54,8 @@ class _Case:
         else:
             popts = ParallelOptions(zero_stage=options.zero_stage, precision=options.precision,
                                     activation_checkpointing=options.checkpointing,
-                                    bucket_cap_mb=options.bucket_cap_mb)
+                                    bucket_cap_mb=options.bucket_cap_mb,
+                                    batchnorm=options.batchnorm)
             plan = mesh.plan
         per_rank = options.batch // (plan.data * plan.shard)
         x, y = _inputs(config, shape, None if serial else mesh, per_rank)

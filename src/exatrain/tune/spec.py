@@ -215,12 +215,12 @@ def conv_flops(model: nn.Module, x: torch.Tensor) -> float:
 
 
 def cosmoflow_spec(size: int, base_channels: int = 32, conv_layers: int = 5,
-                   in_channels: int = 4) -> ModelSpec:
+                   in_channels: int = 4, batchnorm: bool = False) -> ModelSpec:
     from ..models.cosmoflow import CosmoFlow
 
     with _fake_mode():
         model = CosmoFlow(size=size, in_channels=in_channels, base_channels=base_channels,
-                          conv_layers=conv_layers)
+                          conv_layers=conv_layers, batchnorm=batchnorm)
         x = torch.zeros(1, in_channels, size, size, size)
         y = torch.zeros(1, 4)
         biggest: list = []
@@ -231,7 +231,7 @@ def cosmoflow_spec(size: int, base_channels: int = 32, conv_layers: int = 5,
         flat = model.head[1].in_features
     with torch.device("meta"):
         meta_model = CosmoFlow(size=size, in_channels=in_channels, base_channels=base_channels,
-                               conv_layers=conv_layers)
+                               conv_layers=conv_layers, batchnorm=batchnorm)
         example = torch.zeros(1, in_channels, size, size, size)
         layers = pipe_layers(meta_model, example)
         cuts, spatial = pipe_cuts(meta_model, example)
@@ -245,7 +245,10 @@ def cosmoflow_spec(size: int, base_channels: int = 32, conv_layers: int = 5,
                      largest_act_bytes=float(biggest[0]), pipe_layers=layers,
                      pipe_cut_shapes=cuts, pipe_layer_spatial=spatial,
                      extra={"size": size, "in_channels": in_channels,
-                            "flatten_elements": flat})
+                            "flatten_elements": flat, "base_channels": base_channels,
+                            "batchnorm_channels": [base_channels * 2 ** i
+                                                   for i in range(conv_layers)] if batchnorm
+                            else []})
 
 
 def spec_from_config(config) -> ModelSpec:
@@ -257,6 +260,6 @@ def spec_from_config(config) -> ModelSpec:
         return gpt_spec(cfg, name=config.model.preset or "")
     if workload == "cosmoflow":
         m = config.model
-        return cosmoflow_spec(m.size, m.base_channels, m.conv_layers)
+        return cosmoflow_spec(m.size, m.base_channels, m.conv_layers, batchnorm=m.batchnorm)
     raise ValueError(f"run.workload={workload!r}: the planner knows the gpt and cosmoflow "
                      "workloads; add a spec builder in exatrain.tune.spec for others.")

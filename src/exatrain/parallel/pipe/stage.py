@@ -87,9 +87,14 @@ class CountedStage(PipelineStage):
     def forward_maybe_with_nosync(self, *args, **kwargs):
         # zero-bubble's split backward (torch's stage_backward_input) detaches the stage output
         # in place, which a view does not allow (a stage of only a Flatten failed, or hung its
-        # peer): hand it a tensor of its own
+        # peer): hand it a tensor of its own. Point-to-point sends need a contiguous tensor, and
+        # a stage may end in another layout (a transpose, channels-last convolutions)
         out = super().forward_maybe_with_nosync(*args, **kwargs)
-        return out.clone() if isinstance(out, torch.Tensor) and out._base is not None else out
+        if not isinstance(out, torch.Tensor):
+            return out
+        if not out.is_contiguous():
+            return out.contiguous()
+        return out.clone() if out._base is not None else out
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
         with self.timeline.span(self.stage_index, fwd_chunk_id, "F"):

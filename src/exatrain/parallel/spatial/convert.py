@@ -78,7 +78,7 @@ SUPPORTED = ("Conv1d/2d/3d, ConvTranspose1d/2d/3d, MaxPool/AvgPool1d/2d/3d, Batc
 class SpatialRuntime:
     """What the layers of one spatially parallel model share: grid, axes, per-forward state."""
 
-    def __init__(self, mesh: Mesh, overlap: bool):
+    def __init__(self, mesh: Mesh, overlap: bool, batchnorm: str = "global"):
         plan = mesh.plan
         self.parts = tuple(plan.space)
         self.coords = tuple(mesh.coords[f"space_{a}"] for a in "dhw")
@@ -86,8 +86,11 @@ class SpatialRuntime:
         self.strides = (h * w, w, 1)
         self.size = math.prod(self.parts)
         self.space = mesh.axis("space")
-        self.batch_axis = mesh.axis("data", "space")   # BatchNorm over split tensors
-        self.data_axis = mesh.axis("data")              # BatchNorm over gathered tensors
+        # BatchNorm statistics: the whole sample always; with "global" also every replica's samples
+        replicas = (() if batchnorm != "global" else ("data", "shard") if plan.shard > 1
+                    else ("data",))
+        self.batch_axis = mesh.axis(*replicas, "space")  # over split tensors
+        self.data_axis = mesh.axis(*replicas)            # over gathered tensors
         position = sum(c * s for c, s in zip(self.coords, self.strides))
         assert self.space.rank == position, (self.space.rank, position)
         self.overlap = overlap
@@ -185,7 +188,7 @@ def _convert(name: str, module: nn.Module, rt: SpatialRuntime, may_gather: bool,
 
 
 def parallelize_spatial(model: nn.Module, mesh: Mesh, overlap: bool | None = None,
-                        split_input: bool = True) -> nn.Module:
+                        split_input: bool = True, batchnorm: str = "global") -> nn.Module:
     """A copy of `model` whose layers work on this rank's spatial blocks (see the module doc).
 
     Raises SpatialSplitError naming the first layer that cannot run under the split. Kernel,
@@ -195,7 +198,7 @@ def parallelize_spatial(model: nn.Module, mesh: Mesh, overlap: bool | None = Non
     """
     if mesh.plan.space_degree == 1:
         return model
-    rt = SpatialRuntime(mesh, DEFAULT_OVERLAP if overlap is None else overlap)
+    rt = SpatialRuntime(mesh, DEFAULT_OVERLAP if overlap is None else overlap, batchnorm)
     model = copy.deepcopy(model)
     if not split_input:
         for name, module in model.named_modules():

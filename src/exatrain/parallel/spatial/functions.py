@@ -9,9 +9,6 @@ batch and channels, `block` the local spatial extent, C the channels of a norm l
   SplitBlocks      whole tensor -> own block (no communication)
                    backward: all-gather of the block gradients, S × block bytes
   SumOverAxis      forward all-reduce (sum), backward identity       all-reduce, tensor bytes
-  BatchNormStats   BatchNorm over every rank holding part of the batch or of a sample:
-                   forward all-gather of (count, mean, M2) per channel, S' × (2C + 1) × 8 bytes;
-                   backward all-reduce of (Σ dy, Σ dy·x̂) per channel, 2C × element bytes
   shared_mask      a dropout mask drawn on one rank and broadcast, mask bytes
 
 Why the gather's backward needs no communication: the layers after a gather run redundantly on
@@ -111,71 +108,6 @@ class SumOverAxis(torch.autograd.Function):
 
 def sum_over_axis(x: torch.Tensor, axis: Axis, tag: str = "loss") -> torch.Tensor:
     return x if axis.size == 1 else SumOverAxis.apply(x, axis, tag)
-
-
-class BatchNormStats(torch.autograd.Function):
-    """Training-mode BatchNorm with statistics over every rank of `axis` (data × space).
-
-    Forward: per channel, local count, mean and M2 = Σ (x - mean)² (a two-pass, accurate local
-    variance), all-gathered in float64 and combined exactly (Chan et al.):
-        mean = Σ n_r m_r / N,   M2 = Σ M2_r + Σ n_r (m_r - mean)²,   var = M2 / N.
-    Backward (x̂ = (x - mean)/σ): all-reduce of (Σ dy, Σ dy·x̂), then
-        dx = γ/σ · (dy - Σdy/N - x̂ · Σ(dy·x̂)/N);  dγ = Σ dy·x̂,  dβ = Σ dy  (local partial sums).
-    Returns (y, mean, biased var, N); mean/var/N are for the running statistics.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps: float, axis: Axis):
-        c = x.shape[1]
-        dims = [0] + list(range(2, x.dim()))
-        n = x.numel() // c
-        var, mean = torch.var_mean(x, dim=dims, unbiased=False)
-        local = torch.cat([torch.full((1,), float(n), dtype=torch.float64, device=x.device),
-                           mean.double(), var.double() * n])
-        if axis.size > 1:
-            stats = local.new_empty(axis.size * local.numel())
-            all_gather_into(stats, local, axis, tag="batchnorm")
-            stats = stats.view(axis.size, -1)
-        else:
-            stats = local.view(1, -1)
-        counts, means, m2 = stats[:, :1], stats[:, 1:c + 1], stats[:, c + 1:]
-        total = counts.sum()
-        gmean = (counts * means).sum(0) / total
-        gvar = (m2.sum(0) + (counts * (means - gmean) ** 2).sum(0)) / total
-        mean_x = gmean.to(x.dtype)
-        invstd = torch.rsqrt(gvar + eps).to(x.dtype)
-        shape = (1, c) + (1,) * (x.dim() - 2)
-        scale = invstd if weight is None else invstd * weight
-        y = (x - mean_x.view(shape)) * scale.view(shape)
-        if bias is not None:
-            y = y + bias.view(shape)
-        ctx.save_for_backward(x, weight, mean_x, invstd)
-        ctx.axis, ctx.total = axis, float(total)
-        gvar = gvar.to(x.dtype)
-        ctx.mark_non_differentiable(mean_x, gvar, total)
-        return y, mean_x, gvar, total
-
-    @staticmethod
-    def backward(ctx, grad, _gmean, _gvar, _total):
-        x, weight, mean, invstd = ctx.saved_tensors
-        c = x.shape[1]
-        shape = (1, c) + (1,) * (x.dim() - 2)
-        dims = [0] + list(range(2, x.dim()))
-        xhat = (x - mean.view(shape)) * invstd.view(shape)
-        sum_dy = grad.sum(dims)
-        sum_dy_xhat = (grad * xhat).sum(dims)
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            sums = torch.cat([sum_dy, sum_dy_xhat])
-            all_reduce(sums, ctx.axis, tag="batchnorm")
-            g_dy, g_dy_xhat = sums[:c] / ctx.total, sums[c:] / ctx.total
-            scale = invstd if weight is None else invstd * weight
-            grad_x = (grad - g_dy.view(shape) - xhat * g_dy_xhat.view(shape)) * scale.view(shape)
-        if weight is not None and ctx.needs_input_grad[1]:
-            grad_w = sum_dy_xhat
-        if ctx.needs_input_grad[2]:
-            grad_b = sum_dy
-        return grad_x, grad_w, grad_b, None, None
 
 
 def shared_mask(shape, keep: float, axis: Axis, like: torch.Tensor) -> torch.Tensor:

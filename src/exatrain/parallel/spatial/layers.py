@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...comm.halo import Halo, SplitDim, halo_exchange
-from .functions import BatchNormStats, shared_mask, sum_over_axis
+from ..batchnorm import BatchNormStats, take_over_batchnorm, update_running_stats
+from .functions import shared_mask, sum_over_axis
 
 GATHER = "gather"  # a layer plan meaning: gather the blocks and run replicated
 
@@ -568,13 +569,7 @@ class SpatialBatchNorm(SpatialLayer):
 
     def __init__(self, bn: nn.Module, name: str, runtime, may_gather: bool = False):
         super().__init__(bn, name, runtime, may_gather)
-        self.weight, self.bias = bn.weight, bn.bias
-        self.eps, self.momentum = bn.eps, bn.momentum
-        self.affine, self.track_running_stats = bn.affine, bn.track_running_stats
-        self.num_features = bn.num_features
-        self.register_buffer("running_mean", bn.running_mean)
-        self.register_buffer("running_var", bn.running_var)
-        self.register_buffer("num_batches_tracked", bn.num_batches_tracked)
+        take_over_batchnorm(self, bn)
 
     def describe(self) -> str:
         return f"{self.num_features} features"
@@ -591,13 +586,7 @@ class SpatialBatchNorm(SpatialLayer):
         axis = rt.batch_axis if mode == "split" else rt.data_axis
         y, mean, var, count = BatchNormStats.apply(x, self.weight, self.bias, self.eps, axis)
         if self.training and self.track_running_stats:
-            with torch.no_grad():
-                self.num_batches_tracked.add_(1)
-                factor = (1.0 / float(self.num_batches_tracked) if self.momentum is None
-                          else self.momentum)
-                n = float(count)
-                self.running_mean.mul_(1 - factor).add_(mean, alpha=factor)
-                self.running_var.mul_(1 - factor).add_(var * (n / max(n - 1, 1)), alpha=factor)
+            update_running_stats(self, mean, var, count)
         return y
 
 
