@@ -81,14 +81,20 @@ def space_step(model, mesh, options, layout):
     if mesh.plan.space_degree == 1:
         return model
     return _strategy("spatial").parallelize_spatial(model, mesh, split_input=layout.split_input,
-                                                    batchnorm=options.batchnorm)
+                                                    batchnorm_axes=batchnorm_axes(options, layout))
+
+
+def batchnorm_axes(options, layout) -> tuple[str, ...]:
+    """The axes BatchNorm statistics span besides `space`: the replica axes, or none."""
+    return layout.reduction.replica_axes if options.batchnorm == "global" else ()
 
 
 def batchnorm_step(model, mesh, options, layout):
     """Under `space` the spatial layers already hold the BatchNorm statistics' axes."""
-    if mesh.plan.space_degree > 1 or options.batchnorm != "global":
+    axes = batchnorm_axes(options, layout)
+    if mesh.plan.space_degree > 1 or not axes:
         return model
-    return _strategy("batchnorm").globalise_batchnorm(model, mesh.axis(*layout.reduction.replica_axes))
+    return _strategy("batchnorm").globalise_batchnorm(model, mesh.axis(*axes))
 
 
 def checkpoint_and_compile_step(model, mesh, options, layout):

@@ -113,15 +113,14 @@ def _running_stat_modules(block: nn.Module) -> list[nn.Module]:
             if all(isinstance(getattr(m, n, None), torch.Tensor) for n in _RUNNING)]
 
 
-def _contexts(block: nn.Module, selective: bool, keep_stats: bool):
-    """`context_fn` for torch's checkpoint: (forward context, recomputation context)."""
-    norms = _running_stat_modules(block)
-
+def _contexts(selective: bool, norms: list[nn.Module]):
+    """`context_fn` for torch's checkpoint: (forward context, recomputation context); the latter
+    keeps the running statistics of `norms`."""
     def make():
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
         forward, recompute = (create_selective_checkpoint_contexts(_selective_policy) if selective
                               else (contextlib.nullcontext(), contextlib.nullcontext()))
-        if not keep_stats:
+        if not norms:
             return forward, recompute
         return forward, _both(recompute, KeepRunningStats(norms))
     return make
@@ -144,9 +143,9 @@ def checkpoint_block(block: nn.Module, mode: str, keep_running_stats: bool = Tru
     if mode not in ("full", "selective"):
         raise ValueError(f"parallel.activation_checkpointing={mode!r}: use none, full or selective.")
     kwargs = {}
-    keep = keep_running_stats and bool(_running_stat_modules(block))
-    if mode == "selective" or keep:
-        kwargs["context_fn"] = _contexts(block, selective=mode == "selective", keep_stats=keep)
+    norms = _running_stat_modules(block) if keep_running_stats else []
+    if mode == "selective" or norms:
+        kwargs["context_fn"] = _contexts(mode == "selective", norms)
     return checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
                               preserve_rng_state=True, **kwargs)
 

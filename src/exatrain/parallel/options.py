@@ -33,6 +33,7 @@ class ParallelOptions:
 
 
 LOOPED_SCHEDULES = ("interleaved", "zero_bubble")  # several stages per rank
+BATCHNORM_MODES = ("global", "replica")
 
 
 def zero_stage_refusal(plan, zero_stage: int, pipe_schedule: str) -> str | None:

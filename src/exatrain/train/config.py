@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..parallel.options import ParallelOptions
+from ..parallel.options import BATCHNORM_MODES, ParallelOptions
 from ..plan import Plan
 from .observe_options import MLPerfOptions, ObserveOptions
 from ..population.options import PopulationOptions
@@ -222,7 +222,7 @@ def validate(config: Config) -> None:
                "parallel.precision": (config.parallel.precision, ("fp32", "bf16", "fp16")),
                "parallel.activation_checkpointing": (config.parallel.activation_checkpointing,
                                                      ("none", "full", "selective")),
-               "parallel.batchnorm": (config.parallel.batchnorm, ("global", "replica")),
+               "parallel.batchnorm": (config.parallel.batchnorm, BATCHNORM_MODES),
                "train.on_nonfinite": (t.on_nonfinite, ("stop", "skip")),
                "train.on_bad_sample": (t.on_bad_sample, ("stop", "skip"))}
     for where, (value, valid) in choices.items():

@@ -78,7 +78,7 @@ SUPPORTED = ("Conv1d/2d/3d, ConvTranspose1d/2d/3d, MaxPool/AvgPool1d/2d/3d, Batc
 class SpatialRuntime:
     """What the layers of one spatially parallel model share: grid, axes, per-forward state."""
 
-    def __init__(self, mesh: Mesh, overlap: bool, batchnorm: str = "global"):
+    def __init__(self, mesh: Mesh, overlap: bool, batchnorm_axes: tuple[str, ...] = ("data",)):
         plan = mesh.plan
         self.parts = tuple(plan.space)
         self.coords = tuple(mesh.coords[f"space_{a}"] for a in "dhw")
@@ -86,11 +86,10 @@ class SpatialRuntime:
         self.strides = (h * w, w, 1)
         self.size = math.prod(self.parts)
         self.space = mesh.axis("space")
-        # BatchNorm statistics: the whole sample always; with "global" also every replica's samples
-        replicas = (() if batchnorm != "global" else ("data", "shard") if plan.shard > 1
-                    else ("data",))
-        self.batch_axis = mesh.axis(*replicas, "space")  # over split tensors
-        self.data_axis = mesh.axis(*replicas)            # over gathered tensors
+        # BatchNorm statistics: over the whole sample always, and over `batchnorm_axes` (the
+        # replica axes with parallel.batchnorm = "global", none with "replica")
+        self.batch_axis = mesh.axis(*batchnorm_axes, "space")  # over split tensors
+        self.data_axis = mesh.axis(*batchnorm_axes)            # over gathered tensors
         position = sum(c * s for c, s in zip(self.coords, self.strides))
         assert self.space.rank == position, (self.space.rank, position)
         self.overlap = overlap
@@ -188,7 +187,8 @@ def _convert(name: str, module: nn.Module, rt: SpatialRuntime, may_gather: bool,
 
 
 def parallelize_spatial(model: nn.Module, mesh: Mesh, overlap: bool | None = None,
-                        split_input: bool = True, batchnorm: str = "global") -> nn.Module:
+                        split_input: bool = True,
+                        batchnorm_axes: tuple[str, ...] = ("data",)) -> nn.Module:
     """A copy of `model` whose layers work on this rank's spatial blocks (see the module doc).
 
     Raises SpatialSplitError naming the first layer that cannot run under the split. Kernel,
@@ -198,7 +198,7 @@ def parallelize_spatial(model: nn.Module, mesh: Mesh, overlap: bool | None = Non
     """
     if mesh.plan.space_degree == 1:
         return model
-    rt = SpatialRuntime(mesh, DEFAULT_OVERLAP if overlap is None else overlap, batchnorm)
+    rt = SpatialRuntime(mesh, DEFAULT_OVERLAP if overlap is None else overlap, batchnorm_axes)
     model = copy.deepcopy(model)
     if not split_input:
         for name, module in model.named_modules():
