@@ -53,8 +53,11 @@ class _Pool:
         self.world_size = world_size
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
+        # not daemonic: a rank's data loader starts worker processes, as under a real launcher
+        # (the pools are killed at exit by _close_pools, which runs before multiprocessing's own
+        # exit handler joins children)
         self.procs = [ctx.Process(target=_worker, args=(r, world_size, self.tasks[r], self.results),
-                                  daemon=True) for r in range(world_size)]
+                                  daemon=False) for r in range(world_size)]
         for p in self.procs:
             p.start()
 

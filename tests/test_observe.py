@@ -111,7 +111,7 @@ def _valid_png(path) -> None:
 
 def test_report_of_one_run(runs, tmp_path):
     made = build_report([runs[2]["run_dir"]], tmp_path / "one")
-    assert {"curves", "throughput", "memory", "bytes_per_axis"} <= set(made)
+    assert {"curves", "throughput", "step_time", "memory", "bytes_per_axis"} <= set(made)
     summary = made.pop("report").read_text()
     for name, path in made.items():
         _valid_png(path)

@@ -33,7 +33,7 @@ def _report(trainer, mesh) -> dict:
             "state": {k: v.detach().cpu().clone()
                       for k, v in unwrap(trainer.model).state_dict().items()},
             "val_mae": trainer.history[-1].get("val_mae"),
-            "bytes_read": trainer.workload.train_set.bytes_read,
+            "input_bytes": trainer.input_bytes,
             "run_dir": str(trainer.run_dir), "rank": mesh.rank,
             "halo_bytes": mesh.ledger.bytes_by_axis(tag="halo").get("space", 0)}
 
@@ -98,13 +98,13 @@ def test_cosmoflow_space_times_data_equals_serial(tiny_config, tmp_path):
         # resumed under the same Plan: the same curve
         assert rel_err(torch.tensor(b["losses"]), torch.tensor(a["losses"][2:])) <= 1e-6
         assert max_rel_err_state(b["state"], a["state"]) <= 1e-6
-        # halos were exchanged; every read was a block: 16 samples for the input statistics and
-        # 4 steps × 4 samples of this data replica, half of each 16³×4 int16 cube + 16 B targets,
-        # and the 42 training targets once (the serial process reads whole cubes, all 8 per step)
+        # halos were exchanged; every step's input was a block, delivered as stored (int16):
+        # 4 steps × 4 samples of this data replica, half of each 16³×4 cube + 16 B targets (the
+        # serial process takes whole cubes, all 8 per step)
         assert a["halo_bytes"] > 0
         cube = 16 ** 3 * 4 * 2
-        assert a["bytes_read"] == (16 + 4 * 4) * (cube // 2 + 16) + 42 * 16
-        assert serial["bytes_read"] == (16 + 4 * 8) * (cube + 16) + 42 * 16
+        assert a["input_bytes"] == 4 * 4 * (cube // 2 + 16)
+        assert serial["input_bytes"] == 4 * 8 * (cube + 16)
     # the deepest pooling (2³ -> 1³) cannot split in two: it and the dense head run replicated
     # (blocks of Conv3d, BatchNorm3d, LeakyReLU, MaxPool3d: the 4th block's conv is features.12)
     modes = ranks[0]["modes"]

@@ -42,6 +42,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from .loader import Collated, batch_buffer
+
 PARAM_NAMES = ("Omega_m", "sigma_8", "n_s", "H0")
 # The Quijote latin hypercube's ranges (Villaescusa-Navarro et al. 2020, ApJS 250, 2), a simulation
 # suite made for machine-learning inference of these parameters. Narrower ranges (the v1 generator's
@@ -224,10 +226,16 @@ class CosmoFlowDataset(Dataset):
     ``bytes_read`` counts the bytes of data read from files by this process (selected voxels
     and targets; equal to the file bytes because the data are stored uncompressed).
     HDF5 handles are opened lazily, per process, and never pickled.
+
+    ``raw = True`` delivers the stored counts instead: x as read, (S, S, S, 4) in the file's
+    integer dtype (channels last, no transform, no copy into float32: half the bytes of float32
+    for int16, and no loader time spent on arithmetic); `CountsDecoder` then decodes whole
+    batches on the device. ``transform`` is ignored while ``raw`` is set.
     """
 
     def __init__(self, path, transform: str | Callable | None = "log1p"):
         self.path = Path(path)
+        self.raw = False
         if transform not in ("log1p", None) and not callable(transform):
             raise ValueError(f"transform must be 'log1p', None or a callable, got {transform!r}")
         self.transform = transform
@@ -242,7 +250,8 @@ class CosmoFlowDataset(Dataset):
             for file in self.files:
                 if not _label_file(file).exists():
                     raise FileNotFoundError(f"{file} has no targets file {_label_file(file).name}")
-            self.sample_shape = self._check_x(np.load(self.files[0], mmap_mode="r"), self.files[0], 0)
+            first = np.load(self.files[0], mmap_mode="r")
+            self.sample_shape, self.dtype = self._check_x(first, self.files[0], 0), first.dtype
             self._len = len(self.files)
         elif self.path.is_dir():
             self.layout = "mlperf"
@@ -251,12 +260,14 @@ class CosmoFlowDataset(Dataset):
                 raise FileNotFoundError(f"no .h5/.hdf5 sample files in {self.path}; {_HINT}")
             with self._open_sample_file(0) as f:
                 self.sample_shape = self._check_x(f["full"], self.files[0], 0)
+                self.dtype = f["full"].dtype
             self._len = len(self.files)
         else:
             self.layout, self.files = "exatrain", [self.path]
             try:
                 with h5py.File(self.path, "r") as f:
                     self.sample_shape = self._check_x(f["x"], self.path, 0, batched=True)
+                    self.dtype = f["x"].dtype
                     self._len = f["x"].shape[0]
                     if f["y"].shape != (self._len, 4):
                         raise ValueError(f"{self.path}: y has shape {f['y'].shape}, "
@@ -304,8 +315,9 @@ class CosmoFlowDataset(Dataset):
                              f"got {ds.dtype} {tuple(shape)}")
         return tuple(shape)
 
-    def read(self, index: int, region: tuple[slice, slice, slice] | None = None):
-        """Sample ``index``; ``region`` = three slices over (d, h, w) reads only that hyperslab."""
+    def read(self, index: int, region: tuple[slice, slice, slice] | None = None, out=None):
+        """Sample ``index``; ``region`` = three slices over (d, h, w) reads only that hyperslab.
+        ``out`` (raw only): a numpy array of the block's shape and stored dtype to read into."""
         if not -self._len <= index < self._len:
             raise IndexError(f"sample {index} out of range for {self._len} samples in {self.path}")
         index = int(index) % self._len
@@ -321,22 +333,26 @@ class CosmoFlowDataset(Dataset):
                 if self._check_x(cube, file, index) != self.sample_shape:
                     raise ValueError(f"{file} (sample {index}): shape {cube.shape} differs "
                                      f"from the data set's {self.sample_shape}")
-                raw, y = np.asarray(cube[sel]), np.load(_label_file(file))
+                raw, y = cube[sel], np.load(_label_file(file))
+                raw = np.asarray(raw) if out is None else np.copyto(out, raw) or out
             elif self.layout == "exatrain":
                 f = self._file()
-                raw, y = f["x"][(index, *sel)], f["y"][index]
+                raw, y = _read_hdf5(f["x"], (index, *sel), out), f["y"][index]
             else:
                 with self._open_sample_file(index) as f:
                     if self._check_x(f["full"], file, index) != self.sample_shape:
                         raise ValueError(f"{file} (sample {index}): shape {f['full'].shape} differs "
                                          f"from the data set's {self.sample_shape}")
-                    raw, y = f["full"][sel], f["unitPar"][...]
+                    raw, y = _read_hdf5(f["full"], sel, out), f["unitPar"][...]
         except (OSError, KeyError) as e:
             raise ValueError(f"{file}: cannot read sample {index}: {e}") from e
         self.bytes_read += raw.nbytes + y.nbytes
         y = np.asarray(y, dtype=np.float32).reshape(-1)
         if y.shape != (4,) or not np.all(np.isfinite(y)):
             raise ValueError(f"{file} (sample {index}): targets must be 4 finite values, got {y}")
+        if self.raw:  # torch has no uint16/uint32 arithmetic on every device: widen those
+            raw = raw if raw.dtype in _TORCH_INTS else raw.astype(np.int32)
+            return torch.from_numpy(np.ascontiguousarray(raw)), torch.from_numpy(y)
         x = np.ascontiguousarray(np.moveaxis(raw, -1, 0), dtype=np.float32)
         if self.transform == "log1p":
             x = np.log1p(x)  # compresses the heavy-tailed counts, as the MLPerf reference does
@@ -346,6 +362,21 @@ class CosmoFlowDataset(Dataset):
 
     def __getitem__(self, index: int):
         return self.read(index)
+
+    def __getitems__(self, indices: list[int]):
+        """A whole batch (the DataLoader's batched fetch). Raw counts are read straight into one
+        batch buffer, in shared memory inside a loader worker: no per-sample array, no stacking
+        copy, one hand-over to the training process (`Collated`, see data.loader)."""
+        return self.read_batch(indices)
+
+    def read_batch(self, indices: list[int], region: tuple[slice, slice, slice] | None = None):
+        if not self.raw or self.dtype not in _TORCH_INTS:
+            return [self.read(i, region) for i in indices]
+        shape = self.sample_shape if region is None else tuple(
+            len(range(*r.indices(n))) for r, n in zip(region, self.sample_shape[:3])) + (4,)
+        x = batch_buffer((len(indices), *shape), self.dtype)
+        ys = [self.read(i, region, out=x[j].numpy())[1] for j, i in enumerate(indices)]
+        return Collated((x, torch.stack(ys)))
 
     def sample_ids(self) -> list[str]:
         """Index in a file; file name (without suffix) in a per-sample directory."""
@@ -371,6 +402,44 @@ class CosmoFlowDataset(Dataset):
             raise ValueError(f"{self.files[0 if self.layout == 'exatrain' else bad]} (sample {bad}): "
                              f"targets must be 4 finite values")
         return y
+
+
+_TORCH_INTS = (np.dtype(np.int16), np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.uint8),
+               np.dtype(np.int8))
+
+
+class CountsDecoder:
+    """Raw counts -> the model's input, on whatever device the batch is: (N, S, S, S, 4) integers
+    -> (N, 4, S, S, S) float32, log1p, then (v - mean) / std when `mean`/`std` are given (the
+    `Standardize` of the data set, see workloads.cosmoflow). The result is a channels-last view of
+    the batch (the stored layout), so a channels-last model takes it without a copy. Floating
+    inputs (already decoded) are returned unchanged; spatial blocks decode like whole cubes.
+
+    The arithmetic is the CPU transform's, in float32 (equal up to the last bit of log1p)."""
+
+    def __init__(self, log1p: bool = True, mean: float | None = None, std: float | None = None):
+        self.log1p, self.mean, self.std = log1p, mean, std
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_floating_point():
+            return x
+        if x.dim() != 5 or x.shape[-1] != 4:
+            raise ValueError(f"CountsDecoder: expected raw counts (N, D, H, W, 4), got "
+                             f"{x.dtype} {tuple(x.shape)}")
+        x = x.permute(0, 4, 1, 2, 3).float()  # keeps the NDHWC memory: channels-last strides
+        if self.log1p:
+            x.log1p_()
+        if self.mean is not None:
+            x.sub_(self.mean).div_(self.std)
+        return x
+
+
+def _read_hdf5(dataset, selection, out):
+    """dataset[selection], or read into `out` (HDF5 copies the chunks straight there)."""
+    if out is None:
+        return dataset[selection]
+    dataset.read_direct(out, source_sel=selection)
+    return out
 
 
 def _label_file(data_file: Path) -> Path:

@@ -107,6 +107,32 @@ def throughput(runs: list[RunRecord], path: Path) -> Path:
     return _save(fig, path)
 
 
+def step_time(runs: list[RunRecord], path: Path) -> Path | None:
+    """Where each step's time went, per logged interval: waiting for input, exposed (blocked)
+    communication, and the rest (compute), stacked; one panel per run (at most four)."""
+    shown = [r for r in runs if any("data_wait_s" in t for t in r.train)][:4]
+    if not shown:
+        return None
+    fig, axes = plt.subplots(1, len(shown), figsize=(5.2 * len(shown), 3.8), squeeze=False,
+                             sharey=True)
+    labels = _labels(runs)
+    for ax, run in zip(axes[0], shown):
+        rows = [t for t in run.train if "data_wait_s" in t]
+        steps = [t["step"] for t in rows]
+        wait = [1e3 * t["data_wait_s"] for t in rows]
+        comm = [1e3 * t.get("exposed_comm_s", 0.0) for t in rows]
+        rest = [max(0.0, 1e3 * t["step_s"] - w - c) for t, w, c in zip(rows, wait, comm)]
+        ax.stackplot(steps, wait, comm, rest, labels=["waiting for input", "exposed communication",
+                                                     "compute (the rest)"],
+                     colors=["tab:red", "tab:orange", "tab:blue"], alpha=0.8)
+        ax.set(title=labels[id(run)], xlabel="optimizer step", ylabel="ms per step (median)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylim(bottom=0)
+    axes[0][0].legend(fontsize=8, loc="lower left")
+    fig.suptitle("step time: input wait, exposed communication, compute", fontsize=10)
+    return _save(fig, path)
+
+
 def memory(run: RunRecord, path: Path) -> Path:
     """Per rank: model state (params+grads+optimizer) and peak activations, stacked; peak process."""
     ranks = run.summary.get("memory_per_rank") or [

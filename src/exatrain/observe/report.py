@@ -1,6 +1,7 @@
 """`exatrain report RUN_DIR [RUN_DIR ...] [--out DIR]`: figures and a one-page Markdown summary.
 
-One run: training/validation curves, samples/s and MFU over steps, memory per rank, bytes per step
+One run: training/validation curves, samples/s and MFU over steps, where each step's time went
+(input wait, exposed communication, compute), memory per rank, bytes per step
 by mesh axis against the algorithm's minimum, and the pipeline timeline where the run has one.
 Several runs of one workload: the same curves overlaid, scaling curves (throughput and parallel
 efficiency against ranks) and a side-by-side table. A benchmark JSON (`exatrain bench NAME --json`)
@@ -19,7 +20,7 @@ from .runs import RunRecord, read_run
 # summary keys of the side-by-side table, in order
 TABLE_KEYS = ("world_size", "plan", "steps", "samples_per_s", "step_s_median", "mfu",
               "final_loss", "state_bytes", "peak_activation_bytes", "exposed_comm_fraction",
-              "time_to_train_s", "wall_s")
+              "data_wait_fraction", "time_to_train_s", "wall_s")
 
 
 def _markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -38,6 +39,9 @@ def _runs_section(runs: list[RunRecord], out: Path, made: dict) -> list[str]:
     lines = []
     made["curves"] = figures.curves(runs, out / "curves.png")
     made["throughput"] = figures.throughput(runs, out / "throughput.png")
+    path = figures.step_time(runs, out / "step_time.png")
+    if path:
+        made["step_time"] = path
     for run in runs:
         suffix = f"_{run.name}" if len(runs) > 1 else ""
         made[f"memory{suffix}"] = figures.memory(run, out / f"memory{suffix}.png")

@@ -74,7 +74,10 @@ class TrainOptions:
     log_every: int = 100
     checkpoint_every: int = 0   # 0 = only at the end
     checkpoint_keep: int = 2
-    num_workers: int = 0        # DataLoader worker processes per rank
+    num_workers: int = -1       # loader worker processes per rank; -1 = from the cores each
+                                # rank has (data.loader.default_workers), 0 = none
+    prefetch: int = 2           # batches loaded, copied and decoded ahead of the step in a
+                                # background thread; 0 = on the training thread (all wait)
     target: str = ""            # e.g. "val_mae <= 0.124": stop when an evaluation reaches it
     checkpoint_async: bool = False  # write checkpoints in the background (DCP async_save)
     on_nonfinite: str = "stop"  # stop | skip: a NaN/Inf loss or gradient (see train.policies)
@@ -225,6 +228,9 @@ def validate(config: Config) -> None:
                "parallel.batchnorm": (config.parallel.batchnorm, BATCHNORM_MODES),
                "train.on_nonfinite": (t.on_nonfinite, ("stop", "skip")),
                "train.on_bad_sample": (t.on_bad_sample, ("stop", "skip"))}
+    if hasattr(config.data, "shuffle"):
+        from ..workloads.base import SHUFFLE_MODES
+        choices["data.shuffle"] = (config.data.shuffle, SHUFFLE_MODES)
     for where, (value, valid) in choices.items():
         if value not in valid:
             raise ConfigError(f"{where}={value!r} is not one of {', '.join(valid)}.{_closest(value, valid)}")
@@ -235,7 +241,7 @@ def validate(config: Config) -> None:
         if value < 1:
             raise ConfigError(f"{where}={value} is out of range: it accepts whole numbers ≥ 1.")
     non_negative = {"train.steps": t.steps, "train.eval_every": t.eval_every,
-                    "train.checkpoint_every": t.checkpoint_every, "train.num_workers": t.num_workers,
+                    "train.checkpoint_every": t.checkpoint_every, "train.prefetch": t.prefetch,
                     "train.max_nonfinite_skips": t.max_nonfinite_skips,
                     "schedule.warmup_steps": s.warmup_steps,
                     "schedule.base_batch_size": s.base_batch_size}
@@ -243,6 +249,10 @@ def validate(config: Config) -> None:
         if value < 0:
             raise ConfigError(f"{where}={value} is out of range: it accepts whole numbers ≥ 0 "
                               "(0 = off / the default).")
+    if t.num_workers < -1:
+        raise ConfigError(f"train.num_workers={t.num_workers} is out of range: give the loader "
+                          "processes per rank (0 = none, on the training side), or -1 for a "
+                          "number chosen from the cores each rank has.")
     if config.run.timeout_s <= 0:
         raise ConfigError(f"run.timeout_s={config.run.timeout_s} is out of range: it accepts "
                           "seconds > 0.")

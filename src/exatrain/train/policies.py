@@ -30,6 +30,8 @@ MAX_BAD_IN_A_ROW = 8
 class SkipBadSamples(Dataset):
     """A map-style data set that replaces unreadable samples by the next readable one (logged)."""
 
+    __getitems__ = None  # sample by sample, each with its own skip (not the wrapped batch read)
+
     def __init__(self, dataset, run_dir, rank: int):
         self.dataset, self.run_dir, self.rank = dataset, run_dir, rank
         self.skipped = 0

@@ -245,6 +245,7 @@ def _predict_on(mesh, config: Config, run_dir: Path, path: Path, data, out: Path
                 batch_size: int, verbose: bool) -> dict:
     """predict() on this rank of a live mesh."""
     from ..comm import all_gather_object, broadcast_object
+    from ..data.loader import collate
     from ..data.arrays import HDF5Dataset
     from ..parallel import parallelize
     from ..parallel.data import unwrap
@@ -295,8 +296,8 @@ def _predict_on(mesh, config: Config, run_dir: Path, path: Path, data, out: Path
     ids = [str(i) for i in base.sample_ids()] if hasattr(base, "sample_ids") \
         else [str(i) for i in range(n)]
     batches = replica_batches(n, per_replica, replica_axis.size, replica_axis.rank)
-    loader = torch.utils.data.DataLoader(data_set, batch_sampler=batches,
-                                         num_workers=config.train.num_workers)
+    loader = torch.utils.data.DataLoader(data_set, batch_sampler=batches, collate_fn=collate,
+                                         num_workers=max(0, config.train.num_workers))
     failure = None
     start = time.perf_counter()
     try:
@@ -304,7 +305,7 @@ def _predict_on(mesh, config: Config, run_dir: Path, path: Path, data, out: Path
             for b, batch in enumerate(loader):
                 x, y = (batch[0], batch[1]) if isinstance(batch, (list, tuple)) else (batch, None)
                 with precision.autocast():
-                    output = model(x.to(mesh.device))
+                    output = model(workload.decode_inputs(x.to(mesh.device)))
                 if split_outputs:
                     output = gather_output(output, mesh)
                 if not leader:

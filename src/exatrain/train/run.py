@@ -7,6 +7,7 @@ from its last complete checkpoint whenever the ranks start again.
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
@@ -70,7 +71,7 @@ def pipeline_example(workload, config: Config, plan) -> "torch.Tensor | None":
     if plan.pipe == 1:
         return None
     per_replica = config.train.batch_size // (plan.data * plan.shard)
-    return torch.stack([workload.train_set[i][0] for i in range(per_replica)])
+    return workload.decode_inputs(torch.stack([workload.train_set[i][0] for i in range(per_replica)]))
 
 
 def join(config: Config):
@@ -108,6 +109,21 @@ def prepare_run(config: Config, mesh, resume_dir: str | None, stable: Path | Non
     return workload_module, Path(broadcast_object(str(run_dir) if run_dir else None, mesh.world))
 
 
+def stage_input(config: Config, mesh) -> dict:
+    """Collective: copy the data set to node-local storage when `data.stage_to` (or the
+    EXATRAIN_STAGE_TO environment variable) names a directory, and point data.path at the copy.
+    Returns the staging figures for the summary (empty when nothing is staged)."""
+    from ..data.stage import STAGE_ENV, stage_files
+    if not hasattr(config.data, "stage_to"):  # a user's workload: its data are its own business
+        return {}
+    stage_to = os.environ.get(STAGE_ENV) or config.data.stage_to
+    if not stage_to:
+        return {}
+    result = stage_files(Path(config.data.path), Path(stage_to), mesh)
+    config.data.path = str(result.path)  # the copy, for this process's workload only
+    return result.figures()
+
+
 def setup(config: Config, resume_dir: str | None = None) -> tuple:
     """Join the job, build workload, model and Trainer on this rank. Returns (mesh, trainer)."""
     setup_times = {"init_start": time.time()}  # MLPerf's init and staging phases
@@ -120,7 +136,10 @@ def setup(config: Config, resume_dir: str | None = None) -> tuple:
         resume_from = find_resume_checkpoint(resume_dir) if resume_dir else None
         setup_times["staging_start"] = time.time()
         workload_module, run_dir = prepare_run(config, mesh, resume_dir, stable)
+        staged = stage_input(config, mesh)
         setup_times["staging_stop"] = time.time()
+        if staged:
+            setup_times["staged_bytes"] = staged["staged_bytes"]
         torch.manual_seed(config.run.seed)  # identical initial weights on every rank
         workload = workload_module.build(config, mesh)
         if config.run.init_from and not resume_from:
@@ -131,6 +150,7 @@ def setup(config: Config, resume_dir: str | None = None) -> tuple:
         workload.model = model  # drop the plain model: under tensor plans it is the full size
         console = TrainConsole() if mesh.rank == 0 else None
         trainer = Trainer(mesh, workload, config, model, run_dir=run_dir, console=console)
+        trainer.stage_figures = staged
         from ..launch import detect
         launch = detect()
         trainer.observer.setup_times.update(setup_times,

@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ..comm import all_gather_object, all_reduce, broadcast_object
+from ..data.loader import EpochSampler, Prefetcher, collate, default_workers, run_loader
 from ..mesh import Mesh
 from ..parallel.data import unwrap
 from ..parallel.gradnorm import clip_grad_norm_
@@ -88,7 +89,11 @@ class Trainer:
         self.micro = micro_batch_size(config, self.replicas)
         t = config.train
         n = len(workload.train_set)
+        self.node_shard = self._node_shards()  # data.shuffle = "node": this node's samples
         self.steps_per_epoch = n // t.batch_size
+        if self.node_shard is not None:  # the smallest shard sets every node's steps
+            _, _, _, on_node, nodes = self.node_shard
+            self.steps_per_epoch = (n // nodes) // (on_node * (t.batch_size // self.replicas))
         if self.steps_per_epoch == 0:
             raise ValueError(f"train.batch_size={t.batch_size} is larger than the training set "
                              f"({n} samples); lower it or add samples.")
@@ -116,43 +121,84 @@ class Trainer:
         self.checkpoint_writer = checkpoint.Writer(config.train.checkpoint_async)
         if config.train.on_bad_sample == "skip":
             workload.train_set = SkipBadSamples(workload.train_set, self.run_dir, mesh.rank)
+        # loader workers per rank: train.num_workers, or (-1) from the cores the node's ranks share
+        self.num_workers = t.num_workers if t.num_workers >= 0 else \
+            default_workers(_local_ranks(mesh.world_size))
         self.step = 0
         self.history: list[dict] = []
+        self.input_bytes = 0  # training input delivered to this rank's device (data.loader)
+        self.stage_figures: dict = {}  # set by train.run when the data set was staged
         # the ranks that write a checkpoint together: the job, or one trainer of a population
         self.checkpoint_group = mesh.group
         self.observer = StepObserver(self)  # exposed comm, ranges, profile, TensorBoard, MLPerf
 
     # ------------------------------------------------------------------ data
     def _rank_indices(self, epoch: int, first_step: int) -> list[int]:
-        """This replica's sample indices for steps first_step.. of `epoch`, in order."""
+        """This replica's sample indices for steps first_step.. of `epoch`, in order.
+
+        Global shuffle: epoch e permutes all samples with the seed (seed, e); step s's global
+        batch is perm[s·B : (s+1)·B] and replica r takes its r-th slice. Node shuffle: the
+        samples are split into one contiguous shard per node, each node permutes only its shard
+        (seed (seed, e, node)), and the node's replicas take consecutive slices of it, so a node
+        reads each sample of its shard once per epoch and no other (stage only that shard)."""
         t = self.config.train
-        perm = np.random.default_rng([self.config.run.seed, epoch]).permutation(
-            len(self.workload.train_set))
         per_replica = t.batch_size // self.replicas
-        r = self.data_axis.rank
+        if self.node_shard is None:
+            order = np.random.default_rng([self.config.run.seed, epoch]).permutation(
+                len(self.workload.train_set))
+            step_size, first = t.batch_size, self.data_axis.rank * per_replica
+        else:
+            node, shard, position, on_node, _ = self.node_shard
+            order = shard[np.random.default_rng([self.config.run.seed, epoch, node]).permutation(
+                len(shard))]
+            step_size, first = on_node * per_replica, position * per_replica
         out: list[int] = []
         for s in range(first_step, self.steps_per_epoch):
-            batch = perm[s * t.batch_size:(s + 1) * t.batch_size]
-            out.extend(batch[r * per_replica:(r + 1) * per_replica].tolist())
+            batch = order[s * step_size:(s + 1) * step_size]
+            out.extend(batch[first:first + per_replica].tolist())
         return out
 
-    def _batches(self, start_step: int):
-        """Yield micro-batches (x, y) from `start_step` on, epoch after epoch."""
-        epoch, offset = divmod(start_step, self.steps_per_epoch)
-        while True:
-            loader = DataLoader(self.workload.train_set, batch_size=self.micro,
-                                sampler=self._rank_indices(epoch, offset),
-                                num_workers=self.config.train.num_workers,
-                                pin_memory=self.mesh.device.type == "cuda",
-                                # its own generator: starting an epoch must not draw from the
-                                # global RNG, or dropout after a resume would differ
-                                generator=torch.Generator().manual_seed(epoch))
-            yield from loader
-            epoch, offset = epoch + 1, 0
+    def _node_shards(self) -> tuple | None:
+        """data.shuffle = "node": (this node's index, its shard of sample indices, this replica's
+        position among the node's replicas, replicas on the node, nodes); None for the global
+        shuffle.
+        Nodes are told apart by host name (data.stage.host_name)."""
+        if getattr(self.config.data, "shuffle", "global") != "node":
+            return None
+        from ..data.stage import host_name
+        every = all_gather_object((host_name(), self.data_axis.rank), self.mesh.world)
+        hosts = list(dict.fromkeys(h for h, _ in every))  # in rank order
+        replicas = {h: sorted({r for hh, r in every if hh == h}) for h in hosts}
+        split = [r for r in range(self.replicas) if sum(r in v for v in replicas.values()) > 1]
+        counts = {len(v) for v in replicas.values()}
+        if split or len(counts) > 1:
+            raise ValueError(
+                "data.shuffle = \"node\" needs every data replica's ranks on one node and the "
+                f"same number of replicas on every node; replicas per node here: "
+                f"{ {h: v for h, v in replicas.items()} }. Use data.shuffle = \"global\", or "
+                "launch so each node holds whole replicas (pipe/space/tensor innermost).")
+        me = hosts.index(host_name())
+        shard = np.array_split(np.arange(len(self.workload.train_set)), len(hosts))[me]
+        on_node = len(replicas[host_name()])
+        if len(shard) < on_node * (self.config.train.batch_size // self.replicas):
+            raise ValueError(f"data.shuffle = \"node\": a node's shard of {len(shard)} samples "
+                             "is smaller than its part of one batch; lower train.batch_size.")
+        return me, shard, replicas[host_name()].index(self.data_axis.rank), on_node, len(hosts)
+
+    def _batches(self, start_step: int) -> Prefetcher:
+        """Micro-batches (x, y) on the device from `start_step` on, epoch after epoch: one loader
+        for the whole run (workers start once), `train.prefetch` batches ahead, decoded on the
+        device by the workload's `decode` (see data.loader)."""
+        t = self.config.train
+        sampler = EpochSampler(self._rank_indices, self.steps_per_epoch, start_step)
+        source = run_loader(self.workload.train_set, sampler, self.micro, self.num_workers,
+                            self.mesh.device, seed=start_step // self.steps_per_epoch)
+        return Prefetcher(source, self.mesh.device, decode=self.workload.decode, depth=t.prefetch)
 
     def _to_device(self, batch):
         x, y = batch
-        return x.to(self.mesh.device, non_blocking=True), y.to(self.mesh.device, non_blocking=True)
+        x, y = x.to(self.mesh.device, non_blocking=True), y.to(self.mesh.device, non_blocking=True)
+        return self.workload.decode_inputs(x), y
 
     # ------------------------------------------------------------------ one step
     def _train_step(self, batches) -> tuple[float, float]:
@@ -169,11 +215,11 @@ class Trainer:
         track = self.step_peak.track() if watch else contextlib.nullcontext()
         with track:
             if isinstance(self.model, PipelineModel):  # micro-batches run by the schedule
-                x, y = self._to_device(next(batches))
+                x, y = next(batches)
                 loss_sum = self.model.train_step(
                     x, y, lambda output, target: self.workload.loss_fn(output.float(), target))
             for micro in range(accum if not isinstance(self.model, PipelineModel) else 0):
-                x, y = self._to_device(next(batches))
+                x, y = next(batches)
                 sync = micro == accum - 1 or not hasattr(self.model, "no_sync")
                 with (self.model.no_sync() if not sync else contextlib.nullcontext()):
                     with self.precision.autocast(), self.observer.phase("forward"):
@@ -228,7 +274,7 @@ class Trainer:
         sums: dict[str, torch.Tensor] = {}
         seen = 0
         for batch in DataLoader(val, batch_size=self.micro, sampler=indices,
-                                num_workers=self.config.train.num_workers):
+                                num_workers=self.num_workers, collate_fn=collate):
             x, y = self._to_device(batch)
             if isinstance(model, PipelineModel):
                 output = model.eval_batch(x)  # on the last stage's rank only
@@ -325,6 +371,21 @@ class Trainer:
                        matmul_flops_per_s_measured=peak, mfu=per_rank / peak)
         return out
 
+    def _input_figures(self, step_times: list, waits: list, sizes: list) -> dict:
+        """The run's input wait: median seconds a step waited for its batch, the median share of
+        the step that was, and the input bytes per second this rank consumed (steady steps)."""
+        first = min(len(step_times) - 1, 2) if step_times else 0
+        times, waits, sizes = step_times[first:], waits[first:], sizes[first:]
+        if not times:
+            return {}
+        out = {"data_wait_s_median": statistics.median(waits),
+               "data_wait_fraction": statistics.median(w / d for w, d in zip(waits, times)),
+               "input_bytes_per_s": sum(sizes) / sum(times),
+               "num_workers": self.num_workers, "prefetch": self.config.train.prefetch}
+        if out["data_wait_fraction"] > DATA_WAIT_WARN:
+            out["data_wait_advice"] = data_wait_advice(out, self.config, self.mesh.device)
+        return out
+
     def _pipeline_timeline(self) -> dict:
         """The last step's bubble (idle share of stage time, mean over ranks); rank 0 keeps the
         step's timeline as pipeline_timeline.json in the run directory."""
@@ -356,6 +417,7 @@ class Trainer:
         batches = self._batches(self.step)
         ledger = self.mesh.ledger
         interval_losses, interval_times, step_times = [], [], []
+        interval_waits, step_waits, step_bytes = [], [], []
         mark, start = ledger.snapshot(), time.perf_counter()
         eval_metrics: dict[str, float] = {}
         progress = self.console.progress(self.total_steps, self.step) if self.console else None
@@ -381,11 +443,16 @@ class Trainer:
                 if self.mesh.device.type == "cuda":
                     torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
+                wait, nbytes = batches.take()  # this step's input wait (within dt) and bytes
                 self.observer.step_end()
                 self.step += 1
                 interval_losses.append(loss)
                 interval_times.append(dt)
                 step_times.append(dt)
+                interval_waits.append(wait)
+                step_waits.append(wait)
+                step_bytes.append(nbytes)
+                self.input_bytes += nbytes
                 if progress:
                     progress.advance(loss)
                 last = self.step == self.total_steps
@@ -400,6 +467,9 @@ class Trainer:
                     record = {"step": self.step, "loss": float(losses.mean()), "lr": lr,
                               "samples_per_s": t.batch_size * n / sum(interval_times),
                               "step_s": statistics.median(interval_times),
+                              "data_wait_s": statistics.median(interval_waits),
+                              "data_wait_fraction": statistics.median(
+                                  w / d for w, d in zip(interval_waits, interval_times)),
                               "peak_mem_bytes": peak, "peak_mem_source": source,
                               **self._memory_figures(),
                               "bytes_per_step": {a: b // n for a, b in delta.bytes_by_axis().items()},
@@ -415,6 +485,7 @@ class Trainer:
                     if progress:
                         progress.log(record)
                     interval_losses, interval_times, mark = [], [], ledger.snapshot()
+                    interval_waits = []
                 reached = False
                 if (t.eval_every and self.step % t.eval_every == 0) or last:
                     eval_start = time.time()
@@ -458,23 +529,56 @@ class Trainer:
                                            if "bytes_per_step" in h), {}),
                    **self._memory_figures(),
                    **self._throughput(t.batch_size / statistics.median(steady)),
+                   **self._input_figures(step_times, step_waits, step_bytes),
                    "precision": self.precision.name,
                    "stopped_by_signal": self.stopped_by_signal,
                    "nonfinite_skipped": self.nonfinite_skipped,
                    "checkpoint_blocked_s": self.checkpoint_writer.blocked_s,
                    "checkpoint_saves": self.checkpoint_writer.saves,
                    "wall_s": wall, "run_dir": str(self.run_dir) if self.run_dir else None}
-        bytes_read = getattr(self.workload.train_set, "bytes_read", None)
-        if bytes_read is not None:  # this rank's input bytes read from files (a spatial block)
-            summary["input_bytes_read_per_rank"] = int(bytes_read)
+        # this rank's training input over the run, as delivered to the device (as stored in the
+        # files when the workload decodes on the device: a spatial rank's blocks only)
+        summary["input_bytes_per_rank"] = self.input_bytes
         if self.mesh.plan.shard > 1:
             summary["zero_stage"] = self.config.parallel.zero_stage
         if self.scaler.enabled:
             summary.update(loss_scale=self.scaler.scale, skipped_steps=self.skipped_steps)
         summary.update(self.observer.summary(start))
+        if self.stage_figures:  # staging is part of the time it took to train
+            summary.update(self.stage_figures)
+            if "time_to_train_s" in summary:
+                summary["time_to_train_s"] += self.stage_figures["stage_s"]
         if self.is_main and self.run_dir:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
+
+
+DATA_WAIT_WARN = 0.05  # a run that waits longer than this share of its steps for input says so
+
+
+def data_wait_advice(figures: dict, config: Config, device: torch.device) -> str:
+    """One line: how long steps waited for input, and the levers that would shorten it."""
+    t = config.train
+    levers = []
+    if t.prefetch == 0:
+        levers.append("train.prefetch = 2 (load the next batches while this one trains)")
+    levers.append(f"more loader workers (train.num_workers, now {figures['num_workers']})")
+    if not getattr(config.data, "stage_to", ""):
+        levers.append("data.stage_to = \"/dev/shm\" or node-local NVMe (reads from a parallel "
+                      "file system are the usual cause)")
+    if device.type == "cuda" and hasattr(config.data, "decode_on_device") \
+            and not config.data.decode_on_device:
+        levers.append("data.decode_on_device = true")
+    return (f"steps waited {figures['data_wait_fraction']:.0%} of their time for input "
+            f"(median {figures['data_wait_s_median'] * 1e3:.1f} ms a step): try "
+            + "; ".join(levers) + ".")
+
+
+def _local_ranks(world_size: int) -> int:
+    """Ranks of this job on this node (the launcher's figure; the world on a local launch)."""
+    from ..launch import detect
+    launch = detect()
+    return launch.local_world_size if launch else world_size
 
 
 def _rng_devices(device: torch.device) -> list[int]:

@@ -10,6 +10,19 @@ from torch import nn
 from torch.utils.data import Dataset
 
 
+SHUFFLE_MODES = ("global", "node")
+
+
+@dataclass
+class InputOptions:
+    """[data] keys every built-in workload shares (its own DataOptions adds the rest)."""
+    stage_to: str = ""          # copy the data set once per node to this node-local directory
+                                # before training (/dev/shm, $TMPDIR, NVMe; env EXATRAIN_STAGE_TO
+                                # overrides); "" = read data.path where it is
+    shuffle: str = "global"     # global: one permutation of all samples per epoch (equal to
+                                # serial); node: each node shuffles only its shard of the samples
+
+
 @dataclass
 class Workload:
     model: nn.Module
@@ -26,3 +39,11 @@ class Workload:
     flops_per_sample: float = 0.0
     # Tokens in one sample (sequence models), for tokens/s; 0 = not a sequence model.
     tokens_per_sample: int = 0
+    # Inputs delivered in their stored form (e.g. int16 counts) are decoded by this function on
+    # the device, batch by batch (data.loader.Prefetcher); it returns floating inputs unchanged,
+    # so applying it to an already decoded batch is harmless. None: inputs arrive decoded.
+    decode: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def decode_inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` as the model takes it (decoded on x's device when the data set delivers raw)."""
+        return self.decode(x) if self.decode is not None else x

@@ -34,7 +34,7 @@ from ..comm import all_reduce
 from ..data.deepcam import CLASS_NAMES, DeepCAMDataset, write_deepcam
 from ..models.deepcam import DeepCAM, class_weights_from_frequencies, iou_from_confusion
 from ..parallel.spatial.functions import sum_over_axis
-from .base import Workload
+from .base import InputOptions, Workload
 
 
 @dataclass
@@ -45,7 +45,7 @@ class ModelOptions:
 
 
 @dataclass
-class DataOptions:
+class DataOptions(InputOptions):
     path: str = "data/deepcam-96x144"     # out_dir of `exatrain data deepcam` (train/, val/, stats)
     generate: bool = True                 # write a synthetic set there if it is missing
     samples: int = 256                    # samples to generate (train + val)

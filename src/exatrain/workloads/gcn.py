@@ -26,7 +26,7 @@ from torch.utils.data import Dataset
 
 from ..data.graph import load_graph, write_graph
 from ..models.gcn import GCN, normalized_adjacency
-from .base import Workload
+from .base import InputOptions, Workload
 
 
 @dataclass
@@ -37,7 +37,7 @@ class ModelOptions:
 
 
 @dataclass
-class DataOptions:
+class DataOptions(InputOptions):
     path: str = "data/graph-20k"   # graph.npz, or a directory of edge/feature/label/split files
     generate: bool = True          # write a power-law graph there if nothing is there
     nodes: int = 20000             # nodes to generate

@@ -31,7 +31,7 @@ from torch.utils.data import Subset
 
 from ..data.text import TokenDataset, write_text_corpus
 from ..models.gpt import GPT, GPTConfig, flops_per_token, gpt_loss
-from .base import Workload
+from .base import InputOptions, Workload
 
 _DEFAULT_SHAPE = dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128)
 
@@ -51,7 +51,7 @@ class ModelOptions:
 
 
 @dataclass
-class DataOptions:
+class DataOptions(InputOptions):
     path: str = "data/text"         # directory with train.bin, val.bin, meta.json
     generate: bool = True           # write the stdlib corpus there if it is missing
     max_bytes: int = 8_000_000      # corpus size when generating (0 = the whole stdlib)

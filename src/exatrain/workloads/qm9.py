@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from ..data.qm9 import QM9Dataset, convert_qm9, load_qm9
 from ..models.schnet import SchNet
-from .base import Workload
+from .base import InputOptions, Workload
 
 PUBLISHED_SCHNET_GAP_MAE_EV = 0.063
 
@@ -36,7 +36,7 @@ class ModelOptions:
 
 
 @dataclass
-class DataOptions:
+class DataOptions(InputOptions):
     path: str = "data/qm9"          # directory of qm9.npz
     generate: bool = True           # convert the qm9pack CSVs there if missing
     train_molecules: int = 0        # 0 = every molecule not held out for validation

@@ -28,7 +28,7 @@ import torch
 
 from ..data.forecast import ForecastDataset, write_forecast
 from ..models.vit import ViTForecaster, flops_per_sample, relative_l2_loss
-from .base import Workload
+from .base import InputOptions, Workload
 
 
 @dataclass
@@ -43,7 +43,7 @@ class ModelOptions:
 
 
 @dataclass
-class DataOptions:
+class DataOptions(InputOptions):
     path: str = "data/forecast"  # directory with train.h5 and val.h5
     generate: bool = True        # run the simulation there once if the files are missing
     trajectories: int = 16       # simulated runs (train + val; val gets 1/8, at least one)

@@ -351,6 +351,12 @@ class SpatialBlocks(Dataset):
     def __getitem__(self, index: int):
         return self.dataset.read(index, self.region)
 
+    def __getitems__(self, indices: list[int]):
+        """A batch of blocks, read straight into one buffer where the data set can (raw counts)."""
+        if hasattr(self.dataset, "read_batch"):
+            return self.dataset.read_batch(indices, self.region)
+        return [self.dataset.read(i, self.region) for i in indices]
+
     @property
     def bytes_read(self) -> int:
         return self.dataset.bytes_read

@@ -1,0 +1,246 @@
+"""The input path (data.loader, data.stage): the same samples in the same order whatever the
+workers and prefetch depth, the input wait measured, decode on the device equal to the CPU
+transform, staging verified and reused, and the node-local shuffle."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+import exatrain as et
+from exatrain.data.cosmoflow import CosmoFlowDataset, CountsDecoder
+from exatrain.data.loader import EpochSampler, Prefetcher, run_loader
+from exatrain.data.stage import (MANIFEST, StagingError, check_stage_dir, copy_files, data_files,
+                                 stage_dir)
+from exatrain.workloads.cosmoflow import Standardize
+from harness import run_ranks
+
+
+class IndexSet(Dataset):
+    """Sample i is (tensor([i]), tensor([-i]))."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.tensor([i]), torch.tensor([-float(i)])
+
+
+def _epoch_indices(epoch: int, first_step: int, steps: int = 5, per_step: int = 4) -> list[int]:
+    perm = np.random.default_rng([7, epoch]).permutation(40)
+    return perm[first_step * per_step:steps * per_step].tolist()
+
+
+@pytest.mark.parametrize("workers,depth", [(0, 0), (0, 2), (2, 1)])
+def test_loader_order_is_the_samplers_across_epochs(workers, depth):
+    """One loader for three epochs, resumed mid-epoch: exactly the per-epoch lists, in micro-batches
+    of 2, whatever the number of workers and the prefetch depth."""
+    start = 3  # step 3 of epoch 0 (5 steps an epoch)
+    sampler = EpochSampler(_epoch_indices, steps_per_epoch=5, start_step=start)
+    source = run_loader(IndexSet(40), sampler, batch_size=2, workers=workers,
+                        device=torch.device("cpu"), seed=0)
+    batches = Prefetcher(source, torch.device("cpu"), depth=depth)
+    try:
+        got = [next(batches)[0].flatten().tolist() for _ in range(2 * (2 + 5 + 5))]
+    finally:
+        batches.close()
+    expected = _epoch_indices(0, start) + _epoch_indices(1, 0) + _epoch_indices(2, 0)
+    assert [i for b in got for i in b] == expected
+    assert all(len(b) == 2 for b in got)
+
+
+def test_prefetcher_raises_the_loaders_error_on_the_training_thread():
+    class Broken(IndexSet):
+        def __getitem__(self, i):
+            if i == 5:
+                raise ValueError("sample 5 is corrupt")
+            return super().__getitem__(i)
+
+    sampler = EpochSampler(lambda e, s: list(range(s * 2, 10)), steps_per_epoch=5, start_step=0)
+    batches = Prefetcher(run_loader(Broken(10), sampler, 2, 0, torch.device("cpu"), 0),
+                         torch.device("cpu"), depth=2)
+    with pytest.raises(ValueError, match="sample 5 is corrupt"):
+        for _ in range(5):
+            next(batches)
+    batches.close()
+
+
+def test_counts_decoder_equals_the_cpu_transform(cosmo_data):
+    decoded = CosmoFlowDataset(cosmo_data / "train.h5")
+    decoded.transform = Standardize(2.5, 0.7)
+    raw = CosmoFlowDataset(cosmo_data / "train.h5")
+    raw.raw = True
+    xs, rs = zip(*[(decoded[i][0], raw[i][0]) for i in range(3)])
+    assert rs[0].dtype == torch.int16 and rs[0].shape == (16, 16, 16, 4)  # as stored
+    batch = CountsDecoder(mean=2.5, std=0.7)(torch.stack(rs))
+    assert batch.shape == (3, 4, 16, 16, 16) and batch.dtype == torch.float32
+    assert batch.is_contiguous(memory_format=torch.channels_last_3d)  # no copy for the model
+    torch.testing.assert_close(batch, torch.stack(xs), rtol=1e-6, atol=1e-6)
+    assert CountsDecoder()(batch) is batch  # decoded inputs pass through
+
+
+def test_decode_on_device_trains_like_the_cpu_transform(tiny_config, one_thread):
+    from exatrain.train.run import run_job
+    runs = {}
+    for on_device in (True, False):
+        summary = run_job(tiny_config("train.steps=4", f"data.decode_on_device={str(on_device).lower()}",
+                                      "train.num_workers=0"))
+        runs[on_device] = [json.loads(line)["loss"] for line in
+                           open(os.path.join(summary["run_dir"], "metrics.jsonl")) if '"loss"' in line]
+        # int16 counts travel: half the bytes of float32 (16³ × 4 channels + 4 float targets)
+        per_sample = (16 ** 3 * 4 * (2 if on_device else 4)) + 16
+        assert summary["input_bytes_per_rank"] == 4 * 8 * per_sample
+    np.testing.assert_allclose(runs[True], runs[False], rtol=1e-5)
+
+
+# ---------------------------------------------------------------- the input wait, measured
+class SlowSet(Dataset):
+    """Reading a sample takes `delay_s` (a sleep, like a slow file system)."""
+
+    def __init__(self, n: int, delay_s: float):
+        self.n, self.delay_s = n, delay_s
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        time.sleep(self.delay_s)
+        return torch.full((4,), float(i % 7)), torch.tensor([float(i % 3)])
+
+
+class SlowModel(nn.Module):
+    """A step that computes for `compute_s` (a sleep in forward, like a kernel the GPU runs)."""
+
+    def __init__(self, compute_s: float):
+        super().__init__()
+        self.compute_s = compute_s
+        self.linear = nn.Linear(4, 1)
+
+    def forward(self, x):
+        time.sleep(self.compute_s)
+        return self.linear(x)
+
+
+def _wait(tmp_path, name: str, workers: int, prefetch: int) -> dict:
+    # a batch of 2 takes 2 × 15 ms to read; the step computes 60 ms: 1/3 of a step is input
+    # wait when loading on the training thread, none when the loader runs ahead
+    return et.fit(SlowModel(0.060), SlowSet(64, 0.015), SlowSet(4, 0.0), loss=nn.functional.mse_loss,
+                  train={"steps": 12, "batch_size": 2, "log_every": 6, "eval_every": 0,
+                         "num_workers": workers, "prefetch": prefetch},
+                  run={"out_dir": str(tmp_path / name)}, observe={"tensorboard": False})
+
+
+def test_data_wait_fraction_measures_a_slow_dataset_and_prefetch_hides_it(tmp_path, one_thread):
+    inline = _wait(tmp_path, "inline", workers=0, prefetch=0)
+    assert 0.2 <= inline["data_wait_fraction"] <= 0.5, inline["data_wait_fraction"]  # known: 1/3
+    assert inline["data_wait_s_median"] >= 0.025
+    assert "data_wait_advice" in inline and "train.prefetch" in inline["data_wait_advice"]
+    ahead = _wait(tmp_path, "ahead", workers=0, prefetch=2)
+    assert ahead["data_wait_fraction"] < 0.05, ahead["data_wait_fraction"]
+    assert "data_wait_advice" not in ahead
+    workers = _wait(tmp_path, "workers", workers=2, prefetch=2)
+    assert workers["data_wait_fraction"] < 0.05, workers["data_wait_fraction"]
+    records = [json.loads(l) for l in open(os.path.join(inline["run_dir"], "metrics.jsonl"))]
+    assert all("data_wait_s" in r and "data_wait_fraction" in r for r in records if "loss" in r)
+
+
+# ---------------------------------------------------------------- staging
+def _files(root, sizes: dict) -> None:
+    for name, size in sizes.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(np.random.default_rng(size).bytes(size))
+
+
+def test_staging_copies_verifies_reuses_and_recopies_a_corrupt_copy(tmp_path):
+    source, stage_to = tmp_path / "lustre" / "set", tmp_path / "shm"
+    _files(source, {"train/a.h5": 3000, "train/b.h5": 5000, "val/c.h5": 700})
+    (source / ".hidden").write_text("not data")
+    stage_to.mkdir()
+    dest = stage_dir(source, stage_to)
+    wanted = [source / "train/a.h5", source / "val/c.h5"]
+    first = copy_files(wanted, source, dest)
+    assert sorted(first.copied) == ["train/a.h5", "val/c.h5"] and first.copied_bytes == 3700
+    assert not (dest / "train/b.h5").exists()  # exactly the files asked for
+    for rel in first.copied:
+        assert (dest / rel).read_bytes() == (source / rel).read_bytes()
+    manifest = json.loads((dest / MANIFEST).read_text())
+    assert set(manifest) == {"train/a.h5", "val/c.h5"}
+    again = copy_files(wanted, source, dest)  # an identical copy is reused, verified
+    assert again.copied == [] and sorted(again.reused) == ["train/a.h5", "val/c.h5"]
+    broken = bytearray((dest / "val/c.h5").read_bytes())
+    broken[10] ^= 0xFF
+    (dest / "val/c.h5").write_bytes(bytes(broken))  # same size, one byte flipped
+    healed = copy_files(wanted, source, dest)
+    assert healed.copied == ["val/c.h5"] and healed.reused == ["train/a.h5"]
+    assert (dest / "val/c.h5").read_bytes() == (source / "val/c.h5").read_bytes()
+    assert data_files(source) == [source / "train/a.h5", source / "train/b.h5", source / "val/c.h5"]
+
+
+def test_stage_dir_missing_read_only_or_too_small_is_refused(tmp_path):
+    with pytest.raises(StagingError, match="no such directory.*mkdir"):
+        check_stage_dir(tmp_path / "absent", 10, rank=3)
+    with pytest.raises(StagingError, match="not writable"):
+        check_stage_dir("/sys", 10, rank=0)  # not writable even by root
+    with pytest.raises(StagingError, match="free, the copy needs"):
+        check_stage_dir(tmp_path, 1 << 60, rank=0)
+
+
+def test_staging_error_comes_before_training(tiny_config, tmp_path, one_thread):
+    from exatrain.train.run import run_job
+    with pytest.raises(StagingError, match="no such directory") as info:
+        run_job(tiny_config("train.steps=2", f"data.stage_to={tmp_path}/not-there"))
+    assert "rank 0" in str(info.value)
+    assert not list((tmp_path / "runs").glob("*/metrics.jsonl"))  # no step was taken
+
+
+def _staged_and_node_shuffled(config, node_of_rank):
+    """On each rank: pretend to be on node node_of_rank[rank]; train 2 steps of a run that
+    stages its data and shuffles per node; return what this rank read and where."""
+    import torch.distributed as dist
+    from exatrain.data.stage import HOST_ENV
+    from exatrain.train.run import setup
+    rank = int(os.environ["RANK"])
+    os.environ[HOST_ENV] = f"node{node_of_rank[rank]}"
+    try:
+        mesh, trainer = setup(config)
+        epoch = trainer._rank_indices(0, 0)
+        summary = trainer.fit()
+        mesh.close()
+        return {"epoch": epoch, "steps_per_epoch": trainer.steps_per_epoch,
+                "data_path": config.data.path, "stage_s": summary.get("stage_s"),
+                "copied": summary.get("stage_copied_bytes"), "n": len(trainer.workload.train_set)}
+    finally:
+        os.environ.pop(HOST_ENV, None)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_node_shuffle_reads_each_sample_once_per_epoch_per_node_and_stages_per_node(
+        tiny_config, tmp_path):
+    stage_to = tmp_path / "node-local"
+    stage_to.mkdir()
+    config = tiny_config("train.steps=2", "data.shuffle=node", f"data.stage_to={stage_to}",
+                         "train.batch_size=8", "train.num_workers=0")
+    ranks = run_ranks(4, _staged_and_node_shuffled, config, [0, 0, 1, 1])
+    n = ranks[0]["n"]
+    # both "nodes" share this machine's disk, so one copier per node: each copied or reused it
+    assert all(r["data_path"].startswith(str(stage_to)) for r in ranks)
+    assert all(r["stage_s"] is not None for r in ranks)
+    shards = np.array_split(np.arange(n), 2)
+    for node, members in ((0, ranks[:2]), (1, ranks[2:])):
+        read = [i for r in members for i in r["epoch"]]
+        assert len(read) == len(set(read))  # no sample twice in an epoch on a node
+        assert set(read) <= set(shards[node].tolist())  # and only the node's shard
+        # 2 replicas × 2 samples per step, 21 samples a shard: 5 steps use 20 of them
+        assert len(read) == members[0]["steps_per_epoch"] * 4 == 20
