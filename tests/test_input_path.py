@@ -244,3 +244,24 @@ def test_node_shuffle_reads_each_sample_once_per_epoch_per_node_and_stages_per_n
         assert set(read) <= set(shards[node].tolist())  # and only the node's shard
         # 2 replicas × 2 samples per step, 21 samples a shard: 5 steps use 20 of them
         assert len(read) == members[0]["steps_per_epoch"] * 4 == 20
+
+
+def test_trainer_batches_are_todays_order_across_an_epoch_and_a_resume(tiny_config, one_thread):
+    """The Trainer's batches (default workers, prefetch, decode on the device) hold exactly the
+    samples of its per-epoch permutation slices, from a mid-epoch start across the epoch's end."""
+    from exatrain.train.run import setup
+    mesh, trainer = setup(tiny_config("train.steps=2"))
+    try:
+        assert trainer.num_workers >= 1  # a default run reads in worker processes
+        targets = torch.as_tensor(trainer.workload.train_set.targets())
+        per_epoch = trainer.steps_per_epoch  # 42 samples, batches of 8: 5 steps
+        start = per_epoch - 2
+        batches = trainer._batches(start)
+        try:
+            got = torch.cat([next(batches)[1] for _ in range(2 + per_epoch)])
+        finally:
+            batches.close()
+        order = trainer._rank_indices(0, start) + trainer._rank_indices(1, 0)
+        assert torch.equal(got, targets[order])
+    finally:
+        mesh.close()
