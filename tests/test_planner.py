@@ -198,7 +198,7 @@ def test_plan_table_calibrate_and_tune_commands(tmp_path, capsys):
     assert here.flops["fp32"] > 0 and here.intra.bandwidth > 0 and here.intra.latency > 0
     # tune with a prior from an earlier run's record: one measured Plan, the prior's point kept
     record, report = tmp_path / "record.json", tmp_path / "tune.json"
-    record.write_text(json.dumps({"points": [{"features": [0.0] * 10, "residual": 0.1}]}))
+    record.write_text(json.dumps({"points": [{"features": [0.0] * 12, "residual": 0.1}]}))
     args = ["tune", "--set", "run.workload=gpt", "--set", "model.preset=1m",
             "--set", "model.block_size=32", "--set", "train.batch_size=2", "--world", "1",
             "--budget", "1", "--steps", "1", "--system", str(system_file)]
