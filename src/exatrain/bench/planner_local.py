@@ -3,10 +3,11 @@
 Two sets of (shape, Plan) cases, measured in ONE launch of 2 ranks (`tune.measure.measure_many`:
 interleaved step by step, so the load of a shared machine hits both sets alike):
 
-  calibrated   GPT "1m" (5×128, context 256, 8 sequences) and MLPerf's CosmoFlow 32³ (32 channels,
-               no BatchNorm, 4 samples), on 1 rank and under every strategy of 2 ranks. Their
-               measured steps fit the machine's constants: a compute factor per compute kind
-               (matmul, conv) and the seconds per call of the fixed costs (`tune.overheads.fit`:
+  calibrated   `tune.calibrate.CALIBRATION_SHAPES`: GPT "1m" (5×128, context 256, 8 sequences),
+               a tiny GPT (3×32, context 32, 4 sequences) and MLPerf's CosmoFlow 32³ (32
+               channels, no BatchNorm, 4 samples), on 1 rank and under the strategies of 2
+               ranks. Their measured steps fit the machine's constants: a compute factor per
+               compute kind (matmul, conv) and the seconds per call of the fixed costs (`tune.overheads.fit`:
                per operator, per collective call, per FSDP2 unit)
   held-out     shapes the fit never sees: GPTs of other widths, depths, contexts and batches
                (among them the issue's ~1M-parameter GPT, 8×96, context 128), a ViT forecaster
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+
 
 def _gpt(layers: int, width: int, heads: int, context: int) -> list:
     return ["run.workload=gpt", "model.preset=1m", f"model.n_layer={layers}",
@@ -201,8 +203,7 @@ def local_part(steps: int, warmup: int = 3) -> tuple[dict, list]:
                 for i in cal]
     # which term fixed which case: refit without each term, the held-out errors that grow most
     without = {t: predict_with(fit_on(cal, drop=(t,)), held) for t in TERMS}
-    fitted = fitted_system(bare, full)
-    memory = [predict(specs[s], p, rank_system(fitted, p.world_size), o) for _w, s, p, o in plan_cases]
+    fitted = predict_all(range(len(entries)))(fitted_system(bare, full))
     for k, i in enumerate(held):
         e = entries[i]
         e["predicted_step_s"] = held_pred[k]
@@ -215,7 +216,7 @@ def local_part(steps: int, warmup: int = 3) -> tuple[dict, list]:
     for k, i in enumerate(cal):
         entries[i]["predicted_step_s"] = cal_pred[k]
         entries[i]["roofline_step_s"] = cal_roof[k]
-    for e, p in zip(entries, memory):
+    for e, p in zip(entries, fitted):
         e["predicted_memory"] = p.memory["total"]
         e["predicted_parts_s"] = p.parts_s
         e["predicted_bytes"] = p.bytes_by_axis
@@ -234,7 +235,7 @@ def local_part(steps: int, warmup: int = 3) -> tuple[dict, list]:
                        (p, e["measured_step_s"]) for e, p in zip(c_entries, cal_roof))})
     result.update({f"heldout_step_time_mape_without_{t}": _mape(
         (p, e["measured_step_s"]) for e, p in zip(h_entries, without[t])) for t in TERMS})
-    result.update(transfer(entries, memory, cal, held))
+    result.update(transfer(entries, fitted, cal, held))
     result["step_time_mape"] = result["calibrated_step_time_mape"]
     result["memory_mape"] = result["calibrated_memory_mape"]
     result["cases"] = len(entries)

@@ -9,14 +9,15 @@ Measured, each the median of repeated timings after a warm-up:
                         there are more ranks than cores
   memory_bandwidth      bytes/s of an out-of-place add on 64 MiB tensors (3 streams)
   [intra]               all-reduce over the active backend on 2 spawned ranks at payloads from
-                        4 KiB to 16 MiB, fitted to t = 2⌈log2 n⌉α + 2(n-1)/n · B/β (`systems.collective_time`):
-                        α (latency) and β (bandwidth); [inter] is the same link (one node)
-                        α below 1 MiB (small_latency, small_bytes): the small-message regime,
+                        4 KiB to 16 MiB, fitted to t = 2⌈log2 n⌉α + 2(n-1)/n · B/β
+                        (`systems.collective_time`) at ≥ 1 MiB: α (latency) and β (bandwidth);
+                        [inter] is the same link (one node); α below 1 MiB (small_latency, small_bytes): the small-message regime,
                         what the large messages' fit leaves of the small ones' times
   [measured.allreduce]  the raw (group size, payload, seconds) points
   [overheads]           the fixed costs per call (`tune.overheads`) and a compute factor per
-                        kind, fitted on the calibration shapes (`CALIBRATION_SHAPES`: a GPT and
-                        CosmoFlow under every strategy of 2 ranks, measured in one launch);
+                        kind ([efficiency] / factor), fitted on the calibration shapes
+                        (`CALIBRATION_SHAPES`: two GPTs and CosmoFlow on 1 rank and the
+                        strategies of 2, measured in one launch, `calibrate_shapes`);
                         step_error is their leave-one-out MAPE, the error `exatrain plan`
                         quotes when two Plans are closer than it
 

@@ -4,10 +4,11 @@ FSDP2 unit, the cost model's terms for small and sharded steps.
 A roofline (FLOPs / rate + bytes / bandwidth) is right for large kernels and long messages. A step
 of many small kernels, or one whose Plan adds many small collectives and hooks, pays per *call*:
 Python, the dispatcher and a kernel launch per operator, a latency per collective, FSDP2's hooks
-per unit. On this machine a ~1M-parameter GPT dispatches ~10,000 operators a step; at a few µs
-each they are a third of the step, and ZeRO-3 adds a DTensor dispatch for every sharded
-parameter in the optimizer and two gathers plus a reduce-scatter per block, each with hooks. Each term is a count
-(from the model and the Plan, exact) times a cost per call (calibrated on the system):
+per unit. A ~1M-parameter GPT of 8 blocks dispatches ~5,000 operators a step (forward, backward
+and AdamW's per-tensor loop); ZeRO-3 adds two gathers and a reduce-scatter per block, each with
+its hooks and copies, and a DTensor dispatch for every sharded parameter in the optimizer: on this
+machine that made ZeRO-3 1.8× slower than data=2 where the roofline had them equal. Each term is a
+count (from the model and the Plan, exact) times a cost per call (calibrated on the system):
 
   term              count per step on the busiest rank                       cost per call
   ops               ops_per_step (traced forward + loss + backward, `spec`)  op_s
