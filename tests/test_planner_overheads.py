@@ -109,7 +109,7 @@ def test_vit_spec_matches_the_model():
 
 
 def test_heldout_figures_arithmetic():
-    from exatrain.bench.planner_local import heldout_cases, kendall_tau, top1_regrets
+    from exatrain.bench.planner_local import heldout_cases, kendall_tau, ties, top1_regrets
     # one group ranked right, one with its two fastest swapped
     right = [(1.0, 10.0), (2.0, 20.0), (3.0, 30.0)]
     swapped = [(1.0, 12.0), (2.0, 10.0), (3.0, 30.0)]
@@ -117,6 +117,13 @@ def test_heldout_figures_arithmetic():
     assert math.isclose(kendall_tau([right, swapped]), (3 + 1) / 6)
     regrets = top1_regrets([right, swapped])   # the predicted best measured 12, the best 10
     assert regrets[0] == 0.0 and math.isclose(regrets[1], 0.2)
+    # a shape whose two fastest predictions are within the error is flagged, not ranked
+    rows = [{"world": 2, "shape": s, "measured_step_s": m} for s, m in
+            (("a", 1.0), ("a", 1.2), ("b", 1.0), ("b", 3.0))]
+    flagged = ties(rows, [1.0, 1.1, 1.0, 2.0], 0.2)
+    assert flagged["heldout_shapes_flagged_tie"] == 1
+    assert flagged["heldout_top1_regret_ranked"] == 0.0
+    assert math.isclose(flagged["heldout_flagged_measured_gap"][0], 0.2)
     cases = heldout_cases()
     assert len(cases) >= 12
     shapes = {s for s, _p, _o in cases}

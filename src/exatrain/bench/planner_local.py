@@ -116,6 +116,24 @@ def _figures(entries, predicted_step, predicted_memory, prefix: str) -> dict:
             f"{prefix}_shapes": len(groups)}
 
 
+def ties(entries, predicted, error: float) -> dict:
+    """`exatrain plan`'s honesty on the held-out shapes: a shape whose two fastest predicted Plans
+    are within the model's error (the calibrated leave-one-out MAPE) is flagged a tie, not
+    ranked; the regret over the shapes it did rank, and the measured gap of the flagged ones."""
+    shapes: dict = {}
+    for e, p in zip(entries, predicted):
+        if e["world"] > 1:
+            shapes.setdefault(e["shape"], []).append((p, e["measured_step_s"]))
+    flagged, ranked = [], []
+    for g in shapes.values():
+        g = sorted(g)
+        (ranked if len(g) < 2 or g[1][0] > g[0][0] * (1 + error) else flagged).append(g)
+    return {"heldout_tie_error": error, "heldout_shapes_flagged_tie": len(flagged),
+            "heldout_top1_regret_ranked": statistics.mean(top1_regrets(ranked))
+            if ranked else float("nan"),
+            "heldout_flagged_measured_gap": [g[1][1] / g[0][1] - 1 for g in flagged]}
+
+
 def transfer(entries, preds, cal, held, budget: int = 1) -> dict:
     """The tuner on each held-out shape with `budget` measurements, answered from this launch's
     measurements, with and without a prior of the calibrated shapes' residuals (transfer across
@@ -235,6 +253,7 @@ def local_part(steps: int, warmup: int = 3) -> tuple[dict, list]:
                        (p, e["measured_step_s"]) for e, p in zip(c_entries, cal_roof))})
     result.update({f"heldout_step_time_mape_without_{t}": _mape(
         (p, e["measured_step_s"]) for e, p in zip(h_entries, without[t])) for t in TERMS})
+    result.update(ties(h_entries, held_pred, result["calibrated_step_time_mape"] / 100))
     result.update(transfer(entries, fitted, cal, held))
     result["step_time_mape"] = result["calibrated_step_time_mape"]
     result["memory_mape"] = result["calibrated_memory_mape"]
