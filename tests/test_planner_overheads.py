@@ -115,6 +115,9 @@ def test_heldout_figures_arithmetic():
     swapped = [(1.0, 12.0), (2.0, 10.0), (3.0, 30.0)]
     assert kendall_tau([right]) == 1.0
     assert math.isclose(kendall_tau([right, swapped]), (3 + 1) / 6)
+    # the swapped pair differs by 20 % measured; with 25 % noise it is not counted
+    noisy = [(p, m, 0.25 if m < 20 else 0.0) for p, m in swapped]
+    assert kendall_tau([noisy], resolved=True) == 1.0
     regrets = top1_regrets([right, swapped])   # the predicted best measured 12, the best 10
     assert regrets[0] == 0.0 and math.isclose(regrets[1], 0.2)
     # a shape whose two fastest predictions are within the error is flagged, not ranked

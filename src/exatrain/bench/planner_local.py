@@ -80,18 +80,31 @@ def _mape(pairs) -> float:
     return 100 * sum(abs(p / m - 1) for p, m in pairs) / len(pairs) if pairs else float("nan")
 
 
-def kendall_tau(groups: list[list[tuple[float, float]]]) -> float:
-    """Kendall's τ over the pairs within each group of (predicted, measured): (concordant −
-    discordant) / pairs, a pair tied in either counting as neither."""
+def kendall_tau(groups: list[list[tuple]], resolved: bool = False) -> float:
+    """Kendall's τ over the pairs within each group of (predicted, measured[, noise]):
+    (concordant − discordant) / pairs, a pair tied in either counting as neither. With
+    `resolved`, only the pairs whose measured steps differ by more than both cases' noise (the
+    relative difference of the two halves of their timed steps) are counted."""
     conc = disc = pairs = 0
     for g in groups:
         for i in range(len(g)):
             for j in range(i + 1, len(g)):
+                if resolved and abs(g[i][1] / g[j][1] - 1) <= max(g[i][2], g[j][2]):
+                    continue
                 s = (g[i][0] - g[j][0]) * (g[i][1] - g[j][1])
                 pairs += 1
                 conc += s > 0
                 disc += s < 0
     return (conc - disc) / pairs if pairs else float("nan")
+
+
+def _halves_spread(times: list[float]) -> float:
+    """|median of the first half of the timed steps / median of the second − 1|: how much the
+    same case moved within the run (the load of a shared machine drifts)."""
+    half = len(times) // 2
+    if half < 1:
+        return 0.0
+    return abs(statistics.median(times[:half]) / statistics.median(times[half:]) - 1)
 
 
 def top1_regrets(groups: list[list[tuple[float, float]]]) -> list[float]:
@@ -103,8 +116,8 @@ def _figures(entries, predicted_step, predicted_memory, prefix: str) -> dict:
     groups: dict = {}
     for e, p in zip(entries, predicted_step):
         if e["world"] > 1:
-            groups.setdefault(e["shape"], []).append((p, e["measured_step_s"]))
-    regrets = top1_regrets(list(groups.values()))
+            groups.setdefault(e["shape"], []).append((p, e["measured_step_s"], e["noise"]))
+    regrets = top1_regrets([[g[:2] for g in group] for group in groups.values()])
     return {f"{prefix}_cases": len(entries),
             f"{prefix}_step_time_mape": _mape((p, e["measured_step_s"])
                                               for e, p in zip(entries, predicted_step)),
@@ -113,6 +126,10 @@ def _figures(entries, predicted_step, predicted_memory, prefix: str) -> dict:
             f"{prefix}_top1_regret": statistics.mean(regrets) if regrets else float("nan"),
             f"{prefix}_top1_regret_worst": max(regrets) if regrets else float("nan"),
             f"{prefix}_kendall_tau": kendall_tau(list(groups.values())),
+            f"{prefix}_kendall_tau_resolved": kendall_tau(list(groups.values()), resolved=True),
+            f"{prefix}_pairs_unresolved": sum(
+                abs(g[i][1] / g[j][1] - 1) <= max(g[i][2], g[j][2])
+                for g in groups.values() for i in range(len(g)) for j in range(i + 1, len(g))),
             f"{prefix}_shapes": len(groups)}
 
 
@@ -191,6 +208,7 @@ def local_part(steps: int, warmup: int = 3) -> tuple[dict, list]:
                         "options": options.label(), "world": plan.world_size,
                         "kind": specs[shape].compute_kind,
                         "measured_step_s": got["step_s"], "measured_step_s_min": got["step_s_min"],
+                        "noise": _halves_spread(got["step_times"]),
                         "measured_memory": got["step_peak_bytes"], "ledger_bytes": ledger})
     cal = [i for i, e in enumerate(entries) if e["set"] == "calibrated"]
     held = [i for i, e in enumerate(entries) if e["set"] == "heldout"]
