@@ -247,7 +247,9 @@ def local_part(steps: int, warmup: int = 3) -> tuple[dict, list]:
         err = abs(held_pred[k] / e["measured_step_s"] - 1)
         worse = {t: abs(without[t][k] / e["measured_step_s"] - 1) - err for t in TERMS}
         best = max(worse, key=worse.get)
-        e["fixed_by"] = best if worse[best] > 0.02 else ""
+        # only where the terms helped: the roofline's error above the full model's
+        helped = abs(held_roof[k] / e["measured_step_s"] - 1) > err
+        e["fixed_by"] = best if helped and worse[best] > 0.02 else ""
         e["error_without_term"] = {t: worse[t] + err for t in TERMS}
     for k, i in enumerate(cal):
         entries[i]["predicted_step_s"] = cal_pred[k]
