@@ -16,6 +16,10 @@ interleaved step by step, so the load of a shared machine hits both sets alike):
                Plans a user of 2 ranks chooses between (data=2, shard=2 with ZeRO-3, and
                tensor=2, space, or full checkpointing where they apply)
 
+heldout_tune_*: the tuner on each held-out shape with one measurement, with and without a prior
+of the calibrated shapes' residuals (transfer across shapes), on the full model's predictions and
+on the roofline's.
+
 Figures (each set): step_time_mape (calibrated: leave-one-out, each case predicted from a fit on
 the others), memory_mape, top1_regret (per shape: measured step of the predicted best / measured
 step of the measured best − 1; mean over shapes, and the worst), kendall_tau (rank correlation of
@@ -179,10 +183,8 @@ def transfer(entries, preds, cal, held, budget: int = 1) -> dict:
 
 def local_part(steps: int, warmup: int = 3) -> tuple[dict, list]:
     from ..train.config import load_config
-    from ..tune.calibrate import CALIBRATION_SHAPES, fit_cases, fitted_system, rank_system
-    from ..tune.cost import predict
+    from ..tune.calibrate import CALIBRATION_SHAPES
     from ..tune.measure import measure_many
-    from ..tune.overheads import TERMS
     from ..tune.spec import spec_from_config
     from ..tune.systems import load_system
 
@@ -210,6 +212,17 @@ def local_part(steps: int, warmup: int = 3) -> tuple[dict, list]:
                         "measured_step_s": got["step_s"], "measured_step_s_min": got["step_s_min"],
                         "noise": _halves_spread(got["step_times"]),
                         "measured_memory": got["step_peak_bytes"], "ledger_bytes": ledger})
+    result = {"cores_available": cores, "timed_steps": steps, "warmup_steps": max(2, warmup)}
+    result.update(analyse(entries, plan_cases, specs, bare))
+    return result, entries
+
+
+def analyse(entries: list, plan_cases: list, specs: dict, bare) -> dict:
+    """The fits and figures of measured `entries` (one per case of `plan_cases`, see
+    `local_part`), `bare` the system without fixed costs; fills the entries' predictions."""
+    from ..tune.calibrate import fit_cases, fitted_system, rank_system
+    from ..tune.cost import predict
+    from ..tune.overheads import TERMS
     cal = [i for i, e in enumerate(entries) if e["set"] == "calibrated"]
     held = [i for i, e in enumerate(entries) if e["set"] == "heldout"]
     measured_s = [e["measured_step_s"] for e in entries]
@@ -260,7 +273,7 @@ def local_part(steps: int, warmup: int = 3) -> tuple[dict, list]:
         e["predicted_bytes"] = p.bytes_by_axis
         e["bytes_exact"] = e["world"] == 1 or e["ledger_bytes"] == p.bytes_by_axis
     c_entries, h_entries = [entries[i] for i in cal], [entries[i] for i in held]
-    result = {"cores_available": cores, "timed_steps": steps, "warmup_steps": max(2, warmup)}
+    result: dict = {}
     result.update(_figures(c_entries, cal_pred, [e["predicted_memory"] for e in c_entries],
                            "calibrated"))
     result.update(_figures(h_entries, held_pred, [e["predicted_memory"] for e in h_entries],
@@ -275,6 +288,11 @@ def local_part(steps: int, warmup: int = 3) -> tuple[dict, list]:
         (p, e["measured_step_s"]) for e, p in zip(h_entries, without[t])) for t in TERMS})
     result.update(ties(h_entries, held_pred, result["calibrated_step_time_mape"] / 100))
     result.update(transfer(entries, fitted, cal, held))
+    # the same on the roofline's predictions: can the prior learnt on the calibrated shapes
+    # ("ZeRO-3 is slower than predicted") correct its inverted ranking of shapes it never saw?
+    roof_preds = predict_all(range(len(entries)))(fitted_system(bare, roofline))
+    result.update({k.replace("heldout_tune_", "heldout_tune_roofline_"): v for k, v in
+                   transfer(entries, roof_preds, cal, held).items() if "regret" in k})
     result["step_time_mape"] = result["calibrated_step_time_mape"]
     result["memory_mape"] = result["calibrated_memory_mape"]
     result["cases"] = len(entries)
@@ -282,4 +300,4 @@ def local_part(steps: int, warmup: int = 3) -> tuple[dict, list]:
     result["fitted_overheads"] = full["overheads"]
     result["fitted_compute_factor"] = full["compute_factor"]
     result["local_cases"] = entries
-    return result, entries
+    return result
