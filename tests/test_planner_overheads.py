@@ -165,3 +165,32 @@ def test_plan_says_when_it_cannot_tell_plans_apart(tmp_path, capsys):
                   "FSDP2 per unit"):
         assert label in out, label
     assert "measured step 53 ms" in out and "median of 5 records" in out
+
+
+def test_bench_analysis_scores_a_machine_the_model_describes():
+    """`bench.planner_local.analyse` on steps made by a known system: the fit on the calibrated
+    shapes recovers it, so the held-out shape is predicted right and ranked right; the roofline
+    (fixed costs off) is not."""
+    from exatrain.bench.planner_local import analyse
+    base = dataclasses.replace(load_system("cpu-local"), overheads={})
+    truth = dataclasses.replace(base, overheads=dict(KNOWN),
+                                efficiency={**base.efficiency, "matmul": 0.5})
+    specs = {"a": gpt_spec(SMALL_GPT), "b": gpt_spec(SMALL_GPT.replace(n_layer=6, n_embd=64)),
+             "held": gpt_spec(SMALL_GPT.replace(n_layer=8, n_embd=48, block_size=64))}
+    plans = [(Plan(data=2), Options(batch=4)), (Plan(shard=2), Options(batch=4, zero_stage=3)),
+             (Plan(tensor=2), Options(batch=4)), (Plan(data=2), Options(batch=4,
+                                                                       checkpointing="full"))]
+    plan_cases = [("calibrated" if s != "held" else "heldout", s, p, o)
+                  for s in specs for p, o in plans]
+    entries = []
+    for which, s, p, o in plan_cases:
+        pred = predict(specs[s], p, truth, o)
+        entries.append({"set": which, "shape": s, "params": specs[s].params, "world": 2,
+                        "kind": "matmul", "measured_step_s": pred.step_s, "noise": 0.0,
+                        "measured_memory": pred.memory["total"], "ledger_bytes":
+                        pred.bytes_by_axis})
+    out = analyse(entries, plan_cases, specs, base)
+    assert out["heldout_step_time_mape"] < 1 and out["heldout_memory_mape"] < 1e-6
+    assert out["heldout_top1_regret"] == 0 and out["heldout_kendall_tau"] == 1.0
+    assert out["heldout_roofline_step_time_mape"] > 10 * out["heldout_step_time_mape"]
+    assert out["bytes_exact_cases"] == len(entries)
