@@ -196,9 +196,12 @@ def test_plan_table_calibrate_and_tune_commands(tmp_path, capsys):
     assert main(["plan", "--calibrate", "--quick", "--calibrate-out", str(system_file)]) == 0
     here = load_system(str(system_file))
     assert here.flops["fp32"] > 0 and here.intra.bandwidth > 0 and here.intra.latency > 0
+    # the calibration shapes' fit: a cost per call for every fixed-cost term, and its error
+    assert {"op_s", "collective_s", "fsdp_unit_s", "step_error"} <= set(here.overheads)
+    assert here.intra.small_latency > 0 and here.intra.small_bytes == 1 << 20
     # tune with a prior from an earlier run's record: one measured Plan, the prior's point kept
     record, report = tmp_path / "record.json", tmp_path / "tune.json"
-    record.write_text(json.dumps({"points": [{"features": [0.0] * 10, "residual": 0.1}]}))
+    record.write_text(json.dumps({"points": [{"features": [0.0] * 12, "residual": 0.1}]}))
     args = ["tune", "--set", "run.workload=gpt", "--set", "model.preset=1m",
             "--set", "model.block_size=32", "--set", "train.batch_size=2", "--world", "1",
             "--budget", "1", "--steps", "1", "--system", str(system_file)]

@@ -2,29 +2,12 @@
 
 Three parts, one launch:
 
-1. This machine. For each case — GPT (1m preset, 8 sequences) and CosmoFlow (32³, 4 samples) on
-   1 rank, and on 2 ranks (the cores) under every strategy that fits: data=2, shard=2 with ZeRO 1,
-   2 and 3, tensor=2 and pipe=2 (GPT), space=(2,1,1) (CosmoFlow), full checkpointing — the Plan
-   is measured
-   (`tune.measure.measure_many`: all cases in one launch of 2 ranks, interleaved step by step, the
-   serial ones on rank 0 with one thread) and predicted (`tune.cost.predict`, system cpu-local).
-   Measurement, made to hold up on a machine other jobs share:
-     * 3 warm-up rounds, then 24 timed rounds (--warmup, --steps); a case's step time is the
-       median of its timed steps (each the slowest rank's); the fastest step is kept beside it
-     * every timed round also runs a fixed matmul on rank 0 alone and on both ranks at once
-       (`measure.cores_available`): how many cores the two ranks really have now (2 on an idle
-       machine, near 1 when other jobs hold the cores); the prediction uses that many cores
-     * compute rates per model, leave-one-out: a case's rate is the median of what the same
-       model's other cases measured, so no case is predicted from its own time
-     * the spread: the timed rounds are cut into 3 consecutive blocks, each a repeat of the
-       whole measurement; step_time_mape_blocks is the MAPE of each block on its own, predicted
-       with the cores its own rounds' probes found (cores_available_blocks)
-     memory: measured = the state held when a step begins + StepPeak of its forward/backward
-     (`tune.measure`); predicted = the cost model's total per rank
-     bytes: the ledger's bytes per axis of one step against the cost model's, exactly
-   Figures: step_time_mape, step_time_mape_blocks, step_time_mape_spread,
-   step_time_mape_fastest_step, cores_available, memory_mape, cases, bytes_exact_cases, and each
-   case's numbers.
+1. This machine, calibrated and held-out shapes (`bench.planner_local`): the cost model's
+   constants are fitted on the calibrated shapes' measured steps and predict shapes the fit never
+   saw (other GPT widths, depths, contexts and batches, a ViT, CosmoFlow of another width), all
+   measured in one launch. Figures: calibrated_* and heldout_* step_time_mape, memory_mape,
+   top1_regret, kendall_tau; the roofline's (fixed costs off) beside them; step_time_mape and
+   memory_mape are the calibrated ones. `--parts local,published` runs in a few minutes.
 
 2. Published: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
    Models", arXiv 2205.05198, Table 5), GPT 22B/175B/530B/1T trained with Megatron on A100s of
@@ -165,28 +148,6 @@ def published_loo(cases: list[dict]) -> float:
     return 100 * sum(errs) / len(errs)
 
 
-def _local_cases():
-    from ..plan import Plan
-    from ..tune.cost import Options
-    gpt = ["run.workload=gpt", "model.preset=1m", "train.batch_size=8"]
-    # MLPerf's CosmoFlow (32 channels, no BatchNorm), the model this bench was first measured
-    # with: the default job's 16-channel BatchNorm model is over-predicted (README, "Accuracy")
-    cosmo = ["run.workload=cosmoflow", "model.size=32", "train.batch_size=4",
-             "model.base_channels=32", "model.batchnorm=false"]
-    return [("gpt", gpt, Plan(), Options(batch=8)),
-            ("gpt", gpt, Plan(data=2), Options(batch=8)),
-            ("gpt", gpt, Plan(data=2), Options(batch=8, checkpointing="full")),
-            ("gpt", gpt, Plan(shard=2), Options(batch=8, zero_stage=1)),
-            ("gpt", gpt, Plan(shard=2), Options(batch=8, zero_stage=2)),
-            ("gpt", gpt, Plan(shard=2), Options(batch=8, zero_stage=3)),
-            ("gpt", gpt, Plan(tensor=2), Options(batch=8)),
-            ("gpt", gpt, Plan(pipe=2), Options(batch=8)),
-            ("cosmoflow", cosmo, Plan(), Options(batch=4)),
-            ("cosmoflow", cosmo, Plan(data=2), Options(batch=4)),
-            ("cosmoflow", cosmo, Plan(shard=2), Options(batch=4, zero_stage=2)),
-            ("cosmoflow", cosmo, Plan(space=(2, 1, 1)), Options(batch=4))]
-
-
 BLOCKS = 3   # the timed steps are cut into this many consecutive blocks, each a repeat
 
 
@@ -200,93 +161,6 @@ def _blocks(times: list, n: int = BLOCKS) -> list[list]:
         out.append(times[at:at + size])
         at += size
     return [b for b in out if b]
-
-
-def _loo_step_times(measured: list, cases: list, preds: list) -> list[float]:
-    """Each case's predicted step time with the compute rate fitted on its model's OTHER cases
-    (median of measured / predicted compute time), so no case is predicted from itself."""
-    import statistics
-    out = []
-    for i, (case, pred) in enumerate(zip(cases, preds)):
-        other = pred.step_s - pred.parts_s["compute"]
-        factors = [(measured[j] - (p.step_s - p.parts_s["compute"])) / p.parts_s["compute"]
-                   for j, (c, p) in enumerate(zip(cases, preds))
-                   if j != i and c["model"] == case["model"]]
-        out.append(other + pred.parts_s["compute"] * statistics.median(factors))
-    return out
-
-
-def local_part(steps: int, warmup: int = 2) -> tuple[dict, list]:
-    import dataclasses
-    import statistics
-
-    from ..train.config import load_config
-    from ..tune.cost import predict
-    from ..tune.measure import measure_many
-    from ..tune.spec import spec_from_config
-    from ..tune.systems import load_system
-
-    shipped = load_system("cpu-local")
-    plans = _local_cases()
-    configs = [load_config(None, overrides) for _f, overrides, _p, _o in plans]
-    # every case in one launch on 2 ranks, interleaved step by step (serial ones on rank 0, one
-    # thread: with both cores' threads on a machine other jobs oversubscribe, OpenMP's spinning
-    # threads wait for each other and one step took up to 8x its usual time); each timed round
-    # also probes how many cores the two ranks really have (`measure.cores_available`)
-    probe: dict = {}
-    measured = measure_many([(c, p, o) for c, (_f, _ov, p, o) in zip(configs, plans)], 2, steps,
-                            warmup, serial_threads=1, probe=probe)
-    one_core = dataclasses.replace(shipped, measured={**shipped.measured, "cores": 1})
-    specs = {family: spec_from_config(config) for config, (family, *_r) in zip(configs, plans)}
-
-    def predictions(cores: float) -> list:
-        """The system as calibrated, with the cores the probe found (a serial case: one)."""
-        base = dataclasses.replace(shipped, measured={**shipped.measured, "cores": cores})
-        return [predict(specs[family], plan, one_core if plan.world_size == 1 else base, options)
-                for family, _ov, plan, options in plans]
-
-    preds = predictions(probe["cores_available"])
-    cases = []
-    for (family, _ov, plan, options), got, pred in zip(plans, measured, preds):
-        spec = specs[family]
-        ledger = {a: b for a, b in got["ledger_bytes"].items() if b}
-        times = got["step_times"]
-        cases.append({"model": spec.name, "plan": str(plan), "options": options.label(),
-                      "world": plan.world_size,
-                      "measured_step_s": statistics.median(times),
-                      "measured_step_s_min": min(times),
-                      "measured_step_s_blocks": [statistics.median(b) for b in _blocks(times)],
-                      "measured_memory": got["step_peak_bytes"],
-                      "predicted_memory": pred.memory["total"], "ledger_bytes": ledger,
-                      "predicted_bytes": pred.bytes_by_axis,
-                      "bytes_exact": plan.world_size == 1 or ledger == pred.bytes_by_axis})
-
-    def mape_of(measured_times, with_preds):
-        predicted = _loo_step_times(measured_times, cases, with_preds)
-        return _mape(zip(predicted, measured_times)), predicted
-
-    mape, predicted = mape_of([c["measured_step_s"] for c in cases], preds)
-    for case, p in zip(cases, predicted):
-        case["predicted_step_s"] = p
-    # each block is a repeat on its own: its measured medians against the cores its own
-    # rounds' probes found (the other jobs' load changes during a run)
-    block_cores = [min(2.0, max(1.0, statistics.median(b)))
-                   for b in _blocks(probe["cores_available_rounds"])]
-    by_block = [mape_of([c["measured_step_s_blocks"][b] for c in cases],
-                        predictions(block_cores[b]))[0]
-                for b in range(len(cases[0]["measured_step_s_blocks"]))]
-    result = {"cases": len(cases), "timed_steps": steps, "warmup_steps": max(2, warmup),
-              "cores_available": probe["cores_available"],
-              "cores_available_blocks": block_cores,
-              "step_time_mape": mape,
-              "step_time_mape_blocks": by_block,
-              "step_time_mape_spread": [min(by_block), max(by_block)],
-              "step_time_mape_fastest_step": mape_of([c["measured_step_s_min"]
-                                                      for c in cases], preds)[0],
-              "memory_mape": _mape((c["predicted_memory"], c["measured_memory"]) for c in cases),
-              "bytes_exact_cases": sum(c["bytes_exact"] for c in cases),
-              "local_cases": cases}
-    return result, cases
 
 
 def tuner_part(steps: int, warmup: int = 2) -> dict:
@@ -393,13 +267,15 @@ def tuner_part(steps: int, warmup: int = 2) -> dict:
 def run(args) -> dict:
     parts = {p.strip() for p in getattr(args, "parts", "local,published,tuner").split(",")}
     import os
-    # 24 timed steps (3 blocks of 8) after 3 warm-up rounds unless told otherwise
+    # timed steps after 3 warm-up rounds unless told otherwise: 12 for the calibrated and held-out
+    # cases (32 of them, ~200 s on 2 loaded cores), 24 (3 blocks of 8) for the tuner's table
     steps = args.steps or 24
     warmup = getattr(args, "warmup", 0) or 3
     # how busy the machine was: step-time figures mean little when other jobs hold the cores
     result: dict = {"cores": os.cpu_count(), "load_average_start": os.getloadavg()[0]}
     if "local" in parts:
-        local, _ = local_part(steps, warmup)
+        from .planner_local import local_part
+        local, _ = local_part(args.steps or 12, warmup)
         result.update(local)
     if "published" in parts:
         cases = published_cases()

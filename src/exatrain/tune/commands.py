@@ -80,7 +80,9 @@ def plan_command(args) -> int:
     spec = spec_from_config(config)
     base = options_from_config(config)
     if args.plan:   # one Plan: its prediction, and plan.py's and the model's verdicts
-        return _one_plan(console, spec, parse_plan(args.plan), system, base, world, args.json)
+        measured = measured_run(args.run_dir) if args.run_dir else None
+        return _one_plan(console, spec, parse_plan(args.plan), system, base, world, args.json,
+                         explain=args.explain or bool(measured), measured=measured)
     import time
     t0 = time.perf_counter()
     ranking = rank_plans(spec, world, system, base)
@@ -98,13 +100,16 @@ def plan_command(args) -> int:
                 "bytes per axis per step"):
         table.add_column(col, justify="right" if col in ("#", "step", "compute", "comm",
                                                          "bubble", "memory/rank") else "left")
+    ties = tie_ranks(ranking.ranked[:args.top], step_error(system))
     for i, p in enumerate(ranking.ranked[:args.top], 1):
-        table.add_row(str(i), str(p.plan).removeprefix("Plan(").removesuffix(")") or "serial",
+        table.add_row(ties[i - 1], str(p.plan).removeprefix("Plan(").removesuffix(")") or "serial",
                       p.options.label() or "-", _human_s(p.step_s),
                       _human_s(p.parts_s["compute"]), _human_s(p.parts_s["comm_exposed"]),
                       _human_s(p.parts_s["bubble"]), _human_bytes(p.memory["total"]),
                       ", ".join(f"{a} {_human_bytes(b)}" for a, b in p.bytes_by_axis.items()))
     console.print(table)
+    for line in honesty_notes(ranking.ranked[:args.top], system):
+        console.print(line, highlight=False)
     counts = ranking.refusal_counts()
     console.print(f"considered {ranking.considered} in {elapsed:.2f} s; refused: " +
                   (", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "none"))
@@ -123,7 +128,91 @@ def plan_command(args) -> int:
     return 0
 
 
-def _one_plan(console, spec, plan: Plan, system, options: Options, world: int, json_out) -> int:
+def step_error(system) -> float:
+    """The relative step-time error the model has been measured to make on `system` (its
+    `[overheads] step_error`, written by `exatrain plan --calibrate`), else DEFAULT_ERROR."""
+    return float(getattr(system, "overheads", {}).get("step_error", DEFAULT_ERROR))
+
+
+DEFAULT_ERROR = 0.25   # where no calibration measured it: the roofline's error on small steps
+
+
+def tie_ranks(ranked: list, error: float) -> list[str]:
+    """Rank labels, fastest first; a Plan whose predicted step is within `error` of the best of
+    its group's is labelled with the group's rank and '=' (a tie the model cannot break)."""
+    labels, lead, lead_rank = [], None, 0
+    for i, p in enumerate(ranked, 1):
+        if lead is None or p.step_s > lead * (1 + error):
+            lead, lead_rank = p.step_s, i
+            labels.append(str(i))
+        else:
+            labels.append(f"{lead_rank}=")
+            if labels[lead_rank - 1] == str(lead_rank):
+                labels[lead_rank - 1] = f"{lead_rank}="
+    return labels
+
+
+def honesty_notes(ranked: list, system) -> list[str]:
+    """What the ranking cannot tell: Plans within the model's measured error of the best, and
+    the terms the system file has not calibrated (their cost counted as zero)."""
+    from .overheads import LABELS, uncalibrated
+    notes = []
+    error = step_error(system)
+    measured = "step_error" in getattr(system, "overheads", {})
+    if ranked:
+        close = [p for p in ranked if p.step_s <= ranked[0].step_s * (1 + error)]
+        if len(close) > 1:
+            notes.append(f"note: the first {len(close)} are within the model's "
+                         f"{'measured' if measured else 'assumed'} error (±{100 * error:.0f} %) "
+                         "of each other ('='): their order is not a prediction; measure them "
+                         "(exatrain tune) before choosing.")
+    missing = uncalibrated(system)
+    if missing:
+        notes.append(f"note: not calibrated on {system.name}, counted as 0: " +
+                     "; ".join(LABELS[t] for t in missing) +
+                     (". Run `exatrain plan --calibrate` on this machine." if
+                      system.name == "cpu-local" else
+                      " (on GPUs these mostly hide behind the kernels; small steps pay them)."))
+    return notes
+
+
+def measured_run(run_dir: str) -> dict:
+    """Median step time and memory (state + peak activations) of a run's metrics.jsonl."""
+    import statistics
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"--run-dir {run_dir}: no metrics.jsonl there; give the "
+                                "directory `exatrain run` wrote (runs/NAME-DATE)")
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    steps = [x for x in lines if "step_s" in x]
+    if not steps:
+        raise ValueError(f"--run-dir {run_dir}: metrics.jsonl has no step_s records yet")
+    memory = [x.get("state_bytes", 0) + x.get("peak_activation_bytes", 0) for x in steps]
+    return {"step_s": statistics.median(x["step_s"] for x in steps),
+            "memory_bytes": max(memory), "records": len(steps), "run_dir": str(run_dir)}
+
+
+def explain_lines(pred, system) -> list[str]:
+    """The cost breakdown of one prediction: one line per term, with its count and cost."""
+    from .overheads import COST_KEYS, LABELS, TERMS
+    parts = pred.parts_s
+    table = getattr(system, "overheads", {})
+    lines = [f"    {'compute (FLOPs / calibrated rate)':<52}{_human_s(parts['compute']):>10}",
+             f"    {'communication exposed (bytes / β + α per step)':<52}"
+             f"{_human_s(parts['comm_exposed']):>10}",
+             f"    {'pipeline bubble':<52}{_human_s(parts['bubble']):>10}",
+             f"    {'optimizer (state streamed through memory)':<52}"
+             f"{_human_s(parts['optimizer']):>10}"]
+    for term in TERMS:
+        key = COST_KEYS[term]
+        how = (f"{pred.calls.get(term, 0):,.0f} × {_human_s(table[key])}" if key in table
+               else f"{pred.calls.get(term, 0):,.0f} × ? (not calibrated: 0)")
+        lines.append(f"    {LABELS[term]:<52}{_human_s(parts.get(term, 0.0)):>10}   {how}")
+    return lines
+
+
+def _one_plan(console, spec, plan: Plan, system, options: Options, world: int, json_out,
+              explain: bool = False, measured: dict | None = None) -> int:
     from .cost import predict
     from .search import shape_problem
     verdicts = []
@@ -138,7 +227,10 @@ def _one_plan(console, spec, plan: Plan, system, options: Options, world: int, j
     pred = predict(spec, plan, system, options, world)
     if pred.memory["total"] > system.usable_memory:
         verdicts.append(f"out of memory: needs {_human_bytes(pred.memory['total'])} per rank")
-    out = {**pred.to_dict(), "valid": not verdicts, "refused_because": verdicts}
+    out = {**pred.to_dict(), "valid": not verdicts, "refused_because": verdicts,
+           "calls": pred.calls, "step_error": step_error(system)}
+    if measured:
+        out["measured"] = measured
     if json_out:
         _emit(out, json_out)
         return 0
@@ -147,12 +239,29 @@ def _one_plan(console, spec, plan: Plan, system, options: Options, world: int, j
     for v in verdicts:
         console.print(f"  {v}", highlight=False)
     console.print(f"  step {_human_s(pred.step_s)} = " + " + ".join(
-        f"{k} {_human_s(v)}" for k, v in pred.parts_s.items()), highlight=False)
+        f"{k} {_human_s(v)}" for k, v in pred.parts_s.items() if v), highlight=False)
+    if explain:
+        for line in explain_lines(pred, system):
+            console.print(line, highlight=False)
+    if measured:
+        console.print(f"  measured step {_human_s(measured['step_s'])} (median of "
+                      f"{measured['records']} records of {measured['run_dir']}): predicted "
+                      f"{100 * (pred.step_s / measured['step_s'] - 1):+.0f} %; the model's "
+                      f"error on {system.name}: ±{100 * step_error(system):.0f} %",
+                      highlight=False)
     console.print("  memory/rank " + ", ".join(f"{k} {_human_bytes(v)}"
                                                for k, v in pred.memory.items()), highlight=False)
+    if measured and measured["memory_bytes"]:
+        console.print(f"  measured memory/rank {_human_bytes(measured['memory_bytes'])} (state + "
+                      f"peak activations): predicted "
+                      f"{100 * (pred.memory['total'] / measured['memory_bytes'] - 1):+.0f} %",
+                      highlight=False)
     console.print("  bytes/step " + ", ".join(f"{a} {_human_bytes(b)}"
                                              for a, b in pred.bytes_by_axis.items()),
                   highlight=False)
+    if explain:
+        for line in honesty_notes([], system):
+            console.print(line, highlight=False)
     return 0
 
 
@@ -215,6 +324,10 @@ def add_parsers(sub) -> None:
                                      "the config's [plan] at --world)")
     plan.add_argument("--dry-run", type=int, metavar="RANK", help="run one step of RANK over the "
                                                                   "fake process group")
+    plan.add_argument("--explain", action="store_true", help="with --plan: the step's cost "
+                      "term by term (count × calibrated cost per call)")
+    plan.add_argument("--run-dir", default="", help="with --plan: a run directory of that Plan; "
+                      "its measured step and memory are printed beside the prediction")
     plan.add_argument("--calibrate", action="store_true", help="measure this machine into a "
                                                                "system file")
     plan.add_argument("--calibrate-out", default="", help="system file to write (default: "

@@ -17,9 +17,14 @@ Memory per rank (bytes), for Ψ parameters held by the rank (after the tensor an
   published runs   `Options.sequence_parallel` (whole blocks split over tensor), `attention=
                    "materialised"` (softmax and dropout kept, Megatron 2022), `vocab_parallel`
                    and `fp32_grads` describe runs whose layers differ from exatrain's
-  transient        backward's gradients of the largest saved activation and of its input
+  transient        backward's gradients of the largest saved activation and of its input, less
+                   the activations saved after it (freed by the time backward reaches it)
   comm buffers     one gradient bucket copy (tensor's GradSync), two gathered blocks (ZeRO-3,
                    prefetch); DDP, ZeRO-1 and ZeRO-2 need none beyond the gradients
+  ZeRO-3 peak      the peak is at the end of forward, when no gradient exists yet (gradients
+                   are set to None after each step; FSDP2 creates a unit's sharded gradient in
+                   its backward, as that unit's activations are freed): state without the
+                   4Ψ/N gradients, + activations + the gathered blocks
 
 Step time (seconds):
 
@@ -37,6 +42,9 @@ Step time (seconds):
   pipeline bubble  the schedule's idle fraction, `parallel.pipe.bubble_formula`: (p-1)/(m+p-1)
                    for GPipe and 1F1B, (p-1)/(v·m+p-1) interleaved, (p-1)/(3v·m+p-1) zero-bubble
   optimizer        reading and writing the rank's optimizer state once (memory bandwidth)
+  fixed costs      per operator, per collective call and per FSDP2 unit
+                   (`tune.overheads`: counts from the model and the Plan × the system's
+                   calibrated seconds per call); parts_s has one entry per term
 
 The byte formulas are the strategies' own (imported, not rewritten): `zero_state_formula`,
 `parallel.tensor.linear1d.{shared_input,column,row}_bytes`, `parallel.spatial.volume`'s halo
@@ -55,6 +63,7 @@ from dataclasses import dataclass, field
 
 from ..plan import Plan
 from ..train.memory import zero_state_formula
+from . import overheads
 from .spec import ModelSpec
 from .systems import System, collective_time
 
@@ -124,6 +133,7 @@ class Prediction:
     parts_s: dict              # compute, comm_exposed, bubble, optimizer
     comms: list = field(default_factory=list)
     memory_by_stage: list = field(default_factory=list)   # per pipeline stage's rank
+    calls: dict = field(default_factory=dict)   # counts of the fixed-cost terms (`overheads`)
 
     @property
     def bytes_by_axis(self) -> dict[str, int]:
@@ -616,7 +626,8 @@ def _memory(spec: ModelSpec, plan: Plan, options: Options, shapes: list, stage_i
         state += 4 * len(shapes)   # Adam's step counter: one fp32 scalar per parameter tensor
     acts = activation_bytes(spec, plan, options, stage_index)
     biggest_block = max(psi / max(spec.blocks, 1), 1)
-    if plan.shard > 1 and stage == 3:
+    zero3 = plan.shard > 1 and stage == 3
+    if zero3:
         buffers = 2 * biggest_block * 4
     elif plan.tensor_degree > 1 and plan.data > 1:
         # GradSync's flat bucket: one bucket's copy at a time
@@ -628,8 +639,17 @@ def _memory(spec: ModelSpec, plan: Plan, options: Options, shapes: list, stage_i
     # backward holds the gradient of the largest activation and of its input at once
     transient = 2 * spec.largest_act_bytes * PRECISION_BYTES[options.precision] / 4 \
         * samples_per_rank(plan, options) / _microbatches(plan, options) / plan.space_degree
+    # ... by then backward has freed what was saved after the largest (a CNN's first layer is its
+    # largest: the deeper layers' activations are gone when its gradients exist)
+    if spec.act_bytes_per_sample and spec.after_largest_bytes and plan.pipe == 1:
+        transient = max(0.0, transient - acts * spec.after_largest_bytes
+                        / spec.act_bytes_per_sample)
+    total = state + acts + buffers + transient
+    if zero3:   # forward's end: no gradient yet; backward frees activations as gradients come
+        grads = (2 if mixed else 4) * psi_state / plan.shard
+        total = max(state - grads + acts + buffers, state + buffers + transient)
     return {"state": state, "activations": acts, "buffers": buffers, "transient": transient,
-            "total": state + acts + buffers + transient}
+            "total": total}
 
 
 def predict(spec: ModelSpec, plan: Plan, system: System, options: Options,
@@ -688,7 +708,9 @@ def predict(spec: ModelSpec, plan: Plan, system: System, options: Options,
         bubble = compute * idle / (1 - idle)
     mem_bw = system.memory_bandwidth or system.measured.get("memory_bandwidth", 0) or 1e12
     optimizer = 3 * memory["state"] / mem_bw
-    step = compute + exposed + bubble + optimizer
+    calls = overheads.counts(spec, plan, options, comm_list, len(shapes), m)
+    fixed = overheads.seconds(calls, system)
+    step = compute + exposed + bubble + optimizer + sum(fixed.values())
     return Prediction(plan, options, memory, step,
                       {"compute": compute, "comm_exposed": exposed, "bubble": bubble,
-                       "optimizer": optimizer}, comm_list, by_stage)
+                       "optimizer": optimizer, **fixed}, comm_list, by_stage, calls)

@@ -70,7 +70,16 @@ def _build(config, on_meta: bool):
             model = CosmoFlow(size=m.size, base_channels=m.base_channels,
                               conv_layers=m.conv_layers, batchnorm=m.batchnorm)
         return model, m, torch.nn.functional.mse_loss
-    raise ValueError(f"run.workload={workload!r}: the dry run knows gpt and cosmoflow")
+    if workload == "vit":   # the shallow-water fields h, u, v: 3 channels
+        from ..models.vit import ViTForecaster, relative_l2_loss
+        m, d = config.model, config.data
+        with torch.device("meta" if on_meta else "cpu"):
+            model = ViTForecaster(img_size=(d.height, d.width), patch_size=m.patch_size,
+                                  in_channels=3, out_channels=3, embed_dim=m.embed_dim,
+                                  depth=m.depth, num_heads=m.num_heads, mlp_ratio=m.mlp_ratio,
+                                  dropout=m.dropout, residual=m.residual)
+        return model, d, relative_l2_loss
+    raise ValueError(f"run.workload={workload!r}: the dry run knows gpt, cosmoflow and vit")
 
 
 def dry_run(config, plan: Plan, rank: int, max_full_bytes: float = 4 * 2 ** 30) -> dict:
@@ -140,6 +149,9 @@ def _inputs(config, shape, mesh, per_rank: int):
     if config.run.workload == "gpt":
         idx = torch.zeros(per_rank, shape.block_size, dtype=torch.long)
         return idx, idx
+    if config.run.workload == "vit":
+        x = torch.zeros(per_rank, 3, shape.height, shape.width)
+        return x, x.clone()
     size = shape.size
     x = torch.zeros(per_rank, 4, size, size, size)
     if mesh is not None and mesh.plan.space_degree > 1:

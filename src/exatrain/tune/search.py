@@ -102,6 +102,9 @@ def shape_problem(spec: ModelSpec, plan: Plan, options: Options) -> tuple[str, s
         elif spec.heads % t or any(w % t for w in spec.widths):
             return ("indivisible", f"{spec.heads} heads and widths {spec.widths} do not split "
                                    f"over tensor={t} (whole heads per rank)")
+    if plan.pipe > 1 and not spec.pipe_layers:
+        return ("not applicable", f"{spec.name}: pipeline stages are costed for the GPT and "
+                                  "CosmoFlow layer lists only")
     if plan.pipe > 1 and spec.blocks < plan.pipe:
         return ("indivisible", f"{spec.blocks} blocks cannot fill pipe={plan.pipe} stages")
     return None

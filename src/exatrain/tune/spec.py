@@ -12,6 +12,10 @@ kernel choices, e.g. SDPA's, are kept, so the bytes are those a real CPU run sav
                            full checkpointing; one block's worth is alive at a time in backward)
   boundary_bytes           the activation crossing a pipeline stage boundary, per sample
   flops_per_sample         training FLOPs (forward + backward) of one sample
+  ops_per_step             aten operators dispatched by one forward + loss + backward (batch 1;
+                           the count does not grow with the batch): each is a kernel launch and
+                           a trip through Python and the dispatcher, the fixed cost that
+                           dominates a step of many small kernels (`cost.overheads`)
 
 A GPT is traced with 1 and 2 layers (the difference is one block), so an 80B model costs no more
 than a small one. Other models are traced whole at batch 1.
@@ -29,7 +33,8 @@ from torch import nn
 
 def trace_saved_bytes(model: nn.Module, inputs, loss_fn, largest: list | None = None) -> int:
     """Bytes of the distinct non-parameter tensors autograd saves for one forward + loss
-    (the largest one's bytes appended to `largest`, when given)."""
+    (when `largest` is given, appended to it: the largest one's bytes, and the bytes saved after
+    it, which backward has freed by the time it reaches the largest; the last of equal ones)."""
     params = {id(p) for p in model.parameters()}
     saved: dict[int, int] = {}
     keep = []
@@ -44,8 +49,35 @@ def trace_saved_bytes(model: nn.Module, inputs, loss_fn, largest: list | None = 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss_fn(model(*inputs))
     if largest is not None:
-        largest.append(max(saved.values(), default=0))
+        sizes = list(saved.values())   # in the order they were saved
+        top = max(sizes, default=0)
+        at = max((i for i, n in enumerate(sizes) if n == top), default=0)
+        largest.append(top)
+        largest.append(sum(sizes[at + 1:]))
     return sum(saved.values())
+
+
+class _CountOps:
+    """A dispatch mode that counts the aten operators run under it (inside FakeTensorMode: no
+    real work, the same operators a real CPU run dispatches)."""
+
+    def __new__(cls):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Counter(TorchDispatchMode):
+            n = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                self.n += 1
+                return func(*args, **(kwargs or {}))
+        return Counter()
+
+
+def count_ops(model: nn.Module, inputs, loss_fn) -> int:
+    """Aten operators of one forward + loss + backward of `model` (run it under fake mode)."""
+    with _CountOps() as counter:
+        loss_fn(model(*inputs)).backward()
+    return counter.n
 
 
 def pipe_cuts(model: nn.Module, example: torch.Tensor) -> tuple[list, list]:
@@ -88,7 +120,7 @@ def _fake_mode():
 
 @dataclass
 class ModelSpec:
-    family: str                    # gpt | cosmoflow
+    family: str                    # gpt | cosmoflow | vit
     name: str
     param_shapes: list
     flops_per_sample: float
@@ -110,11 +142,13 @@ class ModelSpec:
                                                       # between: its parameters' shapes
     largest_act_bytes: float = 0.0       # the largest saved tensor per sample (backward's
                                          # gradient of it and its input are alive at once)
+    after_largest_bytes: float = 0.0     # saved after it (freed before backward reaches it)
     # per pipe layer j: the shapes (batch 1) of what a stage starting at layer j receives
     # (`parallel.pipe.split.live_across`, the strategy's own cut), and how many convolution /
     # pooling layers layer j holds (the spatial strategy's halo layers, in execution order)
     pipe_cut_shapes: list = field(default_factory=list)
     pipe_layer_spatial: list = field(default_factory=list)
+    ops_per_step: float = 0.0            # aten operators of forward + loss + backward (batch 1)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -167,9 +201,16 @@ def gpt_spec(cfg, name: str = "") -> ModelSpec:
             idx = torch.zeros(1, cfg.block_size, dtype=torch.long)
             return trace_saved_bytes(model, (idx,), lambda logits: gpt_loss(logits, idx), biggest)
 
+    def ops(layers: int) -> int:
+        with _fake_mode():
+            model = GPT(cfg.replace(n_layer=layers, dropout=0.0))
+            idx = torch.zeros(1, cfg.block_size, dtype=torch.long)
+            return count_ops(model, (idx,), lambda logits: gpt_loss(logits, idx))
+
     biggest: list = []
     per = len(_gpt_block_shapes(cfg))
     one, two = saved(1), saved(2)
+    ops_one, ops_two = ops(1), ops(2)
     with torch.device("meta"):
         meta_gpt = GPT(cfg.replace(dropout=0.0))
         layers = pipe_layers(meta_gpt, torch.zeros(1, cfg.block_size, dtype=torch.long))
@@ -189,8 +230,10 @@ def gpt_spec(cfg, name: str = "") -> ModelSpec:
         block_act_bytes=float(per_block), boundary_bytes=float(x_bytes), blocks=cfg.n_layer,
         block_ranges=[(2 + i * per, 2 + (i + 1) * per) for i in range(cfg.n_layer)],
         heads=cfg.n_head, widths=(cfg.n_embd, cfg.mlp_hidden), tokens=cfg.block_size,
-        tensor_split_fraction=split, largest_act_bytes=float(max(biggest)), pipe_layers=layers,
+        tensor_split_fraction=split, largest_act_bytes=float(max(biggest[0::2])),
+        after_largest_bytes=float(biggest[1]), pipe_layers=layers,
         pipe_cut_shapes=cuts, pipe_layer_spatial=spatial,
+        ops_per_step=float(ops_one + (cfg.n_layer - 1) * (ops_two - ops_one)),
         extra={"n_embd": cfg.n_embd, "vocab_size": cfg.vocab_size, "n_layer": cfg.n_layer,
                "mlp_hidden": cfg.mlp_hidden, "bias": cfg.bias, "tie_weights": cfg.tie_weights})
 
@@ -229,6 +272,7 @@ def cosmoflow_spec(size: int, base_channels: int = 32, conv_layers: int = 5,
         shapes = [tuple(p.shape) for p in model.parameters()]
         features = len(list(model.features.parameters()))
         flat = model.head[1].in_features
+        ops = count_ops(model, (x,), lambda out: F.mse_loss(out, y))
     with torch.device("meta"):
         meta_model = CosmoFlow(size=size, in_channels=in_channels, base_channels=base_channels,
                                conv_layers=conv_layers, batchnorm=batchnorm)
@@ -242,13 +286,49 @@ def cosmoflow_spec(size: int, base_channels: int = 32, conv_layers: int = 5,
                      block_act_bytes=float(act), boundary_bytes=float(base_channels * size ** 3),
                      blocks=2, block_ranges=[(0, features), (features, len(shapes))],
                      compute_kind="conv", spatial_shape=(size, size, size),
-                     largest_act_bytes=float(biggest[0]), pipe_layers=layers,
-                     pipe_cut_shapes=cuts, pipe_layer_spatial=spatial,
+                     largest_act_bytes=float(biggest[0]), after_largest_bytes=float(biggest[1]),
+                     pipe_layers=layers,
+                     pipe_cut_shapes=cuts, pipe_layer_spatial=spatial, ops_per_step=float(ops),
                      extra={"size": size, "in_channels": in_channels,
                             "flatten_elements": flat, "base_channels": base_channels,
                             "batchnorm_channels": [base_channels * 2 ** i
                                                    for i in range(conv_layers)] if batchnorm
                             else []})
+
+
+# ---------------------------------------------------------------------------------------- ViT
+def vit_spec(img_size: tuple, patch_size: int = 8, channels: int = 3, embed_dim: int = 192,
+             depth: int = 4, num_heads: int = 4, mlp_ratio: float = 4.0) -> ModelSpec:
+    """The ViT forecaster (`models.vit`): traced whole at batch 1, like CosmoFlow. Its blocks
+    are FSDP2's units under ZeRO-3; tensor and pipe are not costed for it (`search`)."""
+    from ..models.vit import ViTForecaster, flops_per_sample, relative_l2_loss
+
+    kwargs = dict(img_size=tuple(img_size), patch_size=patch_size, in_channels=channels,
+                  out_channels=channels, embed_dim=embed_dim, depth=depth, num_heads=num_heads,
+                  mlp_ratio=mlp_ratio)
+    model = ViTForecaster(**kwargs)   # built for real (its init draws from data): small models
+    with _fake_mode():
+        x = torch.zeros(1, channels, *img_size)
+        biggest: list = []
+        act = trace_saved_bytes(model, (x,), lambda out: relative_l2_loss(out, x), biggest)
+        ops = count_ops(model, (x,), lambda out: relative_l2_loss(out, x))
+        shapes = [tuple(p.shape) for p in model.parameters()]
+        names = [n for n, _ in model.named_parameters()]
+    ranges = []
+    for b in range(depth):
+        idx = [i for i, n in enumerate(names) if n.startswith(f"blocks.{b}.")]
+        ranges.append((idx[0], idx[-1] + 1))
+    tokens = (img_size[0] // patch_size) * (img_size[1] // patch_size)
+    per_block = act / max(depth, 1)
+    return ModelSpec(family="vit", name=f"ViT {depth}x{embed_dim} {img_size[0]}x{img_size[1]}",
+                     param_shapes=shapes, flops_per_sample=flops_per_sample(kwargs),
+                     act_bytes_per_sample=float(act), block_input_bytes=4.0 * tokens * embed_dim,
+                     block_act_bytes=float(per_block), boundary_bytes=4.0 * tokens * embed_dim,
+                     blocks=depth, block_ranges=ranges, heads=num_heads,
+                     widths=(embed_dim, int(embed_dim * mlp_ratio)), tokens=tokens,
+                     largest_act_bytes=float(biggest[0]), after_largest_bytes=float(biggest[1]),
+                     ops_per_step=float(ops),
+                     extra={"n_embd": embed_dim, "img_size": tuple(img_size)})
 
 
 def spec_from_config(config) -> ModelSpec:
@@ -261,5 +341,9 @@ def spec_from_config(config) -> ModelSpec:
     if workload == "cosmoflow":
         m = config.model
         return cosmoflow_spec(m.size, m.base_channels, m.conv_layers, batchnorm=m.batchnorm)
-    raise ValueError(f"run.workload={workload!r}: the planner knows the gpt and cosmoflow "
+    if workload == "vit":
+        m, d = config.model, config.data
+        return vit_spec((d.height, d.width), m.patch_size, 3, m.embed_dim, m.depth,
+                        m.num_heads, m.mlp_ratio)
+    raise ValueError(f"run.workload={workload!r}: the planner knows the gpt, cosmoflow and vit "
                      "workloads; add a spec builder in exatrain.tune.spec for others.")

@@ -8,7 +8,11 @@ A system file (see `systems/*.toml`; `exatrain plan --calibrate` writes one for 
     memory_bandwidth           bytes/s of that memory (the optimizer step streams the state)
     [flops]                    peak rate per dtype (fp32, tf32, bf16, fp16), FLOP/s per rank
     [efficiency]               fraction of peak a large matmul / convolution reaches
-    [intra], [inter]           bandwidth (bytes/s per rank per direction), efficiency, latency (s)
+    [intra], [inter]           bandwidth (bytes/s per rank per direction), efficiency, latency (s);
+                               small_latency (s) below small_bytes: the small-message regime
+    [overheads]                seconds per call of the fixed costs (`tune.overheads`): op_s,
+                               collective_s, fsdp_unit_s; step_error, the
+                               model's measured relative error of a step on this system
 
 Link of an axis: ranks are laid out row-major over Plan.degrees() (the innermost axis gets
 neighbouring ranks, see `exatrain.mesh`), so a group lies within `stride × degree` consecutive
@@ -24,7 +28,8 @@ latency dominates, so a ring's n-1 latency steps would grossly overcharge thousa
     broadcast                  like all_gather (pipelined)
     send / recv                α + B / β
 
-with α the link latency and β its bandwidth × efficiency. A user adds a system by writing a file
+with α the link latency of the message's size regime (`Link.alpha`) and β its bandwidth ×
+efficiency. A user adds a system by writing a file
 next to the others, or passing a path to `--system`.
 """
 
@@ -43,6 +48,15 @@ class Link:
     bandwidth: float          # bytes/s per rank per direction
     latency: float            # seconds per message step
     efficiency: float = 1.0
+    # the small-message regime: below small_bytes a message step costs small_latency (gloo
+    # and NCCL switch algorithms and protocols there); 0: one regime
+    small_latency: float = 0.0
+    small_bytes: float = 0.0
+
+    def alpha(self, nbytes: float) -> float:
+        """α of a message of `nbytes` (its size regime's latency)."""
+        return self.small_latency if self.small_bytes and nbytes < self.small_bytes \
+            else self.latency
 
     @property
     def rate(self) -> float:
@@ -62,6 +76,7 @@ class System:
     memory_bandwidth: float = 0.0                  # bytes/s of device memory (optimizer step)
     description: str = ""
     measured: dict = field(default_factory=dict)   # what calibration measured, for the record
+    overheads: dict = field(default_factory=dict)  # seconds per call (`tune.overheads`)
 
     @property
     def usable_memory(self) -> float:
@@ -90,13 +105,14 @@ def collective_time(op: str, nbytes: float, n: int, link: Link) -> float:
         steps, wire = 1, nbytes
     else:
         raise ValueError(f"unknown collective {op!r}")
-    return steps * link.latency + wire / link.rate
+    return steps * link.alpha(nbytes) + wire / link.rate
 
 
 def _link(table: dict, where: str) -> Link:
     try:
         return Link(float(table["bandwidth"]), float(table["latency"]),
-                    float(table.get("efficiency", 1.0)))
+                    float(table.get("efficiency", 1.0)), float(table.get("small_latency", 0.0)),
+                    float(table.get("small_bytes", 0.0)))
     except KeyError as exc:
         raise ValueError(f"{where}: missing key {exc}; give bandwidth (bytes/s), latency (s) "
                          "and optionally efficiency") from None
@@ -115,7 +131,8 @@ def from_dict(raw: dict, where: str = "system") -> System:
                   efficiency={k: float(v) for k, v in raw.get("efficiency", {}).items()},
                   intra=_link(raw["intra"], f"{where} [intra]"),
                   inter=_link(raw["inter"], f"{where} [inter]"),
-                  description=raw.get("description", ""), measured=raw.get("measured", {}))
+                  description=raw.get("description", ""), measured=raw.get("measured", {}),
+                  overheads={k: float(v) for k, v in raw.get("overheads", {}).items()})
 
 
 def available() -> list[str]:

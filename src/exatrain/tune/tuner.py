@@ -34,12 +34,23 @@ from .cost import Prediction
 
 
 def features(pred: Prediction, params: int) -> list[float]:
+    """The Plan's degrees and options, the world and model size, and what describes the shape
+    across models (transfer): the share of the predicted step that is compute and the share
+    that is fixed costs per call (`overheads`): a residual learnt on one shape carries to
+    another whose step is made of the same parts."""
+    from .overheads import TERMS
     p, o = pred.plan, pred.options
+    step = max(pred.step_s, 1e-30)
     return [math.log2(p.pipe), math.log2(p.data), math.log2(p.shard),
             math.log2(p.space_degree), math.log2(p.tensor_degree), float(p.tensor_3d),
             (o.zero_stage / 3.0) if p.shard > 1 else 0.0,
             1.0 if o.checkpointing != "none" else 0.0,
-            0.5 * math.log2(max(p.world_size, 1)), 0.5 * math.log10(max(params, 1))]
+            0.5 * math.log2(max(p.world_size, 1)), 0.5 * math.log10(max(params, 1)),
+            pred.parts_s.get("compute", 0.0) / step,
+            sum(pred.parts_s.get(t, 0.0) for t in TERMS) / step]
+
+
+FEATURES = 12   # len(features(...)): a prior recorded with another count is refused
 
 
 class GaussianProcess:
@@ -170,6 +181,11 @@ def load_prior(paths) -> list[tuple[list[float], float]]:
     points = []
     for path in paths:
         data = json.loads(Path(path).read_text())
+        bad = [len(p["features"]) for p in data["points"] if len(p["features"]) != FEATURES]
+        if bad:
+            raise ValueError(f"--prior {path}: its points have {bad[0]} features, this tuner "
+                             f"uses {FEATURES} (recorded by an older exatrain); record it again "
+                             "with `exatrain tune --record`")
         points += [(p["features"], p["residual"]) for p in data["points"]]
     return points
 
