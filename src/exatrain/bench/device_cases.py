@@ -62,7 +62,7 @@ def _cases(size: str) -> list[Case]:
         "model.conv_layers": 5, "model.batchnorm": False, "model.channels_last": True,
         "train.batch_size": 2 if small else 16},
         MLPERF_COSMOFLOW,
-        {"data.size": cosmo["size"], "data.samples": 12 if small else 160})
+        {"data.size": cosmo["size"], "data.samples": 12 if small else 96})
     h, w = (32, 48) if small else (384, 576)
     deepcam = Case("deepcam", "deepcam", {
         "model.width": 4 if small else 32, "model.dropout": 0.0,
