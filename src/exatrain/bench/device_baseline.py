@@ -162,7 +162,8 @@ def train_plain(model: nn.Module, dataset, loss_fn, decode, levers: Levers, devi
     if levers.precision == "fp8":
         from torchao.float8 import convert_to_float8_training
         convert_to_float8_training(
-            model, module_filter_fn=lambda m, _: m.in_features % 16 == 0 and m.out_features % 16 == 0)
+            model, module_filter_fn=lambda m, _: isinstance(m, nn.Linear)
+            and m.in_features % 16 == 0 and m.out_features % 16 == 0)
     optimizer = _optimizer(model.parameters(), levers, optim)
     forward, opt_step = model, optimizer.step
     if levers.compile or levers.cuda_graphs:
