@@ -5,7 +5,10 @@ space_h, space_w, and tensor (1D) or tensor_x, tensor_y, tensor_z (3D). Ranks ar
 row-major, so the innermost (most talkative) axes get neighbouring ranks: on a node with G GPUs,
 the first G ranks of any innermost group share the node.
 
-Backend: NCCL with one GPU per local rank when CUDA is present, gloo otherwise.
+Backend: NCCL with one GPU per local rank when CUDA is present, gloo otherwise. With
+EXATRAIN_SHARE_GPU=1 the local ranks share the node's GPU(s) over gloo instead (rank r on GPU
+r mod G): a check of multi-rank code with CUDA tensors on a machine with one GPU, where NCCL
+refuses two ranks per device (scripts/gpu-figures.sh).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from .comm import Axis, Ledger
 from .launch.env import detect
 from .launch.local import free_port
 from .plan import Plan
+
+SHARE_GPU_ENV = "EXATRAIN_SHARE_GPU"  # "1": local ranks share the GPU(s) over gloo
 
 # Top-level axis name -> its mesh dimensions (space and tensor expand to several).
 def _dims_of(plan: Plan, name: str) -> tuple[str, ...]:
@@ -185,8 +190,14 @@ def init(plan: Plan, backend: str | None = None, timeout_s: float = 600.0) -> Me
     plan.validate(world)
     plan.require_implemented()
     local_rank = launch.local_rank if launch else 0
+    share = os.environ.get(SHARE_GPU_ENV) == "1"
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if torch.cuda.is_available() and not share else "gloo"
+    if share and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"rank {launch.rank if launch else 0}: {SHARE_GPU_ENV}=1 puts every rank's tensors "
+            f"on a shared GPU, but this machine has no CUDA device; unset {SHARE_GPU_ENV} to "
+            "run on the CPU.")
     if backend == "nccl":
         local_ranks = launch.local_world_size if launch else 1
         if local_ranks > torch.cuda.device_count():
@@ -194,6 +205,9 @@ def init(plan: Plan, backend: str | None = None, timeout_s: float = 600.0) -> Me
                 f"rank {launch.rank if launch else 0}: {local_ranks} ranks on this node but "
                 f"{torch.cuda.device_count()} GPU(s); NCCL needs one GPU per rank. Start at most "
                 f"{torch.cuda.device_count()} ranks per node, or set run.backend='gloo' (CPU).")
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    elif share:  # gloo between ranks whose tensors live on the GPU(s)
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:

@@ -15,7 +15,8 @@ BENCHMARKS = {"dp": "exatrain.bench.dp", "spatial": "exatrain.bench.spatial",
               "zero": "exatrain.bench.zero", "tensor": "exatrain.bench.tensor",
               "graph": "exatrain.bench.graph", "pipeline": "exatrain.bench.pipeline",
               "ltfb": "exatrain.bench.ltfb", "faults": "exatrain.bench.faults",
-              "planner": "exatrain.bench.planner", "data": "exatrain.bench.data"}
+              "planner": "exatrain.bench.planner", "data": "exatrain.bench.data",
+              "device": "exatrain.bench.device"}
 
 
 def bench_module(name: str):

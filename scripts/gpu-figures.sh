@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Every figure of issue 27 on a machine with one GPU (H100 or H200), in three parts that each fit
+# one device call of at most 10 minutes (about 25 of a session's 30 device minutes in all):
+#
+#   bash scripts/gpu-figures.sh bench       # 1. baseline vs exatrain, all five workloads
+#   bash scripts/gpu-figures.sh levers      # 2. each lever on its own (gpt_125m, cosmoflow, vit)
+#   bash scripts/gpu-figures.sh multirank   # 3. distributed-equals-serial, ranks sharing the GPU
+#
+# Output under $OUT (the device tool's folder) or ./gpu-figures:
+#   device.txt                  nvidia-smi, torch and CUDA versions
+#   bench-<case>.json / .log    `exatrain bench device --sizes full` per workload: samples/s (tokens/s),
+#                               mfu_peak, mfu_measured, peak memory, data wait, vs_baseline,
+#                               vs_published; levers-<case>.json the same with --levers all
+#   multirank-<axis>.log        pytest of that axis's distributed-equals-serial tests with
+#                               EXATRAIN_SHARE_GPU=1 (gloo between ranks, CUDA tensors)
+#   summary.txt                 one line per step: its exit status (124: ran out of its time)
+# A step that runs out of the part's time is cut (exit 124, or 137 when killed, in summary.txt); the next calls go on.
+# Data sets are written once under data/bench-device (git-ignored, so kept between calls on a
+# warm machine); the first `bench` call pays for writing them.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PART="${1:-bench}"
+OUT="${OUT:-gpu-figures}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+DATA="${EXATRAIN_BENCH_DATA:-$PWD/data/bench-device}"
+BUDGET="${BUDGET_S:-540}"   # the whole part, under the device tool's 600 s (a cut step gets 15 s to exit)
+SIZES="${SIZES:-full}"      # small: a CPU smoke run of the script itself
+
+left() { echo $(( BUDGET - SECONDS > 10 ? BUDGET - SECONDS : 10 )); }
+step() {  # step NAME LIMIT_S CMD...: run with the smaller of LIMIT_S and what is left; record it
+    local name=$1 limit=$2; shift 2
+    (( limit > $(left) )) && limit=$(left)
+    timeout -k 15 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "$PART $name: exit $? after ${SECONDS}s" | tee -a "$OUT/summary.txt"
+}
+
+{ nvidia-smi; python -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"; } \
+    > "$OUT/device.txt" 2>&1
+
+case "$PART" in
+bench)  # baseline and exatrain per workload, the two with the issue's targets first
+    for pair in cosmoflow:180 gpt_1b:200 gpt_125m:120 deepcam:120 vit:120; do
+        c=${pair%%:*}
+        step "bench-$c" "${pair#*:}" python -m exatrain.cli bench device --sizes "$SIZES" --cases "$c" \
+            --warmup 3 --steps 12 --data-dir "$DATA" --json "$OUT/bench-$c.json"
+    done ;;
+levers)  # plain and each lever alone (compile and CUDA graphs compile once more each)
+    for c in gpt_125m cosmoflow vit; do
+        step "levers-$c" 180 python -m exatrain.cli bench device --sizes "$SIZES" --cases "$c" \
+            --levers all --warmup 3 --steps 10 --data-dir "$DATA" --json "$OUT/levers-$c.json"
+    done ;;
+multirank)  # the distributed-equals-serial cases of every axis, ranks sharing the one GPU
+    for pair in data:tests/test_data_parallel.py shard:tests/test_shard.py \
+                space:tests/test_spatial_training.py tensor:tests/test_tensor_training.py \
+                pipe:tests/test_pipe.py graph:tests/test_graph_parallel.py \
+                trainer:tests/test_population.py; do
+        step "multirank-${pair%%:*}" 80 \
+            env EXATRAIN_SHARE_GPU=1 python -m pytest -q -p no:cacheprovider -rf "${pair#*:}"
+        tail -n 1 "$OUT/multirank-${pair%%:*}.log" >> "$OUT/summary.txt"
+    done ;;
+*) echo "usage: $0 bench|levers|multirank" >&2; exit 2 ;;
+esac
+cat "$OUT/summary.txt"

@@ -1,0 +1,223 @@
+"""`exatrain bench device`: each workload on one device, a best-practice plain-PyTorch loop beside exatrain.
+
+For every case (CosmoFlow 128³ as MLPerf HPC defines it, DeepCAM on a crop, the SC23 tutorial's
+ViT forecaster, GPT at the 125m and at the 1.3b shape; `bench.device_cases`), in one launch:
+
+  baseline   plain PyTorch written for the bench (`bench.device_baseline`): the same model and
+             initial weights, the same batches in the same order, autocast (bf16 on a GPU),
+             channels-last, cudnn.benchmark, fused AdamW, torch.compile, SDPA
+  exatrain   `exatrain run`'s Trainer on the same config, one process (no run directory:
+             nothing is checkpointed), at exatrain's own defaults plus parallel.precision and
+             parallel.compile as the baseline's
+  levers     (--levers all) the plain loop with one lever at a time: bf16, fp16, compile,
+             cuda_graphs, foreach, fused, sdpa, fp8; and `plain` with none. A lever the device
+             cannot pull is refused with the reason (`<case>_<lever>_refused`).
+
+Figures per case and variant (`<case>_<variant>_<figure>`): samples_per_s (and tokens_per_s for
+GPT), step_s_median (median of the timed steps after --warmup), mfu_peak (model FLOP/s over the
+datasheet dense peak of the device in the step's dtype, `bench.device_peaks`; None on a CPU),
+mfu_measured (over the matmul rate measured on this device in that dtype), peak_memory_bytes,
+data_wait_fraction, losses (every step's, warm-up included). Per case: vs_baseline (exatrain /
+baseline throughput), loss_max_rel_diff (largest relative difference of the two paths' step
+losses: the check that they train the same model on the same batches), the published figure
+(published_value, published_unit, published_source) and, at --sizes full, vs_published.
+
+--sizes small shrinks every model so that the whole harness runs on a CPU in seconds (the
+harness check of tests/test_bench_device.py); --sizes full is for one GPU (scripts/gpu-figures.sh).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import statistics
+import tempfile
+
+import torch
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--sizes", choices=("small", "full"), default="full",
+                        help="full: realistic shapes for one GPU; small: tiny shapes, a CPU check")
+    parser.add_argument("--cases", default="all",
+                        help="comma-separated: cosmoflow,deepcam,vit,gpt_125m,gpt_1b (default all)")
+    parser.add_argument("--levers", default="none",
+                        help="'all', 'none' or a comma-separated list of levers to measure one "
+                             "at a time (bf16,fp16,compile,cuda_graphs,foreach,fused,sdpa,fp8)")
+    parser.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
+                        help="of the baseline and exatrain (auto: bf16 on a GPU, fp32 on a CPU)")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="leave torch.compile out of the baseline and exatrain")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile backend of the baseline and the levers")
+    parser.add_argument("--workers", type=int, default=-1,
+                        help="loader workers of both paths (-1: each path's default)")
+    parser.add_argument("--data-dir", default="",
+                        help="where the data sets are written once and reused (default: a "
+                             "temporary directory)")
+
+
+def _variants(levers: str) -> dict:
+    from .device_baseline import LEVERS, PLAIN
+    if levers == "none":
+        return {}
+    names = list(LEVERS) if levers == "all" else [v.strip() for v in levers.split(",") if v.strip()]
+    unknown = [n for n in names if n not in LEVERS]
+    if unknown:
+        raise ValueError(f"--levers: unknown {', '.join(unknown)}; choose from {', '.join(LEVERS)}, "
+                         "'all' or 'none'.")
+    return {"plain": PLAIN, **{n: LEVERS[n] for n in names}}
+
+
+def _figures(run: dict, batch: int, flops_per_sample: float, tokens: int, peak, measured) -> dict:
+    out = {"samples_per_s": batch / run["step_s_median"], **run}
+    if tokens:
+        out["tokens_per_s"] = out["samples_per_s"] * tokens
+    model_flops = flops_per_sample * out["samples_per_s"]
+    out["mfu_peak"] = model_flops / peak if peak else None
+    out["mfu_measured"] = model_flops / measured if measured else None
+    return out
+
+
+def _exatrain(config, mesh, workload, warmup: int, steps: int) -> dict:
+    """`exatrain run`'s path on one process: parallelize, Trainer, fit (no run directory)."""
+    from ..parallel import parallelize
+    from ..train.trainer import Trainer
+    model = parallelize(workload.model, mesh, config.parallel)
+    workload.model = model
+    trainer = Trainer(mesh, workload, config, model, run_dir=None)
+    trainer.fit()
+    records = [r for r in trainer.history if "step_s" in r]
+    timed = records[warmup:] or records
+    return {"losses": [r["loss"] for r in records],
+            "step_s_median": statistics.median(r["step_s"] for r in timed),
+            "data_wait_fraction": statistics.median(r["data_wait_fraction"] for r in timed),
+            "peak_memory_bytes": records[-1]["peak_mem_bytes"],
+            "peak_memory_source": records[-1]["peak_mem_source"]}
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def run_case(case, args, data_root: str, device: torch.device, precision: str) -> dict:
+    """Baseline, exatrain and the levers of one case; returns its flat figures."""
+    from ..mesh import init
+    from ..parallel.precision import DTYPES, measured_matmul_flops
+    from ..plan import Plan
+    from ..train.config import load_config
+    from ..workloads import get_workload
+    from .device_baseline import best_practice, default_workers, notes, refusal, train_plain
+    from .device_cases import COMMON, data_path, plain_loss
+    from .device_peaks import datasheet_peak_flops
+
+    warmup, steps = args.warmup, args.steps or (2 if args.sizes == "small" else 20)
+    compile = not args.no_compile
+    sets = {**COMMON, **case.sets, **case.data_sets, "run.workload": case.workload,
+            "data.path": data_path(data_root, case), "train.steps": warmup + steps,
+            "parallel.precision": precision, "parallel.compile": compile, "plan.data": 1,
+            "run.nproc": 1, "run.backend": "nccl" if device.type == "cuda" else "gloo"}
+    if args.workers >= 0:
+        sets["train.num_workers"] = args.workers
+    config = load_config(None, [f"{k}={_toml(v)}" for k, v in sets.items()])
+    module = get_workload(case.workload)
+    module.prepare(config)
+    batch, optim = config.train.batch_size, config.optim
+    mesh = init(Plan(data=1), backend=None if config.run.backend == "auto" else config.run.backend)
+    try:
+        torch.manual_seed(config.run.seed)
+        workload = module.build(config, mesh)
+        plain_model = copy.deepcopy(workload.model)  # the weights both paths start from
+        flops, tokens = workload.flops_per_sample, workload.tokens_per_sample
+        loss_fn, decode = plain_loss(case, workload), workload.decode
+        train_set = workload.train_set
+        measured = {}
+
+        def figures(run, levers_precision):
+            dtype = DTYPES.get(levers_precision, torch.bfloat16)
+            if levers_precision not in measured:
+                measured[levers_precision] = measured_matmul_flops(device, dtype)
+            return _figures(run, batch, flops, tokens,
+                            datasheet_peak_flops(device, levers_precision),
+                            measured[levers_precision])
+
+        results = {"exatrain": figures(_exatrain(config, mesh, workload, warmup, steps), precision)}
+        del workload
+        _free(device)
+        workers = args.workers if args.workers >= 0 else default_workers()
+        runs = {"baseline": best_practice(precision, compile), **_variants(args.levers)}
+        for name, levers in runs.items():
+            refused = refusal(levers, device, plain_model)
+            if refused:
+                results[name] = {"refused": refused}
+                continue
+            run = train_plain(plain_model, train_set, loss_fn, decode, levers, device, optim,
+                              batch, warmup, steps, config.run.seed, workers, args.compile_backend)
+            results[name] = figures(run, levers.precision)
+            if notes(levers, device, plain_model):
+                results[name]["note"] = notes(levers, device, plain_model)
+            _free(device)
+    finally:
+        mesh.close()
+    out = {f"{case.name}_{variant}_{key}": value for variant, figs in results.items()
+           for key, value in figs.items()}
+    base, ours = results["baseline"], results["exatrain"]
+    out[f"{case.name}_vs_baseline"] = ours["samples_per_s"] / base["samples_per_s"]
+    out[f"{case.name}_loss_max_rel_diff"] = max(
+        abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours["losses"], base["losses"]))
+    plain = results.get("plain")
+    for name, figs in results.items():
+        if plain and "samples_per_s" in figs and name not in ("plain", "exatrain"):
+            out[f"{case.name}_{name}_speedup_vs_plain"] = figs["samples_per_s"] / plain["samples_per_s"]
+    out.update(_published(case, results, args.sizes == "full"))
+    out[f"{case.name}_batch"] = batch
+    out[f"{case.name}_params"] = sum(p.numel() for p in plain_model.parameters())
+    return out
+
+
+def _published(case, results: dict, full: bool) -> dict:
+    pub = case.published
+    out = {f"{case.name}_published_value": pub.value, f"{case.name}_published_unit": pub.unit,
+           f"{case.name}_published_source": pub.source}
+    ours = results["exatrain"]
+    if pub.unit == "speedup_vs_plain":
+        mine = (results["baseline"]["samples_per_s"] / results["plain"]["samples_per_s"]
+                if "samples_per_s" in results.get("plain", {}) else None)
+    else:
+        mine = ours.get(pub.unit)
+    out[f"{case.name}_vs_published"] = mine / pub.value if (full and mine) else None
+    return out
+
+
+def _toml(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    return str(value)
+
+
+def run(args) -> dict:
+    from .device_cases import cases
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    precision = args.precision if args.precision != "auto" else \
+        ("bf16" if device.type == "cuda" else "fp32")
+    chosen = cases(args.sizes)
+    _variants(args.levers)  # an unknown lever is refused before any data is written
+    if args.cases != "all":
+        names = [c.strip() for c in args.cases.split(",")]
+        unknown = set(names) - {c.name for c in chosen}
+        if unknown:
+            raise ValueError(f"--cases: unknown {', '.join(sorted(unknown))}; choose from "
+                             f"{', '.join(c.name for c in chosen)}.")
+        chosen = [c for c in chosen if c.name in names]
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "sizes": args.sizes, "precision": precision, "compile": not args.no_compile,
+              "torch": torch.__version__, "cases": ",".join(c.name for c in chosen)}
+    with tempfile.TemporaryDirectory(prefix="exatrain-bench-device-") as tmp:
+        for case in chosen:
+            result.update(run_case(case, args, args.data_dir or tmp, device, precision))
+    return result

@@ -1,0 +1,123 @@
+"""The workloads of `exatrain bench device`, at the full sizes for one GPU and at tiny CPU sizes.
+
+Each case is one `exatrain run` config (as `--set` overrides of the workload's defaults), the
+plain loss the baseline uses for the same workload, and the published figure it is set beside.
+
+Full sizes (one 80 GB GPU):
+  cosmoflow   MLPerf HPC's model and input: 128³ × 4 channels, 32 base channels, 5 conv blocks,
+              no BatchNorm (8.9 M parameters), batch 16
+  deepcam     the DeepCAM network on a 384 × 576 crop of the 768 × 1152 × 16 fields, width 32,
+              batch 8
+  vit         the SC23 "deep learning at scale" tutorial's ViT: 360 × 720 grid, patch 8, embed
+              384, depth 12, 8 heads (4,050 tokens), batch 8; the shallow-water data have 3
+              channels where the tutorial's ERA5 has 20 (only the patch embedding and head differ)
+  gpt_125m    the "125m" preset (block 2048, vocab 50304), batch 8
+  gpt_1b      the "1.3b" preset, batch 4
+Small sizes: the same models shrunk until the whole bench runs on a CPU in seconds.
+
+Every case runs without dropout (the Trainer reseeds dropout per step; the baseline cannot
+replay that, and the two paths must agree), at a constant learning rate with no warm-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Published:
+    value: float
+    unit: str          # "samples_per_s" (per GPU), "mfu_peak" or "speedup_vs_plain"
+    source: str
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    workload: str
+    sets: dict                          # config overrides, "section.key" -> value
+    published: Published | None = None
+    data_sets: dict = field(default_factory=dict)  # data.* that name and size the data set
+
+
+COMMON = {"train.eval_every": 0, "train.log_every": 1, "schedule.warmup_steps": 0,
+          "schedule.decay": "constant", "data.generate": True}
+
+MLPERF_COSMOFLOW = Published(200.0, "samples_per_s", "NVIDIA, MLPerf HPC v3.0 CosmoFlow: 2.1 min "
+                             "on 512 H100, about 200 samples/s per GPU")
+MLPERF_DEEPCAM = Published(30.0, "samples_per_s", "NVIDIA, MLPerf HPC v3.0 DeepCAM: about 30 "
+                           "samples/s per H100")
+NERSC_VIT = Published(4.6, "speedup_vs_plain", "NERSC SC23 tutorial: 4.6x single-GPU speed-up of "
+                      "its ViT from data loading, mixed precision, fused optimizers, compile")
+TORCHTITAN = Published(0.33, "mfu_peak", "torchtitan: 33-39 % MFU, Llama 3.1 8B on H100 (bf16)")
+
+
+def _cases(size: str) -> list[Case]:
+    small = size == "small"
+    cosmo = dict(size=32, base_channels=4) if small else dict(size=128, base_channels=32)
+    cosmoflow = Case("cosmoflow", "cosmoflow", {
+        "model.size": cosmo["size"], "model.base_channels": cosmo["base_channels"],
+        "model.conv_layers": 5, "model.batchnorm": False, "model.channels_last": True,
+        "train.batch_size": 2 if small else 16},
+        MLPERF_COSMOFLOW,
+        {"data.size": cosmo["size"], "data.samples": 12 if small else 96})
+    h, w = (32, 48) if small else (384, 576)
+    deepcam = Case("deepcam", "deepcam", {
+        "model.width": 4 if small else 32, "model.dropout": 0.0,
+        "train.batch_size": 2 if small else 8},
+        MLPERF_DEEPCAM,
+        {"data.height": h, "data.width": w, "data.channels": 16, "data.samples": 10 if small else 48})
+    gh, gw = (16, 32) if small else (360, 720)
+    vit = Case("vit", "vit", {
+        "model.patch_size": 8, "model.embed_dim": 16 if small else 384,
+        "model.depth": 1 if small else 12, "model.num_heads": 2 if small else 8,
+        "train.batch_size": 2 if small else 8},
+        NERSC_VIT,
+        {"data.height": gh, "data.width": gw, "data.trajectories": 2 if small else 4,
+         "data.steps": 4 if small else 12})
+    gpt_small = {"model.vocab_size": 256, "model.block_size": 32, "model.n_layer": 1,
+                 "model.n_head": 2, "model.n_embd": 16}
+    gpt_125m = Case("gpt_125m", "gpt", {
+        **(gpt_small if small else {"model.preset": "125m"}),
+        "train.batch_size": 2 if small else 8}, TORCHTITAN,
+        {"data.max_bytes": 200_000 if small else 8_000_000, "data.val_samples": 4})
+    gpt_1b = Case("gpt_1b", "gpt", {
+        **({**gpt_small, "model.n_layer": 2, "model.n_embd": 32} if small
+           else {"model.preset": "1.3b"}),
+        "train.batch_size": 2 if small else 4}, TORCHTITAN,
+        {"data.max_bytes": 200_000 if small else 8_000_000, "data.val_samples": 4})
+    return [cosmoflow, deepcam, vit, gpt_125m, gpt_1b]
+
+
+def cases(size: str) -> list[Case]:
+    if size not in ("small", "full"):
+        raise ValueError(f"--sizes {size!r}: choose 'small' (CPU harness check) or 'full' (one GPU).")
+    return _cases(size)
+
+
+def data_path(root: str, case: Case) -> str:
+    """One data directory per workload and data shape, so a second run reuses what the first wrote."""
+    tag = "-".join(str(v) for v in case.data_sets.values())
+    return f"{root}/{case.workload}-{tag}"
+
+
+def plain_loss(case: Case, workload):
+    """The baseline's loss for the case: plain PyTorch, equal at one process to the workload's."""
+    from ..models.gpt import gpt_loss
+    from ..models.vit import relative_l2_loss
+    if case.workload == "cosmoflow":
+        return F.mse_loss
+    if case.workload == "vit":
+        return relative_l2_loss
+    if case.workload == "gpt":
+        return gpt_loss
+    from ..models.deepcam import class_weights_from_frequencies
+    freqs = workload.train_set.class_frequencies
+    weights = None if freqs is None else class_weights_from_frequencies(freqs)
+
+    def weighted_cross_entropy(logits, labels):  # the weighted mean over every pixel
+        w = None if weights is None else weights.to(device=logits.device, dtype=logits.dtype)
+        return F.cross_entropy(logits, labels.long(), weight=w)
+    return weighted_cross_entropy

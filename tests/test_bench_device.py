@@ -1,0 +1,110 @@
+"""`exatrain bench device` on CPU at --sizes small: the harness runs, its baseline and exatrain
+paths train the same model on the same batches, its JSON has every figure issue 27 names, and
+every lever is measured, a no-op with a note, or refused with a reason where the device cannot
+pull it (CUDA graphs on a CPU, fp8 before Hopper).
+
+Tolerance of the agreement: fp32 on one CPU process, the step losses of the two paths (three
+steps: the first checks model and batch, the next two the optimizer) within relative 1e-5
+(measured: 1e-7; fused against foreach AdamW and channels-last convolutions round differently).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exatrain.bench import device_baseline
+from exatrain.bench.device import run
+from exatrain.bench.device_peaks import datasheet_peak_flops, device_key
+from exatrain.cli import build_parser
+
+CASES = ("cosmoflow", "deepcam", "vit", "gpt_125m", "gpt_1b")
+FIGURES = ("samples_per_s", "mfu_peak", "mfu_measured", "peak_memory_bytes", "step_s_median",
+           "data_wait_fraction", "losses")
+
+
+def bench(tmp_path, *extra) -> dict:
+    args = build_parser().parse_args(["bench", "device", "--sizes", "small", "--no-compile",
+                                      "--workers", "0", "--data-dir", str(tmp_path), *extra])
+    return run(args)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    return bench(tmp_path_factory.mktemp("data"), "--warmup", "1", "--steps", "2")
+
+
+def test_baseline_and_exatrain_agree_on_every_workload(small):
+    assert small["device"] == "cpu" and small["precision"] == "fp32"
+    for case in CASES:
+        base, ours = small[f"{case}_baseline_losses"], small[f"{case}_exatrain_losses"]
+        assert len(base) == len(ours) == 3, case
+        assert small[f"{case}_loss_max_rel_diff"] <= 1e-5, (case, base, ours)
+        assert ours[0] != ours[-1], case  # it trained: a loss that never moves proves nothing
+
+
+def test_json_has_every_figure_the_issue_names(small):
+    for case in CASES:
+        for variant in ("baseline", "exatrain"):
+            for figure in FIGURES:
+                assert f"{case}_{variant}_{figure}" in small, (case, variant, figure)
+            assert small[f"{case}_{variant}_samples_per_s"] > 0
+            assert small[f"{case}_{variant}_mfu_peak"] is None  # no datasheet peak for a CPU
+            assert 0 < small[f"{case}_{variant}_mfu_measured"]
+            assert 0 <= small[f"{case}_{variant}_data_wait_fraction"] <= 1
+        assert small[f"{case}_vs_baseline"] == pytest.approx(
+            small[f"{case}_exatrain_samples_per_s"] / small[f"{case}_baseline_samples_per_s"])
+        for key in ("published_value", "published_unit", "published_source", "vs_published"):
+            assert f"{case}_{key}" in small
+        assert small[f"{case}_vs_published"] is None  # only full sizes compare with a paper
+    for case in ("gpt_125m", "gpt_1b"):
+        assert small[f"{case}_exatrain_tokens_per_s"] == pytest.approx(
+            small[f"{case}_exatrain_samples_per_s"] * 32)  # block_size of the small shape
+
+
+def test_every_lever_runs_or_is_refused_on_cpu(tmp_path):
+    result = bench(tmp_path, "--cases", "gpt_125m", "--levers", "all", "--compile-backend",
+                   "eager", "--warmup", "0", "--steps", "1")
+    assert "CUDA graphs need a CUDA device" in result["gpt_125m_cuda_graphs_refused"]
+    assert "compute capability 8.9" in result["gpt_125m_fp8_refused"]
+    for lever in ("plain", "bf16", "fp16", "compile", "foreach", "fused", "sdpa"):
+        assert result[f"gpt_125m_{lever}_samples_per_s"] > 0, lever
+        assert f"gpt_125m_{lever}_refused" not in result
+    assert "no-op" in result["gpt_125m_bf16_note"]  # cudnn.benchmark on a CPU
+    for lever in ("bf16", "fp16", "compile", "foreach", "fused", "sdpa"):
+        assert f"gpt_125m_{lever}_speedup_vs_plain" in result
+    # every lever trains the same model on the same first batch
+    first = result["gpt_125m_plain_losses"][0]
+    for lever in ("compile", "foreach", "fused", "sdpa"):
+        assert result[f"gpt_125m_{lever}_losses"][0] == pytest.approx(first, rel=1e-5)
+    for lever in ("bf16", "fp16"):  # autocast on a CPU: half-precision rounding
+        assert result[f"gpt_125m_{lever}_losses"][0] == pytest.approx(first, rel=2e-2)
+
+
+def test_refusals_name_the_device_and_the_fix():
+    cpu = torch.device("cpu")
+    assert device_baseline.refusal(device_baseline.LEVERS["cuda_graphs"], cpu) is not None
+    assert "this is cpu" in device_baseline.refusal(device_baseline.LEVERS["fp8"], cpu)
+    for name in ("bf16", "fp16", "compile", "foreach", "fused", "sdpa"):
+        assert device_baseline.refusal(device_baseline.LEVERS[name], cpu) is None, name
+    with pytest.raises(ValueError, match="unknown warp"):
+        bench("/nonexistent", "--levers", "warp")
+
+
+def test_datasheet_table_knows_the_devices_by_name():
+    assert device_key("NVIDIA H100 80GB HBM3") == "h100"
+    assert device_key("NVIDIA H100 PCIe") == "h100 pcie"
+    assert device_key("NVIDIA H100 NVL") == "h100 nvl"
+    assert device_key("NVIDIA H200") == "h200"
+    assert device_key("NVIDIA A100-SXM4-80GB") == "a100"
+    assert device_key("NVIDIA GeForce RTX 3090") is None
+    assert datasheet_peak_flops(torch.device("cpu"), "bf16") is None
+
+
+def test_sharing_a_gpu_without_one_is_refused(monkeypatch):
+    from exatrain.mesh import SHARE_GPU_ENV, init
+    from exatrain.plan import Plan
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on this CPU machine
+    monkeypatch.setenv(SHARE_GPU_ENV, "1")
+    with pytest.raises(RuntimeError, match="no CUDA device; unset EXATRAIN_SHARE_GPU"):
+        init(Plan())
