@@ -115,14 +115,15 @@ def _print_summary(console: Console, summary: dict) -> None:
     from rich.table import Table
 
     table = Table(title="run summary", show_header=False)
+    from .train.console import comm_text
     from .train.units import human_bytes, human_value
 
     for key, value in summary.items():
         if key == "memory_per_rank":  # a list per rank: its largest figures are what matter
             value = "max over ranks: state " + human_bytes(max(r["state_bytes"] or 0 for r in value)) \
                 + ", peak " + human_bytes(max(r["peak_mem_bytes"] or 0 for r in value))
-        elif key == "bytes_per_step":
-            value = " ".join(f"{a}={human_bytes(b)}" for a, b in value.items()) or "-"
+        elif key == "bytes_per_step":  # the ledger's bytes per step, by mesh axis
+            key, value = "comm/step (bytes_per_step)", comm_text(value, prefix="")
         else:
             value = human_value(key, value)
         table.add_row(key, str(value))
