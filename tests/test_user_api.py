@@ -1,4 +1,4 @@
-"""Your own model and data: the README example verbatim, user workloads from the CLI, the data
+"""Your own model and data: the tutorial's example verbatim (docs/tutorials/own-model.md), user workloads from the CLI, the data
 layouts against what the writers wrote, and the errors a newcomer meets first."""
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from exatrain.data.cosmoflow import CosmoFlowDataset, write_cosmoflow
 from exatrain.train.config import ConfigError, load_config
 from exatrain.train.run import run_job
 
-README = Path(__file__).parents[1] / "README.md"
+TUTORIAL = Path(__file__).parents[1] / "docs" / "tutorials" / "own-model.md"
 
 
 def _readme_code() -> str:
-    """The README's "Your own model" example, verbatim (the block that starts `# train_unet.py`)."""
-    return next(block for block in re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-                if block.startswith("# train_unet.py"))
+    """The tutorial's example, verbatim (the block that starts `# train_unet.py`)."""
+    return next(block for block in re.findall(r"```python\n(.*?)```", TUTORIAL.read_text(), re.S)
+                if block.startswith("# train_unet.py\n"))
 
 
 def test_readme_example_runs_as_written_on_one_rank_and_on_data_2(tmp_path):
