@@ -148,3 +148,12 @@ def test_the_cli_reference_has_every_command():
     for name in commands:
         assert f"## `exatrain {name}`" in page
     assert "### `exatrain bench dp`" in page and "--nproc" in page
+
+
+def test_the_readme_links_into_pages_that_exist():
+    """The site's own links are checked by `mkdocs build --strict`; the README's here."""
+    text = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(((?:docs|examples)/[^)#]+)(?:#[^)]*)?\)", text)
+    assert len(links) > 10
+    for link in links:
+        assert (ROOT / link).exists(), link
