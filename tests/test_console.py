@@ -54,3 +54,22 @@ def test_a_terminal_gets_a_bar_with_rate_input_wait_and_eta():
     assert "TimeRemainingColumn" in header and "{task.fields[rate]}" in header
     bar.close()
     assert "136 samples/s" in out.getvalue()
+
+
+def test_the_report_figure_calls_the_world_axis_all_ranks(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from exatrain.observe.figures import bytes_per_axis
+    from exatrain.observe.runs import RunRecord
+
+    run = RunRecord(tmp_path, summary={"plan": "Plan(data=2)", "bytes_per_step": {
+        "data": 19115152, "trainer+pipe+data+shard+space+tensor": 4}})
+    shown, real_savefig = [], plt.Figure.savefig
+
+    def keep_labels(fig, *args, **kwargs):   # the tick labels, read as the figure is saved
+        shown.extend(t.get_text() for ax in fig.axes for t in ax.get_xticklabels())
+        return real_savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(plt.Figure, "savefig", keep_labels)
+    assert bytes_per_axis([run], tmp_path / "bytes.png").is_file()
+    assert shown == ["data", "all ranks"]
