@@ -73,3 +73,22 @@ def test_the_report_figure_calls_the_world_axis_all_ranks(tmp_path, monkeypatch)
     monkeypatch.setattr(plt.Figure, "savefig", keep_labels)
     assert bytes_per_axis([run], tmp_path / "bytes.png").is_file()
     assert shown == ["data", "all ranks"]
+
+
+def test_writing_data_shows_rate_and_eta_in_a_file_and_a_bar_on_a_terminal():
+    from exatrain.train.console import work_progress
+
+    out = io.StringIO()
+    report = work_progress(Console(file=out, width=80, force_terminal=False), "writing data")
+    for done in range(0, 101):
+        report(done, 100)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 11 and lines[0] == "writing data: 0/100 (0 %)"
+    assert lines[5].startswith("writing data: 50/100 (50 %, ") and "/s, ETA " in lines[5]
+    assert lines[-1].startswith("writing data: 100/100 (100 %, ")
+
+    tty = io.StringIO()
+    report = work_progress(Console(file=tty, width=120, force_terminal=True), "writing data")
+    for done in range(0, 101):
+        report(done, 100)
+    assert "100/100" in tty.getvalue() and "ETA" in tty.getvalue() and "/s" in tty.getvalue()

@@ -104,11 +104,9 @@ def _draw_timeline(run_dir) -> None:
 
 
 def _progress(console: Console, label: str):
-    """A callback(done, total) that prints progress every tenth of the way."""
-    def report(done: int, total: int) -> None:
-        if done == total or done % max(1, total // 10) == 0:
-            console.print(f"{label}: {done}/{total}", highlight=False)
-    return report
+    """A callback(done, total): a bar with rate and ETA on a terminal, else a line every tenth."""
+    from .train.console import work_progress
+    return work_progress(console, label)
 
 
 def _print_summary(console: Console, summary: dict) -> None:

@@ -138,3 +138,35 @@ class _Bar:
     def close(self) -> None:
         if self.bar:
             self.bar.stop()
+
+
+def work_progress(console: Console, label: str):
+    """A callback(done, total) for long work before training (writing a data set): a bar with
+    rate and ETA on a terminal, else a plain line every tenth of the way with the same figures."""
+    state: dict = {"start": None, "bar": None}
+
+    def report(done: int, total: int) -> None:
+        now = time.perf_counter()
+        if state["start"] is None:
+            state["start"] = now
+            if console.is_terminal:
+                state["bar"] = Progress(TextColumn(f"[bold]{label}"), BarColumn(),
+                                        MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
+                                        TimeElapsedColumn(), TextColumn("ETA"),
+                                        TimeRemainingColumn(), console=console)
+                state["task"] = state["bar"].add_task(label, total=total, rate="")
+                state["bar"].start()
+        elapsed = now - state["start"]
+        rate = done / elapsed if elapsed > 0 else 0.0
+        if state["bar"] is not None:
+            state["bar"].update(state["task"], completed=done,
+                                rate=f"{rate:.3g}/s" if rate > 0 else "")
+            if done >= total:
+                state["bar"].stop()
+            return
+        if done == total or done % max(1, total // 10) == 0:
+            eta = (total - done) / rate if rate > 0 else None
+            console.print(f"{label}: {done}/{total} ({100 * done / max(total, 1):.0f} %"
+                          + (f", {rate:.3g}/s, ETA {human_seconds(eta)})" if eta is not None
+                             else ")"), highlight=False, soft_wrap=True, markup=False)
+    return report
