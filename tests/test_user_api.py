@@ -28,7 +28,7 @@ def _readme_code() -> str:
                 if block.startswith("# train_unet.py\n"))
 
 
-def test_readme_example_runs_as_written_on_one_rank_and_on_data_2(tmp_path):
+def test_the_unet_tutorial_runs_as_written_on_one_rank_and_on_data_2(tmp_path):
     (tmp_path / "train_unet.py").write_text(_readme_code())
     runs = {}
     for name, command in {"serial": [sys.executable, "train_unet.py"],
