@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ import pytest
 ROOT = Path(__file__).parents[1]
 DOCS = ROOT / "docs"
 SKIP = "<!-- docs-test: skip"
-FENCE = re.compile(r"^```(\w+)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
+FENCE = re.compile(r"^([ \t]*)```(\w+)[^\n]*\n(.*?)^\1```[ \t]*$", re.S | re.M)  # also indented
 
 
 @dataclasses.dataclass
@@ -47,8 +48,8 @@ def blocks_of(path: Path) -> list[Block]:
     for match in FENCE.finditer(text):
         before = text[:match.start()].rstrip("\n").rsplit("\n", 1)[-1]
         name = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
-        out.append(Block(name, text.count("\n", 0, match.start()) + 1,
-                         match.group(1), match.group(2), before.strip().startswith(SKIP)))
+        out.append(Block(name, text.count("\n", 0, match.start()) + 1, match.group(2),
+                         textwrap.dedent(match.group(3)), before.strip().startswith(SKIP)))
     return out
 
 
@@ -105,9 +106,10 @@ def test_the_harness_finds_blocks_and_honours_the_skip_marker(tmp_path, monkeypa
     page = tmp_path / "page.md"
     page.write_text("Text.\n\n```python\nvalue = 6 * 7\n```\n\n<!-- docs-test: skip: 8 ranks -->\n"
                     "```python\nraise SystemExit('must not run')\n```\n\n```toml\n[train]\n"
-                    "steps = 3\n```\n\n```python\nassert value == 42\n```\n")
+                    "steps = 3\n```\n\n* in a list:\n\n    ```python\n    assert value == 42\n"
+                    "    ```\n\n```console\nexatrain run\n```\n")
     assert [(b.lang, b.skip) for b in blocks_of(page)] == [
-        ("python", False), ("python", True), ("toml", False), ("python", False)]
+        ("python", False), ("python", True), ("toml", False), ("python", False), ("console", False)]
     (tmp_path / "run").mkdir()
     assert run_page(page, tmp_path / "run", monkeypatch) == 3
     page.write_text("```toml\n[train]\nstesp = 3\n```\n")
