@@ -56,3 +56,24 @@ def test_plan_that_does_not_fit_is_refused_before_any_rank_starts(tmp_path, caps
 def test_resume_of_a_directory_without_checkpoint(tmp_path, capsys):
     assert main(["run", "--resume", str(tmp_path)]) == 2
     assert "holds no complete checkpoint" in capsys.readouterr().err
+
+
+def test_flat_mlperf_directory_names_the_layouts_and_what_it_holds(tmp_path, capsys):
+    """data.path at a flat directory of MLPerf per-sample .hdf5 files (one split, no train/ and
+    validation/): the error lists the accepted layouts and what the directory holds, and nothing
+    is generated beside the user's files."""
+    flat = tmp_path / "cosmoUniverse"
+    flat.mkdir()
+    for i in range(3):
+        (flat / f"univ_ics_{i:03d}.hdf5").write_bytes(b"")
+    for generate in ("true", "false"):
+        code = main(["run", "--nproc", "1", "--set", f"data.path={flat}",
+                     "--set", f"data.generate={generate}", "--set", f"run.out_dir={tmp_path}/runs"])
+        err = " ".join(capsys.readouterr().err.split())   # rich wraps long lines
+        assert code == 2
+        assert "Accepted layouts" in err and "DIR/train/ and DIR/validation/" in err, err
+        assert "DIR/train.h5 and DIR/val.h5" in err and "NAME_data.npy" in err
+        assert "holds 3 .hdf5 file(s) (univ_ics_000.hdf5, univ_ics_001.hdf5, univ_ics_002.hdf5)" \
+            in err, err
+        assert f"move them into {flat}/train/" in err
+        assert sorted(p.name for p in flat.iterdir()) == [f"univ_ics_{i:03d}.hdf5" for i in range(3)]

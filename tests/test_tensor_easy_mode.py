@@ -4,7 +4,8 @@ user's random stream alone.
 A 2-rank launch (tensor=2) and a 4-rank one (tensor=(2, 1, 2)): HF-style (`num_heads`,
 `head_dim`, `view(B, T, self.num_heads, self.head_dim)`), torchtitan-style (`n_heads`,
 `n_kv_heads`, `view(bs, seqlen, -1, self.head_dim)`) and nanoGPT-style with a `head_dim`
-(`view(B, T, self.n_head, self.head_dim)`) attention train like serial (outputs, gradients, 3 SGD
+(`view(B, T, self.n_head, self.head_dim)`) attention, and one with `c // self.n_head` in a branch
+it never takes, train like serial (outputs, gradients, 3 SGD
 steps; fp32 rel ≤ 1e-5) with q/k/v/out split as a pair and the head-count attributes set to the
 local count; nanoGPT's fused attention as written there trains like serial with its Linears split
 one at a time. On 2 ranks: the spelling `C // self.n_head` (with q/k/v split by heads) and a
@@ -80,6 +81,28 @@ class NanoAttention(nn.Module):
                    for p in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1))
+
+
+class BranchAttention(nn.Module):
+    """Attention as users write it: an integer head_dim, `view(b, t, -1, self.head_dim)`, and
+    `c // self.n_head` in a branch this module never takes (source text is not what it does)."""
+
+    def __init__(self, legacy_reshape=False):
+        super().__init__()
+        self.n_head, self.head_dim, self.legacy_reshape = HEADS, WIDTH // HEADS, legacy_reshape
+        self.query, self.key, self.value = (nn.Linear(WIDTH, WIDTH) for _ in range(3))
+        self.proj = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        if self.legacy_reshape:   # never taken here
+            q, k, v = (p(x).view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
+                       for p in (self.query, self.key, self.value))
+        else:
+            q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+                       for p in (self.query, self.key, self.value))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class NanoFused(nn.Module):
@@ -173,7 +196,7 @@ class NanoBlocks(nn.Module):
 
 
 ATTENTIONS = {"hf": HFAttention, "titan": TitanAttention, "nanogpt": NanoAttention,
-              "nanogpt_fused": NanoFused}
+              "nanogpt_fused": NanoFused, "branch": BranchAttention}
 REFUSED = {"nanogpt_original": NanoOriginal, "full_width_reshape": FullWidthReshape}
 
 
@@ -302,10 +325,29 @@ def test_usual_attention_spellings_train_like_serial(results, results_3d):
     assert results[0]["local_heads"] == results_3d[0]["local_heads"] == {"hf": {"attn": {"num_heads": 2}},
                                          "titan": {"attn": {"n_heads": 2, "n_kv_heads": 2}},
                                          "nanogpt": {"attn": {"n_head": 2}},
-                                         "nanogpt_fused": {}}
+                                         "nanogpt_fused": {},
+                                         "branch": {"attn": {"n_head": 2}}}
     # the user's model keeps its own head counts (easy mode works on a copy of the tree)
     assert results[0]["plain_untouched"] == [{"num_heads": 4}, {"n_heads": 4, "n_kv_heads": 4},
-                                             {"n_head": 4}, {"n_head": 4}]
+                                             {"n_head": 4}, {"n_head": 4}, {"n_head": 4}]
+
+
+def test_heads_are_judged_by_running_the_forward_not_by_its_source():
+    """One process, meta device: the branch it never takes is not held against it; the same
+    module taking that branch, and nanoGPT's own spelling, fail when run on a share of heads."""
+    from exatrain.parallel.tensor.heads import check_forward, runs_on_local_heads
+
+    qkv = ["query", "key", "value"]
+    assert runs_on_local_heads(BranchAttention(), 2, qkv, "proj") is None
+    check_forward("attn", BranchAttention(), 2, "tensor", qkv, "proj")   # accepted
+    with pytest.raises(ValueError, match=r"'attn' \(BranchAttention\).*c // self.n_head.*meta"):
+        check_forward("attn", BranchAttention(legacy_reshape=True), 2, "tensor", qkv, "proj")
+    with pytest.raises(ValueError, match=r"C // self.n_head.*self.head_dim"):
+        check_forward("attn", NanoOriginal(), 2, "tensor", ["q", "k", "v"], "c_proj")
+    with pytest.raises(ValueError, match=r"self.hidden_size.*view\(B, T, -1\)"):
+        check_forward("attn", FullWidthReshape(), 2, "tensor",
+                      ["q_proj", "k_proj", "v_proj"], "o_proj")
+    assert all(p.device.type == "cpu" for p in BranchAttention().parameters())
 
 
 def test_spellings_that_cannot_split_are_refused_with_the_fix(results):

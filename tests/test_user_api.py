@@ -1,4 +1,4 @@
-"""Your own model and data: the README example verbatim, user workloads from the CLI, the data
+"""Your own model and data: the tutorial's example verbatim (docs/tutorials/own-model.md), user workloads from the CLI, the data
 layouts against what the writers wrote, and the errors a newcomer meets first."""
 
 from __future__ import annotations
@@ -19,16 +19,16 @@ from exatrain.data.cosmoflow import CosmoFlowDataset, write_cosmoflow
 from exatrain.train.config import ConfigError, load_config
 from exatrain.train.run import run_job
 
-README = Path(__file__).parents[1] / "README.md"
+TUTORIAL = Path(__file__).parents[1] / "docs" / "tutorials" / "own-model.md"
 
 
 def _readme_code() -> str:
-    """The README's "Your own model" example, verbatim (the block that starts `# train_unet.py`)."""
-    return next(block for block in re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-                if block.startswith("# train_unet.py"))
+    """The tutorial's example, verbatim (the block that starts `# train_unet.py`)."""
+    return next(block for block in re.findall(r"```python\n(.*?)```", TUTORIAL.read_text(), re.S)
+                if block.startswith("# train_unet.py\n"))
 
 
-def test_readme_example_runs_as_written_on_one_rank_and_on_data_2(tmp_path):
+def test_the_unet_tutorial_runs_as_written_on_one_rank_and_on_data_2(tmp_path):
     (tmp_path / "train_unet.py").write_text(_readme_code())
     runs = {}
     for name, command in {"serial": [sys.executable, "train_unet.py"],
@@ -205,3 +205,48 @@ def test_training_steps_leave_the_callers_global_rng_stream_alone(tmp_path):
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "initial_seed 7\n" in done.stdout, done.stdout[-2000:]
+
+
+PIPE_SCRIPT = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import exatrain as et
+
+
+def model():
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))
+
+
+if __name__ == "__main__":
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 6, generator=g)
+    y = x[:, :2] * 2
+    et.fit(model, TensorDataset(x[:48], y[:48]), TensorDataset(x[48:], y[48:]), loss=F.mse_loss,
+           plan=PLAN, train={"steps": 3, "batch_size": 8, "log_every": 1, "eval_every": 0,
+                             "checkpoint_every": 0}, optim={"name": "sgd", "lr": 0.05},
+           run={"out_dir": "runs", "name": NAME})
+'''
+
+
+def test_fit_under_pipe_traces_from_the_training_set_like_the_cli(tmp_path):
+    """et.fit(..., plan=et.Plan(pipe=2)) in a script under `exatrain run SCRIPT --nproc 2`
+    traces the stages on a batch of the training set (as `run.workload` jobs do) and trains
+    like the same script on one process."""
+    losses = {}
+    for name, plan, nproc in (("serial", "None", 1), ("pipe", "et.Plan(pipe=2)", 2)):
+        (tmp_path / f"{name}.py").write_text(PIPE_SCRIPT.replace("PLAN", plan)
+                                             .replace("NAME", repr(name)))
+        done = subprocess.run([sys.executable, "-m", "exatrain.cli", "run", f"{name}.py",
+                               "--nproc", str(nproc)], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        (run_dir,) = (tmp_path / "runs").glob(f"{name}-*")
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["world_size"] == nproc
+        losses[name] = [json.loads(line)["loss"] for line in
+                        (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    assert len(losses["pipe"]) == 3
+    assert losses["pipe"] == pytest.approx(losses["serial"], rel=1e-5)

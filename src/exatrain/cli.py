@@ -104,25 +104,24 @@ def _draw_timeline(run_dir) -> None:
 
 
 def _progress(console: Console, label: str):
-    """A callback(done, total) that prints progress every tenth of the way."""
-    def report(done: int, total: int) -> None:
-        if done == total or done % max(1, total // 10) == 0:
-            console.print(f"{label}: {done}/{total}", highlight=False)
-    return report
+    """A callback(done, total): a bar with rate and ETA on a terminal, else a line every tenth."""
+    from .train.console import work_progress
+    return work_progress(console, label)
 
 
 def _print_summary(console: Console, summary: dict) -> None:
     from rich.table import Table
 
     table = Table(title="run summary", show_header=False)
+    from .train.console import comm_text
     from .train.units import human_bytes, human_value
 
     for key, value in summary.items():
         if key == "memory_per_rank":  # a list per rank: its largest figures are what matter
             value = "max over ranks: state " + human_bytes(max(r["state_bytes"] or 0 for r in value)) \
                 + ", peak " + human_bytes(max(r["peak_mem_bytes"] or 0 for r in value))
-        elif key == "bytes_per_step":
-            value = " ".join(f"{a}={human_bytes(b)}" for a, b in value.items()) or "-"
+        elif key == "bytes_per_step":  # the ledger's bytes per step, by mesh axis
+            key, value = "comm/step (bytes_per_step)", comm_text(value, prefix="")
         else:
             value = human_value(key, value)
         table.add_row(key, str(value))

@@ -10,6 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter, MaxNLocator  # noqa: E402
 
+from ..train.console import axis_label  # noqa: E402
 from ..train.units import human_bytes  # noqa: E402
 from .runs import RunRecord  # noqa: E402
 
@@ -192,7 +193,8 @@ def bytes_per_axis(runs: list[RunRecord], path: Path) -> Path | None:
     rows = []
     for run in runs:
         for axis, value in (run.summary.get("bytes_per_step") or {}).items():
-            rows.append((f"{axis}\n{run.plan}" if len(runs) > 1 else axis, value,
+            label = axis_label(axis)   # the axis over every rank reads "all ranks"
+            rows.append((f"{label}\n{run.plan}" if len(runs) > 1 else label, value,
                          minimum_bytes(axis, run.summary)))
     if not rows:
         return None

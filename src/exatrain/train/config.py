@@ -33,10 +33,10 @@ class ConfigError(ValueError):
 
 @dataclass
 class RunOptions:
-    workload: str = "cosmoflow"
+    workload: str = "cosmoflow"  # a built-in workload, or your own: "module:function", "file.py"
     name: str = ""              # run directory prefix; empty = the workload name
-    out_dir: str = "runs"
-    seed: int = 0
+    out_dir: str = "runs"       # where run directories are made (RUN_NAME-DATE-TIME)
+    seed: int = 0               # model init, sample order and dropout derive from it
     nproc: int = 2              # local ranks for `exatrain run` when no launcher is detected
     timeout_s: float = 600.0    # a collective waiting longer than this fails instead of hanging
     backend: str = "auto"       # auto | gloo | nccl
@@ -46,12 +46,12 @@ class RunOptions:
 
 @dataclass
 class PlanOptions:
-    trainer: int = 1
-    pipe: int = 1
+    trainer: int = 1            # independent trainers of a population (LTFB)
+    pipe: int = 1               # pipeline stages
     data: int = 0               # 0: whatever the world size leaves after the other axes
-    shard: int = 1
-    space: list[int] = field(default_factory=lambda: [1, 1, 1])
-    tensor: list[int] = field(default_factory=lambda: [1])
+    shard: int = 1              # ranks that share one sharded copy of the state (ZeRO)
+    space: list[int] = field(default_factory=lambda: [1, 1, 1])  # blocks per sample over (d, h, w)
+    tensor: list[int] = field(default_factory=lambda: [1])  # [t]: 1D (Megatron); [x, y, z]: 3D grid
 
     def resolve(self, world_size: int) -> Plan:
         tensor = self.tensor[0] if len(self.tensor) == 1 else tuple(self.tensor)

@@ -36,7 +36,7 @@ from ..plan import Plan
 from ..workloads.user import Task, workload_from_task
 from .config import FIXED_SECTIONS, Config, ConfigError, build_section, load_config, validate
 from .console import TrainConsole
-from .run import make_run_dir
+from .run import make_run_dir, pipeline_example
 from .trainer import Trainer
 
 
@@ -114,7 +114,10 @@ def fit(model, train_set, val_set, loss, metrics: dict | None = None, *, plan: P
             run_dir = Path(resume) if resume else make_run_dir(config)
             (run_dir / "config.toml").write_text(tomli_w.dumps(config.to_dict()))
         run_dir = Path(broadcast_object(str(run_dir) if run_dir else None, mesh.world))
-        parallel_model = parallelize(workload.model, mesh, config.parallel)
+        # under pipe, trace and size the stages on one per-replica batch of the training set,
+        # as `exatrain run` does (train.run.setup)
+        parallel_model = parallelize(workload.model, mesh, config.parallel,
+                                     example=pipeline_example(workload, config, mesh.plan))
         workload.model = parallel_model
         trainer = Trainer(mesh, workload, config, parallel_model, run_dir=run_dir,
                           console=TrainConsole() if mesh.rank == 0 else None)

@@ -86,10 +86,59 @@ def prepare(config, progress=None) -> Path:
     path = Path(options.path)
     given = (path / "train.h5").exists() or any(path.glob("*/*.h5")) or any(path.glob("*/*.hdf5")) \
         or any(path.glob("*/*_data.npy"))
+    if _flat_samples(path):  # generating would write our files beside the user's samples
+        raise layout_error(path)
     if options.generate and not given:
         write_cosmoflow(path, samples=options.samples, size=options.size, seed=options.seed,
                         progress=progress)
     return path
+
+
+LAYOUTS = ("DIR/train.h5 and DIR/val.h5 (exatrain's layout: `exatrain data cosmoflow --out DIR`)",
+           "DIR/train/ and DIR/validation/, each a directory of MLPerf per-sample .h5/.hdf5 files "
+           "(`full`, `unitPar`)",
+           "DIR/train/ and DIR/validation/, each a directory of MLPerf numpy pairs "
+           "(NAME_data.npy, NAME_label.npy)")
+
+
+def _found(path: Path) -> str:
+    """What `path` holds, in a few words, for an error message."""
+    if not path.exists():
+        return f"{path} does not exist"
+    if not path.is_dir():
+        return f"{path} is a file, not a directory"
+    entries = sorted(path.iterdir())
+    if not entries:
+        return f"{path} is empty"
+    kinds: dict[str, int] = {}
+    for entry in entries:
+        kind = "director(ies)" if entry.is_dir() else (f"{entry.suffix} file(s)" if entry.suffix
+                                                       else "file(s) without a suffix")
+        kinds[kind] = kinds.get(kind, 0) + 1
+    names = ", ".join(e.name + ("/" if e.is_dir() else "") for e in entries[:3])
+    more = ", …" if len(entries) > 3 else ""
+    return (f"{path} holds " + ", ".join(f"{n} {k}" for k, n in kinds.items())
+            + f" ({names}{more})")
+
+
+def _flat_samples(path: Path) -> bool:
+    """A flat directory of per-sample files: one split, not a data directory with two."""
+    return path.is_dir() and any(p.suffix in (".h5", ".hdf5") or p.name.endswith("_data.npy")
+                                 for p in path.iterdir()) and not (path / "train.h5").exists()
+
+
+def layout_error(path: Path) -> FileNotFoundError:
+    """The accepted layouts, what `path` holds, and what to do: for a data.path that is none."""
+    fix = (f"This looks like one split of per-sample files: move them into {path}/train/ (and "
+           f"the validation samples into {path}/validation/), or point data.path at the "
+           "directory that holds train/ and validation/."
+           if path.exists() and _flat_samples(path) else
+           "Point data.path at such a directory, or write a synthetic set with "
+           "`exatrain data cosmoflow --out DIR` (or set data.generate = true and a data.path "
+           "that does not exist yet).")
+    accepted = "".join(f"\n  * {layout}" for layout in LAYOUTS)
+    return FileNotFoundError(f"data.path={str(path)!r} is not a CosmoFlow data directory. "
+                             f"Accepted layouts:{accepted}\nFound: {_found(path)}. {fix}")
 
 
 def _split(path: Path, name: str) -> Path:
@@ -97,7 +146,7 @@ def _split(path: Path, name: str) -> Path:
     for candidate in (path / f"{name}.h5", path / name, path / {"val": "validation"}.get(name, name)):
         if candidate.exists():
             return candidate
-    return path / f"{name}.h5"  # the dataset raises a FileNotFoundError that says what to run
+    raise layout_error(path)
 
 
 def check_model_fits_data(config, data_set: CosmoFlowDataset) -> None:

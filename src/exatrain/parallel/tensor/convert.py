@@ -304,7 +304,8 @@ class TensorParallel:
                     continue
                 if heads:  # before anything is split: a refusal leaves nothing half-done
                     self.local_heads[parent_name] = localize_heads(parent_name, parent,
-                                                                   *self._heads_split)
+                                                                   *self._heads_split,
+                                                                   col_names, row_name)
                 sp = id(parent) in in_sp
                 if self.three_d:
                     shared = SharedScatter(self.grid.y)

@@ -11,21 +11,29 @@ common spellings:
 
 `localize_heads` sets every head-count attribute of a split module to the local head count (so
 `view(B, T, self.num_heads, self.head_dim)` and `view(B, T, -1, self.head_dim)` work unchanged),
-after checking the module's `forward` source for the spellings that cannot work on a rank's
-share of the heads: a size computed by dividing by the head count (`C // self.n_head`, where `C`
-is the full width read from the input), and a reshape to a full width attribute
-(`view(B, T, self.hidden_size)`). Those are refused when the model is parallelized, before any
-training step, with the module, the attribute and the rewrite that works. (Without source, e.g.
-a compiled class, only the attributes are set.) No communication.
+after checking that the module's `forward` runs on a rank's share of the heads. The check runs
+it: a copy of the module on the meta device (no memory, no arithmetic), with its split Linears at
+their local widths and its head counts local, is called on a (2, 4, width) input next to an
+unsplit copy. A forward that fails there, or returns another shape, cannot run on a share of the
+heads, whatever its source says; one that runs is accepted, even if its source holds an
+expression such as `C // self.n_head` in a branch it does not take. The spellings that fail are
+a size computed by dividing by the head count (`C // self.n_head`, where `C` is the full width
+read from the input) and a reshape to a full width attribute (`view(B, T, self.hidden_size)`);
+they are refused when the model is parallelized, before any training step, with the module, the
+attribute and the rewrite that works (found in the source, for the message only). A forward that
+cannot be run even unsplit on such an input (it needs more arguments, e.g. rotary frequencies)
+is judged from its source instead. No communication.
 """
 
 from __future__ import annotations
 
 import ast
+import copy
 import inspect
 import re
 import textwrap
 
+import torch
 from torch import nn
 
 # Attributes that hold a module's number of attention heads (query heads, and key/value heads:
@@ -61,47 +69,115 @@ def _forward_source(module: nn.Module) -> str | None:
     return ast.unparse(tree)
 
 
-def _refusal(name: str, module: nn.Module, attr: str, found: str, split: int, axis: str,
+def _refusal(name: str, module: nn.Module, found: str, split: int, axis: str,
              fix: str) -> ValueError:
     heads = max(head_count_attrs(module).values(), default=0)
     return ValueError(
         f"tensor parallelism splits attention module {name!r} ({type(module).__name__}) by "
         f"heads: with {axis}={split} each rank holds {heads // split} of its {heads} heads, and "
         f"exatrain sets its head-count attributes to the local count. But its forward uses "
-        f"`{found}`, which then computes the wrong size. Fix: {fix} (the code then runs "
+        f"{found}, which then computes the wrong size. Fix: {fix} (the code then runs "
         f"unchanged serially), or split its Linears one at a time (more communication) with "
         f"parallelize_tensor(..., pairs=False).")
 
 
-def check_forward(name: str, module: nn.Module, split: int, axis: str) -> None:
-    """Refuse (ValueError naming module, attribute and fix) a forward that cannot run on a
-    rank's share of the heads; see the module docstring for the spellings."""
-    source = _forward_source(module)
+def _spelling(module: nn.Module, source: str | None) -> tuple[str, str] | None:
+    """The spelling in `source` that cannot run on a share of the heads, as (what, fix)."""
     if source is None:
-        return
+        return None
     for attr in head_count_attrs(module):
         match = re.search(rf"[\w\.\)\]]+\s*//?\s*self\.{attr}\b", source)
         if match:
-            raise _refusal(name, module, attr, match.group(0), split, axis,
-                           f"compute the per-head size once in __init__ (self.head_dim = "
-                           f"n_embd // {attr}) and reshape with view(B, T, self.{attr}, "
-                           f"self.head_dim) or view(B, T, -1, self.head_dim)")
+            return (f"`{match.group(0)}`",
+                    f"compute the per-head size once in __init__ (self.head_dim = "
+                    f"n_embd // {attr}) and reshape with view(B, T, self.{attr}, "
+                    f"self.head_dim) or view(B, T, -1, self.head_dim)")
     for attr in WIDTH_ATTRS:
         match = re.search(rf"\.(?:view|reshape)\([^()]*self\.{attr}\b[^()]*\)", source)
         if match:
-            raise _refusal(name, module, attr, match.group(0), split, axis,
-                           f"reshape the attention output with view(B, T, -1) instead of "
-                           f"self.{attr}, so that it holds this rank's heads")
+            return (f"`{match.group(0)}`",
+                    f"reshape the attention output with view(B, T, -1) instead of "
+                    f"self.{attr}, so that it holds this rank's heads")
+    return None
 
 
-def localize_heads(name: str, module: nn.Module, split: int, axis: str) -> dict[str, int]:
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of `module` whose parameters and buffers live on the meta device (no data)."""
+    memo = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(module, memo)
+
+
+def _run_on_meta(module: nn.Module, width: int):
+    """The output shape of `module` on a meta (2, 4, width) input, or the exception it raised."""
+    try:
+        with torch.no_grad():
+            out = module(torch.empty(2, 4, width, device="meta"))
+        return tuple(out.shape) if isinstance(out, torch.Tensor) else None
+    except Exception as exc:  # what the forward does on these shapes is the question asked
+        return exc
+
+
+def runs_on_local_heads(module: nn.Module, split: int, cols: list[str], row: str):
+    """Run `module` on the meta device unsplit and with this rank's share of the heads.
+
+    Returns None when the split forward gives the unsplit output's shape, the exception (or
+    the wrong shape) when it does not, and "unknown" when the unsplit forward itself does not
+    run on a (2, 4, width) input (then nothing is learned from running it)."""
+    width = getattr(module, cols[0]).in_features
+    full = _run_on_meta(_meta_copy(module), width)
+    if isinstance(full, Exception) or full is None:
+        return "unknown"
+    local = _meta_copy(module)
+    for n in cols:
+        c = getattr(local, n)
+        setattr(local, n, nn.Linear(c.in_features, c.out_features // split,
+                                    bias=c.bias is not None, device="meta"))
+    r = getattr(local, row)
+    setattr(local, row, nn.Linear(r.in_features // split, r.out_features,
+                                  bias=r.bias is not None, device="meta"))
+    for attr, heads in head_count_attrs(local).items():
+        setattr(local, attr, heads // split)
+    got = _run_on_meta(local, width)
+    if got == full:
+        return None
+    return got if isinstance(got, Exception) else ValueError(f"output shape {got}, not {full}")
+
+
+def check_forward(name: str, module: nn.Module, split: int, axis: str,
+                  cols: list[str] | None = None, row: str | None = None) -> None:
+    """Refuse (ValueError naming module, attribute and fix) a forward that cannot run on a
+    rank's share of the heads: decided by running it on the meta device when the split
+    Linears `cols` (column) and `row` are named, else from its source (module docstring)."""
+    source = _forward_source(module)
+    verdict = runs_on_local_heads(module, split, cols, row) if cols and row else "unknown"
+    if verdict is None:
+        return
+    spelling = _spelling(module, source)
+    if verdict == "unknown":
+        if spelling is not None:
+            raise _refusal(name, module, *spelling, split, axis)
+        return
+    what, fix = spelling or (
+        "a size that does not hold on a rank's share of the heads",
+        "reshape with the per-head size (view(B, T, -1, self.head_dim)) and the output with "
+        "view(B, T, -1)")
+    raise _refusal(name, module, f"{what} (run on the meta device with this rank's share of the "
+                   f"heads, it fails: {type(verdict).__name__}: {str(verdict).splitlines()[0][:200]})",
+                   split, axis, fix)
+
+
+def localize_heads(name: str, module: nn.Module, split: int, axis: str,
+                   cols: list[str] | None = None, row: str | None = None) -> dict[str, int]:
     """Check `module`'s forward, then set its head-count attributes to heads // split.
 
     Returns {attribute: local count}. A head count that `split` does not divide is refused.
     """
     if split == 1:
         return {}
-    check_forward(name, module, split, axis)
+    check_forward(name, module, split, axis, cols, row)
     local = {}
     for attr, heads in head_count_attrs(module).items():
         if heads % split:
@@ -114,4 +190,5 @@ def localize_heads(name: str, module: nn.Module, split: int, axis: str) -> dict[
     return local
 
 
-__all__ = ["HEAD_COUNT_ATTRS", "check_forward", "head_count_attrs", "localize_heads"]
+__all__ = ["HEAD_COUNT_ATTRS", "check_forward", "head_count_attrs", "localize_heads",
+           "runs_on_local_heads"]
