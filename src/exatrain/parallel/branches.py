@@ -20,6 +20,11 @@ a branch sees the whole global batch, so its statistics are the serial ones with
 (`keeps_local_batchnorm` tells `globalise_batchnorm` to leave it), and the owner broadcasts the
 branch's buffers (running statistics) after each training forward so every rank holds them.
 
+Ordering with DDP: the gradient buckets' all-reduces share the data group with the collectives
+above. Every rank issues them in the same order, because the graph outside the block is the same
+on every rank and inside it every branch parameter's gradient (real on the owner, the zero term
+elsewhere) is ready between the two backward collectives of the block.
+
 Bytes per rank and call (ledger convention, 4-byte floats; x: the input, y: the combined output,
 b samples per rank, P ranks; tag "branch"):
 
@@ -97,11 +102,13 @@ class SplitBranches(nn.ModuleList):
         outs = {i: self[i](full) for i in self.mine}
         if self.combine == "sum":
             y = sum(outs.values()) if outs else None
-            if y is None:  # no branch here: zeros of the output's shape (one branch run is avoided
-                y = self._zeros_like_output(full)  # by asking the shape from the others)
+            if y is None:  # no branch here: zeros of the output's shape
+                y = self._zeros_like_output(full)
         else:
             y = self._concat_slots(full, outs)
         y = y + self._unused_params_zero()
+        if not self.mine:  # keep the input in the graph: its backward collective must run here too
+            y = y + full.reshape(-1)[0] * 0.0
         out = _ReduceScatterBatch.apply(y, axis)
         if self.training:
             self._share_buffers()
@@ -143,6 +150,8 @@ class SplitBranches(nn.ModuleList):
                 continue
             flat = torch.cat([b.reshape(-1).double() for b in buffers])  # exact for both
             broadcast(flat, self.axis, src=self.owner[i], tag="buffers")
+            if self.owner[i] == self.axis.rank:
+                continue  # (its buffers may be saved for backward: never touch them)
             at = 0
             for b in buffers:
                 b.copy_(flat[at:at + b.numel()].view_as(b))
