@@ -25,8 +25,8 @@ from exatrain.plan import Plan
 from harness import max_rel_err_state, run_ranks
 
 KFAC = ("optim.name='kfac'", "optim.lr=0.05", "optim.kfac_inverse_every=2",
-        "optim.kfac_damping=0.1", "train.steps=4", "train.eval_every=0", "schedule.warmup_steps=0", "train.checkpoint_every=2",
-        "train.checkpoint_keep=3")
+        "optim.kfac_damping=0.1", "train.steps=4", "train.eval_every=0", "schedule.warmup_steps=0",
+        "train.checkpoint_every=2", "train.checkpoint_keep=3")
 
 
 def _report(trainer, mesh) -> dict:
