@@ -47,7 +47,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--lr-kfac", type=float, default=0.02)
     parser.add_argument("--kfac-factor-every", type=int, default=5)
     parser.add_argument("--kfac-inverse-every", type=int, default=25)
-    parser.add_argument("--kfac-damping", type=float, default=1e-3)
+    parser.add_argument("--kfac-damping", type=float, default=0.1)
+    parser.add_argument("--kfac-kl-clip", type=float, default=1e-3)
     parser.add_argument("--workloads", default="cosmoflow,resnet")
     parser.add_argument("--deepcam-size", type=int, default=64)
     parser.add_argument("--deepcam-width", type=int, default=16)
@@ -208,7 +209,7 @@ def _config(work: Path, workload: str, optimizer: str, args, steps: int, size: i
               "plan.data=2", f"optim.name='{optimizer}'", f"optim.lr={lr}",
               f"optim.kfac_factor_every={args.kfac_factor_every}",
               f"optim.kfac_inverse_every={args.kfac_inverse_every}",
-              f"optim.kfac_damping={args.kfac_damping}",
+              f"optim.kfac_damping={args.kfac_damping}", f"optim.kfac_kl_clip={args.kfac_kl_clip}",
               f"run.out_dir={work / 'runs'}", f"run.name={workload}-{optimizer}", "run.seed=0",
               "run.backend=gloo" if not torch.cuda.is_available() else "run.backend=auto"]
     if workload == "cosmoflow":

@@ -92,7 +92,7 @@ class OptimOptions:
     eps: float = 1e-8
     # kfac: K-FAC preconditioning before `kfac_base` (see train.kfac and docs/how-to/kfac.md)
     kfac_base: str = "sgd"      # sgd | adamw: the first-order update of preconditioned gradients
-    kfac_damping: float = 1e-3
+    kfac_damping: float = 0.1     # 1e-3 (KAISA's) saturates the default CosmoFlow's tanh head
     kfac_factor_decay: float = 0.95
     kfac_factor_every: int = 1  # steps between factor updates
     kfac_inverse_every: int = 10  # steps between eigendecompositions

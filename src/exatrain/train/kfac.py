@@ -5,7 +5,9 @@ Fisher block of W by A ⊗ G, with A = E[a aᵀ] over the layer's input rows a (
 the unfolded input patches, "KFC" expand: one row per output position and sample, Grosse &
 Martens 2016; a column of ones for the bias) and G = E[(B·g)(B·g)ᵀ] over the rows g of the
 gradient of the loss w.r.t. the layer's output (B: the samples the local loss averages over, so
-B·g is the per-sample gradient whatever the data split). Both are means over rows, kept as
+B·g is the per-sample gradient whatever the data split). A is a mean over rows, G a sum over a
+sample's output positions averaged over samples (so A ⊗ G is KFC's T·E[a aᵀ] ⊗ E[g gᵀ] for T
+positions per sample; for a Linear layer T = 1). Both are kept as
 running averages A ← ξ·A + (1-ξ)·A_step (ξ = `factor_decay`, the first update sets them), every
 `factor_every` steps. Every `inverse_every` steps each factor is eigendecomposed,
 A = Q_A diag(d_A) Q_Aᵀ (same for G), and every step the gradient matrix ∇ is preconditioned as
@@ -91,7 +93,7 @@ def check_plan(plan, where: str = "") -> None:
 
 @dataclass(frozen=True)
 class KFACSettings:
-    damping: float = 1e-3
+    damping: float = 0.1
     factor_decay: float = 0.95
     factor_every: int = 1
     inverse_every: int = 10
@@ -305,16 +307,19 @@ class KFAC(torch.optim.Optimizer):
             A = (rows.T @ rows) * weight
             layer.A_sum = A if layer.A_sum is None else layer.A_sum + A
             layer.a_count += rows.shape[0] * weight
-            samples = inputs[0].shape[0] * self.grad_accum
-            output.register_hook(lambda g: self._grad_hook(layer, g, samples, weight))
+            b = inputs[0].shape[0]
+            output.register_hook(lambda g: self._grad_hook(layer, g, b, weight))
         return hook
 
     def _grad_hook(self, layer: _Layer, grad: torch.Tensor, samples: int, weight: float):
         g = grad.detach().float()
-        g = (g.movedim(1, -1) if layer.conv else g).reshape(-1, layer.out) * samples
+        g = (g.movedim(1, -1) if layer.conv else g).reshape(-1, layer.out) \
+            * (samples * self.grad_accum)
         G = (g.T @ g) * weight
         layer.G_sum = G if layer.G_sum is None else layer.G_sum + G
-        layer.g_count += g.shape[0] * weight
+        # per sample (KFC: the sum over a sample's positions): under space each rank holds 1/S
+        # of every sample's positions, and a replicated layer's rows weigh 1/S
+        layer.g_count += samples / self.space_size
 
     # ------------------------------------------------------------------ optimizer interface
     @property
