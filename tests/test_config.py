@@ -45,7 +45,7 @@ def test_typo_in_a_file_names_the_key(tmp_path):
 def test_bad_values_are_named():
     with pytest.raises(ConfigError, match="train.steps must be int, got 'ten'"):
         load_config(None, ["train.steps='ten'"])
-    with pytest.raises(ConfigError, match="optim.name='adamx' is not one of adamw, adam, sgd. Did you mean"):
+    with pytest.raises(ConfigError, match="optim.name='adamx' is not one of adamw, adam, sgd, kfac. Did you mean"):
         load_config(None, ["optim.name='adamx'"])
     with pytest.raises(ConfigError, match="run.workload='cosmoflo'.*Did you mean 'cosmoflow'"):
         load_config(None, ["run.workload='cosmoflo'"])

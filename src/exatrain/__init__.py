@@ -8,14 +8,16 @@
 
 from . import data, models
 from .mesh import Mesh, init
+from .models.branches import Branches
 from .parallel import parallelize
 from .plan import Plan, PlanError
 from .train import Config, ConfigError, NonFiniteLoss, Trainer, load_config
 from .train.fit import fit, launch
+from .train.kfac import KFAC, KFACSettings
 from .train.predict import predict
 from .workloads.metrics import Mean, Ratio
 from .workloads.user import Task
 
 __version__ = "0.1.0"
-__all__ = ["Config", "ConfigError", "Mean", "Mesh", "NonFiniteLoss", "Plan", "PlanError", "Ratio",
+__all__ = ["Branches", "Config", "ConfigError", "KFAC", "KFACSettings", "Mean", "Mesh", "NonFiniteLoss", "Plan", "PlanError", "Ratio",
            "Task", "Trainer", "fit", "data", "init", "launch", "load_config", "models", "parallelize", "predict"]

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .branches import Branches
+
 __all__ = [
     "DeepCAM",
     "ASPP",
@@ -87,7 +89,7 @@ class ASPP(nn.Module):
         branches += [
             _conv_bn_relu(in_channels, out_channels, kernel=3, dilation=r) for r in self.rates
         ]
-        self.branches = nn.ModuleList(branches)
+        self.branches = Branches(branches, combine="concat")  # independent: see et.Branches
         self.project = nn.Sequential(
             _conv_bn_relu(out_channels * len(branches), out_channels, kernel=1),
             nn.Dropout2d(dropout),
@@ -95,7 +97,7 @@ class ASPP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply all branches to ``x`` and fuse them."""
-        return self.project(torch.cat([branch(x) for branch in self.branches], dim=1))
+        return self.project(self.branches(x))
 
 
 class DeepCAM(nn.Module):

@@ -1,6 +1,6 @@
 """parallelize(): lay a plain module out over the mesh as one ordered list of steps per stage.
 
-    split into stages -> tensor -> space -> BatchNorm -> activation checkpointing -> compile
+    split into stages -> tensor -> space -> branches -> BatchNorm -> activation checkpointing -> compile
                       -> shard -> data
 
 (torchtitan's order, for the same reasons.) Under pipe > 1, `pipe.pipeline_parallel` cuts the
@@ -84,6 +84,15 @@ def space_step(model, mesh, options, layout):
                                                     batchnorm_axes=batchnorm_axes(options, layout))
 
 
+def branches_step(model, mesh, options, layout):
+    """Sub-graph parallelism: et.Branches run side by side over `data` (parallel/branches.py)."""
+    if getattr(options, "branches", "none") == "none" or mesh.plan.data == 1:
+        return model
+    from .branches import check_plan, split_branches
+    check_plan(mesh.plan, options.branches)
+    return split_branches(model, mesh.axis("data"))
+
+
 def batchnorm_axes(options, layout) -> tuple[str, ...]:
     """The axes BatchNorm statistics span besides `space`: the replica axes, or none."""
     return layout.reduction.replica_axes if options.batchnorm == "global" else ()
@@ -125,7 +134,7 @@ def data_step(model, mesh, options, layout):
                          device=mesh.device, broadcast_buffers=not equal_buffers)
 
 
-STEPS = (tensor_step, space_step, batchnorm_step, checkpoint_and_compile_step, shard_step,
+STEPS = (tensor_step, space_step, branches_step, batchnorm_step, checkpoint_and_compile_step, shard_step,
          data_step)
 
 

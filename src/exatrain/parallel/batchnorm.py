@@ -153,6 +153,8 @@ def globalise_batchnorm(model: nn.Module, axis: Axis) -> nn.Module:
     for name, child in list(model.named_children()):
         if isinstance(child, nn.modules.batchnorm._BatchNorm):
             setattr(model, name, GlobalBatchNorm(child, axis))
+        elif getattr(child, "keeps_local_batchnorm", False):
+            continue  # its norms already see the whole batch (parallel.branches)
         else:
             globalise_batchnorm(child, axis)
     if isinstance(model, nn.modules.batchnorm._BatchNorm):

@@ -29,6 +29,9 @@ class ParallelOptions:
     pipe_virtual_stages: int = 2
     pipe_split: list[int] = field(default_factory=list)
     pipe_balance: str = "params"
+    # et.Branches containers: "none" (run serially on every rank) or "data" (each branch on its
+    # own ranks of the data axis, combined by one reduce-scatter; see parallel/branches)
+    branches: str = "none"
     graph_balance: bool = True      # 3D GCN: random row/column permutations of the adjacency
 
 

@@ -87,12 +87,20 @@ class TrainOptions:
 
 @dataclass
 class OptimOptions:
-    name: str = "adamw"         # adamw | adam | sgd
+    name: str = "adamw"         # adamw | adam | sgd | kfac
     lr: float = 1e-3            # for `schedule.base_batch_size`, scaled by `schedule.lr_scaling`
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     momentum: float = 0.9       # sgd only
     eps: float = 1e-8
+    # kfac: K-FAC preconditioning before `kfac_base` (see train.kfac and docs/how-to/kfac.md)
+    kfac_base: str = "sgd"      # sgd | adamw: the first-order update of preconditioned gradients
+    kfac_damping: float = 0.1     # 1e-3 (KAISA's) saturates the default CosmoFlow's tanh head
+    kfac_factor_decay: float = 0.95
+    kfac_factor_every: int = 1  # steps between factor updates
+    kfac_inverse_every: int = 10  # steps between eigendecompositions
+    kfac_kl_clip: float = 1e-3
+    kfac_grad_worker_fraction: float = 1.0  # 1/W: memory-optimal .. 1: communication-optimal
 
 
 @dataclass
@@ -218,7 +226,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
 def validate(config: Config) -> None:
     """Checks across keys, with messages that name the values."""
     t, o, s = config.train, config.optim, config.schedule
-    choices = {"optim.name": (o.name, ("adamw", "adam", "sgd")),
+    choices = {"optim.name": (o.name, ("adamw", "adam", "sgd", "kfac")),
+               "optim.kfac_base": (o.kfac_base, ("sgd", "adamw")),
                "schedule.decay": (s.decay, ("cosine", "linear", "constant")),
                "schedule.lr_scaling": (s.lr_scaling, ("none", "linear", "sqrt")),
                "run.backend": (config.run.backend, ("auto", "gloo", "nccl")),
@@ -226,6 +235,7 @@ def validate(config: Config) -> None:
                "parallel.activation_checkpointing": (config.parallel.activation_checkpointing,
                                                      ("none", "full", "selective")),
                "parallel.batchnorm": (config.parallel.batchnorm, BATCHNORM_MODES),
+               "parallel.branches": (config.parallel.branches, ("none", "data")),
                "train.on_nonfinite": (t.on_nonfinite, ("stop", "skip")),
                "train.on_bad_sample": (t.on_bad_sample, ("stop", "skip"))}
     if hasattr(config.data, "shuffle"):
@@ -279,6 +289,8 @@ def validate(config: Config) -> None:
                           "(stage 0 is plain data parallelism: set plan.shard=1).")
     if o.lr <= 0:
         raise ConfigError(f"optim.lr={o.lr} must be positive.")
+    if o.name == "kfac":
+        _validate_kfac(config)
     if t.target:
         from .target import Target
         try:
@@ -289,6 +301,26 @@ def validate(config: Config) -> None:
         validate_population(config.population, config.plan.trainer)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _validate_kfac(config: Config) -> None:
+    """K-FAC runs under data and space only, without recomputation or fp16 loss scaling."""
+    from types import SimpleNamespace
+
+    from .kfac import check_plan
+    p = config.plan
+    try:
+        check_plan(SimpleNamespace(trainer=p.trainer, pipe=p.pipe, shard=p.shard,
+                                   tensor=tuple(p.tensor)))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if config.parallel.activation_checkpointing != "none":
+        raise ConfigError(f"optim.name='kfac' with parallel.activation_checkpointing="
+                          f"{config.parallel.activation_checkpointing!r}: the recomputed forward "
+                          "would count K-FAC's factors twice. Set it to 'none'.")
+    if config.parallel.precision == "fp16":
+        raise ConfigError("optim.name='kfac' with parallel.precision='fp16': the loss scale would "
+                          "enter K-FAC's G factors. Use 'bf16' or 'fp32'.")
 
 
 def micro_batch_size(config: Config, replicas: int) -> int:

@@ -43,7 +43,7 @@ from ..parallel.gradnorm import clip_grad_norm_
 from ..parallel.pipe.model import PipelineModel
 from ..parallel.shard import build_optimizer_for
 from ..workloads.base import Workload
-from . import checkpoint
+from . import checkpoint, kfac
 from .config import Config, micro_batch_size
 from .memory import StepPeak, state_bytes
 from .observer import StepObserver
@@ -60,10 +60,11 @@ class NonFiniteLoss(RuntimeError):
 
 
 def build_optimizer(params, options, lr: float) -> torch.optim.Optimizer:
-    if options.name == "sgd":
+    name = options.kfac_base if options.name == "kfac" else options.name  # K-FAC: see Trainer
+    if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=options.momentum,
                                weight_decay=options.weight_decay)
-    cls = torch.optim.AdamW if options.name == "adamw" else torch.optim.Adam
+    cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
     return cls(params, lr=lr, betas=tuple(options.betas), eps=options.eps,
                weight_decay=options.weight_decay)
 
@@ -105,6 +106,9 @@ class Trainer:
         self.peak_lr = scaled_lr(config.optim.lr, t.batch_size, s.base_batch_size, s.lr_scaling)
         self.optimizer = build_optimizer_for(
             model, lambda params: build_optimizer(params, config.optim, self.peak_lr))
+        if config.optim.name == "kfac":  # preconditioning in front of the first-order update
+            self.optimizer = kfac.KFAC(model, self.optimizer, mesh, kfac.KFACSettings.from_options(
+                config.optim), config.train.grad_accum)
         # what clipping and unscaling act on: the tensors the optimizer steps (ZeRO-1/2: shards)
         self.opt_params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.precision = Precision(config.parallel.precision, mesh.device)

@@ -297,6 +297,23 @@ class SpatialConv(SpatialLayer):
     def conv(self, x, weight, bias, padding):
         return self._conv(x, weight, bias, self.stride, padding, self.dilation, self.groups)
 
+    @torch.no_grad()
+    def conv_input(self, x):
+        """(tensor, pad_lo, pad_hi, replicated) that this layer's local convolution read for the
+        input `x` it was called with: the halo-extended block (one more halo exchange, tag
+        "halo") or, when the layer ran replicated, the whole tensor (gathered again if this layer
+        gathered it: one all-gather, tag "gather"). For statistics of the convolution's input
+        patches (K-FAC); call it after the layer's forward, on every spatial rank."""
+        mode, plan = self.enter(x)
+        if mode == "split":
+            ext = x if plan.halo is None else plan.halo.exchange(x)
+            return ext, plan.local_pad, plan.local_pad, False
+        if mode == GATHER:
+            from .functions import gather_blocks_
+            parts, _, _ = self.runtime.layout(x.dim() - 2, None)
+            x = gather_blocks_(x, self.runtime.space, parts)
+        return x, self.pad_lo, self.pad_hi, True
+
     def split_forward(self, x, plan: _ConvPlan):
         if plan.halo is None:
             return self.conv(x, self.weight, self.bias, plan.local_pad)

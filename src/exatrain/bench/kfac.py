@@ -1,0 +1,296 @@
+"""`exatrain bench kfac`: K-FAC against AdamW and SGD, and sub-graph parallelism against data.
+
+Part 1, optimizers (2 ranks, Plan(data=2), the same global batch, seed and data for all three):
+on the CosmoFlow job (the default job's model and data at `--size`, 32 = the default job) and on
+a residual 3D CNN on the same data, each of `kfac`, `adamw`, `sgd` trains `--steps` steps with an
+evaluation every `--eval-every`. Figures per workload W and optimizer O:
+
+  W_O_steps_to_target     first evaluated step with val_mae ≤ 0.5 × baseline_mae (the MAE of
+                          predicting the training mean; `--target-fraction`), None if not
+                          reached; W_O_best_val_mae beside it
+  W_O_seconds_to_target   training seconds to that step (the step times the Trainer logged,
+                          evaluations excluded)
+  W_O_step_s              median step time
+  W_kfac_step_overhead    K-FAC step time / the first-order (SGD) step time
+  W_kfac_vs_adamw_seconds K-FAC's seconds to target / AdamW's (< 1: K-FAC faster)
+  W_kfac_bytes_per_step   the K-FAC collectives the ledger counted, per step
+
+and `second_order_bytes_per_rank_f<f>`: the largest K-FAC state any rank holds, for every
+grad_worker_fraction f the 2 ranks allow (1/2: memory-optimal, 1: communication-optimal), counted
+from its tensors (`KFAC.memory_bytes`), with `..._formula` from the module doc beside it.
+
+Part 2, sub-graph parallelism (2 ranks): DeepCAM (`--deepcam-size`², width `--deepcam-width`)
+under Plan(data=2), and the same with parallel.branches = "data" (ASPP's branches split over the
+two ranks), interleaved step by step from the same weights on the same batches:
+`deepcam_data_step_s`, `deepcam_branches_step_s`, their ratio, the branch bytes per step, and
+`deepcam_branches_max_rel_err_vs_serial` (outputs and weights after the steps against the serial
+model on the whole batch, computed in this process).
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--target-fraction", type=float, default=0.5,
+                        help="target: val_mae ≤ this × baseline_mae")
+    parser.add_argument("--batch", type=int, default=8, help="global batch (both ranks)")
+    parser.add_argument("--samples", type=int, default=1024, help="CosmoFlow samples to write")
+    parser.add_argument("--lr-adamw", type=float, default=1e-3, help="the default job's lr")
+    parser.add_argument("--lr-sgd", type=float, default=0.02)
+    parser.add_argument("--lr-kfac", type=float, default=0.02)
+    parser.add_argument("--kfac-factor-every", type=int, default=5)
+    parser.add_argument("--kfac-inverse-every", type=int, default=25)
+    parser.add_argument("--kfac-damping", type=float, default=0.1)
+    parser.add_argument("--kfac-kl-clip", type=float, default=1e-3)
+    parser.add_argument("--workloads", default="cosmoflow,resnet")
+    parser.add_argument("--deepcam-size", type=int, default=64)
+    parser.add_argument("--deepcam-width", type=int, default=16)
+    parser.add_argument("--deepcam-steps", type=int, default=10)
+    parser.add_argument("--parts", default="optim,memory,branches")
+
+
+# ---------------------------------------------------------------------- the residual CNN task
+@dataclass
+class ResNetData:
+    path: str = ""
+
+
+class _Block(nn.Module):
+    def __init__(self, c: int):
+        super().__init__()
+        self.conv1 = nn.Conv3d(c, c, 3, padding=1)
+        self.conv2 = nn.Conv3d(c, c, 3, padding=1)
+        self.act = nn.LeakyReLU(0.3)
+
+    def forward(self, x):
+        return self.act(x + self.conv2(self.act(self.conv1(x))))
+
+
+class ResidualCNN(nn.Module):
+    """Stem, then (residual block, 2x down-sampling convolution) per level, pooled, linear head."""
+
+    def __init__(self, in_channels: int = 4, channels: int = 16, levels: int = 3, outputs: int = 4):
+        super().__init__()
+        layers = [nn.Conv3d(in_channels, channels, 3, padding=1), nn.LeakyReLU(0.3)]
+        for _ in range(levels):
+            layers += [_Block(channels), nn.Conv3d(channels, channels, 2, stride=2),
+                       nn.LeakyReLU(0.3)]
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool3d(1), nn.Flatten(), nn.Linear(channels, outputs))
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+def build_resnet(data: ResNetData = ResNetData(), channels: int = 16, levels: int = 3):
+    """A user workload (run.workload = "exatrain.bench.kfac:build_resnet") on CosmoFlow files."""
+    from ..data.cosmoflow import CosmoFlowDataset
+    from ..workloads.user import Task
+
+    train = CosmoFlowDataset(f"{data.path}/train.h5", transform=_log1p)
+    val = CosmoFlowDataset(f"{data.path}/val.h5", transform=_log1p)
+    targets = torch.stack([train[i][1] for i in range(len(train))])
+    mean = targets.mean(0)
+    val_targets = torch.stack([val[i][1] for i in range(len(val))])
+    baseline = float((val_targets - mean).abs().mean())
+    x0 = train[0][0]
+    return Task(model=ResidualCNN(x0.shape[0], channels, levels, targets.shape[1]),
+                train_set=train, val_set=val, loss=nn.functional.mse_loss,
+                metrics={"mae": lambda out, y: (out - y).abs().mean(1)},
+                baselines={"baseline_mae": baseline})
+
+
+def _log1p(x):
+    import numpy as np
+    return np.log1p(x.astype(np.float32)) - 2.6  # roughly centred (cf. workloads.cosmoflow)
+
+
+# ---------------------------------------------------------------------- rank functions
+def _train_rank(config) -> dict:
+    from ..train.run import setup
+
+    mesh, trainer = setup(config)
+    try:
+        ledger_mark = mesh.ledger.snapshot()
+        summary = trainer.fit()
+        kfac_bytes = mesh.ledger.since(ledger_mark).bytes_by_axis(tag="kfac")
+        curve, seconds = [], 0.0
+        for h in trainer.history:
+            if "samples_per_s" in h:  # a log record: training time of its interval
+                n = len(h["step_losses"])
+                seconds += config.train.batch_size * n / h["samples_per_s"]
+            if "val_mae" in h:
+                curve.append((h["step"], seconds, h["val_mae"]))
+        return {"curve": curve, "step_s": summary["step_s_median"],
+                "baseline_mae": summary.get("baseline_mae"),
+                "kfac_bytes_per_step": sum(kfac_bytes.values()) / max(1, summary["steps"])}
+    finally:
+        mesh.close()
+
+
+def _memory_rank(config, fractions) -> dict:
+    from ..train.kfac import KFAC, KFACSettings
+    from ..train.run import setup
+    from ..train.trainer import build_optimizer
+
+    mesh, trainer = setup(config)
+    try:
+        out = {}
+        for f in fractions:
+            inner = build_optimizer(trainer.model.parameters(), config.optim, 0.01)
+            opt = KFAC(trainer.model, inner, mesh,
+                       KFACSettings(grad_worker_fraction=f))
+            out[f] = (opt.memory_bytes(), opt.memory_formula())
+            opt.close()
+        return out
+    finally:
+        mesh.close()
+
+
+def _deepcam_model(size_w: int):
+    from ..models.deepcam import DeepCAM
+    torch.manual_seed(0)
+    return DeepCAM(in_channels=4, num_classes=3, width=size_w, dropout=0.0)
+
+
+def _deepcam_rank(size: int, width: int, steps: int, warmup: int, batch: int) -> dict:
+    from ..mesh import init
+    from ..parallel import parallelize, unwrap
+    from ..parallel.options import ParallelOptions
+    from ..plan import Plan
+
+    mesh = init(Plan(data=2))
+    try:
+        g = torch.Generator().manual_seed(3)
+        xs = torch.randn(steps + warmup, batch, 4, size, size, generator=g)
+        mine = slice(mesh.rank * batch // 2, (mesh.rank + 1) * batch // 2)
+        models = {name: parallelize(_deepcam_model(width), mesh, ParallelOptions(branches=mode))
+                  for name, mode in (("data", "none"), ("branches", "data"))}
+        opts = {n: torch.optim.SGD(m.parameters(), lr=0.01) for n, m in models.items()}
+        times = {n: [] for n in models}
+        first_out = {}
+        marks = {}
+        for step in range(steps + warmup):
+            for name, model in models.items():
+                mark = mesh.ledger.snapshot()
+                t0 = time.perf_counter()
+                out = model(xs[step][mine].to(mesh.device))
+                (out.float() ** 2).mean().backward()
+                opts[name].step()
+                opts[name].zero_grad()
+                dt = time.perf_counter() - t0
+                if step >= warmup:
+                    times[name].append(dt)
+                if step == 0:
+                    first_out[name] = out.detach().cpu()
+                marks[name] = mesh.ledger.since(mark).bytes_by_axis(tag="branch").get("data", 0)
+        return {"times": times, "first_out": first_out["branches"],
+                "state": {k: v.detach().cpu().clone()
+                          for k, v in unwrap(models["branches"]).state_dict().items()},
+                "branch_bytes": marks["branches"]}
+    finally:
+        mesh.close()
+
+
+# ---------------------------------------------------------------------- the bench
+def _config(work: Path, workload: str, optimizer: str, args, steps: int, size: int):
+    from ..train.config import load_config
+
+    lr = {"adamw": args.lr_adamw, "sgd": args.lr_sgd, "kfac": args.lr_kfac}[optimizer]
+    common = [f"train.steps={steps}", f"train.eval_every={args.eval_every}",
+              f"train.log_every={args.eval_every}", f"train.batch_size={args.batch}",
+              "plan.data=2", f"optim.name='{optimizer}'", f"optim.lr={lr}",
+              f"optim.kfac_factor_every={args.kfac_factor_every}",
+              f"optim.kfac_inverse_every={args.kfac_inverse_every}",
+              f"optim.kfac_damping={args.kfac_damping}", f"optim.kfac_kl_clip={args.kfac_kl_clip}",
+              f"run.out_dir={work / 'runs'}", f"run.name={workload}-{optimizer}", "run.seed=0",
+              "run.backend=gloo" if not torch.cuda.is_available() else "run.backend=auto"]
+    if workload == "cosmoflow":
+        extra = [f"model.size={size}", f"model.conv_layers={min(5, size.bit_length() - 1)}",
+                 f"data.size={size}", f"data.path={work / 'data'}",
+                 "data.generate=false"]
+    else:
+        extra = ["run.workload='exatrain.bench.kfac:build_resnet'", f"data.path={work / 'data'}"]
+    return load_config(None, common + extra)
+
+
+def _to_target(curve, target):
+    return next(((step, s) for step, s, mae in curve if mae <= target), (None, None))
+
+
+def run(args) -> dict:
+    from ..data.cosmoflow import write_cosmoflow
+    from ..launch import spawn
+
+    size, steps = args.size or 32, args.steps or 600
+    parts = set(args.parts.split(","))
+    result: dict = {"ranks": 2, "global_batch": args.batch, "size": size, "max_steps": steps,
+                    "device": "cuda" if torch.cuda.is_available() else "cpu"}
+    with tempfile.TemporaryDirectory(prefix="exatrain-bench-kfac-") as tmp:
+        work = Path(tmp)
+        if parts & {"optim", "memory"}:
+            write_cosmoflow(work / "data", samples=args.samples, size=size, seed=1234)
+        if "optim" in parts:
+            for workload in args.workloads.split(","):
+                runs = {o: spawn(_train_rank, 2, args=(_config(work, workload, o, args, steps,
+                                                               size),))[0]
+                        for o in ("kfac", "adamw", "sgd")}
+                target = args.target_fraction * runs["sgd"]["baseline_mae"]
+                result[f"{workload}_target_val_mae"] = target
+                for o, r in runs.items():
+                    step, seconds = _to_target(r["curve"], target)
+                    result[f"{workload}_{o}_steps_to_target"] = step
+                    result[f"{workload}_{o}_seconds_to_target"] = seconds
+                    result[f"{workload}_{o}_step_s"] = r["step_s"]
+                    result[f"{workload}_{o}_best_val_mae"] = min(m for _, _, m in r["curve"])
+                result[f"{workload}_kfac_step_overhead"] = runs["kfac"]["step_s"] / runs["sgd"]["step_s"]
+                result[f"{workload}_kfac_bytes_per_step"] = runs["kfac"]["kfac_bytes_per_step"]
+                a, k = (result[f"{workload}_{o}_seconds_to_target"] for o in ("adamw", "kfac"))
+                result[f"{workload}_kfac_vs_adamw_seconds"] = k / a if a and k else None
+        if "memory" in parts:
+            config = _config(work, "cosmoflow", "kfac", args, 1, size)
+            per_rank = spawn(_memory_rank, 2, args=(config, (0.5, 1.0)))
+            for f in (0.5, 1.0):
+                result[f"second_order_bytes_per_rank_f{f}"] = max(r[f][0] for r in per_rank)
+                result[f"second_order_bytes_per_rank_f{f}_formula"] = max(r[f][1] for r in per_rank)
+    if "branches" in parts:
+        b, s, w = 4, args.deepcam_size, args.deepcam_width
+        ranks = spawn(_deepcam_rank, 2, args=(s, w, args.deepcam_steps, args.warmup, b))
+        for name in ("data", "branches"):
+            result[f"deepcam_{name}_step_s"] = statistics.median(
+                max(r["times"][name][i] for r in ranks) for i in range(args.deepcam_steps))
+        result["deepcam_branches_vs_data"] = (result["deepcam_branches_step_s"]
+                                              / result["deepcam_data_step_s"])
+        result["deepcam_branch_bytes_per_step"] = ranks[0]["branch_bytes"]
+        # serial: the same model, the same batches, the whole batch in one process
+        model = _deepcam_model(w)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        g = torch.Generator().manual_seed(3)
+        xs = torch.randn(args.deepcam_steps + args.warmup, b, 4, s, s, generator=g)
+        errs = []
+        for step in range(len(xs)):
+            out = model(xs[step])
+            if step == 0:
+                full = torch.cat([r["first_out"] for r in ranks])
+                ref = out.detach()
+                errs.append(float((full - ref).abs().max() / ref.abs().max()))
+            (out ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        state = model.state_dict()
+        errs += [float((r["state"][k].double() - v.double()).abs().max()
+                       / v.double().abs().max().clamp_min(1e-30))
+                 for r in ranks for k, v in state.items() if v.is_floating_point()]
+        result["deepcam_branches_max_rel_err_vs_serial"] = max(errs)
+        result["deepcam"] = f"DeepCAM {s}x{s}, width {w}, batch {b} (2 per rank)"
+    return result

@@ -1,0 +1,489 @@
+"""Distributed K-FAC (KAISA): Kronecker-factored preconditioning with its work split over ranks.
+
+For a Linear or Conv layer with weight W (out × in·K, plus a bias column) K-FAC approximates the
+Fisher block of W by A ⊗ G, with A = E[a aᵀ] over the layer's input rows a (for a convolution
+the unfolded input patches, "KFC" expand: one row per output position and sample, Grosse &
+Martens 2016; a column of ones for the bias) and G = E[(B·g)(B·g)ᵀ] over the rows g of the
+gradient of the loss w.r.t. the layer's output (B: the samples the local loss averages over, so
+B·g is the per-sample gradient whatever the data split). A is a mean over rows, G a sum over a
+sample's output positions averaged over samples (so A ⊗ G is KFC's T·E[a aᵀ] ⊗ E[g gᵀ] for T
+positions per sample; for a Linear layer T = 1). Both are kept as
+running averages A ← ξ·A + (1-ξ)·A_step (ξ = `factor_decay`, the first update sets them), every
+`factor_every` steps. Every `inverse_every` steps each factor is eigendecomposed,
+A = Q_A diag(d_A) Q_Aᵀ (same for G), and every step the gradient matrix ∇ is preconditioned as
+
+    V = Q_G [ (Q_Gᵀ ∇ Q_A) / (d_G d_Aᵀ + λ) ] Q_Aᵀ          λ = `damping`
+
+then scaled by ν = min(1, sqrt(κ / (η² Σ_layers ⟨V, ∇⟩))) (KL clipping, κ = `kl_clip`, η the
+learning rate) and handed to the first-order optimizer (SGD or AdamW) in place of ∇. Layers that
+are not Linear / Conv1-3d (norms, grouped convolutions) keep their plain gradient.
+
+Distribution (Pauloski et al., KAISA, SC21). The replica group is the `data` × `space` ranks
+(W of them); every other axis is refused by name (`check_plan`). Ranks are laid out as a grid of
+R = 1/f rows × n = f·W columns, f = `grad_worker_fraction` ∈ [1/W, 1]:
+
+  1. factors   every rank sums a aᵀ and g gᵀ over its own rows (its samples under `data`, its
+               spatial block's positions under `space`; a layer that runs replicated over the S
+               spatial ranks weighs its rows by 1/S), and ONE all-reduce over the replica group
+               sums all layers' factors and row counts (tag "kfac").
+  2. eigen     each layer belongs to one row of grad workers, chosen by greedy
+               longest-processing-time over the rows on cost d_A³ + d_G³; inside the row each of
+               its two factors is eigendecomposed by one member (LPT again), which broadcasts
+               Q and d to the row (tag "kfac").
+  3. gradient  the row's members precondition the layer's gradient; each member broadcasts V
+               down its column, so every other rank receives V from exactly one worker
+               (tag "kfac").
+
+f = 1/W (R = W rows of one rank) is memory-optimal: one rank holds each layer's second-order
+state, and every preconditioned gradient is broadcast every step. f = 1 (one row) is
+communication-optimal: every rank holds everything and step 3 sends nothing.
+
+Bytes per rank (ledger payload convention: all-reduce and broadcast count the tensor once), with
+a = d_A, g = d_G of layer ℓ and 4-byte floats:
+
+  factors (step 1, every `factor_every`)    4 · (Σ_ℓ (a² + g²) + L)        all-reduce, all ranks
+  eigen   (step 2, every `inverse_every`)   4 · Σ_{ℓ in my row} (a² + a + g² + g)   when n > 1
+  gradient (step 3, every step)             4 · Σ_ℓ g·a                    when R > 1
+
+Second-order state held per rank (`memory_bytes`; the persistent tensors: running factors,
+eigenvectors, eigenvalues of the layers of its row):
+
+  4 · Σ_{ℓ in my row} (2a² + a + 2g² + g)
+
+so the sum over ranks is n times the serial state, and each rank holds about f of it.
+
+The state lives in the optimizer's state dict under the weight's name (keys "kfac_A", "kfac_G",
+"kfac_QA", "kfac_dA", "kfac_QG", "kfac_dG" on the ranks that hold them, "kfac_steps" on all), so
+checkpoints carry it and a resume continues bit-identically.
+
+Limits: activation checkpointing re-runs forward hooks (factors would count twice) and is
+refused; fp16 loss scaling is not undone in G (use bf16 or fp32).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..comm import Axis, all_reduce, broadcast
+from ..parallel.data import unwrap
+from ..parallel.spatial.layers import SpatialConv
+
+UNSUPPORTED_AXES = ("trainer", "pipe", "shard", "tensor")
+STATE_KEYS = ("kfac_A", "kfac_G", "kfac_QA", "kfac_dA", "kfac_QG", "kfac_dG")
+
+
+def check_plan(plan, where: str = "") -> None:
+    """Refuse, by name, an axis K-FAC does not support yet (before any work starts)."""
+    degrees = {"trainer": plan.trainer, "pipe": plan.pipe, "shard": plan.shard,
+               "tensor": math.prod(plan.tensor) if isinstance(plan.tensor, tuple) else plan.tensor}
+    bad = {k: v for k, v in degrees.items() if v > 1}
+    if bad:
+        names = ", ".join(f"{k}={v}" for k, v in bad.items())
+        raise ValueError(
+            f"{where}optim.name='kfac' supports the data and space axes only; the plan has {names}. "
+            f"Set {' and '.join(f'plan.{k}=1' for k in bad)} (put those ranks on plan.data), or "
+            f"use optim.name='adamw' or 'sgd'.")
+
+
+@dataclass(frozen=True)
+class KFACSettings:
+    damping: float = 0.1
+    factor_decay: float = 0.95
+    factor_every: int = 1
+    inverse_every: int = 10
+    kl_clip: float = 1e-3
+    grad_worker_fraction: float = 1.0
+
+    @classmethod
+    def from_options(cls, o) -> "KFACSettings":
+        return cls(o.kfac_damping, o.kfac_factor_decay, o.kfac_factor_every,
+                   o.kfac_inverse_every, o.kfac_kl_clip, o.kfac_grad_worker_fraction)
+
+
+# ---------------------------------------------------------------------- factor statistics
+def conv_patches(x: torch.Tensor, kernel, stride, dilation, pad_lo, pad_hi) -> torch.Tensor:
+    """The rows (positions × samples, C·K) of a convolution's input patches, in the order of
+    `weight.view(out, -1)`'s columns (1-3 spatial dims; zero padding lo/hi per dim)."""
+    nd = len(kernel)
+    pads = [p for lo, hi in zip(reversed(pad_lo), reversed(pad_hi)) for p in (lo, hi)]
+    if any(pads):
+        x = F.pad(x, pads)
+    for i in range(nd):
+        x = x.unfold(2 + i, dilation[i] * (kernel[i] - 1) + 1, stride[i])
+    if any(d > 1 for d in dilation):
+        x = x[(Ellipsis, *(slice(None, None, d) for d in dilation))]
+    # (N, C, o1..ond, k1..knd) -> (N, o1..ond, C, k1..knd)
+    order = [0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd)]
+    c_k = x.shape[1] * math.prod(kernel)
+    return x.permute(order).reshape(-1, c_k)
+
+
+class _Layer:
+    """One preconditioned layer: its parameters, sizes and the statistics of the current step."""
+
+    def __init__(self, name: str, module: nn.Module):
+        self.name, self.module = name, module
+        self.weight, self.bias = module.weight, module.bias
+        self.out = self.weight.shape[0]
+        self.a = self.weight[0].numel() + (self.bias is not None)
+        self.g = self.out
+        self.conv = not isinstance(module, nn.Linear)
+        self.reset()
+
+    def reset(self) -> None:
+        self.A_sum = self.G_sum = None
+        self.a_count = self.g_count = 0.0
+
+    @property
+    def cost(self) -> int:
+        return self.a ** 3 + self.g ** 3
+
+
+def _supported(module: nn.Module) -> bool:
+    if isinstance(module, nn.Linear):
+        return True
+    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d, SpatialConv)):
+        return module.groups == 1
+    return False
+
+
+def lpt(costs: list[float], bins: int) -> list[int]:
+    """Greedy longest-processing-time: item i -> bin, largest items first to the least loaded
+    bin (ties: the lowest bin, so every rank computes the same assignment)."""
+    load = [0.0] * bins
+    out = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        b = min(range(bins), key=lambda j: (load[j], j))
+        out[i] = b
+        load[b] += costs[i]
+    return out
+
+
+# ---------------------------------------------------------------------- the optimizer
+class KFAC(torch.optim.Optimizer):
+    """K-FAC preconditioning in front of a first-order `inner` optimizer (see the module doc).
+
+    It is the optimizer the Trainer steps: `param_groups` and per-parameter state are the inner
+    optimizer's (so learning-rate schedules, clipping and DCP checkpoints work unchanged), with
+    K-FAC's state added to the weights' entries of the state dict.
+
+        inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        opt = KFAC(model, inner)                 # one process; or KFAC(model, inner, mesh)
+    """
+
+    def __init__(self, model: nn.Module, inner: torch.optim.Optimizer, mesh=None,
+                 settings: KFACSettings = KFACSettings(), grad_accum: int = 1):
+        s = settings
+        if not 0 < s.factor_decay < 1 or s.damping <= 0 or s.kl_clip <= 0 \
+                or s.factor_every < 1 or s.inverse_every < 1:
+            raise ValueError(f"K-FAC settings out of range: {s}; need 0 < factor_decay < 1, "
+                             "damping > 0, kl_clip > 0, factor_every ≥ 1, inverse_every ≥ 1.")
+        self.inner, self.settings, self.grad_accum = inner, s, grad_accum
+        self.defaults = inner.defaults
+        module = unwrap(model)
+        if mesh is not None:
+            check_plan(mesh.plan, f"rank {mesh.rank}: ")
+        self.axis = self._replica_axis(mesh)
+        W = self.axis.size
+        self.space_size = mesh.axis("space").size if mesh is not None else 1
+        self.device = mesh.device if mesh is not None else next(module.parameters()).device
+        trainable = {id(p) for g in inner.param_groups for p in g["params"]}
+        self.layers = [_Layer(n, m) for n, m in module.named_modules()
+                       if _supported(m) and id(m.weight) in trainable
+                       and (m.bias is None or id(m.bias) in trainable)]
+        # the grid: R rows of n grad workers
+        f = s.grad_worker_fraction
+        n = max(1, round(f * W))
+        if not 1 / W - 1e-9 <= f <= 1 or W % n:
+            fractions = [k / W for k in range(1, W + 1) if W % k == 0]
+            raise ValueError(f"kfac grad_worker_fraction={f} on {W} replica ranks: it must be one "
+                             f"of {fractions} (n/W with n dividing W).")
+        self.workers, self.rows = n, W // n
+        me = self.axis.rank
+        self.my_row, self.my_col = divmod(me, n)
+        self.row_axis, self.col_axis = self._grid_axes(mesh)
+        # each layer's row by LPT on its eigendecomposition cost; inside the row, each factor's
+        # eigendecomposition by LPT over the row's members
+        self.layer_row = lpt([l.cost for l in self.layers], self.rows)
+        self.factor_worker: dict[tuple[int, str], int] = {}
+        for row in range(self.rows):
+            mine = [i for i, r in enumerate(self.layer_row) if r == row]
+            items = [(i, k) for i in mine for k in ("A", "G")]
+            sizes = [getattr(self.layers[i], k.lower()) ** 3 for i, k in items]
+            for item, w in zip(items, lpt(sizes, n)):
+                self.factor_worker[item] = w
+        self.steps = 0
+        self.kfac_state: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
+        for i, layer in enumerate(self.layers):
+            entry = {"kfac_steps": torch.zeros((), dtype=torch.int64)}
+            if self.holds(i):
+                z = lambda *shape: torch.zeros(shape, device=self.device)
+                a, g = layer.a, layer.g
+                entry.update(kfac_A=z(a, a), kfac_G=z(g, g), kfac_QA=z(a, a), kfac_dA=z(a),
+                             kfac_QG=z(g, g), kfac_dG=z(g))
+            self.kfac_state[layer.weight] = entry
+        self._arm()
+        self._handles = [l.module.register_forward_hook(self._forward_hook(l)) for l in self.layers]
+
+    # ------------------------------------------------------------------ layout
+    @staticmethod
+    def _replica_axis(mesh) -> Axis:
+        if mesh is None:
+            from ..comm import Ledger
+            return Axis("data", 1, 0, None, Ledger(), (0,))
+        return mesh.axis("data", "space")
+
+    def _grid_axes(self, mesh) -> tuple[Axis, Axis]:
+        """The row (grad workers) and column (gradient broadcast) groups of this rank; creating a
+        group is collective, so every rank creates every row and every column."""
+        n, R, ax = self.workers, self.rows, self.axis
+        ranks = ax.global_ranks
+
+        def groups(members_of, count, mine):
+            out = None
+            for k in range(count):
+                members = tuple(ranks[j] for j in members_of(k))
+                group = dist.new_group(list(members)) if 1 < len(members) < ax.size \
+                    else (ax.group if len(members) == ax.size else None)
+                if k == mine:
+                    out = Axis(ax.name, len(members), members.index(ranks[ax.rank]), group,
+                               ax.ledger, members)
+            return out
+
+        if ax.size == 1:
+            return ax, ax
+        row = groups(lambda k: range(k * n, (k + 1) * n), R, self.my_row)
+        col = groups(lambda c: range(c, ax.size, n), n, self.my_col)
+        return row, col
+
+    def holds(self, i: int) -> bool:
+        """Does this rank hold layer i's second-order state (is it one of its grad workers)?"""
+        return self.layer_row[i] == self.my_row
+
+    def memory_bytes(self) -> int:
+        """Second-order state this rank holds (counted from its tensors)."""
+        return sum(t.numel() * t.element_size() for e in self.kfac_state.values()
+                   for k, t in e.items() if k != "kfac_steps")
+
+    def memory_formula(self) -> int:
+        """4 · Σ_{ℓ in my row} (2a² + a + 2g² + g), the module doc's formula."""
+        return sum(4 * (2 * l.a ** 2 + l.a + 2 * l.g ** 2 + l.g)
+                   for i, l in enumerate(self.layers) if self.holds(i))
+
+    # ------------------------------------------------------------------ statistics (hooks)
+    def _forward_hook(self, layer: _Layer):
+        def hook(module, inputs, output):
+            if not (self._capture and module.training and torch.is_grad_enabled()):
+                return
+            x = inputs[0].detach()
+            # a layer that is not split over space runs replicated on its S ranks: weight 1/S
+            weight = 1.0 / self.space_size
+            if layer.conv:
+                if isinstance(module, SpatialConv):
+                    x, lo, hi, replicated = module.conv_input(x)
+                    weight = weight if replicated else 1.0
+                    kernel, stride, dil = module.kernel_size, module.stride, module.dilation
+                else:
+                    if isinstance(module.padding, str):
+                        raise ValueError(f"K-FAC: layer '{layer.name}' uses padding="
+                                         f"{module.padding!r}; give the padding in numbers.")
+                    if module.padding_mode != "zeros":
+                        raise ValueError(f"K-FAC: layer '{layer.name}' uses padding_mode="
+                                         f"{module.padding_mode!r}; only 'zeros' is supported.")
+                    lo = hi = tuple(module.padding)
+                    kernel, stride, dil = module.kernel_size, module.stride, module.dilation
+                rows = conv_patches(x, kernel, stride, dil, lo, hi)
+            else:
+                rows = x.reshape(-1, x.shape[-1])
+            if layer.bias is not None:
+                rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], 1)
+            rows = rows.float()
+            A = (rows.T @ rows) * weight
+            layer.A_sum = A if layer.A_sum is None else layer.A_sum + A
+            layer.a_count += rows.shape[0] * weight
+            b = inputs[0].shape[0]
+            output.register_hook(lambda g: self._grad_hook(layer, g, b, weight))
+        return hook
+
+    def _grad_hook(self, layer: _Layer, grad: torch.Tensor, samples: int, weight: float):
+        g = grad.detach().float()
+        g = (g.movedim(1, -1) if layer.conv else g).reshape(-1, layer.out) \
+            * (samples * self.grad_accum)
+        G = (g.T @ g) * weight
+        layer.G_sum = G if layer.G_sum is None else layer.G_sum + G
+        # per sample (KFC: the sum over a sample's positions): under space each rank holds 1/S
+        # of every sample's positions, and a replicated layer's rows weigh 1/S
+        layer.g_count += samples / self.space_size
+
+    # ------------------------------------------------------------------ optimizer interface
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.inner.param_groups = value
+
+    @property
+    def state(self):
+        """The inner optimizer's state with K-FAC's entries added (empty while the inner
+        optimizer has none, so DCP still creates the inner state before a load)."""
+        if not self.inner.state:
+            return {}
+        out = {p: dict(s) for p, s in self.inner.state.items()}
+        for p, entry in self.kfac_state.items():
+            out[p] = {**out.get(p, {}), **entry}
+        return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+        self._arm()
+
+    def _arm(self) -> None:
+        """Capture statistics in the coming forward/backward passes if a factor update is due."""
+        self._capture = self.steps % self.settings.factor_every == 0
+
+    def capturing(self) -> bool:
+        return self._capture
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        captured = any(l.A_sum is not None for l in self.layers)
+        if not captured and self.steps % self.settings.factor_every == 0:
+            # no forward ran under these hooks since the last step (e.g. DCP creating the inner
+            # state with zero gradients): a plain first-order step, no collective, no count
+            return self.inner.step(closure)
+        s = self.settings
+        if captured:
+            self._update_factors()
+        if self.steps % s.inverse_every == 0:
+            self._eigen()
+        lr = self.inner.param_groups[0]["lr"]
+        grads = self._precondition()
+        vg = sum(float((v * self._grad_matrix(l)).sum()) for l, v in zip(self.layers, grads))
+        nu = min(1.0, math.sqrt(s.kl_clip / abs(vg * lr * lr))) if vg and lr else 1.0
+        for layer, v in zip(self.layers, grads):
+            v = v * nu
+            w = v[:, :layer.weight[0].numel()]
+            layer.weight.grad.copy_(w.reshape(layer.weight.shape))
+            if layer.bias is not None:
+                layer.bias.grad.copy_(v[:, -1])
+        self.steps += 1
+        for entry in self.kfac_state.values():
+            entry["kfac_steps"].fill_(self.steps)
+        out = self.inner.step(closure)
+        self._arm()
+        return out
+
+    def _grad_matrix(self, layer: _Layer) -> torch.Tensor:
+        w = layer.weight.grad.reshape(layer.out, -1)
+        if layer.bias is None:
+            return w
+        return torch.cat([w, layer.bias.grad.reshape(-1, 1)], 1)
+
+    def _update_factors(self) -> None:
+        """Step 1: one all-reduce of every layer's factor sums and row counts."""
+        parts = []
+        for l in self.layers:
+            if l.A_sum is None or l.G_sum is None:
+                raise RuntimeError(f"K-FAC: layer '{l.name}' ran no forward/backward this step; "
+                                   "every preconditioned layer must be used in every step.")
+            parts += [l.A_sum.flatten(), l.G_sum.flatten(),
+                      torch.tensor([l.a_count, l.g_count], device=l.A_sum.device)]
+        flat = torch.cat(parts).to(self.device)
+        all_reduce(flat, self.axis, tag="kfac")
+        at, decay = 0, self.settings.factor_decay
+        for i, l in enumerate(self.layers):
+            A = flat[at:at + l.a * l.a].view(l.a, l.a)
+            at += l.a * l.a
+            G = flat[at:at + l.g * l.g].view(l.g, l.g)
+            at += l.g * l.g
+            a_count, g_count = flat[at:at + 2].tolist()
+            at += 2
+            l.reset()
+            if not self.holds(i):
+                continue
+            e = self.kfac_state[l.weight]
+            for key, new in (("kfac_A", A / a_count), ("kfac_G", G / g_count)):
+                if self.steps == 0:
+                    e[key].copy_(new)
+                else:
+                    e[key].mul_(decay).add_(new, alpha=1 - decay)
+
+    def _eigen(self) -> None:
+        """Step 2: each factor eigendecomposed by its worker, broadcast over the layer's row."""
+        for i, l in enumerate(self.layers):
+            if not self.holds(i):
+                continue
+            e = self.kfac_state[l.weight]
+            for k in ("A", "G"):
+                Q, d = e[f"kfac_Q{k}"], e[f"kfac_d{k}"]
+                src = self.factor_worker[(i, k)]
+                if self.row_axis.rank == src:
+                    vals, vecs = torch.linalg.eigh(e[f"kfac_{k}"].double())
+                    Q.copy_(vecs)
+                    d.copy_(vals.clamp_min(0))
+                if self.workers > 1:
+                    buf = torch.cat([Q.flatten(), d])
+                    broadcast(buf, self.row_axis, src=src, tag="kfac")
+                    Q.copy_(buf[:Q.numel()].view_as(Q))
+                    d.copy_(buf[Q.numel():])
+
+    def _precondition(self) -> list[torch.Tensor]:
+        """Step 3: the row's workers precondition; V broadcast down each column."""
+        out = []
+        lam = self.settings.damping
+        for i, l in enumerate(self.layers):
+            grad = self._grad_matrix(l)
+            if self.holds(i):
+                e = self.kfac_state[l.weight]
+                QA, dA, QG, dG = e["kfac_QA"], e["kfac_dA"], e["kfac_QG"], e["kfac_dG"]
+                v = QG.T @ grad @ QA
+                v = v / (dG[:, None] * dA[None, :] + lam)
+                v = (QG @ v @ QA.T).contiguous()
+            else:
+                v = torch.empty_like(grad)
+            if self.rows > 1:
+                broadcast(v, self.col_axis, src=self.layer_row[i], tag="kfac")
+            out.append(v)
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        sd = self.inner.state_dict()
+        index = {id(p): j for j, p in enumerate(p for g in self.inner.param_groups
+                                                for p in g["params"])}
+        state = dict(sd["state"])
+        for p, entry in self.kfac_state.items():
+            j = index[id(p)]
+            state[j] = {**state.get(j, {}), **entry}
+        return {**sd, "state": state}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # keys as the saved param_groups list them (indices, or DCP's parameter names)
+        saved = [k for g in state_dict["param_groups"] for k in g["params"]]
+        params = dict(zip(saved, (p for g in self.inner.param_groups for p in g["params"])))
+        inner_state = {}
+        for j, entry in state_dict["state"].items():
+            p = params[j]
+            mine = self.kfac_state.get(p, {})
+            for k, v in entry.items():
+                if k in mine:
+                    mine[k].copy_(v)
+            rest = {k: v for k, v in entry.items() if not k.startswith("kfac_")}
+            if rest:
+                inner_state[j] = rest
+        self.inner.load_state_dict({**state_dict, "state": inner_state})
+        steps = {int(e["kfac_steps"]) for e in self.kfac_state.values()}
+        self.steps = steps.pop() if steps else 0
+        self._arm()
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
