@@ -81,6 +81,7 @@ class _SplitConv(nn.Module):
     weight slice, and the shapes of the last forward for the byte formula."""
 
     side = ""
+    needs_whole_input = True   # under space, the spatial step gathers the blocks before it
 
     def __init__(self, conv: nn.Module, axis: Axis):
         super().__init__()
