@@ -91,6 +91,7 @@ def on_grids(grids, steps: int = 3) -> dict:
                     errs[f"{kind}.{side}.{k}"] = v
 
         found, losses, serial_losses, bytes_ok = {}, {}, {}, {}
+        tensor_counted, predicted = {}, {}
         for dim in (2, 3):
             torch.manual_seed(dim)
             plain = cnn(dim)
@@ -113,6 +114,7 @@ def on_grids(grids, steps: int = 3) -> dict:
                 loss.backward()
                 counted = mesh.ledger.since(mark).bytes_by_axis()
                 bytes_ok[dim] = counted.get("tensor", 0) == tp.bytes_per_step().get("tensor", 0)
+                tensor_counted[dim] = counted.get("tensor", 0)
                 opt.step()
                 losses[dim].append(float(loss.detach()))
                 loss_s = (serial(x) - y).square().mean()
@@ -120,6 +122,8 @@ def on_grids(grids, steps: int = 3) -> dict:
                 loss_s.backward()
                 opt_s.step()
                 serial_losses[dim].append(float(loss_s))
+            from exatrain.tune.chanfilt import conv_terms
+            predicted[dim] = conv_terms(cnn(dim), mesh.plan, tuple(x[mine].shape))
             full = full_state_dict(par)
             ref = serial.state_dict()
             for k, v in ref.items():
@@ -131,7 +135,8 @@ def on_grids(grids, steps: int = 3) -> dict:
             refusal = str(exc)
         out[str(mesh.plan)] = dict(errs=errs, found=found, losses=losses,
                                    serial_losses=serial_losses, bytes_ok=bytes_ok,
-                                   refusal=refusal, data=mesh.axis("data").size)
+                                   refusal=refusal, data=mesh.axis("data").size,
+                                   tensor_counted=tensor_counted, predicted=predicted)
         mesh.close()
     return out
 
@@ -157,6 +162,16 @@ def test_cnn_pairs_train_like_serial(results):
             assert r["bytes_ok"][dim], (plan, dim)
             if r["data"] == 1:  # under data=2 each rank's loss is its replica's half
                 assert r["losses"][dim] == pytest.approx(r["serial_losses"][dim], rel=1e-5)
+
+
+def test_planner_terms_equal_the_ledger(results):
+    """tune/chanfilt.py's convolution terms: under tensor=4 the Linear stays whole (6 outputs), so
+    the tensor axis carries the convolutions' bytes and the seed only: exactly the prediction."""
+    r = results[0]["Plan(tensor=4)"]
+    for dim in (2, 3):
+        p = r["predicted"][dim]
+        assert p["pairs"] == [("0.0", "1.0"), ("2", "5")], p
+        assert r["tensor_counted"][dim] == p["tensor_bytes"], (dim, r["tensor_counted"], p)
 
 
 def test_unknown_names_are_refused(results):
