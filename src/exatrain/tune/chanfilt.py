@@ -87,7 +87,7 @@ def conv_terms(model: nn.Module, plan: Plan, input_shape: tuple[int, ...],
         c = shapes[first]
         switch_bytes = c["N"] * c["C_in"] * c["V_in"] * element_size
     replicas = plan.data * plan.shard
-    return {"switch": first, "pairs": [(p[0][0], p[2][0]) for p in pairs],
+    return {"switch": first if t > 1 else None, "pairs": [(p[0][0], p[2][0]) for p in pairs],
             "tensor_bytes": tensor_bytes + (SEED_BYTES if t > 1 else 0),
             "conv_params_per_rank": held,
             "grad_allreduce_bytes": 4 * held if replicas * plan.space_degree > 1 else 0,
