@@ -7,6 +7,7 @@ Three SGD steps of the real Trainer (its data, loss, BatchNorm with global stati
              Plan(data=2, tensor=2)          4 ranks
              Plan(space=(1, 1, 2), tensor=2) 4 ranks: the first two convolutions split over space,
                                              the last two (the switch point of switch.py) over tensor
+             Plan(shard=2, tensor=2)         4 ranks, ZeRO-3 (FSDP2) over the split pieces
   DeepCAM    (48×64, width 4, no dropout)
              Plan(tensor=2), Plan(data=2, tensor=2)
 
@@ -88,7 +89,8 @@ def _check(runs, serial, label, state_tol=1e-4, loss_tol=1e-5, shift_tol=1e-5):
 def test_cosmoflow_under_tensor_data_and_space(tiny_config):
     serial = fit(tiny_config(*SGD, *COSMO))
     for ranks, case in ((2, ("plan.tensor=2",)), (4, ("plan.data=2", "plan.tensor=2")),
-                        (4, ("plan.space=[1,1,2]", "plan.tensor=2"))):
+                        (4, ("plan.space=[1,1,2]", "plan.tensor=2")),
+                        (4, ("plan.shard=2", "plan.tensor=2", "parallel.zero_stage=3"))):
         runs = run_ranks(ranks, fit, tiny_config(*SGD, *COSMO, *case))
         _check(runs, serial, case)
         pairs = runs[0]["summary"]["conv_pairs"]
