@@ -638,6 +638,10 @@ def conv_selection(model: nn.Module, plan, options, example=None) -> set[str]:
         return set()
     start = getattr(options, "chanfilt_from", "")
     skip = list(getattr(options, "chanfilt_skip", []))
+    if plan.pipe > 1 and (start or skip):
+        raise ValueError(f"{plan}: parallel.chanfilt_from / chanfilt_skip name modules of the "
+                         "whole model, but under pipe > 1 each stage is converted on its own "
+                         "(its modules have stage names); leave them empty (automatic).")
     why = conv_refusal(model, start, skip)
     if why:
         raise ValueError(why)
