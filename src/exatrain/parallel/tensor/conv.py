@@ -25,7 +25,7 @@ computes the whole gradient of its weight slice from the whole batch of its repl
 weight's gradient is only averaged over the replica axes (by GradSync): its all-reduce bytes per
 rank fall by P. groups must be 1 (grouped and depthwise convolutions stay whole).
 
-`ChannelBatchNorm` note: a BatchNorm between a pair sees C/P whole channels over the whole batch
+BatchNorm between a pair: it sees C/P whole channels over the whole batch
 of its replica, so its statistics are exact; its weight, bias and running statistics are split
 like the channels (`split_batchnorm`), and `parallel.batchnorm = "global"` still combines them over
 the replica axes (parallel/batchnorm.py) as for any BatchNorm.

@@ -10,6 +10,10 @@ a new module tree (the input model is not modified and nothing global is patched
     module with an integer `head_dim` attribute is attention: its split must keep whole heads.
   * every other Linear whose shapes divide the grid becomes a column layer that gathers its
     output (1D) or a 3D layer that converts activations into and out of its layout (3D);
+  * under 1D, convolutions are split channel/filter-wise (cnn.py, conv.py): filter → channel
+    pairs inside nn.Sequentials, the others filter-parallel with a gathered output; under
+    Plan(space=..., tensor=...) only those from the switch point on (switch.py), the earlier
+    ones run split over `space`, and every gradient is also summed over `space`;
   * everything else (embeddings, norms, Linears that do not divide, tied weights) stays whole on
     every rank, i.e. data-parallel over the tensor group.
 
