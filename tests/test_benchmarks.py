@@ -50,3 +50,18 @@ def test_bench_tensor(tmp_path):
     assert r["max_rel_err_vs_serial"] <= 1e-5
     assert {"gpt w4 serial", "gpt w4 tensor=4", "gpt w4 tensor=(2,1,2)"} <= set(r["step_s"])
     assert set(r["bytes_by_axis"]) == set(r["bytes_formula_by_axis"])
+
+
+def test_bench_chanfilt(tmp_path):
+    r = bench(tmp_path, "chanfilt", "--models", "cosmoflow", "--channels", "4", "--size", "32")
+    assert r["tensor_bytes_ratio_max"] == pytest.approx(1.0, abs=0.05)
+    assert r["tensor_bytes_ratio_min"] == pytest.approx(1.0, abs=0.05)
+    assert r["max_rel_err_vs_serial_all"] <= 1e-5
+    assert set(r["step_s"]) == {"cosmoflow serial", "cosmoflow data=2", "cosmoflow space=(1,1,2)",
+                                "cosmoflow tensor=2", "cosmoflow data=2 tensor=2",
+                                "cosmoflow space=(1,1,2) tensor=2"}
+    # the split layers' gradients: half the bytes per rank; the whole model's all-reduce falls
+    # by less (the Linear head's first layer and the gathered conv's bias stay whole)
+    assert r["split_grad_bytes_ratio"]["cosmoflow data=2 tensor=2"] == 2.0
+    assert 1.5 < r["cosmoflow_grad_allreduce_fall_data_vs_data_tensor"] <= 2.0
+    assert r["state_ratio_vs_serial"]["cosmoflow tensor=2"] < 0.6

@@ -49,9 +49,9 @@ def test_every_axis_is_implemented_and_clashes_are_refused():
 def test_composition_rules_accept_and_refuse_with_the_nearest_plan():
     for plan in (Plan(data=2, tensor=(2, 1, 2)), Plan(shard=2, tensor=2),
                  Plan(data=2, shard=2, tensor=2), Plan(shard=2, space=(1, 1, 2)),
-                 Plan(data=2, shard=2, space=(1, 2, 1))):
+                 Plan(data=2, shard=2, space=(1, 2, 1)), Plan(space=(1, 2, 1), tensor=2)):
         assert plan.require_implemented() is plan
     with pytest.raises(PlanError, match=r"tensor_z already.*Plan\(tensor=\(2, 1, 4\)\)"):
         Plan(shard=2, tensor=(2, 1, 2)).require_implemented()
-    with pytest.raises(PlanError, match=r"Plan\(data=2, tensor=2\)"):
-        Plan(space=(1, 2, 1), tensor=2).require_implemented()
+    with pytest.raises(PlanError, match=r"Plan\(space=\(1, 2, 1\), tensor=4\)"):
+        Plan(space=(1, 2, 1), tensor=(2, 1, 2)).require_implemented()

@@ -169,14 +169,14 @@ def composition_refusal(plan: Plan) -> str | None:
                 f"over z. A shard axis on top would shard the same weights again with FSDP2, "
                 f"whose per-parameter buckets cannot also sum the whole parameters' gradients "
                 f"over tensor_z. Put the shard ranks on tensor_z: {nearest}.")
-    if plan.tensor_degree > 1 and plan.space_degree > 1:
-        nearest = Plan(trainer=plan.trainer, pipe=plan.pipe, data=plan.data * plan.space_degree,
-                       shard=plan.shard, tensor=plan.tensor)
-        return (f"{plan}: tensor and spatial parallelism in one model are not implemented: the "
-                f"spatial converter splits convolution inputs into blocks and does not know the "
-                f"tensor-parallel Linears, whose boundary expects whole samples. Use one of "
-                f"them, e.g. "
-                f"{nearest}.")
+    if plan.tensor_3d and plan.tensor_degree > 1 and plan.space_degree > 1:
+        x, y, z = plan.tensor
+        nearest = Plan(trainer=plan.trainer, pipe=plan.pipe, data=plan.data, shard=plan.shard,
+                       space=plan.space, tensor=x * y * z)
+        return (f"{plan}: the 3D tensor grid and spatial parallelism in one model are not "
+                f"implemented (the grid splits the batch over tensor_z, which the spatial "
+                f"blocks do not expect). With space, use 1D tensor parallelism (channel/filter "
+                f"for the late convolutions, column/row for the Linears): {nearest}.")
     return None
 
 

@@ -16,7 +16,8 @@ BENCHMARKS = {"dp": "exatrain.bench.dp", "spatial": "exatrain.bench.spatial",
               "graph": "exatrain.bench.graph", "pipeline": "exatrain.bench.pipeline",
               "ltfb": "exatrain.bench.ltfb", "faults": "exatrain.bench.faults",
               "planner": "exatrain.bench.planner", "data": "exatrain.bench.data",
-              "device": "exatrain.bench.device", "kfac": "exatrain.bench.kfac"}
+              "device": "exatrain.bench.device", "kfac": "exatrain.bench.kfac",
+              "chanfilt": "exatrain.bench.chanfilt"}
 
 
 def bench_module(name: str):

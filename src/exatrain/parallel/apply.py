@@ -35,6 +35,11 @@ step does its part of it:
   shard × space          data, shard     space      shard step (+ space in its all-reduce)
   tensor (× data)        data            per-param  tensor step (GradSync over data+tensor_z)
   tensor 1D × shard      data, shard     -          shard step; TP leaves only the layout
+  tensor 1D × space      data            space      tensor step (GradSync over data+space)
+
+Under tensor × space a CNN runs its early convolutions split over `space` and, from the switch
+point on (tensor/switch.py), channel/filter-split over `tensor`: the spatial step gathers the
+blocks before the first channel/filter convolution (parallel/spatial/convert.py).
 """
 
 from __future__ import annotations
@@ -72,16 +77,21 @@ def gradient_reduction(plan) -> GradientReduction:
 def tensor_step(model, mesh, options, layout):
     if mesh.plan.tensor_degree == 1:
         return model.to(mesh.device)
-    replica = ("data",) if layout.reduction.owner == "tensor" else ()
-    return _strategy("tensor").parallelize_tensor(model, mesh, options, replica_axes=replica,
-                                                  checkpoint_and_compile=False)
+    owner = layout.reduction.owner == "tensor"
+    return _strategy("tensor").parallelize_tensor(
+        model, mesh, options, replica_axes=("data",) if owner else (),
+        partial_axes=layout.reduction.partial_axes if owner else (),
+        checkpoint_and_compile=False, example=layout.example if layout.split_input else None)
 
 
 def space_step(model, mesh, options, layout):
     if mesh.plan.space_degree == 1:
         return model
+    # after the tensor step the model is already a new tree (and holds process groups, which
+    # cannot be deep-copied): the spatial step converts it in place
     return _strategy("spatial").parallelize_spatial(model, mesh, split_input=layout.split_input,
-                                                    batchnorm_axes=batchnorm_axes(options, layout))
+                                                    batchnorm_axes=batchnorm_axes(options, layout),
+                                                    copy=mesh.plan.tensor_degree == 1)
 
 
 def branches_step(model, mesh, options, layout):
@@ -143,11 +153,13 @@ class StageLayout:
     """What the steps need to know about the stage they lay out."""
     reduction: GradientReduction
     split_input: bool = True  # under space: its input is split into blocks (not yet gathered)
+    example: object = None    # one whole batch of inputs (gives the channel/filter switch shapes)
 
 
-def parallelize_stage(stage: nn.Module, mesh: Mesh, options, split_input: bool = True) -> nn.Module:
+def parallelize_stage(stage: nn.Module, mesh: Mesh, options, split_input: bool = True,
+                      example=None) -> nn.Module:
     """One pipeline stage (or the whole model) through every step after the split, in order."""
-    layout = StageLayout(gradient_reduction(mesh.plan), split_input)
+    layout = StageLayout(gradient_reduction(mesh.plan), split_input, example)
     for step in STEPS:
         stage = step(stage, mesh, options, layout)
     return stage
@@ -168,4 +180,4 @@ def parallelize(model: nn.Module, mesh: Mesh, options=None, example=None) -> nn.
         return _strategy("pipe").pipeline_parallel(
             model.to(mesh.device), mesh, options, example,
             lambda stage, split_input: parallelize_stage(stage, mesh, options, split_input))
-    return parallelize_stage(model, mesh, options)
+    return parallelize_stage(model, mesh, options, example=example)

@@ -32,6 +32,12 @@ class ParallelOptions:
     # et.Branches containers: "none" (run serially on every rank) or "data" (each branch on its
     # own ranks of the data axis, combined by one reduce-scatter; see parallel/branches)
     branches: str = "none"
+    # channel/filter parallelism of convolutions under 1D tensor (parallel/tensor/cnn.py): the
+    # module name of the first convolution split over `tensor` (earlier ones stay whole, or run
+    # split over `space` under Plan(space=..., tensor=...)); "" = automatic (parallel/tensor/switch.py).
+    # chanfilt_skip: convolutions kept whole by name.
+    chanfilt_from: str = ""
+    chanfilt_skip: list[str] = field(default_factory=list)
     graph_balance: bool = True      # 3D GCN: random row/column permutations of the adjacency
 
 

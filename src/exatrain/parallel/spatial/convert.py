@@ -17,7 +17,8 @@ Layers, in the model's registration order (which must be its execution order):
                      activations, dropout, nearest upsampling, transposed convolutions. Anything
                      else there is refused with an error naming the layer.
   transition         nn.Flatten gathers the blocks (all-gather); AdaptiveAvgPool(1) reduces them
-                     (all-reduce). A layer of an nn.Sequential whose blocks became too small to
+                     (all-reduce); so does the first channel/filter-parallel convolution under
+                     Plan(space=..., tensor=...) (a gather before it: parallel/tensor/switch.py). A layer of an nn.Sequential whose blocks became too small to
                      split gathers early, if the model has such a transition anyway.
   replicated region  everything after: runs on identical whole tensors on every spatial rank.
 
@@ -32,7 +33,7 @@ by the global element count (see `workloads.deepcam`), metrics on split outputs 
 
 from __future__ import annotations
 
-import copy
+import copy as _copy
 import math
 
 import torch
@@ -159,6 +160,8 @@ def _unsupported(name: str, module: nn.Module, why: str = "") -> SpatialSplitErr
 def _convert(name: str, module: nn.Module, rt: SpatialRuntime, may_gather: bool,
              split_region: bool) -> nn.Module:
     kind = type(module)
+    if getattr(module, "needs_whole_input", False):  # channel/filter-parallel: after the gather
+        return module
     if kind in _CONVERT:
         if kind is nn.Flatten and split_region and module.start_dim != 1:
             raise _unsupported(name, module, f"start_dim={module.start_dim} would flatten only "
@@ -188,7 +191,7 @@ def _convert(name: str, module: nn.Module, rt: SpatialRuntime, may_gather: bool,
 
 def parallelize_spatial(model: nn.Module, mesh: Mesh, overlap: bool | None = None,
                         split_input: bool = True,
-                        batchnorm_axes: tuple[str, ...] = ("data",)) -> nn.Module:
+                        batchnorm_axes: tuple[str, ...] = ("data",), copy: bool = True) -> nn.Module:
     """A copy of `model` whose layers work on this rank's spatial blocks (see the module doc).
 
     Raises SpatialSplitError naming the first layer that cannot run under the split. Kernel,
@@ -199,7 +202,7 @@ def parallelize_spatial(model: nn.Module, mesh: Mesh, overlap: bool | None = Non
     if mesh.plan.space_degree == 1:
         return model
     rt = SpatialRuntime(mesh, DEFAULT_OVERLAP if overlap is None else overlap, batchnorm_axes)
-    model = copy.deepcopy(model)
+    model = _copy.deepcopy(model) if copy else model
     if not split_input:
         for name, module in model.named_modules():
             if _direct_params(module):
@@ -209,7 +212,23 @@ def parallelize_spatial(model: nn.Module, mesh: Mesh, overlap: bool | None = Non
     named = list(model.named_modules(remove_duplicate=False))
     leaves = [(n, m) for n, m in named if not list(m.children())]
     transition = next((i for i, (_, m) in enumerate(leaves)
-                       if type(m) is nn.Flatten or isinstance(m, _GLOBAL_POOLS)), None)
+                       if type(m) is nn.Flatten or isinstance(m, _GLOBAL_POOLS)
+                       or getattr(m, "needs_whole_input", False)), None)
+    if transition is not None and getattr(leaves[transition][1], "needs_whole_input", False):
+        if not any(is_transition(m) for _, m in leaves[transition:]):
+            name, layer = leaves[transition]
+            raise SpatialSplitError(
+                f"{mesh.plan}: layer '{name}' ({layer.source_type}) is the first channel/filter-"
+                f"parallel convolution, where the spatial blocks would be gathered, but the "
+                f"model has no nn.Flatten or AdaptiveAvgPool(1) after it: its output would be "
+                f"whole where its targets are spatial blocks (a segmentation model). Use "
+                f"Plan(space=...) or Plan(tensor=...) alone for it, or move the switch with "
+                f"parallel.chanfilt_from to a later convolution of a model that ends in a "
+                f"Flatten.")
+        # a channel/filter-parallel convolution (tensor × space): the switch from spatial blocks
+        # to whole samples is here; it gathers the blocks first (the redistribution, counted)
+        leaves[transition][1].register_forward_pre_hook(
+            lambda _m, args: None if rt.gathered else (rt.gather(args[0]), *args[1:]))
     split_names = {n for i, (n, _) in enumerate(leaves) if transition is None or i <= transition}
     by_name = dict(named)
     for name, module in named:  # containers holding parameters of their own

@@ -10,6 +10,10 @@ a new module tree (the input model is not modified and nothing global is patched
     module with an integer `head_dim` attribute is attention: its split must keep whole heads.
   * every other Linear whose shapes divide the grid becomes a column layer that gathers its
     output (1D) or a 3D layer that converts activations into and out of its layout (3D);
+  * under 1D, convolutions are split channel/filter-wise (cnn.py, conv.py): filter → channel
+    pairs inside nn.Sequentials, the others filter-parallel with a gathered output; under
+    Plan(space=..., tensor=...) only those from the switch point on (switch.py), the earlier
+    ones run split over `space`, and every gradient is also summed over `space`;
   * everything else (embeddings, norms, Linears that do not divide, tied weights) stays whole on
     every rank, i.e. data-parallel over the tensor group.
 
@@ -72,6 +76,9 @@ from ...comm.autograd import gather, scatter
 from ...mesh import Mesh
 from ..gradsync import GradSync, set_grad_axes
 from .heads import head_count_attrs, localize_heads
+from .cnn import refusal as conv_refusal
+from .cnn import split_convolutions
+from .switch import conv_names, eligible_after, switch_point
 from .linear1d import SEQ_DIM, ColumnParallelLinear, RowParallelLinear, SharedInput
 from .linear3d import Grid3D, Linear3D, SharedScatter, gather_batch, scatter_batch
 from .rng import ForwardRng
@@ -225,10 +232,14 @@ class TensorParallel:
     """
 
     def __init__(self, mesh: Mesh, options, pairs: bool, overlap: bool, prefetch: bool,
-                 device=None, replica_axes=("data",)):
+                 device=None, replica_axes=("data",), partial_axes=(), conv_eligible=()):
         plan = mesh.plan
         # the axes this strategy averages gradients over; () when another strategy (shard) does
         self.replica_axes = tuple(a for a in replica_axes if mesh.axis(a).size > 1)
+        # the axes over which every gradient is summed (`space`: partial sums of each sample)
+        self.partial_axes = tuple(a for a in partial_axes if mesh.axis(a).size > 1)
+        self.conv_eligible = set(conv_eligible)   # convolutions to split (cnn.py), by name
+        self.convs: dict = {"pairs": [], "gathered": [], "whole": [], "batchnorms": []}
         self.device = device if device is not None else mesh.device
         self.mesh, self.options = mesh, options
         self.three_d = plan.tensor_3d
@@ -352,14 +363,22 @@ class TensorParallel:
                 self.layers.append(layer)
                 self.split_names.append(full_name)
 
+        if self.conv_eligible and not self.three_d:
+            done_convs = split_convolutions(root, self.tensor, self.conv_eligible.__contains__,
+                                            tied)
+            self.layers += done_convs.pop("layers")
+            self.convs = done_convs
+            self.split_names += [n for pair in done_convs["pairs"] for n in pair]
+            self.split_names += done_convs["gathered"]
+
         if not self.layers:
             shapes = sorted({(m.in_features, m.out_features) for m in root.modules()
                              if isinstance(m, nn.Linear)})
             raise ValueError(
-                f"{self.mesh.plan}: no Linear of the model divides the tensor grid "
-                f"{self.mesh.plan.tensor} (Linear (in, out) shapes: {shapes[:8]}); tensor "
+                f"{self.mesh.plan}: no Linear or convolution of the model divides the tensor "
+                f"grid {self.mesh.plan.tensor} (Linear (in, out) shapes: {shapes[:8]}); tensor "
                 f"parallelism would only replicate the model. Pick degrees that divide the "
-                f"feature sizes, or use data parallelism (tensor=1).")
+                f"feature or channel counts, or use data parallelism (tensor=1).")
 
         _materialize(root, self.device)
         if self.sequence_parallel:
@@ -490,7 +509,7 @@ class TensorParallel:
                 sum_axes = ("tensor_z",)
             else:
                 sum_axes = ()
-            set_grad_axes(p, sum_axes, mean)
+            set_grad_axes(p, (*sum_axes, *self.partial_axes), mean)
 
     # ------------------------------------------------------------------ model boundary
     def _before(self, module, args, kwargs):
@@ -583,6 +602,9 @@ class TensorParallel:
 
     def summary(self) -> dict:
         return {"plan": str(self.mesh.plan), "split": list(self.split_names),
+                "conv_pairs": [list(p) for p in self.convs["pairs"]],
+                "conv_gathered": list(self.convs["gathered"]),
+                "conv_whole": list(self.convs["whole"]),
                 "whole": list(self.whole_names), "chained": list(self.pairs),
                 "local_heads": dict(self.local_heads),
                 "sequence_parallel_regions": list(self.sp_regions)}
@@ -613,9 +635,32 @@ def _tied_parameters(root: nn.Module) -> set[int]:
     return {pid for pid, n in counts.items() if n > 1}
 
 
+def conv_selection(model: nn.Module, plan, options, example=None) -> set[str]:
+    """The convolutions split channel/filter-wise: none under the 3D grid; under 1D all from
+    the switch point on (`parallel.chanfilt_from`, else the first one, or under `space` the
+    automatic switch of switch.py), less `parallel.chanfilt_skip`. Bad names are refused."""
+    if plan.tensor_3d:
+        return set()
+    start = getattr(options, "chanfilt_from", "")
+    skip = list(getattr(options, "chanfilt_skip", []))
+    if plan.pipe > 1 and (start or skip):
+        raise ValueError(f"{plan}: parallel.chanfilt_from / chanfilt_skip name modules of the "
+                         "whole model, but under pipe > 1 each stage is converted on its own "
+                         "(its modules have stage names); leave them empty (automatic).")
+    why = conv_refusal(model, start, skip)
+    if why:
+        raise ValueError(why)
+    names = conv_names(model)
+    if not start and names:
+        start = switch_point(model, plan.tensor_degree, example) if plan.space_degree > 1 \
+            else names[0]
+    return eligible_after(model, start or None, skip)
+
+
 def parallelize_tensor(model: nn.Module, mesh: Mesh, options=None, *, pairs: bool = True,
                        overlap: bool = True, prefetch: bool = True, replica_axes=("data",),
-                       checkpoint_and_compile: bool = True) -> nn.Module:
+                       checkpoint_and_compile: bool = True, partial_axes=(),
+                       example=None) -> nn.Module:
     """Lay `model` out over the mesh's tensor axes (and data); see the module docstring.
 
     Returns a new module tree whose parameters have the plain model's names (local parts of split
@@ -624,7 +669,10 @@ def parallelize_tensor(model: nn.Module, mesh: Mesh, options=None, *, pairs: boo
     converts every Linear on its own (no chaining); `overlap` / `prefetch` switch the 3D
     backward overlap and weight prefetch (for measurement). `replica_axes`: the axes whose
     gradient average this strategy does (() when the shard step owns it, see apply.py);
-    `checkpoint_and_compile=False` when apply.py runs that step itself.
+    `checkpoint_and_compile=False` when apply.py runs that step itself. `partial_axes`: axes
+    every gradient is summed over besides (`space`, when spatial parallelism runs the early
+    layers). Convolutions are split channel/filter-wise (cnn.py) from the switch point on
+    (switch.py; `example`, one batch of inputs, gives it the layer shapes).
     """
     if options is None:
         from ..options import ParallelOptions
@@ -632,7 +680,8 @@ def parallelize_tensor(model: nn.Module, mesh: Mesh, options=None, *, pairs: boo
     on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
     root = clone_tree(model if on_meta else model.to(mesh.device))
     state = TensorParallel(mesh, options, pairs, overlap, prefetch, device=mesh.device,
-                           replica_axes=replica_axes)
+                           replica_axes=replica_axes, partial_axes=partial_axes,
+                           conv_eligible=conv_selection(model, mesh.plan, options, example))
     root = state.apply(root)
     if checkpoint_and_compile and (options.activation_checkpointing != "none" or options.compile):
         from ..memory import apply_checkpointing_and_compile
