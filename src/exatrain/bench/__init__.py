@@ -15,7 +15,7 @@ BENCHMARKS = {"dp": "exatrain.bench.dp", "spatial": "exatrain.bench.spatial",
               "zero": "exatrain.bench.zero", "tensor": "exatrain.bench.tensor",
               "graph": "exatrain.bench.graph", "pipeline": "exatrain.bench.pipeline",
               "ltfb": "exatrain.bench.ltfb", "faults": "exatrain.bench.faults",
-              "planner": "exatrain.bench.planner"}
+              "planner": "exatrain.bench.planner", "startup": "exatrain.bench.startup"}
 
 
 def bench_module(name: str):

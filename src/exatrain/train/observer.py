@@ -22,6 +22,7 @@ record, each evaluation, the end of fit), so strategies and the training loop st
 from __future__ import annotations
 
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -119,6 +120,7 @@ class StepObserver:
                              + self.ledger.drain_async_tail())
         if self.profiler:
             self.profiler.step()
+        sys.audit("exatrain.step_end", self.ledger.step)  # marks start-up's end (observe.startup)
         for drop in self.bandwidth.step_end(self.ledger.step) if self.bandwidth else ():
             if self.writer:
                 self.writer.add_scalar(f"bandwidth_drop/{drop['axis']}", drop["busbw_GBps"],
