@@ -56,3 +56,40 @@ def test_stop_policy_checkpoints_and_stops(tiny_config):
     summary = run_ranks(2, slowed_run, config, SLOW)[0]
     assert len(summary["bandwidth_drops"]) == 1 and summary["stopped_by_signal"]
     assert summary["steps"] == summary["bandwidth_drops"][0]["step"] < STEPS
+
+
+class _OneRank:
+    """What the watch needs of a mesh, for one process: its collectives on a size-1 axis return
+    at once, so the detection logic runs alone, step by step, on recorded bytes and times."""
+
+    def __init__(self):
+        import torch
+
+        from exatrain.comm import Axis, Ledger
+        self.ledger, self.rank, self.device = Ledger(), 0, torch.device("cpu")
+        self.world = Axis("world", 1, 0, None, self.ledger, (0,))
+
+
+def _watch_steps(seconds_per_step):
+    from exatrain.train.bandwidth import BandwidthWatch
+    from exatrain.train.observe_options import ObserveOptions
+
+    mesh = _OneRank()
+    watch = BandwidthWatch(mesh, ObserveOptions(), is_main=False)
+    reported = []
+    for step, seconds in enumerate(seconds_per_step, start=1):
+        watch.step_begin()
+        mesh.ledger.record("data", "all_reduce", 2**20, "grad", peers=(0, 1))
+        mesh.ledger.add_blocked("data", seconds)
+        mesh.ledger.record("world", "all_reduce", 4, "control", peers=(0, 1))
+        mesh.ledger.add_blocked("world", 0.5)  # a slow control flag: latency, never judged
+        reported += watch.step_end(step)
+    return reported
+
+
+def test_watch_logic_reports_one_drop_within_the_patience_and_check_interval():
+    normal = [0.01 * (1 + 0.5 * (i % 3)) for i in range(12)]  # +-50 % jitter: no alarm
+    assert _watch_steps(normal + normal) == []
+    drops = _watch_steps(normal + [0.5] * 12)  # 50x slower from step 13 on
+    assert [(d["axis"], d["op"], d["step"]) for d in drops] == [("data", "all_reduce", 15)]
+    assert drops[0]["busbw_GBps"] < 0.1 * drops[0]["reference_GBps"]

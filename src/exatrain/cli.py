@@ -161,6 +161,8 @@ def _print_summary(console: Console, summary: dict) -> None:
         if key == "memory_per_rank":  # a list per rank: its largest figures are what matter
             value = "max over ranks: state " + human_bytes(max(r["state_bytes"] or 0 for r in value)) \
                 + ", peak " + human_bytes(max(r["peak_mem_bytes"] or 0 for r in value))
+        elif key == "bandwidth_drops":  # see docs/how-to/preflight.md
+            value = "; ".join(f"step {d['step']}: {d['axis']} ({d['op']})" for d in value) or "none"
         elif key == "bytes_per_step":
             value = " ".join(f"{a}={human_bytes(b)}" for a, b in value.items()) or "-"
         else:
