@@ -86,3 +86,21 @@ def test_preflight_per_axis_with_neighbours_and_world(tiny_config):
     axes = {(r["axis"], r["ranks"], r["op"]) for r in report["collectives"]}
     assert ("pipe", 2, "p2p") in axes and ("data", 2, "all_reduce") in axes
     assert ("world", 4, "all_gather") in axes and ("data", 2, "p2p") not in axes
+
+
+def test_cli_exit_code_and_exclude_file(tmp_path):
+    """`exatrain preflight --nproc 3` with rank 1 slowed: exit code 3, its host in the file."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "exatrain.cli", "preflight", "--nproc", "3", "--sizes", "4K",
+         "--link-bytes", "16K", "--iters", "3", "--set", f"run.out_dir={tmp_path}/runs",
+         "--json", "pf.json", "--exclude-file", "slow.txt"], cwd=tmp_path, capture_output=True,
+        text=True, timeout=300, env={**os.environ, ENV: "1:0.02"})
+    assert out.returncode == 3, out.stderr
+    assert (tmp_path / "slow.txt").read_text() == socket.gethostname() + "\n"
+    report = json.loads((tmp_path / "pf.json").read_text())
+    assert [r["rank"] for r in report["slow_ranks"]] == [1] and "SLOW rank 1" in out.stdout

@@ -12,8 +12,9 @@ Run on every rank of the job, under the same launcher and Plan as `exatrain run`
 3. the links of each rank: n - 1 rounds (at most `rounds`) of a round-robin tournament (circle
    method), each round a perfect matching; in each, every rank exchanges `link_bytes` with its
    partner (batched isend/irecv, both ways at once: 2 * link_bytes on the wire per pair), the
-   median of `iters` timed exchanges. A rank's link bandwidth is the median over its rounds: a slow rank is slow in every
-   round, its partners in only one, so the median names the slow rank and not its partners.
+   median of `iters` timed exchanges. A rank's link bandwidth is the upper median over its
+   rounds: a slow rank is slow in every round, its partners in only one, so the median names the
+   slow rank and not its partners (from 3 ranks on; with 2, both ends of the one link look alike).
    A node's bandwidth is the median of its ranks'. Ranks and nodes below `threshold` times the
    median are named with their host names; their hosts form the exclude list (`srun --exclude`).
 
@@ -184,7 +185,8 @@ def preflight_rank(config, options: PreflightOptions) -> dict:
     mesh = join(config)
     try:
         facts = rank_facts(mesh, config, options.min_free_gib)
-        facts["link_GBps"] = statistics.median(link_bandwidths(mesh, options) or [0.0]) / 1e9
+        # median_high: with an even number of rounds, a rank is slow only when most rounds were
+        facts["link_GBps"] = statistics.median_high(link_bandwidths(mesh, options) or [0.0]) / 1e9
         rows = sweep(mesh, options)
         every = all_gather_object(facts, mesh.world)
         report = None
