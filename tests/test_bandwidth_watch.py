@@ -11,7 +11,7 @@ from harness import run_ranks
 
 STEPS = 16
 SLOW_FROM = 8
-SLOW = f"*:0.05:shard:{SLOW_FROM}"  # every shard-axis collective 50 ms longer from step 8
+SLOW = f"*:0.2:shard:{SLOW_FROM}"  # every shard-axis collective 0.2 s longer from step 8
 
 
 def slowed_run(config, slow: str):
