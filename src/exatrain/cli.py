@@ -1,4 +1,4 @@
-"""The `exatrain` command line: run, predict, data, plan, tune, bench."""
+"""The `exatrain` command line: run, preflight, predict, data, plan, tune, bench."""
 
 from __future__ import annotations
 
@@ -52,6 +52,46 @@ def _run(args) -> int:
     _draw_timeline(summary.get("run_dir"))
     _print_summary(console, summary)
     return 0
+
+
+def _preflight(args) -> int:
+    """Links and ranks checked under the job's launcher and Plan; exit code 3 when any is slow."""
+    from .launch import detect, spawn
+    from .observe.preflight import (SLOW_EXIT_CODE, PreflightOptions, exclude_line, format_report,
+                                    preflight_rank)
+    from .train.config import load_config
+
+    config = load_config(args.config, args.set or [])
+    options = PreflightOptions(threshold=args.threshold, iters=args.iters)
+    if args.sizes:
+        options.sizes = [_bytes(s) for s in args.sizes.split(",")]
+    if args.link_bytes:
+        options.link_bytes = _bytes(args.link_bytes)
+    launch = detect()
+    if launch is not None:  # under torchrun / srun / flux / jsrun / mpirun: this is one rank
+        report = preflight_rank(config, options)
+        main = launch.rank == 0
+    else:
+        nproc = args.nproc or config.run.nproc
+        config.plan.resolve(nproc)  # refuse a Plan that does not fit before any rank starts
+        report = spawn(preflight_rank, nproc, args=(config, options))[0] if nproc > 1 else \
+            preflight_rank(config, options)
+        main = True
+    if main:
+        print(format_report(report))
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(report, indent=1))
+        if args.exclude_file:
+            Path(args.exclude_file).write_text(exclude_line(report) + "\n")
+    return 0 if report["ok"] else SLOW_EXIT_CODE
+
+
+def _bytes(text: str) -> int:
+    """"64", "4K", "16M", "1G" -> bytes (powers of 1024)."""
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+    return int(float(text.rstrip("KMG")) * scale)
 
 
 def _print_batch_script(args, config) -> int:
@@ -120,6 +160,8 @@ def _print_summary(console: Console, summary: dict) -> None:
         if key == "memory_per_rank":  # a list per rank: its largest figures are what matter
             value = "max over ranks: state " + human_bytes(max(r["state_bytes"] or 0 for r in value)) \
                 + ", peak " + human_bytes(max(r["peak_mem_bytes"] or 0 for r in value))
+        elif key == "bandwidth_drops":  # see docs/how-to/preflight.md
+            value = "; ".join(f"step {d['step']}: {d['axis']} ({d['op']})" for d in value) or "none"
         elif key == "bytes_per_step":  # the ledger's bytes per step, by mesh axis
             key, value = "comm/step (bytes_per_step)", comm_text(value, prefix="")
         else:
@@ -181,6 +223,22 @@ def build_parser() -> argparse.ArgumentParser:
                      help="ranks per node, for --print-batch-script (default: run.nproc)")
     run.add_argument("--time", default="04:00:00", help="wall time, for --print-batch-script")
     run.set_defaults(func=_run)
+
+    pre = sub.add_parser("preflight", help="before a long run: bus bandwidth per mesh axis, slow "
+                                           "ranks and nodes (an srun --exclude list), rank checks")
+    pre.add_argument("config", nargs="?", help="the job's TOML config (its Plan and paths)")
+    pre.add_argument("--nproc", type=int, default=0, help="local ranks to spawn (default: run.nproc)")
+    pre.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                     help="override a config value; repeatable")
+    pre.add_argument("--json", metavar="PATH", help="write the whole report as JSON")
+    pre.add_argument("--exclude-file", metavar="PATH", help="write the slow hosts, comma-separated, "
+                     "for srun --exclude=$(cat PATH)")
+    pre.add_argument("--sizes", metavar="LIST", help="message sizes, e.g. 1K,64K,1M,16M (default)")
+    pre.add_argument("--link-bytes", metavar="SIZE", help="bytes per pairwise link test (default 4M)")
+    pre.add_argument("--iters", type=int, default=10, help="timed calls per size (after 3 warm-up)")
+    pre.add_argument("--threshold", type=float, default=0.5,
+                     help="slow: below this fraction of the median (default 0.5)")
+    pre.set_defaults(func=_preflight)
 
     report = sub.add_parser("report", help="figures and a summary of finished runs or benchmarks")
     report.add_argument("paths", nargs="+", metavar="RUN_DIR|BENCH.json")

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .comm import Axis, Ledger
+from .comm.inject import SlowLinks
 from .launch.env import detect
 from .launch.local import free_port
 from .plan import Plan
@@ -53,7 +54,7 @@ class Mesh:
         self.local_rank = local_rank
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.ledger = Ledger()
+        self.ledger = Ledger(slow=SlowLinks.from_env(self.rank))  # EXATRAIN_INJECT_SLOW: tests
         self.group = None  # the job's process group for whole-job collectives (None: the default)
         self._grid = torch.arange(self.world_size).reshape(tuple(plan.degrees().values()))
         self._axes: dict[tuple[str, ...], Axis] = {}

@@ -17,7 +17,7 @@ BENCHMARKS = {"dp": "exatrain.bench.dp", "spatial": "exatrain.bench.spatial",
               "ltfb": "exatrain.bench.ltfb", "faults": "exatrain.bench.faults",
               "planner": "exatrain.bench.planner", "data": "exatrain.bench.data",
               "device": "exatrain.bench.device", "kfac": "exatrain.bench.kfac",
-              "chanfilt": "exatrain.bench.chanfilt"}
+              "chanfilt": "exatrain.bench.chanfilt", "startup": "exatrain.bench.startup"}
 
 
 def bench_module(name: str):

@@ -67,7 +67,7 @@ def all_reduce_future(tensor: torch.Tensor, axis: Axis, tag: str = "") -> torch.
         work = dist.all_reduce(tensor, group=axis.group, async_op=True)
 
     def done(_f):
-        axis.ledger.add_async_span(launched, time.perf_counter())
+        axis.ledger.add_async_span(launched, time.perf_counter(), axis.name)
         # in place: the result is `tensor` itself (the fake backend's futures carry no value)
         return tensor
     return work.get_future().then(done)

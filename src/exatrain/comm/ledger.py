@@ -43,8 +43,13 @@ class Ledger:
     # (launch, done) perf_counter times of collectives that someone else waits on (DDP's reducer)
     async_spans: list = field(default_factory=list)
 
-    def add_async_span(self, launched: float, done: float) -> None:
+    # seconds from launch to completion of those async collectives, per axis (comm.bandwidth)
+    async_s: dict = field(default_factory=lambda: defaultdict(float))
+
+    def add_async_span(self, launched: float, done: float, axis: str = "") -> None:
         self.async_spans.append((launched, done))
+        if axis:
+            self.async_s[axis] += done - launched
 
     def drain_async_tail(self) -> float:
         """Seconds from the last launch to the last completion of the recorded async collectives.
@@ -62,6 +67,8 @@ class Ledger:
     step: int = 0                 # set by the Trainer: the step the next operations belong to
     calls_on: dict = field(default_factory=lambda: defaultdict(int))  # per (axis, peers)
     last_time: float = field(default_factory=time.time)
+    sizes: dict = field(default_factory=dict)  # members of each axis seen (for bus bandwidth)
+    slow: object = None           # injected delays (comm.inject.SlowLinks), None in a real run
 
     def record(self, axis: str, op: str, nbytes: int, tag: str = "", peers: tuple = ()) -> None:
         entry = self.entries[(axis, op, tag)]
@@ -69,6 +76,8 @@ class Ledger:
         entry.bytes += int(nbytes)
         group = (axis, tuple(peers))
         self.calls_on[group] += 1
+        if len(peers) > 1:
+            self.sizes[axis] = len(peers)
         self.last_time = time.time()
         self.recent.append({"seq": self.calls_on[group], "op": op, "axis": axis, "tag": tag,
                             "bytes": int(nbytes), "step": self.step, "peers": list(peers),
@@ -107,3 +116,4 @@ class Ledger:
         self.entries.clear()
         self.blocked_s.clear()
         self.async_spans.clear()
+        self.async_s.clear()

@@ -48,6 +48,8 @@ def comm_range(ledger, axis: str, op: str, tag: str = ""):
     """Label a communication call and add its blocking time to `ledger`."""
     t0 = time.perf_counter()
     try:
+        if ledger.slow is not None:  # an injected slow link (comm.inject), tests and drills only
+            ledger.slow.delay(axis, ledger.step)
         with named_range(range_name(op, axis, tag)):
             yield
     finally:

@@ -44,15 +44,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
 
 from ..parallel.data import unwrap
 from ..parallel.tensor.state import for_checkpoint
 from . import manifest as manifests
 
 STATE_FILE = "trainer_state.json"
+
+
+# _dcp_note: torch.distributed.checkpoint is imported where it is used, not with this module: it
+# pulls DTensor, FSDP and sympy (~830 files), which every rank would open at `import exatrain`,
+# long before (or without ever) saving a checkpoint (docs/how-to/startup.md).
 
 
 class CheckpointError(RuntimeError):
@@ -96,6 +98,8 @@ class Writer:
 
     def save(self, run_dir, step: int, model, optimizer, trainer_state: dict, keep: int = 2,
              config: dict | None = None, before_commit=None, group=None) -> Path:
+        import torch.distributed.checkpoint as dcp  # (see _dcp_note)
+
         t0 = time.perf_counter()
         self.group = group if group is not None else self.group
         self._finish_pending()
@@ -185,6 +189,7 @@ def full_model_state(path: str | Path) -> dict[str, torch.Tensor]:
     """The full, unsharded model state dict of a checkpoint, read on one process (no process
     group): DCP reassembles every tensor from the chunks of whatever Plan wrote it. Verified
     against the manifest first, and each tensor against its chunks' CRC-32s where it was whole."""
+    import torch.distributed.checkpoint as dcp  # (see _dcp_note)
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
@@ -207,6 +212,9 @@ def full_model_state(path: str | Path) -> dict[str, torch.Tensor]:
 def load(path: str | Path, model, optimizer, group=None) -> dict:
     """Collective over `group` (None: every rank): load model and optimizer state in place;
     return the trainer state."""
+    import torch.distributed.checkpoint as dcp  # (see _dcp_note)
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
     path = Path(path)
     if not (path / STATE_FILE).is_file():
         raise CheckpointError(f"{path} is not a complete exatrain checkpoint (no {STATE_FILE}).")
@@ -242,6 +250,9 @@ def load_model(path: str | Path, model, group=None) -> dict:
     """Collective over `group`: load only the model state of a checkpoint in place (prediction:
     no optimizer is built). DCP reads the pieces this rank's layout needs, whatever Plan wrote
     them. Returns the trainer state (its `step`, `plan`)."""
+    import torch.distributed.checkpoint as dcp  # (see _dcp_note)
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
     path = Path(path)
     if not (path / STATE_FILE).is_file():
         raise CheckpointError(f"{path} is not a complete exatrain checkpoint (no {STATE_FILE}).")
@@ -264,6 +275,8 @@ def _zero_units(model) -> list:
 
 def _state_dicts(model, optimizer) -> tuple[dict, dict]:
     """(model, optimizer) state dicts keyed by parameter name, whatever holds them."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
     zero = _zero_units(model)
     if zero:
         from ..parallel.shard import zero_optimizer_state_dict

@@ -11,6 +11,15 @@ class ObserveOptions:
     profile_steps: int = 0       # > 0: torch.profiler trace of this many steps (`--profile N`)
     profile_skip: int = 2        # steps to leave out first (warm-up, allocation), then 1 of warm-up
     profile_ranks: list[int] = field(default_factory=list)  # empty: every rank
+    # bus bandwidth per axis watched during the run (train.bandwidth); a drop is reported once
+    bandwidth_watch: bool = True
+    bandwidth_drop_fraction: float = 0.1  # low: below this fraction of the axis's own median
+    bandwidth_patience: int = 3           # low steps in a row that make a drop
+    bandwidth_window: int = 50            # normal steps the median is taken over
+    bandwidth_warmup: int = 3             # first steps left out of the median
+    bandwidth_check_every: int = 5        # steps between the ranks' agreement (4 bytes/rank)
+    bandwidth_min_bytes: int = 65536      # bus bytes per step below which an axis is not judged
+    on_bandwidth_drop: str = "warn"       # warn | stop (checkpoint and stop after the step)
 
 
 @dataclass

@@ -13,12 +13,16 @@ record, each evaluation, the end of fit), so strategies and the training loop st
 - TensorBoard event files in RUN_DIR/tensorboard (rank 0): every number of every metrics.jsonl
   record under its own key, `bytes_per_step/<axis>` for the per-axis bytes, and `step_loss` for
   each step's loss;
-- `[mlperf] enabled`: the MLPerf HPC log (`train.mlperf`), and `train.target`: stop when reached.
+- `[mlperf] enabled`: the MLPerf HPC log (`train.mlperf`), and `train.target`: stop when reached;
+- bus bandwidth per mesh axis (`train.bandwidth`): `busbw_GBps/<axis>` in every logged record, a
+  drop below a fraction of the axis's own median reported once (`bandwidth_drops` in the summary,
+  `bandwidth_drop/<axis>` in TensorBoard), and with `on_bandwidth_drop = "stop"` a clean stop.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -27,6 +31,7 @@ import torch
 from ..comm import all_gather_object
 from ..comm.timing import named_range
 from ..parallel.precision import measured_matmul_flops
+from .bandwidth import BandwidthWatch
 from .target import Target
 
 
@@ -47,6 +52,8 @@ class StepObserver:
         self.writer = self._tensorboard() if self.is_main and self.run_dir else None
         self.profiler = self._profiler(mesh.rank)
         self.mlperf = None  # opened at fit_begin, once the launcher's figures are known
+        self.bandwidth = BandwidthWatch(mesh, self.options, self.is_main) \
+            if self.options.bandwidth_watch and mesh.world_size > 1 else None
 
     # ------------------------------------------------------------------ set-up
     def _tensorboard(self):
@@ -105,12 +112,25 @@ class StepObserver:
     def step_begin(self) -> None:
         self._blocked0 = self.ledger.blocked_total()
         self.ledger.drain_async_tail()  # spans of what ran between steps (evaluation) do not count
+        if self.bandwidth:
+            self.bandwidth.step_begin()
 
     def step_end(self) -> None:
         self._exposed.append(self.ledger.blocked_total() - self._blocked0
                              + self.ledger.drain_async_tail())
         if self.profiler:
             self.profiler.step()
+        sys.audit("exatrain.step_end", self.ledger.step)  # marks start-up's end (observe.startup)
+        for drop in self.bandwidth.step_end(self.ledger.step) if self.bandwidth else ():
+            if self.writer:
+                self.writer.add_scalar(f"bandwidth_drop/{drop['axis']}", drop["busbw_GBps"],
+                                       drop["step"])
+                self.writer.flush()
+
+    @property
+    def stop_requested(self) -> bool:
+        """True on every rank once a bandwidth drop under `on_bandwidth_drop = "stop"` is agreed."""
+        return bool(self.bandwidth and self.bandwidth.stop_requested)
 
     def log(self, record: dict) -> None:
         """Add the interval's exposed communication to a training record (before it is written)."""
@@ -121,6 +141,8 @@ class StepObserver:
             record["exposed_comm_s"] = exposed
             record["exposed_comm_fraction"] = exposed / mean_step if mean_step else math.nan
             self._exposed = []
+        if self.bandwidth and self.bandwidth.last:
+            record["busbw_GBps"] = {a: f["busbw"] / 1e9 for a, f in self.bandwidth.last.items()}
         flops = self.trainer.workload.flops_per_sample
         if flops and "samples_per_s" in record and "mfu" not in record:
             if self._peak_flops is None:  # measured once per run: it takes a tenth of a second
@@ -173,6 +195,8 @@ class StepObserver:
     def summary(self, fit_start_s: float) -> dict:
         """Figures for the run summary; closes the log, the writer and the profiler."""
         out: dict = {"memory_per_rank": self._memory_per_rank()}
+        if self.bandwidth:
+            out["bandwidth_drops"] = self.bandwidth.drops
         if self.target:
             out["target"] = str(self.target)
             out["target_reached"] = self.reached_at is not None

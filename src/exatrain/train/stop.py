@@ -36,7 +36,8 @@ class StopOnSignal:
     def announce(self, trainer) -> None:
         """Rank 0 says where the run stopped and how to go on."""
         if trainer.is_main:
-            name = signal.Signals(self.signum).name if self.signum else "a signal on another rank"
+            name = signal.Signals(self.signum).name if self.signum else \
+                "a bandwidth drop" if trainer.observer.stop_requested else "a signal on another rank"
             print(f"exatrain: stopped by {name} after step {trainer.step} of "
                   f"{trainer.total_steps}; checkpoint written. Resume with: "
                   f"exatrain run --resume {trainer.run_dir}", flush=True)

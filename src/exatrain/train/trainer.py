@@ -500,7 +500,8 @@ class Trainer:
                         progress.log({"step": self.step, **eval_metrics})
                     reached = self.observer.evaluated(eval_metrics, eval_start)  # train.target
                 self.after_step()
-                stopping = not last and not reached and stop.agreed(self.mesh)
+                stopping = not last and not reached and (stop.agreed(self.mesh)
+                                                         or self.observer.stop_requested)
                 if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or last or reached \
                         or stopping:
                     with watchdog.paused():  # file system time; the backend's timeout still holds

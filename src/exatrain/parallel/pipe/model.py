@@ -30,7 +30,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ...comm import Axis, all_reduce
 from ..data import unwrap
 from .schedules import bubble_formula, build_schedule
-from .stage import CountedStage, Timeline
 
 
 def _as_tuple(x):
@@ -119,6 +118,9 @@ class PipelineModel(nn.Module):
         self.gradient_syncs = [sync for w in self.stage_wrappers for sync in _deferred_syncs(w)]
         check_microbatches(example.shape[0], microbatches)
         self.batch = example.shape[0]
+        # here, not at import: torch.distributed.pipelining is ~800 files a job without a pipe
+        # axis need not open (the Trainer imports this module for an isinstance test)
+        from .stage import CountedStage, Timeline
         self.timeline = Timeline(axis.rank, device)
         self.stages = [CountedStage(wrapped[i], i, self.num_stages, device, shapes[i][0],
                                     shapes[i][1], axis, self.timeline) for i in self.stage_ids]

@@ -16,14 +16,14 @@ work against the m (or v·m) slots of useful work.
 
 from __future__ import annotations
 
-from torch.distributed import pipelining as pp
-
-# name -> (schedule class, several stages per rank?)
+# name -> (schedule class in torch.distributed.pipelining, several stages per rank?). The class
+# is looked up when a schedule is built: importing torch.distributed.pipelining pulls DTensor,
+# torch._dynamo and sympy (~800 files), which a job without a pipe axis must not open (start-up).
 SCHEDULES = {
-    "gpipe": (pp.ScheduleGPipe, False),
-    "1f1b": (pp.Schedule1F1B, False),
-    "interleaved": (pp.ScheduleInterleaved1F1B, True),
-    "zero_bubble": (pp.ScheduleInterleavedZeroBubble, True),
+    "gpipe": ("ScheduleGPipe", False),
+    "1f1b": ("Schedule1F1B", False),
+    "interleaved": ("ScheduleInterleaved1F1B", True),
+    "zero_bubble": ("ScheduleInterleavedZeroBubble", True),
 }
 
 
@@ -66,7 +66,10 @@ def check_schedule_microbatches(name: str, ranks: int, microbatches: int) -> Non
 
 
 def build_schedule(name: str, stages: list, microbatches: int, loss_fn):
-    cls, looped = SCHEDULES[name]
+    from torch.distributed import pipelining as pp
+
+    cls_name, looped = SCHEDULES[name]
+    cls = getattr(pp, cls_name)
     if looped:
         return cls(stages, microbatches, loss_fn=loss_fn)
     return cls(stages[0], microbatches, loss_fn=loss_fn)

@@ -1,0 +1,39 @@
+"""Start-up: files a rank opens from interpreter start to its first step, against `import torch`.
+
+Baseline: a fresh interpreter's `import torch` (what any PyTorch job opens). exatrain: the same
+interpreter's `import exatrain`, then `--nproc` ranks (torchrun-style environment) of a tiny
+CosmoFlow job up to the end of their first step. Counts come from a Python audit hook
+(observe.startup); times are wall seconds on this machine (one measurement: start-up is not
+repeated warm, which would hide what a cold parallel file system pays).
+
+Figures: torch_opens, exatrain_opens, exatrain_opens_beyond_torch (the figure to keep small),
+exatrain_listdirs_beyond_torch, exatrain_modules_beyond_torch, torch_import_s, exatrain_import_s,
+heavy_modules_at_import, first_step_opens_max, first_step_listdirs_max, first_step_s_max,
+first_step_modules_max (the largest over ranks).
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+from ..observe.startup import measure_first_step, measure_import, summarise
+
+TINY = ["model.size=16", "model.conv_layers=4", "model.base_channels=4", "data.size=16",
+        "data.samples=48", "train.batch_size=8", "train.eval_every=0", "observe.tensorboard=false"]
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--nproc", type=int, default=2, help="ranks of the first-step job (0: skip)")
+    parser.add_argument("--config", default=None, help="the job's TOML (default: a tiny CosmoFlow)")
+    parser.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override")
+
+
+def run(args) -> dict:
+    result = summarise(measure_import())
+    if args.nproc > 0:
+        with tempfile.TemporaryDirectory(prefix="exatrain-startup-") as tmp:
+            overrides = ([] if args.config else TINY) + [f"data.path={tmp}/data",
+                                                         f"run.out_dir={tmp}/runs", *(args.set or [])]
+            ranks = measure_first_step(args.config, overrides, args.nproc)
+        result = summarise(measure_import(), ranks) | {"nproc": args.nproc}
+    return result
