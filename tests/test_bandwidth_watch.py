@@ -71,8 +71,8 @@ class _OneRank:
 
 
 def _watch_steps(seconds_per_step):
-    from exatrain.train.bandwidth import BandwidthWatch
-    from exatrain.train.observe_options import ObserveOptions
+    from exatrain.train.monitor.bandwidth import BandwidthWatch
+    from exatrain.train.monitor.observe_options import ObserveOptions
 
     mesh = _OneRank()
     watch = BandwidthWatch(mesh, ObserveOptions(), is_main=False)

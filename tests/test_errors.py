@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from exatrain.cli import main
-from exatrain.train import NonFiniteLoss, checkpoint
+from exatrain.train import NonFiniteLoss
+from exatrain.train.checkpoints import checkpoint
 from exatrain.train.run import setup
 
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from exatrain.cli import main
-from exatrain.train import checkpoint
-from exatrain.train.export import export_run, load_initial_weights, read_state_dict
-from exatrain.train.faults import ENV
+from exatrain.train.checkpoints import checkpoint
+from exatrain.train.checkpoints.export import export_run, load_initial_weights, read_state_dict
+from exatrain.train.resilience.faults import ENV
 from exatrain.train.run import run_job, setup
 from harness import run_ranks
 
@@ -133,7 +133,7 @@ def test_export_under_tensor_and_zero3_equals_serial(tmp_path, one_thread):
 
 def test_failure_policies(tiny_config, tmp_path, one_thread):
     from exatrain.train import NonFiniteLoss
-    from exatrain.train.policies import SkipBadSamples, out_of_memory_advice
+    from exatrain.train.resilience.policies import SkipBadSamples, out_of_memory_advice
 
     def diverging(trainer, at_step):
         real = trainer.workload.loss_fn

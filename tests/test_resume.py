@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from exatrain.train import checkpoint
+from exatrain.train.checkpoints import checkpoint
 from exatrain.train.run import ResumeError, find_resume_checkpoint, run_job
 from harness import interrupted_copy, logged_losses, run_ranks
 

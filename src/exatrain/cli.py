@@ -44,7 +44,7 @@ def _run(args) -> int:
     console.print(f"[bold]exatrain run[/]: {config.run.workload} on {nproc} local rank(s)")
     workload.prepare(config, progress=_progress(console, "writing data"))  # once, here, before the ranks start
     if args.max_restarts > 0 or nproc > 1:
-        from .train.restart import supervise
+        from .train.resilience.restart import supervise
         summary = supervise(run_job, config, nproc, args.resume, args.max_restarts,
                             report=lambda text: console.print(text, highlight=False))
     else:
@@ -104,7 +104,7 @@ def _print_batch_script(args, config) -> int:
 
 
 def _export(args) -> int:
-    from .train.export import export_run
+    from .train.checkpoints.export import export_run
 
     info = export_run(args.run_dir, args.out, args.step)
     print(f"exported {info['tensors']} tensors ({info['bytes'] / 2**20:.1f} MiB) from "
@@ -145,7 +145,7 @@ def _draw_timeline(run_dir) -> None:
 
 def _progress(console: Console, label: str):
     """A callback(done, total): a bar with rate and ETA on a terminal, else a line every tenth."""
-    from .train.console import work_progress
+    from .train.monitor.console import work_progress
     return work_progress(console, label)
 
 
@@ -153,8 +153,8 @@ def _print_summary(console: Console, summary: dict) -> None:
     from rich.table import Table
 
     table = Table(title="run summary", show_header=False)
-    from .train.console import comm_text
-    from .train.units import human_bytes, human_value
+    from .train.monitor.console import comm_text
+    from .train.monitor.units import human_bytes, human_value
 
     for key, value in summary.items():
         if key == "memory_per_rank":  # a list per rank: its largest figures are what matter

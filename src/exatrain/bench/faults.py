@@ -59,7 +59,7 @@ def _kill_plan(kills: int, steps: int, every: int, nproc: int, seed: int) -> lis
 
 
 def _checkpoint_bytes(run_dir: Path) -> int:
-    from ..train import checkpoint
+    from ..train.checkpoints import checkpoint
     last = checkpoint.latest(run_dir)
     return sum(p.stat().st_size for p in last.iterdir() if p.is_file())
 
@@ -71,9 +71,9 @@ def run(args) -> dict:
     from ..launch.local import RankFailed
     from ..comm.flight import flight_dir
     from ..train.config import load_config
-    from ..train.export import export_run
-    from ..train.faults import ENV
-    from ..train.restart import supervise
+    from ..train.checkpoints.export import export_run
+    from ..train.resilience.faults import ENV
+    from ..train.resilience.restart import supervise
     from ..train.run import run_job
 
     steps = args.steps or 4 * args.kills + 6

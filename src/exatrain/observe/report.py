@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..train.units import human_value
+from ..train.monitor.units import human_value
 from . import figures
 from .runs import RunRecord, read_run
 

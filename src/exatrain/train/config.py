@@ -22,7 +22,7 @@ from typing import Any
 
 from ..parallel.options import BATCHNORM_MODES, ParallelOptions
 from ..plan import Plan
-from .observe_options import MLPerfOptions, ObserveOptions
+from .monitor.observe_options import MLPerfOptions, ObserveOptions
 from ..population.options import PopulationOptions
 from ..population.options import validate as validate_population
 
@@ -292,7 +292,7 @@ def validate(config: Config) -> None:
     if o.name == "kfac":
         _validate_kfac(config)
     if t.target:
-        from .target import Target
+        from .monitor.target import Target
         try:
             Target.parse(t.target)
         except ValueError as exc:

@@ -35,7 +35,7 @@ from ..parallel import parallelize
 from ..plan import Plan
 from ..workloads.user import Task, workload_from_task
 from .config import FIXED_SECTIONS, Config, ConfigError, build_section, load_config, validate
-from .console import TrainConsole
+from .monitor.console import TrainConsole
 from .run import make_run_dir, pipeline_example
 from .trainer import Trainer
 

@@ -54,9 +54,9 @@ from ..mesh import TrainerMesh
 from ..parallel import parallelize
 from ..population import exchange, hparams, pairing
 from ..population.partition import partition, split
-from . import checkpoint
+from .checkpoints import checkpoint
 from .config import Config, ConfigError
-from .console import TrainConsole
+from .monitor.console import TrainConsole
 from .run import ResumeError, join, pipeline_example, prepare_run
 from .trainer import NonFiniteLoss, Trainer
 

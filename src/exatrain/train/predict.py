@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from ..plan import Plan
-from . import checkpoint
+from .checkpoints import checkpoint
 from .config import Config, load_config
 
 

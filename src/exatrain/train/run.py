@@ -19,10 +19,10 @@ from ..comm import broadcast_object
 from ..mesh import init
 from ..parallel import parallelize
 from ..workloads import get_workload
-from . import checkpoint
+from .checkpoints import checkpoint
 from .config import Config
-from .console import TrainConsole
-from .restart import cleanup_failed_start, record_failure, stable_run_dir
+from .monitor.console import TrainConsole
+from .resilience.restart import cleanup_failed_start, record_failure, stable_run_dir
 from .trainer import Trainer
 
 
@@ -143,7 +143,7 @@ def setup(config: Config, resume_dir: str | None = None) -> tuple:
         torch.manual_seed(config.run.seed)  # identical initial weights on every rank
         workload = workload_module.build(config, mesh)
         if config.run.init_from and not resume_from:
-            from .export import load_initial_weights
+            from .checkpoints.export import load_initial_weights
             load_initial_weights(workload.model, config.run.init_from)
         model = parallelize(workload.model, mesh, config.parallel,
                             example=pipeline_example(workload, config, mesh.plan))

@@ -43,16 +43,17 @@ from ..parallel.gradnorm import clip_grad_norm_
 from ..parallel.pipe.model import PipelineModel
 from ..parallel.shard import build_optimizer_for
 from ..workloads.base import Workload
-from . import checkpoint, kfac
+from .checkpoints import checkpoint
+from . import kfac
 from .config import Config, micro_batch_size
-from .memory import StepPeak, state_bytes
-from .observer import StepObserver
+from .monitor.memory import StepPeak, state_bytes
+from .monitor.observer import StepObserver
 from ..parallel.precision import Precision, keep_norms_fp32, measured_matmul_flops
 from .schedule import lr_at, scaled_lr
-from .faults import FaultInjector
-from .policies import SkipBadSamples, out_of_memory_advice, skip_nonfinite
-from .stop import StopOnSignal
-from .watchdog import Watchdog
+from .resilience.faults import FaultInjector
+from .resilience.policies import SkipBadSamples, out_of_memory_advice, skip_nonfinite
+from .resilience.stop import StopOnSignal
+from .resilience.watchdog import Watchdog
 
 
 class NonFiniteLoss(RuntimeError):

@@ -62,7 +62,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..plan import Plan
-from ..train.memory import zero_state_formula
+from ..train.monitor.memory import zero_state_formula
 from . import overheads
 from .spec import ModelSpec
 from .systems import System, collective_time

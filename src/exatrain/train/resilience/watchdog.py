@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from ..comm.flight import write_record
+from ...comm.flight import write_record
 
 HUNG_EXIT_CODE = 124
 

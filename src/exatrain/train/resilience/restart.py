@@ -17,7 +17,7 @@ import shutil
 import traceback
 from pathlib import Path
 
-from ..comm.flight import diagnose, write_record
+from ...comm.flight import diagnose, write_record
 
 RUN_DIR_ENV = "EXATRAIN_RUN_DIR"
 
@@ -64,7 +64,7 @@ def cleanup_failed_start(trainer, resumed: bool) -> None:
 
 def planned_run_dir(config) -> Path:
     """A fresh run directory's path (not created: rank 0 creates it when the run starts)."""
-    from .run import fresh_run_dir  # (run imports this module)
+    from ..run import fresh_run_dir  # (run imports this module)
     return fresh_run_dir(config)
 
 
@@ -74,9 +74,9 @@ def supervise(run_job, config, nproc: int, resume_dir: str | None, max_restarts:
     times), resuming from the last complete checkpoint. Returns rank 0's summary with
     `restarts` added. The final failure is rank failure of the rank that failed first, with
     `.diagnosis` (the flight records' verdict when a collective hung)."""
-    from ..errors import is_user_error
-    from ..launch.local import RankFailed, spawn
-    from . import checkpoint
+    from ...errors import is_user_error
+    from ...launch.local import RankFailed, spawn
+    from ..checkpoints import checkpoint
 
     run_dir = Path(resume_dir) if resume_dir else planned_run_dir(config)
     env = {RUN_DIR_ENV: str(run_dir)}

@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from ..comm import all_reduce
+from ...comm import all_reduce
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

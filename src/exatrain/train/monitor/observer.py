@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from ..comm import all_gather_object
-from ..comm.timing import named_range
-from ..parallel.precision import measured_matmul_flops
+from ...comm import all_gather_object
+from ...comm.timing import named_range
+from ...parallel.precision import measured_matmul_flops
 from .bandwidth import BandwidthWatch
 from .target import Target
 
@@ -213,7 +213,7 @@ class StepObserver:
 
     def _memory_per_rank(self) -> list[dict]:
         """Every rank's state and peak bytes (one small all-gather at the end of fit)."""
-        from .trainer import peak_memory_bytes
+        from ..trainer import peak_memory_bytes
         t = self.trainer
         figures = t._memory_figures()
         mine = {"rank": t.mesh.rank, "state_bytes": figures.get("state_bytes"),

@@ -45,8 +45,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..parallel.data import unwrap
-from ..parallel.tensor.state import for_checkpoint
+from ...parallel.data import unwrap
+from ...parallel.tensor.state import for_checkpoint
 from . import manifest as manifests
 
 STATE_FILE = "trainer_state.json"
@@ -235,7 +235,7 @@ def load(path: str | Path, model, optimizer, group=None) -> dict:
         optim_state["param_groups"] = live_groups
     state = {"model": model_state, "optim": optim_state}
     if zero:
-        from ..parallel.shard import zero_load_optimizer_state_dict
+        from ...parallel.shard import zero_load_optimizer_state_dict
         set_model_state_dict(unwrap(model), state["model"])
         zero_load_optimizer_state_dict(zero, optimizer, state["optim"])
         for unit in zero:
@@ -269,7 +269,7 @@ def load_model(path: str | Path, model, group=None) -> dict:
 
 def _zero_units(model) -> list:
     """The ZeRO-1/2 wrappers whose optimizer steps shards, not the model's parameters."""
-    from ..parallel.shard import zero_units
+    from ...parallel.shard import zero_units
     return zero_units(model)
 
 
@@ -279,7 +279,7 @@ def _state_dicts(model, optimizer) -> tuple[dict, dict]:
 
     zero = _zero_units(model)
     if zero:
-        from ..parallel.shard import zero_optimizer_state_dict
+        from ...parallel.shard import zero_optimizer_state_dict
         return get_model_state_dict(unwrap(model)), zero_optimizer_state_dict(zero, optimizer)
     return get_state_dict(model, optimizer)
 

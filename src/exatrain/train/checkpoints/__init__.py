@@ -1,0 +1,1 @@
+"""Checkpoints: save and resume (any Plan), the manifest that verifies them, export."""

@@ -1,0 +1,1 @@
+"""What a run records about itself: the step observer, console, units, memory, MLPerf log, targets."""

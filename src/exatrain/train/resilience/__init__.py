@@ -1,0 +1,1 @@
+"""Resilience: restarts, the hang watchdog, failure policies, stop signals, fault injection."""
