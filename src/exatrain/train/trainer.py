@@ -127,8 +127,7 @@ class Trainer:
         if config.train.on_bad_sample == "skip":
             workload.train_set = SkipBadSamples(workload.train_set, self.run_dir, mesh.rank)
         # loader workers per rank: train.num_workers, or (-1) from the cores the node's ranks share
-        self.num_workers = t.num_workers if t.num_workers >= 0 else \
-            default_workers(_local_ranks(mesh.world_size))
+        self.num_workers = t.num_workers if t.num_workers >= 0 else _auto_workers()
         self.step = 0
         self.history: list[dict] = []
         self.input_bytes = 0  # training input delivered to this rank's device (data.loader)
@@ -580,11 +579,14 @@ def data_wait_advice(figures: dict, config: Config, device: torch.device) -> str
             + "; ".join(levers) + ".")
 
 
-def _local_ranks(world_size: int) -> int:
-    """Ranks of this job on this node (the launcher's figure; the world on a local launch)."""
+def _auto_workers() -> int:
+    """train.num_workers = -1: loader processes from the cores each rank of a launched job has
+    (exatrain run, torchrun, srun, ...); none in a plain process (a notebook, a script or test
+    process started without a launcher), which may already run threads that a forked worker
+    would inherit broken (seen: a worker forked from a test process died of a segfault)."""
     from ..launch import detect
     launch = detect()
-    return launch.local_world_size if launch else world_size
+    return default_workers(launch.local_world_size) if launch else 0
 
 
 def _rng_devices(device: torch.device) -> list[int]:
