@@ -185,26 +185,21 @@ class Prefetcher:
             torch.cuda.set_device(self.device)
         try:
             for batch in self.source:
-                item = self._ready(batch, self._stream)
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
+                if not self._put(self._ready(batch, self._stream)):
                     return
-            self._put_final(_END)
+            self._put(_END)
         except BaseException as exc:  # handed to the training thread, raised at its next()
-            self._put_final(_Failed(exc))
+            self._put(_Failed(exc))
 
-    def _put_final(self, item) -> None:
+    def _put(self, item) -> bool:
+        """Queue `item` once there is room; False when the consumer stopped first."""
         while not self._stop.is_set():
             try:
                 self._queue.put(item, timeout=0.1)
-                return
+                return True
             except queue.Full:
                 continue
+        return False
 
     # ------------------------------------------------------------------ consumer
     def __iter__(self):
