@@ -283,7 +283,7 @@ def test_a_diverged_trainer_skips_steps_loses_and_is_replaced(tiny_config):
 def _comparable(line: dict) -> dict:
     timing = ("samples_per_s", "step_s", "peak_mem_bytes", "peak_activation_bytes",
               "peak_activation_source", "elapsed_s", "val_eval_s", "tokens_per_s", "mfu",
-              "exposed_comm_s", "exposed_comm_fraction")
+              "exposed_comm_s", "exposed_comm_fraction", "data_wait_s", "data_wait_fraction")
     return {k: v for k, v in line.items() if k not in timing}
 
 

@@ -48,13 +48,14 @@ def cores_per_rank(local_ranks: int) -> int:
 
 def default_workers(local_ranks: int) -> int:
     """Loader worker processes per rank: one core of the rank's share stays with the training
-    thread, the rest read and collate; at least one (reading never runs on the training thread)
-    and at most 8 (past that, a rank's workers mostly contend for the file system). None in a
-    daemonic process (a rank started by a multiprocessing pool may not have children): there
-    the prefetch thread reads."""
+    thread, the rest read and collate, at most 8 (past that, a rank's workers mostly contend for
+    the file system). None where a rank has no core to spare (a worker would only take turns with
+    the training process on the same core; the prefetch thread then reads a step ahead, and HDF5
+    and numpy release the GIL while they read) and none in a daemonic process (a rank started by
+    a multiprocessing pool may not have children)."""
     if multiprocessing.current_process().daemon:
         return 0
-    return max(1, min(MAX_DEFAULT_WORKERS, cores_per_rank(local_ranks) - 1))
+    return max(0, min(MAX_DEFAULT_WORKERS, cores_per_rank(local_ranks) - 1))
 
 
 class EpochSampler(Sampler):

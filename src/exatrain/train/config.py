@@ -74,8 +74,9 @@ class TrainOptions:
     log_every: int = 100
     checkpoint_every: int = 0   # 0 = only at the end
     checkpoint_keep: int = 2
-    num_workers: int = -1       # loader worker processes per rank; -1 = from the cores each
-                                # rank of a launched job has (none without a launcher), 0 = none
+    num_workers: int = -1       # loader worker processes per rank; -1 = the cores each rank of
+                                # a launched job has beyond its first (none without a launcher
+                                # or a spare core: the prefetch thread reads), 0 = none
     prefetch: int = 2           # batches loaded, copied and decoded ahead of the step in a
                                 # background thread; 0 = on the training thread (all wait)
     target: str = ""            # e.g. "val_mae <= 0.124": stop when an evaluation reaches it
