@@ -15,7 +15,7 @@ from exatrain.models.gpt import GPTConfig
 from exatrain.plan import Plan, PlanError
 from exatrain.tune.cost import Options, predict
 from exatrain.train.config import load_config
-from exatrain.tune.search import rank_plans
+from exatrain.tune.search import rank_plans, shape_problem
 from exatrain.tune.spec import cosmoflow_spec, gpt_spec, spec_from_config
 from exatrain.tune.systems import load_system
 from exatrain.tune.tuner import features, search
@@ -122,6 +122,9 @@ cosmo = load_config(None, ["run.workload=cosmoflow", "model.size=128", "train.ba
 if sys.argv[1] == "scale":
     out = [dry_run(gpt, Plan(data=32, shard=4, tensor=8), 1023),
            dry_run(cosmo, Plan(data=64, space=(2, 4, 4)), 2047)]
+elif sys.argv[1].startswith("cnn:"):   # (overrides of the default CosmoFlow job, Plan, rank)
+    out = [dry_run(load_config(None, o), Plan(**eval(p)), r)
+           for o, p, r in json.loads(sys.argv[1][4:])]
 else:
     out = [dry_run(small, Plan(**eval(p)), r) for p, r in json.loads(sys.argv[1])]
 json.dump(out, sys.stdout, default=str)
@@ -183,6 +186,38 @@ def test_3d_tensor_bytes_and_state_equal_the_dry_runs():
         pred = predict(spec, plan, load_system("cpu-local"), Options(batch=6))
         assert {a: b for a, b in got["ledger_bytes"].items() if b} == pred.bytes_by_axis, plan
         assert got["state_bytes"]["total"] == pred.memory["state"], plan
+
+
+# CosmoFlow under channel/filter tensor Plans: with BatchNorm (the default job) and MLPerf's
+# layers (no BatchNorm, base 32), alone and with data and ZeRO-3
+_DRY_CNN = [([], "dict(data=2, tensor=2)", 1), ([], "dict(tensor=4)", 3),
+            ([], "dict(shard=2, tensor=2)", 2),
+            (["model.batchnorm=false", "model.base_channels=32"], "dict(data=2, shard=2, tensor=2)",
+             5)]
+
+
+def test_cnn_tensor_plans_are_ranked_with_the_ledger_bytes_of_their_dry_runs():
+    """`exatrain plan` costs CosmoFlow under channel/filter parallelism (`tune.chanfilt`): bytes
+    per axis (tensor: the convolutions' and the head's; data: local gradients and BatchNorm
+    statistics of local channels) and model state equal what a rank of each Plan counts and
+    holds; the 3D grid and space × tensor are refused with the reason."""
+    got_all = _dry_runs("cnn:" + json.dumps(_DRY_CNN))
+    system = load_system("cpu-local")
+    for (overrides, plan_text, rank), got in zip(_DRY_CNN, got_all):
+        config = load_config(None, overrides)
+        plan = Plan(**eval(plan_text))
+        options = Options(batch=config.train.batch_size, optimizer=config.optim.name,
+                          zero_stage=config.parallel.zero_stage)
+        pred = predict(spec_from_config(config), plan, system, options, plan.world_size)
+        assert {a: b for a, b in got["ledger_bytes"].items() if b} == pred.bytes_by_axis, plan
+        assert got["state_bytes"]["total"] == pred.memory["state"], plan
+        assert pred.bytes_by_axis["tensor"] > 0
+    spec = spec_from_config(load_config(None, []))
+    ranking = rank_plans(spec, 4, system, Options(batch=16), vary_options=False)
+    assert any(p.plan.tensor_degree == 4 for p in ranking.ranked)   # ranked, not refused
+    reasons = {r.plan: r.reason for r in ranking.refused}
+    assert "not costed yet" in reasons[Plan(space=(1, 1, 2), tensor=2)]
+    assert "3D grid" in shape_problem(spec, Plan(tensor=(1, 2, 2)), Options())[1]
 
 
 def test_plan_table_calibrate_and_tune_commands(tmp_path, capsys):

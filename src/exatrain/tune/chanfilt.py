@@ -17,13 +17,17 @@ blocks), from the strategy's own rules and formulas (imported, not rewritten):
   switch_bytes               under space: the gather of the blocks at the switch (ledger: the
                              `space` axis, all-gather of the whole activation)
 
-The Linear layers' terms are the cost model's own (tune/cost.py, linear1d's formulas); these
-terms are the convolutions'. They equal the ledger for the convolution layers exactly
-(tests/test_tensor_conv.py checks a CNN whose Linear stays whole).
+The Linear layers' terms are `linear_terms` (linear1d's formulas, over the pairs of
+`tensor.convert.find_pairs` and the column singles that gather their output); `cnn_tensor` adds
+the two and gives each parameter's local shape, which is what `tune/cost.py` uses for a CNN
+under 1D `tensor` (without `space`): parameters per rank, the tensor axis's bytes and the
+gradient all-reduce. They equal the ledger exactly (tests/test_tensor_conv.py: a CNN whose Linear
+stays whole; tests/test_planner.py: CosmoFlow's dry run under data × tensor).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -96,4 +100,85 @@ def conv_terms(model: nn.Module, plan: Plan, input_shape: tuple[int, ...],
             "input_volume": math.prod(input_shape[2:])}
 
 
-__all__ = ["conv_terms"]
+def linear_terms(model: nn.Module, t: int, rows: int, element_size: int = 4) -> dict:
+    """The Linear layers under 1D tensor = t (`parallel.tensor.convert`): chained pairs
+    (`find_pairs`: column layers sharing their input's f, a row layer that all-reduces its
+    output) and column singles that all-gather their output (every other exact `nn.Linear`
+    whose out_features divide t). `rows`: the rows one forward feeds each (samples, for a CNN's
+    head). Returns {"tensor_bytes", "split": {name: ("column" | "row")}}."""
+    from ..parallel.tensor.convert import find_pairs
+    from ..parallel.tensor.linear1d import column_bytes, row_bytes, shared_input_bytes
+    split: dict[str, str] = {}
+    total = 0
+    for parent, module, columns, row in find_pairs(model):
+        cols = [module.get_submodule(c) for c in columns]
+        r = module.get_submodule(row)
+        if any(c.out_features % t for c in cols) or r.in_features % t:
+            continue
+        prefix = f"{parent}." if parent else ""
+        total += shared_input_bytes(rows, cols[0].in_features, element_size)
+        total += sum(column_bytes(rows, c.in_features, c.out_features, element_size, False, False)
+                     for c in cols)
+        total += row_bytes(rows, r.in_features, r.out_features, element_size, False)
+        split.update({prefix + c: "column" for c in columns})
+        split[prefix + row] = "row"
+    for name, m in model.named_modules():
+        if type(m) is nn.Linear and name not in split and m.out_features % t == 0:
+            total += column_bytes(rows, m.in_features, m.out_features, element_size, True, True)
+            split[name] = "column"
+    return {"tensor_bytes": total, "split": split}
+
+
+def _local_shape(shape: tuple, dim: int, t: int) -> tuple:
+    return tuple(n // t if i == dim else n for i, n in enumerate(shape))
+
+
+def cnn_tensor(model: nn.Module, plan: Plan, sample_shape: tuple[int, ...], samples: float,
+               element_size: int = 4) -> dict:
+    """A CNN under 1D `tensor` (no `space`): convolutions (`conv_terms`) and Linears
+    (`linear_terms`) together, for one rank and one step of `samples` samples of `sample_shape`
+    (C, *spatial). Returns {"tensor_bytes", "calls", "local_shapes", "batchnorm_channels"}: the
+    tensor axis's bytes (ledger convention; the 8-byte seed broadcast once per forward), the
+    collectives they take, every parameter's shape on the rank, in registration order, and the
+    channels each BatchNorm holds on the rank (a BatchNorm inside a pair holds 1/t)."""
+    t = plan.tensor_degree
+    one = conv_terms(model, plan, (1, *sample_shape), element_size)
+    lin = linear_terms(model, t, 1, element_size)
+    per_sample = one["tensor_bytes"] - SEED_BYTES + lin["tensor_bytes"]
+    convs = dict((n, m) for n, m in model.named_modules() if is_conv(m))
+    filter_side = {a for a, _b in one["pairs"]}
+    channel_side = {b for _a, b in one["pairs"]}
+    pairs = find_conv_pairs(model, t, eligible_after(model, one["switch"], ()).__contains__)
+    split_bn = {n for p in pairs for n, _par, _k, m in p[1] if isinstance(m, BATCHNORMS)}
+    shapes, calls = [], 0
+    for name, param in model.named_parameters():
+        owner, _, kind = name.rpartition(".")
+        shape = tuple(param.shape)
+        if owner in filter_side or (owner in convs and owner not in channel_side
+                                    and splittable(convs[owner], t, "filter")):
+            shape = _local_shape(shape, 0, t)
+        elif owner in channel_side:
+            shape = _local_shape(shape, 1, t) if kind == "weight" else shape
+        elif owner in split_bn or lin["split"].get(owner) == "column":
+            shape = _local_shape(shape, 0, t)
+        elif lin["split"].get(owner) == "row" and kind == "weight":
+            shape = _local_shape(shape, 1, t)
+        shapes.append(shape)
+    calls = 2 * (len(convs) + len(lin["split"])) + 1
+    batchnorm = [m.num_features // t if n in split_bn else m.num_features
+                 for n, m in model.named_modules() if isinstance(m, BATCHNORMS)]
+    return {"tensor_bytes": per_sample * samples + SEED_BYTES, "calls": calls,
+            "local_shapes": shapes, "batchnorm_channels": batchnorm}
+
+
+@functools.lru_cache(maxsize=8)
+def cosmoflow_meta(size: int, in_channels: int, base_channels: int, conv_layers: int,
+                   batchnorm: bool) -> nn.Module:
+    """CosmoFlow on the meta device (no memory): the shapes `cnn_tensor` walks."""
+    from ..models.cosmoflow import CosmoFlow
+    with torch.device("meta"):
+        return CosmoFlow(size=size, in_channels=in_channels, base_channels=base_channels,
+                         conv_layers=conv_layers, batchnorm=batchnorm)
+
+
+__all__ = ["cnn_tensor", "conv_terms", "cosmoflow_meta", "linear_terms"]

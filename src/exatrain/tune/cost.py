@@ -52,12 +52,15 @@ volume, `parallel.pipe`'s stage balance and bubble formula. A Plan's bytes agree
 counts exactly for data, ZeRO 1/2/3, space, 1D tensor and pipe (`tests/test_planner_measured.py`),
 and for 3D tensor and 1D tensor × shard (the dry runs of `tests/test_planner.py`). 3D tensor uses
 `Linear3D.bytes_per_step` itself (`_linear3d_bytes`), summed over the layers as
-`TensorParallel.bytes_per_step` does. Compositions whose bytes no test has checked against a
+`TensorParallel.bytes_per_step` does. CosmoFlow under 1D tensor (channel/filter convolutions,
+column Linears in its head, alone or with data and shard) uses `tune.chanfilt.cnn_tensor` on the
+meta model, and equals its dry runs' ledgers too. Compositions whose bytes no test has checked against a
 ledger (pipe × tensor, pipe × shard, pipe × space) are costed from the same parts.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -182,7 +185,9 @@ def stage_params(spec: ModelSpec, plan: Plan, vocab_parallel: bool = False) -> l
     without pipe)."""
     shapes = list(spec.param_shapes)
     t = plan.tensor_degree
-    if t > 1 and spec.tensor_dims and plan.tensor_3d:
+    if t > 1 and spec.family == "cosmoflow" and not plan.tensor_3d:
+        shapes = list(_cnn_tensor(spec, t, 4)[2])   # channel/filter and Linear splits
+    elif t > 1 and spec.tensor_dims and plan.tensor_3d:
         shapes = _split_3d(spec, plan, shapes)
     elif t > 1 and spec.tensor_dims:
         def split(s, d):
@@ -202,6 +207,24 @@ def stage_params(spec: ModelSpec, plan: Plan, vocab_parallel: bool = False) -> l
     for layer in spec.pipe_layers:
         first.append(first[-1] + len(layer))
     return [shapes[first[a]:first[b]] for a, b in zip(bounds, bounds[1:])]
+
+
+@functools.lru_cache(maxsize=64)
+def _cnn_tensor_cached(kwargs: tuple, sample_shape: tuple, t: int, element_size: int) -> tuple:
+    from .chanfilt import cnn_tensor, cosmoflow_meta
+    model = cosmoflow_meta(**dict(kwargs))
+    one = cnn_tensor(model, Plan(tensor=t), sample_shape, 1, element_size)
+    return (one["tensor_bytes"], one["calls"], tuple(one["local_shapes"]),
+            tuple(one["batchnorm_channels"]))
+
+
+def _cnn_tensor(spec: ModelSpec, t: int, element_size: int) -> tuple:
+    """(tensor-axis bytes of one sample with the seed broadcast, collectives, local parameter
+    shapes, local BatchNorm channels) of CosmoFlow under 1D tensor = t: `tune.chanfilt.cnn_tensor` on the meta model."""
+    e = spec.extra
+    kwargs = tuple(sorted((k, e[k]) for k in ("size", "in_channels", "base_channels",
+                                               "conv_layers", "batchnorm")))
+    return _cnn_tensor_cached(kwargs, (e["in_channels"], *spec.spatial_shape), t, element_size)
 
 
 def stage_bounds(spec: ModelSpec, plan: Plan) -> list[int]:
@@ -291,7 +314,8 @@ def comms(spec: ModelSpec, plan: Plan, options: Options, psi: int, shapes: list,
             add(("data",), "all_reduce", padded / n, units, "backward")
     elif plan.space_degree > 1:
         add(("data", "space"), "all_reduce", psi * grad, buckets, "backward")
-    elif plan.tensor_degree == 1:
+    elif plan.tensor_degree == 1 or spec.family == "cosmoflow":
+        # (a CNN's tensor ranks reduce their local gradients over data, as GradSync does)
         add(("data",), "all_reduce", psi * grad, buckets, "backward")
 
     if plan.space_degree > 1:
@@ -313,6 +337,11 @@ def comms(spec: ModelSpec, plan: Plan, options: Options, psi: int, shapes: list,
     if t > 1 and spec.family == "gpt" and plan.tensor_3d:
         for axes, op, nbytes, calls, overlap in _tensor3d_comms(spec, plan, options, shapes):
             add(axes, op, nbytes, calls, overlap)
+    elif t > 1 and spec.family == "cosmoflow":
+        # channel/filter convolutions and the head's Linears (`tune.chanfilt.cnn_tensor`):
+        # per sample, plus the dropout-seed broadcast once per forward
+        one, calls, _shapes, _bn = _cnn_tensor(spec, t, PRECISION_BYTES[options.precision])
+        add(("tensor",), "all_reduce", (one - 8) * mb + 8, calls)
     elif t > 1 and spec.family == "gpt":
         s = PRECISION_BYTES[options.precision]
         rows = int(mb * spec.tokens)
@@ -360,6 +389,8 @@ def _batchnorm_comms(spec: ModelSpec, plan: Plan, options: Options, stage: int, 
     channels = spec.extra.get("batchnorm_channels") or []
     if not channels or options.batchnorm != "global":
         return
+    if plan.tensor_degree > 1 and not plan.tensor_3d:   # a pair's BatchNorm holds 1/t
+        channels = _cnn_tensor(spec, plan.tensor_degree, 4)[3]
     replicas = ("data", "shard") if plan.shard > 1 else ("data",)
     geometry = _geometry(spec)
     convs = [k for k, (layer, _i, _o) in enumerate(geometry) if isinstance(layer, nn.Conv3d)]

@@ -87,10 +87,22 @@ def shape_problem(spec: ModelSpec, plan: Plan, options: Options) -> tuple[str, s
         except SpatialSplitError as exc:
             return ("indivisible", str(exc))
     t = plan.tensor_degree
-    if t > 1:
+    if t > 1 and spec.family == "cosmoflow":
+        # channel/filter convolutions (`tune.chanfilt.cnn_tensor`), costed alone or with
+        # data/shard; under space the switch point moves the split layer by layer, and under
+        # pipe each stage converts on its own: neither is costed yet
+        if plan.tensor_3d:
+            return ("not applicable", f"{spec.name}: under the 3D grid convolutions stay "
+                                      "whole; use a 1D tensor degree")
+        if plan.space_degree > 1 or plan.pipe > 1:
+            return ("not applicable", f"{spec.name}: channel/filter parallelism with space or "
+                                      "pipe is not costed yet; check one Plan with "
+                                      "`exatrain plan --plan ... --dry-run 0`")
+    elif t > 1:
         if spec.family != "gpt":
             return ("not applicable", f"{spec.name}: tensor parallelism splits Linears; its "
-                                      "cost is modelled for transformer blocks only")
+                                      "cost is modelled for transformer blocks and CosmoFlow "
+                                      "only")
         if plan.tensor_3d:
             # `convert._fits_pair`: plain layers' outputs over x·z, transposed ones' over y·z
             x, y, z = plan.tensor

@@ -291,6 +291,7 @@ def cosmoflow_spec(size: int, base_channels: int = 32, conv_layers: int = 5,
                      pipe_cut_shapes=cuts, pipe_layer_spatial=spatial, ops_per_step=float(ops),
                      extra={"size": size, "in_channels": in_channels,
                             "flatten_elements": flat, "base_channels": base_channels,
+                            "conv_layers": conv_layers, "batchnorm": batchnorm,
                             "batchnorm_channels": [base_channels * 2 ** i
                                                    for i in range(conv_layers)] if batchnorm
                             else []})
