@@ -102,6 +102,8 @@ class OptimOptions:
     kfac_inverse_every: int = 10  # steps between eigendecompositions
     kfac_kl_clip: float = 1e-3
     kfac_grad_worker_fraction: float = 1.0  # 1/W: memory-optimal .. 1: communication-optimal
+    kfac_inverse: str = "eigen"   # eigen | cholesky (damped inverses: n³/3 flops, not ~9n³)
+    kfac_factor_positions: int = 0  # a conv's A from at most this many positions per sample
 
 
 @dataclass
@@ -229,6 +231,7 @@ def validate(config: Config) -> None:
     t, o, s = config.train, config.optim, config.schedule
     choices = {"optim.name": (o.name, ("adamw", "adam", "sgd", "kfac")),
                "optim.kfac_base": (o.kfac_base, ("sgd", "adamw")),
+               "optim.kfac_inverse": (o.kfac_inverse, ("eigen", "cholesky")),
                "schedule.decay": (s.decay, ("cosine", "linear", "constant")),
                "schedule.lr_scaling": (s.lr_scaling, ("none", "linear", "sqrt")),
                "run.backend": (config.run.backend, ("auto", "gloo", "nccl")),
@@ -255,7 +258,8 @@ def validate(config: Config) -> None:
                     "train.checkpoint_every": t.checkpoint_every, "train.prefetch": t.prefetch,
                     "train.max_nonfinite_skips": t.max_nonfinite_skips,
                     "schedule.warmup_steps": s.warmup_steps,
-                    "schedule.base_batch_size": s.base_batch_size}
+                    "schedule.base_batch_size": s.base_batch_size,
+                    "optim.kfac_factor_positions": config.optim.kfac_factor_positions}
     for where, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"{where}={value} is out of range: it accepts whole numbers ≥ 0 "
