@@ -252,6 +252,7 @@ def test_trainer_batches_are_todays_order_across_an_epoch_and_a_resume(tiny_conf
     from exatrain.train.run import setup
     mesh, trainer = setup(tiny_config("train.steps=2", "train.num_workers=2"))
     try:
+        assert trainer.num_workers == 2  # read in worker processes
         targets = torch.as_tensor(trainer.workload.train_set.targets())
         per_epoch = trainer.steps_per_epoch  # 42 samples, batches of 8: 5 steps
         start = per_epoch - 2

@@ -95,7 +95,7 @@ def conv_terms(model: nn.Module, plan: Plan, input_shape: tuple[int, ...],
             "tensor_bytes": tensor_bytes + (SEED_BYTES if t > 1 else 0),
             "conv_params_per_rank": held,
             "grad_allreduce_bytes": 4 * held if replicas * plan.space_degree > 1 else 0,
-            "switch_bytes": switch_bytes,
+            "switch_bytes": switch_bytes, "split_batchnorm": split_bn,
             "whole_conv_params": whole_params,
             "input_volume": math.prod(input_shape[2:])}
 
@@ -148,9 +148,8 @@ def cnn_tensor(model: nn.Module, plan: Plan, sample_shape: tuple[int, ...], samp
     convs = dict((n, m) for n, m in model.named_modules() if is_conv(m))
     filter_side = {a for a, _b in one["pairs"]}
     channel_side = {b for _a, b in one["pairs"]}
-    pairs = find_conv_pairs(model, t, eligible_after(model, one["switch"], ()).__contains__)
-    split_bn = {n for p in pairs for n, _par, _k, m in p[1] if isinstance(m, BATCHNORMS)}
-    shapes, calls = [], 0
+    split_bn = one["split_batchnorm"]
+    shapes = []
     for name, param in model.named_parameters():
         owner, _, kind = name.rpartition(".")
         shape = tuple(param.shape)
@@ -167,7 +166,8 @@ def cnn_tensor(model: nn.Module, plan: Plan, sample_shape: tuple[int, ...], samp
     calls = 2 * (len(convs) + len(lin["split"])) + 1
     batchnorm = [m.num_features // t if n in split_bn else m.num_features
                  for n, m in model.named_modules() if isinstance(m, BATCHNORMS)]
-    return {"tensor_bytes": per_sample * samples + SEED_BYTES, "calls": calls,
+    return {"tensor_bytes": per_sample * samples + SEED_BYTES, "per_sample_bytes": per_sample,
+            "calls": calls,
             "local_shapes": shapes, "batchnorm_channels": batchnorm}
 
 

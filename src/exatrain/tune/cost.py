@@ -54,8 +54,8 @@ and for 3D tensor and 1D tensor × shard (the dry runs of `tests/test_planner.py
 `Linear3D.bytes_per_step` itself (`_linear3d_bytes`), summed over the layers as
 `TensorParallel.bytes_per_step` does. CosmoFlow under 1D tensor (channel/filter convolutions,
 column Linears in its head, alone or with data and shard) uses `tune.chanfilt.cnn_tensor` on the
-meta model, and equals its dry runs' ledgers too. Compositions whose bytes no test has checked against a
-ledger (pipe × tensor, pipe × shard, pipe × space) are costed from the same parts.
+meta model, and equals its dry runs' ledgers too. Compositions whose bytes no test has checked
+against a ledger (pipe × tensor, pipe × shard, pipe × space) are costed from the same parts.
 """
 
 from __future__ import annotations
@@ -214,13 +214,13 @@ def _cnn_tensor_cached(kwargs: tuple, sample_shape: tuple, t: int, element_size:
     from .chanfilt import cnn_tensor, cosmoflow_meta
     model = cosmoflow_meta(**dict(kwargs))
     one = cnn_tensor(model, Plan(tensor=t), sample_shape, 1, element_size)
-    return (one["tensor_bytes"], one["calls"], tuple(one["local_shapes"]),
+    return (one["per_sample_bytes"], one["calls"], tuple(one["local_shapes"]),
             tuple(one["batchnorm_channels"]))
 
 
 def _cnn_tensor(spec: ModelSpec, t: int, element_size: int) -> tuple:
-    """(tensor-axis bytes of one sample with the seed broadcast, collectives, local parameter
-    shapes, local BatchNorm channels) of CosmoFlow under 1D tensor = t: `tune.chanfilt.cnn_tensor` on the meta model."""
+    """(tensor-axis bytes per sample, collectives, local parameter shapes, local BatchNorm
+    channels) of CosmoFlow under 1D tensor = t: `tune.chanfilt.cnn_tensor` on the meta model."""
     e = spec.extra
     kwargs = tuple(sorted((k, e[k]) for k in ("size", "in_channels", "base_channels",
                                                "conv_layers", "batchnorm")))
@@ -340,8 +340,9 @@ def comms(spec: ModelSpec, plan: Plan, options: Options, psi: int, shapes: list,
     elif t > 1 and spec.family == "cosmoflow":
         # channel/filter convolutions and the head's Linears (`tune.chanfilt.cnn_tensor`):
         # per sample, plus the dropout-seed broadcast once per forward
-        one, calls, _shapes, _bn = _cnn_tensor(spec, t, PRECISION_BYTES[options.precision])
-        add(("tensor",), "all_reduce", (one - 8) * mb + 8, calls)
+        from .chanfilt import SEED_BYTES
+        per_sample, calls, _shapes, _bn = _cnn_tensor(spec, t, PRECISION_BYTES[options.precision])
+        add(("tensor",), "all_reduce", per_sample * mb + SEED_BYTES, calls)
     elif t > 1 and spec.family == "gpt":
         s = PRECISION_BYTES[options.precision]
         rows = int(mb * spec.tokens)
