@@ -250,3 +250,29 @@ def test_fit_under_pipe_traces_from_the_training_set_like_the_cli(tmp_path):
                         (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     assert len(losses["pipe"]) == 3
     assert losses["pipe"] == pytest.approx(losses["serial"], rel=1e-5)
+
+
+def test_a_script_writing_one_hdf5_file_from_every_rank_is_told_why_and_what_to_do(tmp_path):
+    """The tutorial's first trip-up: every rank runs the script, so every rank writes its data
+    file; HDF5's lock refuses the second writer. The CLI names the cause and the fix (exit 2),
+    not "internal error". The collision is made certain by holding the file open for writing."""
+    (tmp_path / "make_data.py").write_text(
+        "import h5py\nimport numpy as np\n\n"
+        "if __name__ == '__main__':\n"
+        "    with h5py.File('volumes.h5', 'w') as f:\n"
+        "        f['x'] = np.zeros((4, 3), np.float32)\n")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import h5py, sys, time\n"
+         "f = h5py.File('volumes.h5', 'w'); print('open', flush=True); sys.stdin.read()"],
+        cwd=tmp_path, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        done = subprocess.run([sys.executable, "-m", "exatrain.cli", "run", "make_data.py",
+                               "--nproc", "2"], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=300)
+    finally:
+        holder.communicate("", timeout=60)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "internal error" not in done.stderr
+    assert "open for writing" in done.stderr and "Every rank runs your whole script" in done.stderr
+    assert "unable to lock file" in done.stderr   # the original message is kept

@@ -290,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from .errors import is_peer_loss, is_user_error
+    from .errors import is_peer_loss, is_user_error, known_cause
     from .launch.local import RankFailed
 
     args = build_parser().parse_args(argv)
@@ -313,6 +313,10 @@ def main(argv=None) -> int:
         if is_user_error(original, exc.remote_traceback):
             print(f"exatrain: error on rank {exc.rank}: {original}", file=sys.stderr)
             return 2
+        if known_cause(original):
+            print(f"exatrain: error on rank {exc.rank}: {known_cause(original)}\n"
+                  f"({type(original).__name__}: {original})", file=sys.stderr)
+            return 2
         print(f"exatrain: internal error (a bug in exatrain or in the model code, not in your "
               f"input; the traceback follows and is in the run directory's error_rank*.log): {exc}",
               file=sys.stderr)
@@ -320,6 +324,10 @@ def main(argv=None) -> int:
     except Exception as exc:  # noqa: BLE001 - sorted into the user's and ours below
         if is_user_error(exc):
             print(f"exatrain: error: {exc}", file=sys.stderr)
+            return 2
+        if known_cause(exc):
+            print(f"exatrain: error: {known_cause(exc)}\n({type(exc).__name__}: {exc})",
+                  file=sys.stderr)
             return 2
         if is_peer_loss(exc):  # under torchrun/srun: the launcher names the rank that died first
             print(f"exatrain: this rank lost its connection to another rank, which failed first; "

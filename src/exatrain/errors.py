@@ -52,3 +52,22 @@ _PEER_LOSS = ("connection closed by peer", "connection reset by peer", "remote w
 def is_peer_loss(exc: BaseException | None) -> bool:
     """A collective failed because another rank went away: an echo, not the cause."""
     return exc is not None and any(text in str(exc).lower() for text in _PEER_LOSS)
+
+
+def known_cause(exc: BaseException | None) -> str | None:
+    """What to do about a failure whose cause is known from its message alone, or None.
+
+    Today one: HDF5 refuses to create or open a file that another process holds open for
+    writing ("unable to lock file"). Under a launcher every rank runs the user's whole script,
+    so a file the script writes is written by every rank at once.
+    """
+    if exc is None:
+        return None
+    text = str(exc)
+    if isinstance(exc, OSError) and "unable to lock file" in text:
+        return ("another process holds this HDF5 file open for writing. Every rank runs your "
+                "whole script, so a file written from it is written by all ranks at once: write "
+                "it before the job, on one rank, or under a name of its own per rank (then "
+                "os.replace it into place); setting HDF5_USE_FILE_LOCKING=FALSE only hides the "
+                "collision")
+    return None
