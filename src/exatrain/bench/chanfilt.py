@@ -18,11 +18,19 @@ Figures per case ("<model> <plan>"), per rank and training step (the busiest ran
   tensor_bytes_per_step          counted by the ledger on the `tensor` axis
   tensor_bytes_formula           `TensorParallel.bytes_per_step()` (conv.py, linear1d.py, gradsync)
   grad_allreduce_bytes_per_rank  ledger bytes with tag "grad" (DDP's or GradSync's all-reduce)
-  split_grad_bytes_ratio         full bytes / local bytes of the split layers' gradients (= t)
   state_bytes_per_rank           parameters + gradients + SGD momentum held by the rank
   peak_activation_bytes          bytes autograd saves for backward in one forward (saved-tensor hooks)
   step_s                         median step time after warm-up (slowest rank); 4-rank cases
                                  on a machine with fewer cores are flagged `oversubscribed`
+
+and per model, data=2 against data=2 × tensor=2 (4 ranks):
+
+  <model>_grad_allreduce_fall_data_vs_data_tensor   the whole model's ledger "grad" bytes, ratio
+  <model>_split_grad_allreduce_bytes_per_rank       the split layers' share of them: each case's
+                                 ledger "grad" bytes less the bytes of the parameters tensor leaves
+                                 whole (all-reduced once, at their size, in both cases)
+  <model>_split_grad_allreduce_fall                 their ratio: t when the split weights'
+                                 gradients are reduced once, at 1/t of their size
 """
 
 from __future__ import annotations
@@ -140,7 +148,6 @@ def _rank_main(world: int, names: list[str], size: int, channels: int, batch: in
 
     from ..mesh import init
     from ..parallel import parallelize
-    from ..parallel.tensor.conv import FilterParallelConv, ChannelParallelConv
     from ..plan import Plan
 
     out: dict = {}
@@ -174,12 +181,7 @@ def _rank_main(world: int, names: list[str], size: int, channels: int, batch: in
             from ..parallel import unwrap
             inner = unwrap(model)
             tp = getattr(inner, "exatrain_tensor", None)
-            split = [m for m in inner.modules()
-                     if isinstance(m, (FilterParallelConv, ChannelParallelConv))]
-            local_split = sum(p.numel() for m in split for p in m.parameters()
-                              if getattr(p, "exatrain_layout", ()))
-            full_split = sum(p.numel() * mesh.axis("tensor").size for m in split
-                             for p in m.parameters() if getattr(p, "exatrain_layout", ()))
+            split = [n for n, p in inner.named_parameters() if getattr(p, "exatrain_layout", ())]
             state = _full_state(model)      # before the forward below moves BatchNorm's statistics
             xl, _yl, _w = local(*batches[0])
             figures = {
@@ -188,7 +190,9 @@ def _rank_main(world: int, names: list[str], size: int, channels: int, batch: in
                 "tensor_bytes_formula": tp.bytes_per_step().get("tensor", 0) if tp else 0,
                 "grad_allreduce_bytes_per_rank": per_step(tag="grad"),
                 "bytes_by_axis": {a: b // steps for a, b in delta.bytes_by_axis().items()},
-                "split_grad_bytes_ratio": full_split / local_split if local_split else 1.0,
+                "param_bytes": {n: p.numel() * p.element_size()
+                                for n, p in inner.named_parameters()},
+                "split_params": split,
                 "state_bytes_per_rank": 3 * sum(p.numel() * p.element_size()
                                                 for p in model.parameters()),
                 "peak_activation_bytes": _saved_bytes(model, xl),
@@ -262,6 +266,16 @@ def run(args) -> dict:
         if data and dt and dt["grad_allreduce_bytes_per_rank"]:
             result[f"{name}_grad_allreduce_fall_data_vs_data_tensor"] = (
                 data["grad_allreduce_bytes_per_rank"] / dt["grad_allreduce_bytes_per_rank"])
+            split = set(dt["split_params"])
+            layers = [c["grad_allreduce_bytes_per_rank"] - sum(
+                b for n, b in c["param_bytes"].items() if n not in split) for c in (data, dt)]
+            if split and layers[1] > 0:
+                result[f"{name}_split_grad_allreduce_bytes_per_rank"] = {
+                    "data=2": layers[0], "data=2 tensor=2": layers[1]}
+                result[f"{name}_split_grad_allreduce_fall"] = layers[0] / layers[1]
+    for c in cases.values():            # inputs of the figure above, not figures themselves
+        c.pop("param_bytes", None)
+        c.pop("split_params", None)
     figures = sorted({f for c in cases.values() for f in c})
     for fig in figures:                 # one entry per figure: {case: value}
         result[fig] = {k: c[fig] for k, c in cases.items() if fig in c}
