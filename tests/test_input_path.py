@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,8 +18,8 @@ from torch.utils.data import Dataset
 import exatrain as et
 from exatrain.data.cosmoflow import CosmoFlowDataset, CountsDecoder
 from exatrain.data.loader import EpochSampler, Prefetcher, run_loader
-from exatrain.data.stage import (MANIFEST, StagingError, check_stage_dir, copy_files, data_files,
-                                 stage_dir)
+from exatrain.data.stage import (MANIFEST, SHARD_HINT, StagingError, check_stage_dir, copy_files,
+                                 data_files, stage_dir)
 from exatrain.workloads.cosmoflow import Standardize
 from harness import run_ranks
 
@@ -192,8 +193,12 @@ def test_stage_dir_missing_read_only_or_too_small_is_refused(tmp_path):
         check_stage_dir(tmp_path / "absent", 10, rank=3)
     with pytest.raises(StagingError, match="not writable"):
         check_stage_dir("/sys", 10, rank=0)  # not writable even by root
-    with pytest.raises(StagingError, match="free, the copy needs"):
+    with pytest.raises(StagingError, match="free, the copy needs") as info:
         check_stage_dir(tmp_path, 1 << 60, rank=0)
+    # the node shuffle shrinks only a copy of per-sample training files: advised only there
+    assert "shuffle" not in str(info.value)
+    with pytest.raises(StagingError, match="data.shuffle = \"node\" so each node stages only"):
+        check_stage_dir(tmp_path, 1 << 60, rank=0, smaller=SHARD_HINT)
 
 
 def test_staging_error_comes_before_training(tiny_config, tmp_path, one_thread):
@@ -202,6 +207,50 @@ def test_staging_error_comes_before_training(tiny_config, tmp_path, one_thread):
         run_job(tiny_config("train.steps=2", f"data.stage_to={tmp_path}/not-there"))
     assert "rank 0" in str(info.value)
     assert not list((tmp_path / "runs").glob("*/metrics.jsonl"))  # no step was taken
+
+
+@pytest.fixture
+def mlperf_data(cosmo_data, tmp_path):
+    """The session's samples as MLPerf per-sample files: train/ (42), validation/ (6), and
+    files the run never reads (test/, a README)."""
+    import h5py
+    root = tmp_path / "mlperf"
+    for split, source in (("train", "train.h5"), ("validation", "val.h5"), ("test", "val.h5")):
+        (root / split).mkdir(parents=True)
+        with h5py.File(cosmo_data / source, "r") as f:
+            for i in range(len(f["x"])):
+                with h5py.File(root / split / f"sample{i:03d}.h5", "w") as out:
+                    out["full"], out["unitPar"] = f["x"][i], f["y"][i]
+    (root / "README").write_text("not read by a run")
+    return root
+
+
+def _tree(root) -> dict:
+    """{relative path: "copy" or the target of a link} under `root` (hidden names left out)."""
+    return {str(p.relative_to(root)): os.readlink(p) if p.is_symlink() else "copy"
+            for p in sorted(root.rglob("*")) if not p.name.startswith(".") and not p.is_dir()}
+
+
+def test_staging_copies_exactly_the_files_the_run_reads(tiny_config, mlperf_data, tmp_path):
+    """Global shuffle: every training and validation sample file, nothing else (not test/, not
+    the README); the run then reads the copy."""
+    from exatrain.mesh import init
+    from exatrain.plan import Plan
+    from exatrain.train.run import stage_input
+    stage_to = tmp_path / "shm"
+    stage_to.mkdir()
+    config = tiny_config(f"data.path={mlperf_data}", f"data.stage_to={stage_to}")
+    mesh = init(Plan())
+    try:
+        figures = stage_input(config, mesh)
+    finally:
+        mesh.close()
+    needed = {f"{split}/sample{i:03d}.h5" for split, n in (("train", 42), ("validation", 6))
+              for i in range(n)}
+    assert _tree(Path(config.data.path)) == {rel: "copy" for rel in needed}
+    assert figures["stage_copied_bytes"] == sum((mlperf_data / rel).stat().st_size for rel in needed)
+    assert figures["stage_files"] == 48 and figures["stage_linked_files"] == 0
+    assert figures["stage_copier_rank"] == 0
 
 
 def _staged_and_node_shuffled(config, node_of_rank):
@@ -218,32 +267,44 @@ def _staged_and_node_shuffled(config, node_of_rank):
         summary = trainer.fit()
         mesh.close()
         return {"epoch": epoch, "steps_per_epoch": trainer.steps_per_epoch,
-                "data_path": config.data.path, "stage_s": summary.get("stage_s"),
-                "copied": summary.get("stage_copied_bytes"), "n": len(trainer.workload.train_set)}
+                "data_path": config.data.path, "n": len(trainer.workload.train_set),
+                **{k: v for k, v in summary.items() if k.startswith("stage")}}
     finally:
         os.environ.pop(HOST_ENV, None)
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def test_node_shuffle_reads_each_sample_once_per_epoch_per_node_and_stages_per_node(
-        tiny_config, tmp_path):
+def test_node_shuffle_reads_each_sample_once_per_epoch_per_node_and_stages_only_its_shard(
+        tiny_config, mlperf_data, tmp_path):
     stage_to = tmp_path / "node-local"
     stage_to.mkdir()
-    config = tiny_config("train.steps=2", "data.shuffle=node", f"data.stage_to={stage_to}",
-                         "train.batch_size=8", "train.num_workers=0")
+    config = tiny_config(f"data.path={mlperf_data}", "train.steps=2", "data.shuffle=node",
+                         f"data.stage_to={stage_to}", "train.batch_size=8", "train.num_workers=0")
     ranks = run_ranks(4, _staged_and_node_shuffled, config, [0, 0, 1, 1])
     n = ranks[0]["n"]
-    # both "nodes" share this machine's disk, so one copier per node: each copied or reused it
-    assert all(r["data_path"].startswith(str(stage_to)) for r in ranks)
-    assert all(r["stage_s"] is not None for r in ranks)
+    assert n == 42  # every sample listed on every node: its shard copied, the others linked
     shards = np.array_split(np.arange(n), 2)
+    validation = {f"validation/sample{i:03d}.h5" for i in range(6)}
     for node, members in ((0, ranks[:2]), (1, ranks[2:])):
         read = [i for r in members for i in r["epoch"]]
         assert len(read) == len(set(read))  # no sample twice in an epoch on a node
         assert set(read) <= set(shards[node].tolist())  # and only the node's shard
         # 2 replicas × 2 samples per step, 21 samples a shard: 5 steps use 20 of them
         assert len(read) == members[0]["steps_per_epoch"] * 4 == 20
+        # the node's copy: its shard and the validation files, copied; the rest, links
+        staged = Path(members[0]["data_path"])
+        assert staged.is_relative_to(stage_to) and members[1]["data_path"] == str(staged)
+        shard = {f"train/sample{i:03d}.h5" for i in shards[node]}
+        expected = {rel: "copy" for rel in shard | validation}
+        expected.update({f"train/sample{i:03d}.h5": str((mlperf_data / "train" /
+                         f"sample{i:03d}.h5").resolve()) for i in shards[1 - node]})
+        assert _tree(staged) == expected
+        # one copier per node, the node's lowest rank: each file's bytes counted once
+        assert [r["stage_copier_rank"] for r in members] == [2 * node] * 2
+        size = sum((mlperf_data / rel).stat().st_size for rel in shard | validation)
+        assert [r["stage_copied_bytes"] for r in members] == [size] * 2
+        assert all(r["stage_linked_files"] == 21 and r["stage_s"] > 0 for r in members)
 
 
 def test_trainer_batches_are_todays_order_across_an_epoch_and_a_resume(tiny_config, one_thread):

@@ -210,6 +210,23 @@ def write_cosmoflow(out_dir, samples: int, size: int, seed: int = 0, val_fractio
             "samples_per_s": samples / max(seconds, 1e-9)}
 
 
+def sample_files(path: Path) -> list[tuple[Path, ...]]:
+    """The files of each sample of a split, in the data set's index order: one tuple per sample
+    (an MLPerf .h5/.hdf5 file; an MLPerf numpy pair NAME_data.npy, NAME_label.npy); [] when
+    `path` is a file holding every sample (exatrain's layout). What `CosmoFlowDataset` reads and
+    staging copies (data.stage)."""
+    path = Path(path)
+    if not path.is_dir():
+        return []
+    if any(path.glob("*_data.npy")):
+        pairs = [(data, _label_file(data)) for data in sorted(path.glob("*_data.npy"))]
+        for data, label in pairs:
+            if not label.exists():
+                raise FileNotFoundError(f"{data} has no targets file {label.name}")
+        return pairs
+    return [(p,) for p in sorted(p for p in path.iterdir() if p.suffix in (".h5", ".hdf5"))]
+
+
 class CosmoFlowDataset(Dataset):
     """CosmoFlow samples as ``(x, y)``: x float32 (4, S, S, S) channels first, y float32 (4,).
 
@@ -246,16 +263,13 @@ class CosmoFlowDataset(Dataset):
         if self.path.is_dir() and any(self.path.glob("*_data.npy")):
             # MLPerf's preprocessed numpy: NAME_data.npy (S, S, S, 4) int16, NAME_label.npy (4,) f32
             self.layout = "numpy"
-            self.files = sorted(self.path.glob("*_data.npy"))
-            for file in self.files:
-                if not _label_file(file).exists():
-                    raise FileNotFoundError(f"{file} has no targets file {_label_file(file).name}")
+            self.files = [data for data, _ in sample_files(self.path)]
             first = np.load(self.files[0], mmap_mode="r")
             self.sample_shape, self.dtype = self._check_x(first, self.files[0], 0), first.dtype
             self._len = len(self.files)
         elif self.path.is_dir():
             self.layout = "mlperf"
-            self.files = sorted(p for p in self.path.iterdir() if p.suffix in (".h5", ".hdf5"))
+            self.files = [file for file, in sample_files(self.path)]
             if not self.files:
                 raise FileNotFoundError(f"no .h5/.hdf5 sample files in {self.path}; {_HINT}")
             with self._open_sample_file(0) as f:

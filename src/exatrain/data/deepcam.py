@@ -529,6 +529,18 @@ def load_deepcam_stats(path: str | os.PathLike) -> dict[str, np.ndarray]:
     return out
 
 
+def sample_files(split_dir: str | os.PathLike) -> list[Path]:
+    """The ``data-*.h5`` files of a split directory in the data set's index order (what
+    :class:`DeepCAMDataset` reads and staging copies)."""
+    split_dir = Path(split_dir)
+    return [split_dir / name for name in sorted(p.name for p in split_dir.glob("data-*.h5"))]
+
+
+def find_stats(split_dir: str | os.PathLike) -> Path | None:
+    """The statistics file a split reads: ``stats.h5`` or ``stats.json`` in it or its parent."""
+    return _find_stats(Path(split_dir))
+
+
 def _find_stats(split_dir: Path) -> Path | None:
     for d in (split_dir, split_dir.parent):
         for name in ("stats.h5", "stats.json"):
@@ -572,7 +584,7 @@ class DeepCAMDataset(Dataset):
             raise FileNotFoundError(
                 f"DeepCAM data directory {self.split_dir} does not exist; {_GENERATE_HINT}"
             )
-        self.files: list[str] = sorted(p.name for p in self.split_dir.glob("data-*.h5"))
+        self.files: list[str] = [p.name for p in sample_files(self.split_dir)]
         if not self.files:
             raise FileNotFoundError(
                 f"DeepCAM data directory {self.split_dir} holds no data-*.h5 files; "

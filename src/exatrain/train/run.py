@@ -110,8 +110,10 @@ def prepare_run(config: Config, mesh, resume_dir: str | None, stable: Path | Non
 
 
 def stage_input(config: Config, mesh) -> dict:
-    """Collective: copy the data set to node-local storage when `data.stage_to` (or the
-    EXATRAIN_STAGE_TO environment variable) names a directory, and point data.path at the copy.
+    """Collective: copy the files this run reads (the workload's `input_files(config)`, else all
+    of data.path) to node-local storage when `data.stage_to` (or the EXATRAIN_STAGE_TO
+    environment variable) names a directory, and point data.path at the copy; under
+    data.shuffle = "node" each node copies only its shard of per-sample training files.
     Returns the staging figures for the summary (empty when nothing is staged)."""
     from ..data.stage import STAGE_ENV, stage_files
     if not hasattr(config.data, "stage_to"):  # a user's workload: its data are its own business
@@ -119,7 +121,10 @@ def stage_input(config: Config, mesh) -> dict:
     stage_to = os.environ.get(STAGE_ENV) or config.data.stage_to
     if not stage_to:
         return {}
-    result = stage_files(Path(config.data.path), Path(stage_to), mesh)
+    listed = getattr(get_workload(config.run.workload), "input_files", None)
+    result = stage_files(Path(config.data.path), Path(stage_to), mesh,
+                         files=(lambda: listed(config)) if listed else None,
+                         node_shard=getattr(config.data, "shuffle", "global") == "node")
     config.data.path = str(result.path)  # the copy, for this process's workload only
     return result.figures()
 

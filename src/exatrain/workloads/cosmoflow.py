@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from ..data.cosmoflow import (PARAM_NAMES, CosmoFlowDataset, CountsDecoder,
-                              predict_mean_baseline_per_target, write_cosmoflow)
+                              predict_mean_baseline_per_target, sample_files, write_cosmoflow)
+from ..data.stage import InputFiles
 from ..models.cosmoflow import CosmoFlow
 from .base import InputOptions, Workload
 
@@ -147,6 +148,18 @@ def _split(path: Path, name: str) -> Path:
         if candidate.exists():
             return candidate
     raise layout_error(path)
+
+
+def input_files(config) -> InputFiles:
+    """The files `build` reads, for staging (data.stage): the validation split and a training
+    set held in one file are shared by every node; MLPerf per-sample training files are listed
+    per sample, so under data.shuffle = "node" each node stages only its shard."""
+    path = Path(config.data.path)
+    train, val = _split(path, "train"), _split(path, "val")
+    shared = [f for sample in sample_files(val) for f in sample] if val.is_dir() else [val]
+    if not train.is_dir():
+        return InputFiles(shared=[train, *shared])
+    return InputFiles(shared=shared, samples=sample_files(train))
 
 
 def check_model_fits_data(config, data_set: CosmoFlowDataset) -> None:

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm import all_reduce
-from ..data.deepcam import CLASS_NAMES, DeepCAMDataset, write_deepcam
+from ..data.deepcam import CLASS_NAMES, DeepCAMDataset, find_stats, sample_files, write_deepcam
+from ..data.stage import InputFiles
 from ..models.deepcam import DeepCAM, class_weights_from_frequencies, iou_from_confusion
 from ..parallel.spatial.functions import sum_over_axis
 from .base import InputOptions, Workload
@@ -71,6 +72,17 @@ def _split_dir(path: Path, name: str) -> Path:
     if name == "val" and not (path / "val").is_dir() and (path / "validation").is_dir():
         return path / "validation"
     return path / name
+
+
+def input_files(config) -> InputFiles:
+    """The files `build` reads, for staging (data.stage): the validation samples and the
+    statistics on every node; the training samples one by one, so under data.shuffle = "node"
+    each node stages only its shard."""
+    path = Path(config.data.path)
+    train, val = _split_dir(path, "train"), _split_dir(path, "val")
+    stats = list(dict.fromkeys(s for s in (find_stats(train), find_stats(val)) if s is not None))
+    return InputFiles(shared=[*sample_files(val), *stats],
+                      samples=[(f,) for f in sample_files(train)])
 
 
 def segmentation_loss(class_weights: torch.Tensor | None, mesh):
