@@ -3,10 +3,12 @@
 * reference/config.md: every configuration key, from the config dataclasses (the fixed
   sections in exatrain.train.config.FIXED_SECTIONS and each built-in workload's ModelOptions and
   DataOptions): its type and default from the dataclass field, its meaning from the comment on
-  (and continuing below, or the comment block just above) the field's line.
+  (and continuing below, or the comment block just above) the field's line, inherited fields
+  from their base class; NOT_IN_SOURCE holds the few meanings no comment gives yet.
 * reference/cli.md: `exatrain --help` and every subcommand's help, from cli.build_parser().
 
-tests/test_docs.py checks that every field and every subcommand appears in what these return.
+tests/test_docs.py checks that every field, with a meaning, and every subcommand appears in
+what these return.
 """
 
 from __future__ import annotations
@@ -21,31 +23,127 @@ import re
 FIELD = re.compile(r"^(\s+)(\w+)\s*:\s*[^#]*?(?:#\s?(.*))?$")
 
 
-def field_comments(cls) -> dict[str, str]:
-    """{field: the comment that explains it} read from the dataclass's source."""
-    lines = inspect.getsource(cls).splitlines()
-    names = {f.name for f in dataclasses.fields(cls)}
+def _own_field_comments(cls) -> dict[str, str]:
+    """{field: its comment} for the fields `cls` itself defines (not inherited), from its source.
+
+    A field's meaning is the comment on its line, continued by deeper-indented comment lines
+    below it. A comment block just above a field explains it too (the block, then the field's own
+    comment); when the block heads a run of fields without comments of their own (no blank line
+    between them), each of them takes the block's text.
+    """
+    names = set(getattr(cls, "__annotations__", {}))
     out: dict[str, str] = {}
-    above: list[str] = []
+    above: list[str] = []          # the comment block being read
+    group = ""                     # the block over the current run of fields
     current, indent = None, 0
-    for line in lines:
+    for line in inspect.getsource(cls).splitlines():
         stripped = line.strip()
         match = FIELD.match(line)
         if match and match.group(2) in names and not stripped.startswith("#"):
             current, indent = match.group(2), len(match.group(1))
-            text = [*above, match.group(3) or ""]
-            out[current] = " ".join(t.strip() for t in text if t.strip())
+            own = (match.group(3) or "").strip()
+            if above:
+                group = " ".join(above)
+                out[current] = f"{group} {own}".strip()
+            elif own:                  # a comment of its own ends the block's run
+                out[current], group = own, ""
+            else:
+                out[current] = group
             above = []
         elif stripped.startswith("#"):
             depth = len(line) - len(line.lstrip())
+            text = stripped.lstrip("#").strip()
             if current is not None and depth > indent:   # continues the comment of the field
-                out[current] = (out[current] + " " + stripped.lstrip("# ").strip()).strip()
+                out[current] = f"{out[current]} {text}".strip()
             else:
-                above.append(stripped.lstrip("#").strip())
+                above.append(text)
                 current = None
         else:
-            above, current = [], None
+            above, group, current = [], "", None
     return out
+
+
+def field_comments(cls) -> dict[str, str]:
+    """{field: the comment that explains it} for every dataclass field of `cls`, inherited ones
+    (e.g. a workload's DataOptions from InputOptions) from the class that defines them."""
+    out: dict[str, str] = {}
+    for base in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(base):
+            out.update({k: v for k, v in _own_field_comments(base).items() if v})
+    return {f.name: out.get(f.name, "") for f in dataclasses.fields(cls)}
+
+
+# Meanings of the fields whose source has no comment yet; the better home for each is a comment on
+# its field (then delete it here). tests/test_docs.py fails when an entry names a field that no
+# longer exists or now has a comment, and when any row of the page has no meaning at all.
+NOT_IN_SOURCE = {
+    "exatrain.population.options.PopulationOptions.lr_bounds":
+        "[low, high]: a mutated learning rate is clipped into this range",
+    "exatrain.population.options.PopulationOptions.weight_decay_bounds":
+        "[low, high]: a mutated weight decay is clipped into this range",
+    "exatrain.population.options.PopulationOptions.dropout_bounds":
+        "[low, high]: a mutated dropout probability is clipped into this range",
+    "exatrain.train.monitor.observe_options.MLPerfOptions.organization":
+        "the submitter written as `submission_org` in mlperf.log",
+    "exatrain.workloads.cosmoflow.ModelOptions.conv_layers":
+        "convolution blocks, each halving the cube: model.size must divide by 2^conv_layers",
+    "exatrain.workloads.cosmoflow.ModelOptions.dropout":
+        "dropout probability in the dense head",
+    "exatrain.workloads.cosmoflow.DataOptions.size":
+        "cube edge of newly generated samples (must equal model.size)",
+    "exatrain.workloads.cosmoflow.DataOptions.seed":
+        "seed of the generated samples (sample i draws from its own stream of it)",
+    "exatrain.workloads.deepcam.ModelOptions.aspp_rates":
+        "dilation rates of the ASPP 3x3 branches",
+    "exatrain.workloads.deepcam.DataOptions.height": "grid height of generated samples",
+    "exatrain.workloads.deepcam.DataOptions.width": "grid width of generated samples",
+    "exatrain.workloads.deepcam.DataOptions.channels": "input channels of generated samples",
+    "exatrain.workloads.deepcam.DataOptions.seed": "seed of the generated data set",
+    "exatrain.workloads.gcn.ModelOptions.hidden": "width of the hidden graph convolutions",
+    "exatrain.workloads.gcn.ModelOptions.layers":
+        "graph convolutions (features → hidden → … → classes)",
+    "exatrain.workloads.gcn.ModelOptions.dropout": "dropout probability between graph convolutions",
+    "exatrain.workloads.gcn.DataOptions.seed": "seed of the generated graph",
+    "exatrain.workloads.gpt.ModelOptions.mlp_ratio": "MLP hidden width as a multiple of n_embd",
+    "exatrain.workloads.gpt.ModelOptions.dropout":
+        "dropout probability on attention weights and residual branches",
+    "exatrain.workloads.gpt.ModelOptions.bias":
+        "Linear and LayerNorm layers carry a bias (GPT-2: true)",
+    "exatrain.workloads.gpt.ModelOptions.tie_weights": "share the token embedding with lm_head",
+    "exatrain.workloads.gpt.DataOptions.val_fraction":
+        "share of the generated corpus held out for validation (its contiguous end)",
+    "exatrain.workloads.qm9.ModelOptions.features": "features per atom (F)",
+    "exatrain.workloads.qm9.ModelOptions.interactions": "interaction blocks (T), each residual",
+    "exatrain.workloads.qm9.ModelOptions.rbf":
+        "radial basis functions of each interatomic distance (K)",
+    "exatrain.workloads.qm9.ModelOptions.cutoff":
+        "Å: atoms farther apart share no edge; filters fall smoothly to zero there",
+    "exatrain.workloads.qm9.DataOptions.val_molecules":
+        "molecules held out for validation (the first of a seeded permutation)",
+    "exatrain.workloads.qm9.DataOptions.seed":
+        "seed of the permutation that splits train and validation",
+    "exatrain.workloads.vit.ModelOptions.embed_dim": "token width",
+    "exatrain.workloads.vit.ModelOptions.depth": "transformer blocks",
+    "exatrain.workloads.vit.ModelOptions.num_heads":
+        "attention heads per block; must divide embed_dim",
+    "exatrain.workloads.vit.ModelOptions.mlp_ratio": "MLP hidden width as a multiple of embed_dim",
+    "exatrain.workloads.vit.ModelOptions.dropout": "dropout probability in attention and MLP",
+    "exatrain.workloads.vit.DataOptions.height": "grid height of the simulation",
+    "exatrain.workloads.vit.DataOptions.width": "grid width of the simulation",
+    "exatrain.workloads.vit.DataOptions.seed": "seed of the simulations' initial conditions",
+    "exatrain.workloads.vit.DataOptions.val_fraction":
+        "share of the trajectories held out for validation (at least one)",
+}
+
+
+def field_key(cls, name: str) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}.{name}"
+
+
+def meanings(cls) -> dict[str, str]:
+    """{field: meaning}: its comment in the source, else its entry in NOT_IN_SOURCE."""
+    return {name: text or NOT_IN_SOURCE.get(field_key(cls, name), "")
+            for name, text in field_comments(cls).items()}
 
 
 def _default(f: dataclasses.Field) -> str:
@@ -67,7 +165,7 @@ def _cell(text: str) -> str:
 
 
 def section_table(cls, section: str) -> str:
-    comments = field_comments(cls)
+    comments = meanings(cls)
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for f in dataclasses.fields(cls):
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))

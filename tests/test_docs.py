@@ -7,14 +7,20 @@ TOML block is loaded after the Python above it ran (so it can name the files and
 made). Conventions:
 
 * A block preceded by the line `<!-- docs-test: skip -->` (say why on the same line, after a
-  colon, or in the text) is not run: one that needs GPUs, several ranks or a finished run.
+  colon, or in the text) is not run: one that needs GPUs, several ranks or a finished run. A
+  skipped Python block is still compiled (a fragment with `return` or `await` inside a function
+  body), and a skipped TOML block still parsed as TOML.
 * A Python block whose first line is `# NAME.py` is also saved as NAME.py and run as a script
   (`__name__ == "__main__"`), as the page tells the reader to do; `# NAME.py, continued` appends
   the block to that file (and runs it in the page's namespace).
-* ```console, ```bash and ```text blocks are shell commands and output: not run.
+* ```console, ```bash and ```text blocks are shell commands and output, and a fence with no
+  language is plain text (as in Markdown): not run. Any other language fails the test, so no
+  block escapes by its label.
 
-The generated reference pages are checked too: every config key of every section and every
-subcommand appears in what docs/hooks.py generates.
+The generated reference pages are checked too: every config key of every section, each with a
+meaning, and every subcommand appears in what docs/hooks.py generates. The README's links into
+docs/ must reach a page and, with a #fragment, a heading of it (the site's own links are checked
+by `mkdocs build --strict`).
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import dataclasses
 import importlib.util
 import re
 import textwrap
+import tomllib
+import unicodedata
 from pathlib import Path
 
 import pytest
@@ -30,7 +38,9 @@ import pytest
 ROOT = Path(__file__).parents[1]
 DOCS = ROOT / "docs"
 SKIP = "<!-- docs-test: skip"
-FENCE = re.compile(r"^([ \t]*)```(\w+)[^\n]*\n(.*?)^\1```[ \t]*$", re.S | re.M)  # also indented
+FENCE = re.compile(r"^([ \t]*)```([\w+-]*)[^\n]*\n(.*?)^\1```[ \t]*$", re.S | re.M)  # also indented
+RUN = ("python", "toml")                    # run (or, when skipped, compiled / parsed)
+SHOWN = ("console", "bash", "text", "")     # commands and output; "" = a fence with no language
 
 
 @dataclasses.dataclass
@@ -54,7 +64,35 @@ def blocks_of(path: Path) -> list[Block]:
 
 
 PAGES = sorted([*DOCS.rglob("*.md"), ROOT / "README.md"])
-TESTED = [p for p in PAGES if any(b.lang in ("python", "toml") for b in blocks_of(p))]
+TESTED = [p for p in PAGES if any(b.lang in RUN for b in blocks_of(p))]
+
+
+def check_language(block: Block) -> None:
+    if block.lang not in RUN + SHOWN:
+        raise AssertionError(
+            f"{block.page}:{block.line}: ```{block.lang} is not a language the docs test knows: "
+            "label the block python or toml (run here), or console, bash or text (shown, not run).")
+
+
+def check_skipped(block: Block) -> None:
+    """A skipped block is not run, but it must still be Python (or TOML) a reader can paste."""
+    where = f"{block.page}:{block.line}"
+    if block.lang == "toml":
+        try:
+            tomllib.loads(block.code)
+        except tomllib.TOMLDecodeError as exc:
+            raise AssertionError(f"{where}: the skipped TOML block is not TOML: {exc}") from exc
+        return
+    try:
+        compile(block.code, where, "exec")
+    except SyntaxError as exc:
+        # a fragment of a function's body (`return`, `await`) compiles inside one
+        body = "async def _fragment():\n" + textwrap.indent(block.code, "    ") + "\n    pass\n"
+        try:
+            compile(body, where, "exec")
+        except SyntaxError:
+            raise AssertionError(f"{where}: the skipped Python block does not compile: "
+                                 f"{exc.msg} (line {exc.lineno})") from exc
 
 
 def run_page(path: Path, workdir: Path, monkeypatch) -> int:
@@ -66,7 +104,11 @@ def run_page(path: Path, workdir: Path, monkeypatch) -> int:
     namespace = {"__name__": "__main__"}
     ran = 0
     for block in blocks_of(path):
-        if block.lang not in ("python", "toml") or block.skip:
+        check_language(block)
+        if block.lang not in RUN:
+            continue
+        if block.skip:
+            check_skipped(block)
             continue
         where = f"{block.page}:{block.line}"
         if block.lang == "toml":
@@ -107,14 +149,38 @@ def test_the_harness_finds_blocks_and_honours_the_skip_marker(tmp_path, monkeypa
     page.write_text("Text.\n\n```python\nvalue = 6 * 7\n```\n\n<!-- docs-test: skip: 8 ranks -->\n"
                     "```python\nraise SystemExit('must not run')\n```\n\n```toml\n[train]\n"
                     "steps = 3\n```\n\n* in a list:\n\n    ```python\n    assert value == 42\n"
-                    "    ```\n\n```console\nexatrain run\n```\n")
+                    "    ```\n\n```console\nexatrain run\n```\n\n```\nplain text\n```\n\n"
+                    "<!-- docs-test: skip: a fragment -->\n```python\nreturn await step(x)\n```\n")
     assert [(b.lang, b.skip) for b in blocks_of(page)] == [
-        ("python", False), ("python", True), ("toml", False), ("python", False), ("console", False)]
+        ("python", False), ("python", True), ("toml", False), ("python", False), ("console", False),
+        ("", False), ("python", True)]
     (tmp_path / "run").mkdir()
     assert run_page(page, tmp_path / "run", monkeypatch) == 3
     page.write_text("```toml\n[train]\nstesp = 3\n```\n")
     with pytest.raises(AssertionError, match=r"page.md:1: the TOML block.*Did you mean 'steps'"):
         run_page(page, tmp_path / "run", monkeypatch)
+
+
+@pytest.mark.parametrize("text, error", [
+    ("<!-- docs-test: skip: 2 ranks -->\n```python\nmodel = et.parallelize(model mesh)\n```\n",
+     r"page.md:2: the skipped Python block does not compile: .* \(line 1\)"),
+    ("<!-- docs-test: skip: 2 ranks -->\n```toml\n[plan]\ndata = \n```\n",
+     r"page.md:2: the skipped TOML block is not TOML"),
+    ("Text.\n\n```yaml\nplan: {data: 2}\n```\n",
+     r"page.md:3: ```yaml is not a language the docs test knows"),
+    ("```py\nprint('runs nowhere')\n```\n", r"page.md:1: ```py is not a language"),
+])
+def test_the_harness_refuses_what_it_cannot_check(text, error, tmp_path, monkeypatch):
+    page = tmp_path / "page.md"
+    page.write_text(text)
+    with pytest.raises(AssertionError, match=error):
+        run_page(page, tmp_path, monkeypatch)
+
+
+@pytest.mark.parametrize("path", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_every_fence_has_a_language_the_harness_knows(path):
+    for block in blocks_of(path):
+        check_language(block)
 
 
 def _hooks():
@@ -142,6 +208,61 @@ def test_the_config_reference_has_every_key_with_its_default():
     assert "| `parallel.precision` | `str` | `\"fp32\"` | fp32 \\| bf16 \\| fp16" in page
 
 
+def _meaning(row: str) -> str:
+    cells = re.split(r"(?<!\\)\|", row)[1:-1]      # "\|" inside a cell is escaped
+    assert len(cells) == 4, row
+    return cells[3].strip()
+
+
+def test_every_config_key_has_a_meaning():
+    rows = [line for line in _hooks().config_reference().splitlines() if line.startswith("| `")]
+    assert len(rows) > 150
+    empty = [row.split(" | ")[0].strip("| ") for row in rows if not _meaning(row)]
+    assert not empty, f"config keys without a meaning (comment the field): {empty}"
+    assert _meaning(next(r for r in rows if r.startswith("| `parallel.microbatches`"))
+                    ).startswith("with plan.pipe > 1")           # a block over a run of fields
+    assert "node-local" in _meaning(next(r for r in rows if r.startswith("| `data.stage_to`")))
+
+
+def test_meanings_kept_beside_the_source_name_real_fields_that_have_no_comment():
+    hooks = _hooks()
+    for key, text in hooks.NOT_IN_SOURCE.items():
+        module, name, field_name = key.rsplit(".", 2)
+        cls = getattr(importlib.import_module(module), name)
+        assert field_name in {f.name for f in dataclasses.fields(cls)}, f"{key}: no such field"
+        assert text and not hooks.field_comments(cls)[field_name], (
+            f"{key} now has a comment in the source: delete its entry from docs/hooks.py")
+
+
+@dataclasses.dataclass
+class _Base:
+    inherited: int = 0      # from the base
+
+
+@dataclasses.dataclass
+class _Commented(_Base):
+    own: int = 1            # on its line
+                            # and below it
+    # a block above
+    first: int = 2          # and its own
+    # a block over
+    # a run
+    run_a: int = 3
+    run_b: list[int] = dataclasses.field(default_factory=list)
+    ends_run: int = 5       # its own ends the run
+    after: int = 6
+
+    alone: int = 7
+
+
+def test_the_hook_reads_comments_on_below_and_above_fields():
+    assert _hooks().field_comments(_Commented) == {
+        "inherited": "from the base", "own": "on its line and below it",
+        "first": "a block above and its own", "run_a": "a block over a run",
+        "run_b": "a block over a run", "ends_run": "its own ends the run", "after": "",
+        "alone": ""}
+
+
 def test_the_cli_reference_has_every_command():
     from exatrain.cli import build_parser
 
@@ -152,10 +273,49 @@ def test_the_cli_reference_has_every_command():
     assert "### `exatrain bench dp`" in page and "--nproc" in page
 
 
-def test_the_readme_links_into_pages_that_exist():
-    """The site's own links are checked by `mkdocs build --strict`; the README's here."""
+def _slug(heading: str) -> str:
+    """The anchor MkDocs gives a heading (Python-Markdown's toc slugify of its text)."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)          # a link: its text
+    text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode()
+    text = re.sub(r"[^\w\s-]", "", text).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
+
+
+def anchors_of(path: Path) -> set[str]:
+    """Every #fragment a link into the page can name: its headings (outside code blocks), with
+    Markdown's -1, -2 suffixes for repeats, and explicit {#id}s."""
+    text = FENCE.sub("", path.read_text())
+    out: set[str] = set()
+    for heading in re.findall(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", text, re.M):
+        explicit = re.search(r"\{[^}]*#([\w-]+)[^}]*\}\s*$", heading)
+        if explicit:
+            out.add(explicit.group(1))
+            continue
+        slug, n = _slug(heading), 1
+        while slug in out:
+            slug, n = f"{_slug(heading)}_{n}", n + 1
+        out.add(slug)
+    return out
+
+
+def test_anchors_are_the_sites(tmp_path):
+    page_text = "# Top\n\n## Which axes compose\n\n```console\n# not a heading\n```\n\n" \
+                "## On a GPU cluster (`srun`)\n\n## Which axes compose\n\n## Custom {#mine}\n"
+    page = tmp_path / "page.md"
+    page.write_text(page_text)
+    assert anchors_of(page) == {"top", "which-axes-compose", "on-a-gpu-cluster-srun",
+                                "which-axes-compose_1", "mine"}
+
+
+def test_the_readme_links_into_pages_and_headings_that_exist():
+    """The site's own links and anchors are checked by `mkdocs build --strict`; the README's
+    here."""
     text = (ROOT / "README.md").read_text()
-    links = re.findall(r"\]\(((?:docs|examples)/[^)#]+)(?:#[^)]*)?\)", text)
-    assert len(links) > 10
-    for link in links:
+    links = re.findall(r"\]\(((?:docs|examples)/[^)#]+)(?:#([^)]*))?\)", text)
+    assert len(links) > 10 and sum(bool(anchor) for _, anchor in links) >= 1
+    for link, anchor in links:
         assert (ROOT / link).exists(), link
+        if anchor:
+            assert anchor in anchors_of(ROOT / link), (
+                f"README links to {link}#{anchor}, but that page has no such heading; its "
+                f"anchors: {sorted(anchors_of(ROOT / link))}")

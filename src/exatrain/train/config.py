@@ -66,14 +66,14 @@ class PlanOptions:
 class TrainOptions:
     steps: int = 2000           # optimizer steps; 0 = run `epochs` epochs (2000: the default
                                 # CosmoFlow job, about 2 min on 2 idle cores)
-    epochs: int = 1
+    epochs: int = 1             # with steps = 0: passes over the training set (ignored otherwise)
     batch_size: int = 8         # global batch per optimizer step, over all replicas and micro-steps
     grad_accum: int = 1         # micro-steps per optimizer step
     clip_grad_norm: float = 0.0  # 0 = no clipping
     eval_every: int = 1000      # 0 = only at the end
-    log_every: int = 100
+    log_every: int = 100        # steps between records in metrics.jsonl and lines on the console
     checkpoint_every: int = 0   # 0 = only at the end
-    checkpoint_keep: int = 2
+    checkpoint_keep: int = 2    # newest checkpoints kept in RUN_DIR/checkpoints; older ones deleted
     num_workers: int = -1       # loader worker processes per rank; -1 = the cores each rank of
                                 # a launched job has beyond its first (none without a launcher
                                 # or a spare core: the prefetch thread reads), 0 = none
@@ -81,8 +81,10 @@ class TrainOptions:
                                 # background thread; 0 = on the training thread (all wait)
     target: str = ""            # e.g. "val_mae <= 0.124": stop when an evaluation reaches it
     checkpoint_async: bool = False  # write checkpoints in the background (DCP async_save)
-    on_nonfinite: str = "stop"  # stop | skip: a NaN/Inf loss or gradient (see train.policies)
-    max_nonfinite_skips: int = 10
+    on_nonfinite: str = "stop"  # stop | skip: a NaN/Inf loss or gradient (see
+                                # train/resilience/policies.py)
+    max_nonfinite_skips: int = 10  # with on_nonfinite = skip: steps skipped before the next
+                                   # non-finite one stops the run
     on_bad_sample: str = "stop"  # stop | skip: a corrupt or out-of-range sample (logged)
 
 
@@ -90,17 +92,20 @@ class TrainOptions:
 class OptimOptions:
     name: str = "adamw"         # adamw | adam | sgd | kfac
     lr: float = 1e-3            # for `schedule.base_batch_size`, scaled by `schedule.lr_scaling`
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 0.0   # adamw: decoupled decay; adam, sgd: L2 added to the gradient
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adam, adamw: decay rates
+                                # of the first and second moment estimates
     momentum: float = 0.9       # sgd only
-    eps: float = 1e-8
+    eps: float = 1e-8           # adam, adamw: added to the denominator's square root
     # kfac: K-FAC preconditioning before `kfac_base` (see train.kfac and docs/how-to/kfac.md)
     kfac_base: str = "sgd"      # sgd | adamw: the first-order update of preconditioned gradients
     kfac_damping: float = 0.1     # 1e-3 (KAISA's) saturates the default CosmoFlow's tanh head
-    kfac_factor_decay: float = 0.95
+    kfac_factor_decay: float = 0.95  # ξ of the factors' running average A ← ξ·A + (1-ξ)·A_step
     kfac_factor_every: int = 1  # steps between factor updates
-    kfac_inverse_every: int = 10  # steps between eigendecompositions
-    kfac_kl_clip: float = 1e-3
+    kfac_inverse_every: int = 10  # steps between inverse updates (eigendecompositions or
+                                  # Cholesky factorisations)
+    kfac_kl_clip: float = 1e-3  # κ of KL clipping: the preconditioned update is scaled by
+                                # min(1, sqrt(κ / (lr² Σ ⟨update, gradient⟩)))
     kfac_grad_worker_fraction: float = 1.0  # 1/W: memory-optimal .. 1: communication-optimal
     kfac_inverse: str = "eigen"   # eigen | cholesky (damped inverses: n³/3 flops, not ~9n³)
     kfac_factor_positions: int = 0  # a conv's A from at most this many positions per sample
@@ -108,9 +113,9 @@ class OptimOptions:
 
 @dataclass
 class ScheduleOptions:
-    warmup_steps: int = 10
+    warmup_steps: int = 10      # lr rises linearly over these first steps, then `decay` starts
     decay: str = "cosine"       # cosine | linear | constant
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: float = 0.0   # cosine | linear: the lr at the last step, as a fraction of lr
     lr_scaling: str = "none"    # none | linear | sqrt: scale lr by (batch / base_batch_size)^(1 | 1/2)
     base_batch_size: int = 0    # 0 = the configured batch size (no scaling)
 
