@@ -199,8 +199,10 @@ _DRY_CNN = [([], "dict(data=2, tensor=2)", 1), ([], "dict(tensor=4)", 3),
 def test_cnn_tensor_plans_are_ranked_with_the_ledger_bytes_of_their_dry_runs():
     """`exatrain plan` costs CosmoFlow under channel/filter parallelism (`tune.chanfilt`): bytes
     per axis (tensor: the convolutions' and the head's; data: local gradients and BatchNorm
-    statistics of local channels) and model state equal what a rank of each Plan counts and
-    holds; the 3D grid and space × tensor are refused with the reason."""
+    statistics of local channels), the tensor axis's bytes and calls per collective, and model
+    state equal what a rank of each Plan counts and holds; the 3D grid and space × tensor are refused with the reason."""
+    from exatrain.tune.chanfilt import cnn_tensor, cosmoflow_meta
+
     got_all = _dry_runs("cnn:" + json.dumps(_DRY_CNN))
     system = load_system("cpu-local")
     for (overrides, plan_text, rank), got in zip(_DRY_CNN, got_all):
@@ -212,6 +214,18 @@ def test_cnn_tensor_plans_are_ranked_with_the_ledger_bytes_of_their_dry_runs():
         assert {a: b for a, b in got["ledger_bytes"].items() if b} == pred.bytes_by_axis, plan
         assert got["state_bytes"]["total"] == pred.memory["state"], plan
         assert pred.bytes_by_axis["tensor"] > 0
+        # per collective, bytes and calls: the planner's terms against the ledger's entries
+        # (gathered convs and column Linears all-gather, pairs all-reduce, the seed broadcasts)
+        m = config.model
+        terms = cnn_tensor(cosmoflow_meta(m.size, 4, m.base_channels, m.conv_layers, m.batchnorm),
+                           plan, (4, m.size, m.size, m.size), got["samples_per_rank"])
+        ledger: dict = {}
+        for axis, op, _tag, calls, nbytes in got["ledger_entries"]:
+            if axis == "tensor":
+                ledger[op] = [ledger.get(op, [0, 0])[0] + nbytes, ledger.get(op, [0, 0])[1] + calls]
+        assert terms["by_op"] == ledger, plan
+        assert set(ledger) == {"all_reduce", "all_gather", "broadcast"}, plan
+        assert terms["calls"] == sum(c for _b, c in ledger.values()), plan
     spec = spec_from_config(load_config(None, []))
     ranking = rank_plans(spec, 4, system, Options(batch=16), vary_options=False)
     assert any(p.plan.tensor_degree == 4 for p in ranking.ranked)   # ranked, not refused

@@ -14,6 +14,7 @@ loss and backward, and an optimizer step — and reports:
   step_peak_bytes     `train.memory.StepPeak` of forward + backward (activations, new gradients)
   ledger_bytes        bytes per mesh axis the rank's collectives carried (the ledger still counts
                       what the fake group did not move)
+  ledger_entries      [axis, op, tag, calls, bytes] of every (axis, op, tag) the step recorded
   coords              the rank's coordinates on the mesh
 
 What runs on meta: tensor parallelism splits a meta model before allocating (each rank allocates
@@ -130,6 +131,8 @@ def dry_run(config, plan: Plan, rank: int, max_full_bytes: float = 4 * 2 ** 30) 
             out = net(x)
             loss_fn(out, y).backward()
         ledger = mesh.ledger.bytes_by_axis()
+        entries = [[axis, op, tag, e.calls, e.bytes]
+                   for (axis, op, tag), e in sorted(mesh.ledger.entries.items())]
         optim.step()
         state = state_bytes(net, optim)
         # what this rank holds: a DTensor's (FSDP2's) local shard, not its logical shape
@@ -140,7 +143,7 @@ def dry_run(config, plan: Plan, rank: int, max_full_bytes: float = 4 * 2 ** 30) 
                 "param_shapes": shapes, "params_local": sum(math.prod(s) for s in shapes.values()),
                 "params_full": sum(t.numel() for t in model.parameters()) if not splits_on_meta
                 else None, "state_bytes": state, "step_peak_bytes": peak.bytes,
-                "ledger_bytes": ledger, "notes": notes}
+                "ledger_bytes": ledger, "ledger_entries": entries, "notes": notes}
     finally:
         mesh.close()
 
