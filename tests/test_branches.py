@@ -4,7 +4,8 @@ A small conv net with three independent branches (one with BatchNorm) runs three
 Plan(data=2) and Plan(data=4) with parallel.branches = "data", for combine "sum" and "concat";
 outputs, input gradients and every weight and buffer after the steps equal the serial model's
 on the whole batch (relative ≤ 1e-5; measured ~1e-7), and the ledger's bytes equal the module
-doc's formula. DeepCAM's ASPP (four branches, concat) is checked the same way on 2 ranks.
+doc's formula. DeepCAM's ASPP (four branches, concat) is checked the same way on 2 ranks. K-FAC,
+which needs every layer on every rank, refuses split branches when it is built.
 """
 
 from __future__ import annotations
@@ -118,3 +119,26 @@ def test_branches_refuse_other_axes_and_bad_combine():
         check_plan(et.Plan(data=2, space=(1, 1, 2)))
     with pytest.raises(ValueError, match="combine='max'"):
         et.Branches([nn.Identity()], combine="max")
+
+
+def kfac_with_branches(mode: str) -> str:
+    from exatrain.train.kfac import KFAC
+    mesh = et.init(et.Plan(data=2))
+    try:
+        model = parallelize(_model("sum"), mesh, ParallelOptions(branches=mode))
+        try:
+            opt = KFAC(model, torch.optim.SGD(model.parameters(), lr=0.1), mesh)
+        except ValueError as exc:
+            return str(exc)
+        return f"built, {len(opt.layers)} layers"
+    finally:
+        mesh.close()
+
+
+def test_kfac_refuses_split_branches_before_training():
+    # without the refusal, K-FAC fails at the first step: "layer ... ran no forward/backward"
+    for message in run_ranks(2, kfac_with_branches, "data"):
+        assert "parallel.branches='data'" in message and "'2'" in message
+        assert "Set parallel.branches='none'" in message
+    # the same model with its branches on every rank: all five convolutions preconditioned
+    assert run_ranks(2, kfac_with_branches, "none") == ["built, 5 layers"] * 2

@@ -50,9 +50,11 @@ communication-optimal: every rank holds everything and step 3 sends nothing.
 Bytes per rank (ledger payload convention: all-reduce and broadcast count the tensor once), with
 a = d_A, g = d_G of layer ℓ and 4-byte floats:
 
-  factors (step 1, every `factor_every`)    4 · (Σ_ℓ (a² + g²) + L)        all-reduce, all ranks
+  factors (step 1, every `factor_every`)    4 · (Σ_ℓ (a² + g²) + 2L)       all-reduce, all ranks
   eigen   (step 2, every `inverse_every`)   4 · Σ_{ℓ in my row} (a² + a + g² + g)   when n > 1
   gradient (step 3, every step)             4 · Σ_ℓ g·a                    when R > 1
+
+(L layers; the 2L are each layer's two row counts, sent as floats in the same all-reduce.)
 
 Second-order state held per rank (`memory_bytes`; the persistent tensors: running factors,
 eigenvectors, eigenvalues of the layers of its row):
@@ -66,7 +68,9 @@ The state lives in the optimizer's state dict under the weight's name (keys "kfa
 checkpoints carry it and a resume continues bit-identically.
 
 Limits: activation checkpointing re-runs forward hooks (factors would count twice) and is
-refused; fp16 loss scaling is not undone in G (use bf16 or fp32).
+refused; fp16 loss scaling is not undone in G (use bf16 or fp32); branches split over the data
+ranks (`parallel.branches = "data"`) run each branch on one rank, so its layers have no factors
+on the others: refused when the optimizer is built (`check_model`).
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm import Axis, all_reduce, broadcast
+from ..parallel.branches import SplitBranches
 from ..parallel.data import unwrap
 from ..parallel.spatial.layers import SpatialConv
 
@@ -98,6 +103,21 @@ def check_plan(plan, where: str = "") -> None:
             f"{where}optim.name='kfac' supports the data and space axes only; the plan has {names}. "
             f"Set {' and '.join(f'plan.{k}=1' for k in bad)} (put those ranks on plan.data), or "
             f"use optim.name='adamw' or 'sgd'.")
+
+
+def check_model(module: nn.Module, where: str = "") -> None:
+    """Refuse, by name, a model whose layers do not run on every replica rank: branches split
+    over the data ranks (`parallel.branches = 'data'`) run each branch on its owner only, so the
+    other ranks would have no factors of its layers to all-reduce."""
+    split = [name for name, m in module.named_modules()
+             if isinstance(m, SplitBranches) and m.axis.size > 1]
+    if split:
+        raise ValueError(
+            f"{where}optim.name='kfac' with parallel.branches='data': the branches of "
+            f"{', '.join(repr(n) for n in split)} run on their owner ranks only, and K-FAC needs "
+            f"every preconditioned layer on every data rank. Set parallel.branches='none' (K-FAC "
+            f"then preconditions the branches under plain data parallelism), or use "
+            f"optim.name='adamw' or 'sgd' with the branches split.")
 
 
 @dataclass(frozen=True)
@@ -210,8 +230,10 @@ class KFAC(torch.optim.Optimizer):
         self.inner, self.settings, self.grad_accum = inner, s, grad_accum
         self.defaults = inner.defaults
         module = unwrap(model)
+        where = f"rank {mesh.rank}: " if mesh is not None else ""
         if mesh is not None:
-            check_plan(mesh.plan, f"rank {mesh.rank}: ")
+            check_plan(mesh.plan, where)
+        check_model(module, where)   # before any collective: every rank refuses alike
         self.axis = self._replica_axis(mesh)
         W = self.axis.size
         self.space_size = mesh.axis("space").size if mesh is not None else 1
