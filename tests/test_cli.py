@@ -52,3 +52,28 @@ def test_config_typo_exits_with_a_suggestion(tmp_path):
     bad = exatrain("run", "--set", "train.batchsize=4", cwd=tmp_path)
     assert bad.returncode == 2
     assert "unknown key train.batchsize. Did you mean 'batch_size'?" in bad.stderr
+
+
+def _sub(parser, name):
+    """The sub-parser `name` of `parser`."""
+    return next(a for a in parser._actions if a.dest in ("command", "name")).choices[name]
+
+
+def test_the_parser_builds_only_the_subcommand_it_runs():
+    """`exatrain run` builds only run's arguments (so imports neither the planner nor the
+    benchmarks, tests/test_startup.py), and says the same as the full parser (docs/hooks.py)."""
+    from exatrain.cli import COMMANDS, build_parser
+
+    full = build_parser()
+    for argv in ([], ["--help"], ["run"], ["bench", "dp"]):   # the same list and summaries
+        assert build_parser(argv).format_help() == full.format_help(), argv
+    for name in COMMANDS:
+        assert _sub(build_parser([name, "--help"]), name).format_help() == \
+            _sub(full, name).format_help(), name
+    run = build_parser(["run"])
+    assert _sub(run, "bench").format_help() != _sub(full, "bench").format_help()  # not built
+    assert run.parse_args(["run", "--nproc", "2"]).nproc == 2
+    dp = build_parser(["bench", "dp"])
+    assert _sub(_sub(dp, "bench"), "dp").format_help() == _sub(_sub(full, "bench"), "dp").format_help()
+    assert dp.parse_args(["bench", "dp", "--steps", "3"]).steps == 3
+    assert "--steps" not in _sub(_sub(dp, "bench"), "zero").format_help()   # not imported

@@ -199,11 +199,7 @@ def _bench(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="exatrain", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    run = sub.add_parser("run", help="train (no CONFIG: the built-in CosmoFlow example)")
+def _run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument("config", nargs="?", help="TOML config file (see examples/), or a Python "
                                                 "script calling exatrain.fit")
     run.add_argument("--nproc", type=int, default=0, help="local ranks to spawn (default: run.nproc)")
@@ -224,8 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--time", default="04:00:00", help="wall time, for --print-batch-script")
     run.set_defaults(func=_run)
 
-    pre = sub.add_parser("preflight", help="before a long run: bus bandwidth per mesh axis, slow "
-                                           "ranks and nodes (an srun --exclude list), rank checks")
+
+def _preflight_arguments(pre: argparse.ArgumentParser) -> None:
     pre.add_argument("config", nargs="?", help="the job's TOML config (its Plan and paths)")
     pre.add_argument("--nproc", type=int, default=0, help="local ranks to spawn (default: run.nproc)")
     pre.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
@@ -240,20 +236,22 @@ def build_parser() -> argparse.ArgumentParser:
                      help="slow: below this fraction of the median (default 0.5)")
     pre.set_defaults(func=_preflight)
 
-    report = sub.add_parser("report", help="figures and a summary of finished runs or benchmarks")
+
+def _report_arguments(report: argparse.ArgumentParser) -> None:
     report.add_argument("paths", nargs="+", metavar="RUN_DIR|BENCH.json")
     report.add_argument("--out", metavar="DIR", help="where to write (default: RUN_DIR/report "
                                                      "for one run, ./report for several)")
     report.set_defaults(func=_report)
 
-    export = sub.add_parser("export", help="write a run's model as one unsharded safetensors file")
+
+def _export_arguments(export: argparse.ArgumentParser) -> None:
     export.add_argument("run_dir", metavar="RUN_DIR")
     export.add_argument("--out", required=True, help="output .safetensors path")
     export.add_argument("--step", type=int, default=None, help="a checkpoint's step (default: latest)")
     export.set_defaults(func=_export)
 
-    predict = sub.add_parser("predict", help="run a trained model over a data set; write the "
-                                             "predictions (with sample ids) to HDF5")
+
+def _predict_arguments(predict: argparse.ArgumentParser) -> None:
     predict.add_argument("run_dir", metavar="RUN_DIR")
     predict.add_argument("--data", metavar="PATH", help="data in a layout the run's workload "
                          "reads (CosmoFlow: a .h5 file, a per-sample directory, or a data "
@@ -268,24 +266,77 @@ def build_parser() -> argparse.ArgumentParser:
                          help="samples per global batch (default: the run's train.batch_size)")
     predict.set_defaults(func=_predict)
 
+
+def _data_arguments(data: argparse.ArgumentParser) -> None:
     from .data import writers
-    data = sub.add_parser("data", help="write a data set as HDF5")
     writers.add_parsers(data)
     data.set_defaults(func=_data)
 
-    from .tune.commands import add_parsers as add_planner_parsers
-    add_planner_parsers(sub)
 
+def _bench_arguments(bench: argparse.ArgumentParser, chosen: str | None) -> None:
+    """One sub-parser per benchmark; only `chosen` (every one when None: `exatrain bench --help`
+    lists them with their summaries) imports its module and gets its arguments."""
     from .bench import BENCHMARKS, add_common_arguments, bench_module
-    bench = sub.add_parser("bench", help="side-by-side benchmark against the PyTorch baseline")
+
     names = bench.add_subparsers(dest="name", required=True)
     for name in BENCHMARKS:
+        if chosen is not None and name != chosen:
+            names.add_parser(name)   # a name argparse accepts and lists; never parsed here
+            continue
         module = bench_module(name)
         one = names.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
         one.add_argument("--json", metavar="PATH", help="write the figures as JSON")
         add_common_arguments(one)
         module.add_arguments(one)
         one.set_defaults(func=_bench)
+
+
+# Every subcommand, in the order `exatrain --help` lists them: its summary, and what adds its
+# arguments. build_parser(argv) adds the arguments of the one subcommand argv runs, so the
+# modules they import (the planner's exatrain.tune, the benchmarks' exatrain.bench) are imported
+# only when that subcommand runs: `srun exatrain run` imports neither on any rank.
+# "plan" and "tune" (None) are added together by exatrain.tune.commands.add_parsers, with its own
+# summaries (tests/test_cli.py checks that the lazy and the full `exatrain --help` are the same).
+COMMANDS = {
+    "run": ("train (no CONFIG: the built-in CosmoFlow example)", _run_arguments),
+    "preflight": ("before a long run: bus bandwidth per mesh axis, slow ranks and nodes (an srun "
+                  "--exclude list), rank checks", _preflight_arguments),
+    "report": ("figures and a summary of finished runs or benchmarks", _report_arguments),
+    "export": ("write a run's model as one unsharded safetensors file", _export_arguments),
+    "predict": ("run a trained model over a data set; write the predictions (with sample ids) to "
+                "HDF5", _predict_arguments),
+    "data": ("write a data set as HDF5", _data_arguments),
+    "plan": ("every valid Plan ranked by predicted step time; --dry-run RANK, --calibrate", None),
+    "tune": ("measure at most --budget Plans, surrogate on the cost model's residuals, return the "
+             "best", None),
+    "bench": ("side-by-side benchmark against the PyTorch baseline", _bench_arguments),
+}
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The `exatrain` parser. With `argv` (a command line without the program name), only the
+    subcommand it names gets its arguments, and under `bench` only the benchmark it names: the
+    others are listed by name and summary, enough for `exatrain --help` and argparse's 'invalid
+    choice'. Without `argv`, every subcommand in full (the CLI reference in docs/hooks.py)."""
+    parser = argparse.ArgumentParser(prog="exatrain", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    if argv is None:   # every subcommand, every benchmark
+        command = chosen = None
+    else:
+        command = argv[0] if argv and not argv[0].startswith("-") else ""
+        chosen = argv[1] if command == "bench" and len(argv) > 1 and \
+            not argv[1].startswith("-") else None
+    for name, (summary, add_arguments) in COMMANDS.items():
+        planner = name in ("plan", "tune")   # the planner adds both, with their arguments
+        full = command is None or command == name or planner and command in ("plan", "tune")
+        if planner and full:
+            if name not in sub.choices:
+                from .tune.commands import add_parsers as add_planner_parsers
+                add_planner_parsers(sub)
+            continue
+        one = sub.add_parser(name, help=summary)
+        if full:
+            add_arguments(one, chosen) if name == "bench" else add_arguments(one)
     return parser
 
 
@@ -293,7 +344,8 @@ def main(argv=None) -> int:
     from .errors import is_peer_loss, is_user_error, known_cause
     from .launch.local import RankFailed
 
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         code = args.func(args)
         import torch.distributed as dist
