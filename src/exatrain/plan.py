@@ -154,9 +154,9 @@ class Plan:
 
 
 # ---------------------------------------------------------------------- composition rules
-# Which axes compose (the README's table is docs/readme/9-composition.md). Every pair of
-# implemented axes composes except those `composition_refusal` names, each with its reason and the
-# nearest Plan that works. How gradients are reduced for each combination: parallel/apply.py.
+# Which axes compose (the table for readers: docs/concepts/plan.md, "Which axes compose"). Every
+# pair of implemented axes composes except those `composition_refusal` names, each with its reason
+# and the nearest Plan that works. How gradients are reduced for each combination: parallel/apply.py.
 def composition_refusal(plan: Plan) -> str | None:
     """Why `plan` combines axes that cannot run together, with the nearest Plan that works; None
     when its axes compose."""

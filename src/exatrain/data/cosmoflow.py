@@ -50,7 +50,8 @@ PARAM_NAMES = ("Omega_m", "sigma_8", "n_s", "H0")
 # Omega_m 0.2-0.4, n_s 0.90-1.02, H0 60-80) leave n_s and H0 beyond what a 32³ box can tell apart:
 # ridge regression on the binned power spectra of 7,168 samples reached 0.76 and 0.73 of the
 # predict-the-mean MAE for them, and the CNN learned neither within 3 minutes in some seeds
-# (measured: see the README, "The default job"). With these ranges ridge reaches 0.52 and 0.76.
+# (measured: docs/get-started/first-run.md, "The default job's figures"). With these ranges ridge
+# reaches 0.52 and 0.76.
 PARAM_LOW = (0.10, 0.60, 0.80, 50.0)
 PARAM_HIGH = (0.50, 1.00, 1.20, 90.0)
 REDSHIFTS = (0.0, 0.5, 1.5, 3.0)

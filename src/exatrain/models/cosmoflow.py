@@ -13,7 +13,7 @@ Options beyond the reference:
   default job learn the spectral slope (n_s, and H0 through the spectrum's shape): measured on
   the synthetic 32³ set, base_channels 16, 3,000 steps on 4,032 samples, val MAE 0.46-0.57 × the
   predict-the-mean baseline with it against 0.59 × without, which never learned n_s or H0 (the
-  README's "The default job's figures" has the table).
+  table is in docs/get-started/first-run.md, "The default job's figures").
 * ``channels_last=True``: the input is made channels-last (NDHWC in memory) before the first conv,
   so oneDNN (CPU) and cuDNN run channels-last kernels: 1.5x faster per step on CPU at 32³ (26.7
   against 40.6 ms, batch 4, one thread). The parameters keep their usual layout.

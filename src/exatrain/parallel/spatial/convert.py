@@ -53,7 +53,7 @@ __all__ = ["parallelize_spatial", "SpatialSplitError", "SpatialBlocks", "block_r
 # Overlap each convolution's interior with its halo transfer? Measured by `exatrain bench spatial`
 # (step_s_spatial vs step_s_spatial_overlap): on a 2-core CPU, gloo's transfers share the cores with
 # the convolution and it is 3-4 % slower (CosmoFlow 128³: 2.08 s vs 2.14 s), so it is off by
-# default; `parallelize_spatial(..., overlap=True)` turns it on. See the README, "Spatial parallelism".
+# default; `parallelize_spatial(..., overlap=True)` turns it on. See docs/how-to/spatial.md, "Overlap".
 DEFAULT_OVERLAP = False
 
 _CONVERT: dict[type, type] = {
