@@ -234,6 +234,26 @@ def test_cnn_tensor_plans_are_ranked_with_the_ledger_bytes_of_their_dry_runs():
     assert "3D grid" in shape_problem(spec, Plan(tensor=(1, 2, 2)), Options())[1]
 
 
+def test_dry_run_places_the_space_tensor_switch_as_the_trainer_does():
+    """Under space × tensor the dry run gives `parallelize` the replica's whole samples (on meta),
+    so the switch is the byte rule's (switch.py; tests/test_tensor_conv.py works it out for this
+    model at a batch of 8: features.12), and `parallel.chanfilt_from` / `chanfilt_skip` reach it."""
+    tiny = ["model.size=16", "model.conv_layers=4", "model.base_channels=4",
+            "train.batch_size=8"]
+    plan = "dict(space=(1, 1, 2), tensor=2)"
+    auto, moved = _dry_runs("cnn:" + json.dumps([
+        (tiny, plan, 1),
+        ([*tiny, "parallel.chanfilt_from='features.4'", "parallel.chanfilt_skip=['features.8']"],
+         plan, 1)]))
+    filters = {name: shape[0] for name, shape in auto["param_shapes"].items()
+               if name.startswith("features.") and name.endswith(".weight") and len(shape) == 5}
+    assert filters == {"features.0.weight": 4, "features.4.weight": 8, "features.8.weight": 16,
+                       "features.12.weight": 16}   # only the last conv's 32 filters split
+    shapes = moved["param_shapes"]
+    assert shapes["features.4.weight"][0] == 4 and shapes["features.8.weight"][0] == 16
+    assert shapes["features.12.weight"][0] == 16
+
+
 def test_plan_table_calibrate_and_tune_commands(tmp_path, capsys):
     from exatrain.cli import main
     from exatrain.tune.systems import load_system

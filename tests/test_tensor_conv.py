@@ -177,3 +177,66 @@ def test_planner_terms_equal_the_ledger(results):
 def test_unknown_names_are_refused(results):
     for plan, r in results[0].items():
         assert "'nope' is no convolution" in r["refusal"] and "0.0" in r["refusal"], plan
+
+
+# ------------------------------------------------------------------ the switch from space to tensor
+def _tiny_cosmoflow() -> nn.Module:
+    """16³, 4 conv blocks of 4 -> 32 channels with BatchNorm (test_tensor_conv_models.py's)."""
+    from exatrain.models.cosmoflow import CosmoFlow
+    with torch.device("meta"):
+        return CosmoFlow(size=16, base_channels=4, conv_layers=4, batchnorm=True)
+
+
+def test_switch_point_byte_rule_and_weight_fallback():
+    """switch.py's rule, by hand (s = 4 bytes, t = 2; convolutions features.0/4/8/12 see
+    C_in -> C_out = 4->4, 4->8, 8->16, 16->32, each at 16³, 8³, 4³, 2³ in and out, kernel 3
+    so r = 1):
+    tensor_k = N·(C_in·V_in + C_out·V_out)·s/2, space_k = |W_k|·s/2 + 2·N·C_in·V_in^(2/3)·s.
+    N = 1: features.4 12288 > 3776, features.8 3072 <= 7936: switch at features.8.
+    N = 8: features.8 24576 > 15104, features.12 6144 <= 31744: switch at features.12.
+    No example: the convolutions from features.8 on hold 17280 of 18576 weights (>= 90 %),
+    from features.12 only 13824."""
+    from exatrain.parallel.tensor.switch import space_bytes, switch_point, tensor_bytes
+    from exatrain.parallel.tensor.switch import conv_shapes
+
+    model = _tiny_cosmoflow()
+    for n, first in ((1, "features.8"), (8, "features.12")):
+        example = torch.empty(n, 4, 16, 16, 16, device="meta")
+        assert switch_point(model, 2, example) == first, n
+        shapes = conv_shapes(model, example)
+        c = shapes["features.8"]
+        assert tensor_bytes(c, 4) == n * (8 * 4 ** 3 + 16 * 4 ** 3) * 4 / 2
+        assert space_bytes(c, 4, 2) == pytest.approx(16 * 8 * 27 * 4 / 2 + 2 * n * 8 * 4 ** 2 * 4)
+    assert switch_point(model, 2) == "features.8"
+
+
+def test_trainer_example_places_the_switch_where_the_planner_does():
+    """Under space × tensor the Trainer's example (`train.run.pipeline_example`: the whole
+    samples of one replica's batch, on meta, from one block) gives `conv_selection` the byte
+    rule's switch, the planner's (`tune.chanfilt.conv_terms`), not the weight fallback;
+    `parallel.chanfilt_from` moves it, `parallel.chanfilt_skip` keeps a convolution whole."""
+    from types import SimpleNamespace
+
+    from exatrain.parallel.options import ParallelOptions
+    from exatrain.parallel.tensor.convert import conv_selection
+    from exatrain.train.run import pipeline_example
+    from exatrain.tune.chanfilt import conv_terms
+
+    model = _tiny_cosmoflow()
+    plan = Plan(space=(1, 1, 2), tensor=2)
+    workload = SimpleNamespace(train_set=[(torch.zeros(4, 16, 16, 8), torch.zeros(4))],
+                               decode_inputs=lambda x: x)
+    config = SimpleNamespace(train=SimpleNamespace(batch_size=8))
+    example = pipeline_example(workload, config, plan)
+    assert example.is_meta and tuple(example.shape) == (8, 4, 16, 16, 16)
+    assert pipeline_example(workload, config, Plan(tensor=2)) is None   # no space: no switch
+    assert conv_selection(model, plan, ParallelOptions(), example) == {"features.12"}
+    assert conv_terms(model, plan, tuple(example.shape))["switch"] == "features.12"
+    assert conv_selection(model, plan, ParallelOptions()) == {"features.8", "features.12"}
+    moved = ParallelOptions(chanfilt_from="features.4")
+    assert conv_selection(model, plan, moved, example) == {"features.4", "features.8",
+                                                          "features.12"}
+    assert conv_terms(model, plan, tuple(example.shape), chanfilt_from="features.4")["switch"] \
+        == "features.4"
+    skip = ParallelOptions(chanfilt_from="features.4", chanfilt_skip=["features.8"])
+    assert conv_selection(model, plan, skip, example) == {"features.4", "features.12"}

@@ -114,8 +114,8 @@ def fit(model, train_set, val_set, loss, metrics: dict | None = None, *, plan: P
             run_dir = Path(resume) if resume else make_run_dir(config)
             (run_dir / "config.toml").write_text(tomli_w.dumps(config.to_dict()))
         run_dir = Path(broadcast_object(str(run_dir) if run_dir else None, mesh.world))
-        # under pipe, trace and size the stages on one per-replica batch of the training set,
-        # as `exatrain run` does (train.run.setup)
+        # under pipe, trace and size the stages on one per-replica batch of the training set;
+        # under space × tensor, place the channel/filter switch from its shape (train.run.setup)
         parallel_model = parallelize(workload.model, mesh, config.parallel,
                                      example=pipeline_example(workload, config, mesh.plan))
         workload.model = parallel_model

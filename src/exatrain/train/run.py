@@ -67,10 +67,18 @@ def find_resume_checkpoint(run_dir: str | Path) -> Path:
 
 
 def pipeline_example(workload, config: Config, plan) -> "torch.Tensor | None":
-    """One per-replica batch of inputs, from which `pipe` traces the model and sizes its stages."""
-    if plan.pipe == 1:
-        return None
+    """One per-replica batch of inputs, from which `pipe` traces the model and sizes its stages
+    (under space: this rank's blocks). Under space × tensor without pipe: the whole samples'
+    batch as a shape on the meta device (read from one sample), from which the channel/filter
+    switch point is placed by the byte rule of parallel/tensor/switch.py, as the planner does."""
     per_replica = config.train.batch_size // (plan.data * plan.shard)
+    if plan.pipe == 1:
+        if plan.space_degree == 1 or plan.tensor_degree == 1 or plan.tensor_3d:
+            return None
+        block = workload.decode_inputs(workload.train_set[0][0].unsqueeze(0)).shape[1:]
+        parts = tuple(plan.space)[4 - len(block):]          # the blocks' (d, h, w) split
+        whole = (block[0], *(n * p for n, p in zip(block[1:], parts)))
+        return torch.empty((per_replica, *whole), device="meta")
     return workload.decode_inputs(torch.stack([workload.train_set[i][0] for i in range(per_replica)]))
 
 

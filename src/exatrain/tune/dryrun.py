@@ -96,7 +96,8 @@ def dry_run(config, plan: Plan, rank: int, max_full_bytes: float = 4 * 2 ** 30) 
     p = config.parallel
     options = ParallelOptions(zero_stage=p.zero_stage, precision=p.precision,
                               activation_checkpointing=p.activation_checkpointing,
-                              batchnorm=p.batchnorm)
+                              batchnorm=p.batchnorm, chanfilt_from=p.chanfilt_from,
+                              chanfilt_skip=list(p.chanfilt_skip))
     splits_on_meta = plan.tensor_degree > 1
     notes = []
     model, shape, loss_fn = _build(config, on_meta=True)
@@ -119,7 +120,7 @@ def dry_run(config, plan: Plan, rank: int, max_full_bytes: float = 4 * 2 ** 30) 
             raise ValueError(f"train.batch_size={batch} does not split over data×shard="
                              f"{replicas}; use a multiple of {replicas}")
         per_rank = batch // replicas // config.train.grad_accum
-        net = parallelize(model, mesh, options)
+        net = parallelize(model, mesh, options, example=_switch_example(config, shape, plan))
         if plan.tensor_degree > 1 and any(t.is_meta for t in net.parameters()):
             notes.append("parameters left on meta")
         x, y = _inputs(config, shape, mesh, per_rank)
@@ -146,6 +147,17 @@ def dry_run(config, plan: Plan, rank: int, max_full_bytes: float = 4 * 2 ** 30) 
                 "ledger_bytes": ledger, "ledger_entries": entries, "notes": notes}
     finally:
         mesh.close()
+
+
+def _switch_example(config, shape, plan: Plan):
+    """Under space × tensor, the whole samples of one replica's batch on the meta device: the
+    shapes from which the channel/filter switch point is placed (as `train.run.pipeline_example`
+    gives the Trainer); None otherwise."""
+    if plan.pipe > 1 or plan.space_degree == 1 or plan.tensor_degree == 1 or plan.tensor_3d:
+        return None
+    with torch.device("meta"):          # shapes only: nothing is allocated
+        x, _y = _inputs(config, shape, None, config.train.batch_size // (plan.data * plan.shard))
+    return x
 
 
 def _inputs(config, shape, mesh, per_rank: int):
