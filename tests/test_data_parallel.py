@@ -89,3 +89,59 @@ def test_uneven_validation_split_under_zero3_matches_serial(tiny_config):
     for rank_result in sharded:
         assert abs(rank_result["summary"]["val_mae"] - serial["summary"]["val_mae"]) <= \
             1e-5 * serial["summary"]["val_mae"]
+
+
+class _SkipsAHead(torch.nn.Module):
+    """The way people write multi-task models: a head that this training never calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(4, 4)
+        self.unused_head = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _two_steps_with_an_unused_parameter(find_unused: bool):
+    from exatrain.mesh import init
+    from exatrain.parallel import parallelize
+    from exatrain.parallel.options import ParallelOptions
+    from exatrain.plan import Plan
+
+    mesh = init(Plan(data=2))
+    try:
+        torch.manual_seed(0)
+        model = parallelize(_SkipsAHead(), mesh,
+                            ParallelOptions(find_unused_parameters=find_unused))
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(8, 4)[4 * mesh.rank:4 * mesh.rank + 4]
+        try:
+            for _ in range(2):
+                optim.zero_grad()
+                model(x).square().mean().backward()
+                optim.step()
+        except Exception as err:  # noqa: BLE001 - the test inspects it
+            return type(err).__name__, str(err)
+        return "ok", unwrap(model).body.weight.detach().clone()
+    finally:
+        mesh.close()
+
+
+def test_an_unused_parameter_is_named_with_its_fixes_and_the_option_trains_it_as_serial():
+    refused = run_ranks(2, _two_steps_with_an_unused_parameter, False)
+    for kind, message in refused:
+        assert kind == "UnusedParameterError", message
+        assert "unused_head.weight" in message and "find_unused_parameters" in message
+    trained = run_ranks(2, _two_steps_with_an_unused_parameter, True)
+    torch.manual_seed(0)
+    serial = _SkipsAHead()
+    optim = torch.optim.SGD(serial.parameters(), lr=0.1)
+    x = torch.randn(8, 4)
+    for _ in range(2):
+        optim.zero_grad()
+        serial(x).square().mean().backward()
+        optim.step()
+    for kind, weight in trained:
+        assert kind == "ok"
+        assert rel_err(weight, serial.body.weight.detach()) <= 1e-6

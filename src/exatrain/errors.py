@@ -17,7 +17,8 @@ import traceback
 
 USER_ERROR_NAMES = frozenset({"ConfigError", "PlanError", "ResumeError", "CheckpointError",
                               "LaunchError", "FileNotFoundError", "NonFiniteLoss", "InitFromError",
-                              "BadSampleError", "PredictError"})
+                              "BadSampleError", "PredictError",
+                              "UnusedParameterError"})
 _INPUT_MODULES = ("/exatrain/data/", "/exatrain/workloads/")
 _CONSTRUCTORS = (" in __init__", " in __post_init__")
 

@@ -141,7 +141,8 @@ def data_step(model, mesh, options, layout):
     # running statistics under space, or with global statistics (parallel/batchnorm.py)
     equal_buffers = bool(reduction.partial_axes) or options.batchnorm == "global"
     return data_parallel(model, axis, replicas=mesh.plan.data, bucket_cap_mb=options.bucket_cap_mb,
-                         device=mesh.device, broadcast_buffers=not equal_buffers)
+                         device=mesh.device, broadcast_buffers=not equal_buffers,
+                         find_unused_parameters=options.find_unused_parameters)
 
 
 STEPS = (tensor_step, space_step, branches_step, batchnorm_step, checkpoint_and_compile_step, shard_step,

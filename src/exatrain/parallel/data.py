@@ -16,6 +16,11 @@ gradients to `.grad` by hand), so the stage gets a deferred `gradsync.GradSync` 
 pipeline reduces once after the last micro-batch: the same bytes, 4Ψ per rank and step, without
 overlap with backward (which only the last micro-batch's backward could offer).
 
+A parameter that the forward leaves out gets no gradient, so DDP's reducer never finishes its
+bucket and the next step fails. DDP can search the autograd graph for such parameters every step
+(`parallel.find_unused_parameters = true`, a graph traversal per step); without it the failure is
+re-raised as `UnusedParameterError`, naming the parameters and both fixes.
+
 The gradient is divided by `replicas` before the sum. Over plain `data`, replicas = the axis size
 (mean over the global batch). Over `data+space` (spatial parallelism) the ranks of one spatial
 group hold partial gradients of the same samples, which must be summed, so replicas is the data
@@ -42,24 +47,51 @@ def _ledger_allreduce_hook(state: _HookState, bucket) -> torch.futures.Future[to
     return all_reduce_future(buffer, state.axis, tag="grad")
 
 
+class UnusedParameterError(RuntimeError):
+    """A parameter that requires a gradient got none in the last step under data parallelism."""
+
+
+class ReplicatedModule(DistributedDataParallel):
+    """DDP whose failure on an unused parameter names the parameters and the fixes."""
+
+    def forward(self, *args, **kwargs):
+        try:
+            return super().forward(*args, **kwargs)
+        except RuntimeError as err:
+            if "finished reduction in the prior iteration" not in str(err):
+                raise
+            unused = [name for name, p in self.module.named_parameters()
+                      if p.requires_grad and p.grad is None]
+            raise UnusedParameterError(
+                f"data parallelism: the last step's forward did not use "
+                f"{len(unused)} parameter(s) that require a gradient"
+                f"{': ' + ', '.join(unused[:8]) if unused else ''}"
+                f"{' ...' if len(unused) > 8 else ''}. Freeze them (requires_grad_(False)) or "
+                "remove them from the model, or set parallel.find_unused_parameters = true "
+                "(one search of the autograd graph per step).") from err
+
+
 def data_parallel(model: nn.Module, axis: Axis, replicas: "int | None" = None,
                   bucket_cap_mb: float = 25.0, device: "torch.device | None" = None,
-                  broadcast_buffers: bool = True) -> nn.Module:
+                  broadcast_buffers: bool = True,
+                  find_unused_parameters: bool = False) -> nn.Module:
     """Wrap `model` so its gradients are averaged over `axis` during backward.
 
     `broadcast_buffers=False` where buffers are already equal on every member (spatial
     BatchNorm keeps global statistics), so DDP need not re-send them each forward.
+    `find_unused_parameters`: DDP's per-step search for parameters the forward left out.
     Returns `model` itself when the axis has one member: there is nothing to synchronise.
     """
     if axis.size == 1:
         return model
-    ddp = DistributedDataParallel(
+    ddp = ReplicatedModule(
         model,
         device_ids=[device] if device is not None and device.type == "cuda" else None,
         process_group=axis.group,
         bucket_cap_mb=bucket_cap_mb,
         gradient_as_bucket_view=True,  # no extra copy of each gradient into the bucket
         forward_sync_buffers=broadcast_buffers,  # still synced once, at construction
+        find_unused_parameters=find_unused_parameters,
     )
     ddp.register_comm_hook(_HookState(axis, replicas or axis.size), _ledger_allreduce_hook)
     return ddp

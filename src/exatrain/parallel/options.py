@@ -18,6 +18,9 @@ class ParallelOptions:
     compile: bool = False           # torch.compile each block
     sequence_parallel: bool = False  # 1D tensor parallelism: split norms/dropout over the sequence
     bucket_cap_mb: float = 25.0     # gradient all-reduce bucket size
+    # under `data`: search the autograd graph each step for parameters the forward left out
+    # (needed when a model skips some parameters in some steps; costs a graph traversal per step)
+    find_unused_parameters: bool = False
     # BatchNorm statistics over the whole batch of every replica ("global": the serial result, one
     # small all-gather per layer) or per replica ("replica": DDP's default; see parallel/batchnorm)
     batchnorm: str = "global"
