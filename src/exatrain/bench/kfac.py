@@ -25,8 +25,13 @@ two ranks), interleaved step by step from the same weights on the same batches:
 `deepcam_data_step_s`, `deepcam_branches_step_s`, their ratio, the branch bytes per step, and
 for both layouts `deepcam_<layout>_max_rel_err_vs_serial` (outputs of the first step and every
 state entry after the steps, against the serial model on the whole batch, computed in this
-process), with the entry where it is worst (`..._worst_state_entry`): plain data parallelism
-beside the branches separates what float32's reordered sums do over the steps from the branches.
+process), with the entry where it is worst (`..._worst_state_entry`) and the whole state's
+relative norm error (`..._state_rel_norm_err_vs_serial`, ‖Δ‖ / ‖serial‖ over all entries): plain
+data parallelism beside the branches separates what float32's reordered sums do over the steps
+from the branches. The two layouts are also compared with each other, rank by rank:
+`deepcam_branches_vs_data_max_rel_err` (and its `..._worst_state_entry`),
+`..._rel_err_in_data_worst_entry` (in the entry where data parallelism is furthest from serial),
+`..._state_rel_norm_err` and `..._output_rel_err_step1`.
 """
 
 from __future__ import annotations
@@ -241,10 +246,14 @@ def _to_target(curve, target):
     return next(((step, s) for step, s, mae in curve if mae <= target), (None, None))
 
 
-def run(args) -> dict:
+def run(args, launch=None) -> dict:
+    """The figures of the module doc. `launch(fn, nproc, args=...)` runs `fn(*args)` on `nproc`
+    ranks and returns their results by rank: by default `exatrain.launch.spawn`, fresh processes
+    for every run (tests hand in a pool of ranks that are already started)."""
     from ..data.cosmoflow import write_cosmoflow
     from ..launch import spawn
 
+    launch = launch or spawn
     size, steps = args.size or 32, args.steps or 600
     parts = set(args.parts.split(","))
     result: dict = {"ranks": 2, "global_batch": args.batch, "size": size, "max_steps": steps,
@@ -255,7 +264,7 @@ def run(args) -> dict:
             write_cosmoflow(work / "data", samples=args.samples, size=size, seed=1234)
         if "optim" in parts:
             for workload in args.workloads.split(","):
-                runs = {o: spawn(_train_rank, 2, args=(_config(work, workload, o, args, steps,
+                runs = {o: launch(_train_rank, 2, args=(_config(work, workload, o, args, steps,
                                                                size),))[0]
                         for o in args.optimizers.split(",")}
                 # the baseline (predicting the training set's mean) is the data's, not a run's
@@ -278,13 +287,13 @@ def run(args) -> dict:
                     result[f"{workload}_kfac_vs_adamw_seconds"] = k / a if a and k else None
         if "memory" in parts:
             config = _config(work, "cosmoflow", "kfac", args, 1, size)
-            per_rank = spawn(_memory_rank, 2, args=(config, (0.5, 1.0)))
+            per_rank = launch(_memory_rank, 2, args=(config, (0.5, 1.0)))
             for f in (0.5, 1.0):
                 result[f"second_order_bytes_per_rank_f{f}"] = max(r[f][0] for r in per_rank)
                 result[f"second_order_bytes_per_rank_f{f}_formula"] = max(r[f][1] for r in per_rank)
     if "branches" in parts:
         b, s, w = 4, args.deepcam_size, args.deepcam_width
-        ranks = spawn(_deepcam_rank, 2, args=(s, w, args.deepcam_steps, args.warmup, b))
+        ranks = launch(_deepcam_rank, 2, args=(s, w, args.deepcam_steps, args.warmup, b))
         for name in ("data", "branches"):
             result[f"deepcam_{name}_step_s"] = statistics.median(
                 max(r["times"][name][i] for r in ranks) for i in range(args.deepcam_steps))
@@ -310,13 +319,45 @@ def run(args) -> dict:
         state = model.state_dict()
         # plain data parallelism is measured beside the branches against the same serial run:
         # what both show is float32's reordered sums amplified by the steps, not the branches
+        worst_vs_serial = {}
         for name in ("data", "branches"):
-            errs = {k: max(float((r["state"][name][k].double() - v.double()).abs().max()
-                                 / v.double().abs().max().clamp_min(1e-30)) for r in ranks)
-                    for k, v in state.items() if v.is_floating_point()}
-            worst = max(errs, key=errs.get)
+            errs = _entry_errors([r["state"][name] for r in ranks], state)
+            worst = worst_vs_serial[name] = max(errs, key=errs.get)
             result[f"deepcam_{name}_max_rel_err_vs_serial"] = max(first_err[name], errs[worst])
             result[f"deepcam_{name}_worst_state_entry"] = worst
             result[f"deepcam_{name}_output_rel_err_step1"] = first_err[name]
+            result[f"deepcam_{name}_state_rel_norm_err_vs_serial"] = max(
+                _norm_error(r["state"][name], state) for r in ranks)
+        # the two layouts against each other, rank by rank (the same batches and weights): how
+        # much of the error vs serial the branches add to plain data parallelism's
+        between: dict[str, float] = {}
+        for r in ranks:
+            for k, e in _entry_errors([r["state"]["branches"]], r["state"]["data"]).items():
+                between[k] = max(between.get(k, 0.0), e)
+        worst = max(between, key=between.get)
+        result["deepcam_branches_vs_data_max_rel_err"] = between[worst]
+        result["deepcam_branches_vs_data_worst_state_entry"] = worst
+        result["deepcam_branches_vs_data_rel_err_in_data_worst_entry"] = \
+            between[worst_vs_serial["data"]]
+        result["deepcam_branches_vs_data_state_rel_norm_err"] = max(
+            _norm_error(r["state"]["branches"], r["state"]["data"]) for r in ranks)
+        result["deepcam_branches_vs_data_output_rel_err_step1"] = max(
+            float((r["first_out"]["branches"] - r["first_out"]["data"]).abs().max()
+                  / r["first_out"]["data"].abs().max()) for r in ranks)
         result["deepcam"] = f"DeepCAM {s}x{s}, width {w}, batch {b} (2 per rank)"
     return result
+
+
+def _entry_errors(states: list[dict], ref: dict) -> dict[str, float]:
+    """Per floating-point entry of `ref`: the largest |state - ref| / max |ref| over `states`."""
+    return {k: max(float((st[k].double() - v.double()).abs().max()
+                         / v.double().abs().max().clamp_min(1e-30)) for st in states)
+            for k, v in ref.items() if v.is_floating_point()}
+
+
+def _norm_error(state: dict, ref: dict) -> float:
+    """‖state - ref‖ / ‖ref‖ over all floating-point entries together (the whole state)."""
+    keys = [k for k, v in ref.items() if v.is_floating_point()]
+    diff = sum(float((state[k].double() - ref[k].double()).pow(2).sum()) for k in keys)
+    norm = sum(float(ref[k].double().pow(2).sum()) for k in keys)
+    return (diff / max(norm, 1e-300)) ** 0.5
