@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -10,6 +11,7 @@ from exatrain.comm.busbw import bus_factor
 from exatrain.comm.inject import ENV, InjectError, SlowLinks
 from exatrain.observe.preflight import PreflightOptions, exclude_line, format_report, judge, \
     pairings, preflight_rank
+from exatrain.observe.preflight_checks import check_ranks
 from harness import run_ranks
 
 TINY = PreflightOptions(sizes=[4096], iters=3, warmup=1, link_bytes=2**14)
@@ -52,6 +54,30 @@ def test_judge_names_slow_rank_and_node():
     facts[4]["link_GBps"] = 2.0  # both ranks of nid002: the node itself is slow
     verdict = judge(facts, 0.5)
     assert [n["host"] for n in verdict["slow_nodes"]] == ["nid002"]
+
+
+def _facts(rank: int, **changed) -> dict:
+    """One rank's facts (preflight_checks.rank_facts) on a healthy node, with `changed` keys."""
+    return {"rank": rank, "host": f"nid{rank:03d}", "exatrain": "0.1.0", "torch": "2.13.0",
+            "device": "cpu", "cuda_devices": 0, "local_rank": 0, "free_memory_bytes": 8 * 2**30,
+            "min_free_bytes": 2**30, "data_path": "/scratch/data", "sees_data": True,
+            "sees_run_dir": True, "run_dir_marker": "/scratch/runs/.preflight-nid000-1"} | changed
+
+
+def test_check_ranks_names_mismatched_versions_and_missing_data():
+    config = SimpleNamespace(data=SimpleNamespace(path="/scratch/data", generate=False),
+                             run=SimpleNamespace(out_dir="/scratch/runs"))
+    assert check_ranks([_facts(r) for r in range(3)], config) == []
+    problems = check_ranks([_facts(0), _facts(1, torch="2.12.0", exatrain="0.0.9"),
+                            _facts(2, sees_data=False)], config)
+    assert len(problems) == 3, problems
+    assert problems[0].startswith("rank 1 (nid001) runs exatrain 0.0.9, rank 0 runs 0.1.0")
+    assert problems[1].startswith("rank 1 (nid001) runs torch 2.12.0, rank 0 runs 2.13.0")
+    assert problems[2].startswith("rank 2 (nid002) does not see data.path=/scratch/data")
+    nowhere = [_facts(r, sees_data=False) for r in range(2)]
+    assert len(check_ranks(nowhere, config)) == 2
+    config.data.generate = True   # rank 0 writes the data at the start of the run: not missing
+    assert check_ranks(nowhere, config) == []
 
 
 def test_inject_spec_is_checked():
