@@ -49,6 +49,14 @@ def test_a_slowed_axis_is_reported_once_within_ten_steps(tiny_config):
 def test_no_drop_in_an_unslowed_run(tiny_config):
     summary = run_ranks(4, slowed_run, _config(tiny_config), "")[0]
     assert summary["bandwidth_drops"] == []
+    # and not because nothing was judged: both axes' bus bandwidth measured, and measured anew
+    # after the warm-up steps (each logged record holds the newest step's figure per axis)
+    records = [json.loads(l) for l in open(f"{summary['run_dir']}/metrics.jsonl")]
+    logged = [r["busbw_GBps"] for r in records if "busbw_GBps" in r]
+    assert len(logged) == STEPS // 4, records
+    for axis in ("data", "shard"):
+        assert all(0 < r[axis] < float("inf") for r in logged), (axis, logged)
+        assert logged[-1][axis] != logged[0][axis], (axis, logged)  # step 16's, not step 4's
 
 
 def test_stop_policy_checkpoints_and_stops(tiny_config):
