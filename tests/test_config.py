@@ -49,6 +49,8 @@ def test_bad_values_are_named():
         load_config(None, ["optim.name='adamx'"])
     with pytest.raises(ConfigError, match="run.workload='cosmoflo'.*Did you mean 'cosmoflow'"):
         load_config(None, ["run.workload='cosmoflo'"])
+    with pytest.raises(ConfigError, match="parallel.branches='data'.*Set parallel.branches='none'"):
+        load_config(None, ["optim.name='kfac'", "parallel.branches='data'", "plan.data=2"])
 
 
 def test_batch_must_split_over_replicas_and_accumulation():

@@ -328,6 +328,11 @@ def _validate_kfac(config: Config) -> None:
         raise ConfigError(f"optim.name='kfac' with parallel.activation_checkpointing="
                           f"{config.parallel.activation_checkpointing!r}: the recomputed forward "
                           "would count K-FAC's factors twice. Set it to 'none'.")
+    if config.parallel.branches != "none" and config.plan.data > 1:
+        raise ConfigError("optim.name='kfac' with parallel.branches='data': each branch runs on "
+                          "its owner ranks only, and K-FAC needs every preconditioned layer on "
+                          "every data rank. Set parallel.branches='none', or use optim.name="
+                          "'adamw' or 'sgd' with the branches split.")
     if config.parallel.precision == "fp16":
         raise ConfigError("optim.name='kfac' with parallel.precision='fp16': the loss scale would "
                           "enter K-FAC's G factors. Use 'bf16' or 'fp32'.")
