@@ -1,15 +1,17 @@
 """Start-up: files a rank opens from interpreter start to its first step, against `import torch`.
 
 Baseline: a fresh interpreter's `import torch` (what any PyTorch job opens). exatrain: the same
-interpreter's `import exatrain`, then `--nproc` ranks (torchrun-style environment) of a tiny
-CosmoFlow job up to the end of their first step. Counts come from a Python audit hook
+interpreter's `import exatrain` and `exatrain run`'s parser, then `--nproc` ranks (torchrun-style
+environment) of a tiny CosmoFlow job up to the end of their first step. Counts come from a Python audit hook
 (observe.startup); times are wall seconds on this machine (one measurement: start-up is not
 repeated warm, which would hide what a cold parallel file system pays).
 
 Figures: torch_opens, exatrain_opens, exatrain_opens_beyond_torch (the figure to keep small),
 exatrain_listdirs_beyond_torch, exatrain_modules_beyond_torch, torch_import_s, exatrain_import_s,
-heavy_modules_at_import, first_step_opens_max, first_step_listdirs_max, first_step_s_max,
-first_step_modules_max (the largest over ranks).
+heavy_modules_at_import, run_parser_opens_beyond_torch and run_parser_modules_beyond_torch
+(`import exatrain.cli` and the parser of `exatrain run` too), heavy_modules_at_run_parser,
+first_step_opens_max, first_step_listdirs_max, first_step_s_max, first_step_modules_max (the
+largest over ranks), heavy_modules_at_first_step (on any rank).
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> dict:
-    result = summarise(measure_import())
-    if args.nproc > 0:
-        with tempfile.TemporaryDirectory(prefix="exatrain-startup-") as tmp:
-            overrides = ([] if args.config else TINY) + [f"data.path={tmp}/data",
-                                                         f"run.out_dir={tmp}/runs", *(args.set or [])]
-            ranks = measure_first_step(args.config, overrides, args.nproc)
-        result = summarise(measure_import(), ranks) | {"nproc": args.nproc}
-    return result
+    imported = measure_import()   # once, cold: a second import would find the files cached
+    if args.nproc <= 0:
+        return summarise(imported)
+    with tempfile.TemporaryDirectory(prefix="exatrain-startup-") as tmp:
+        overrides = ([] if args.config else TINY) + [f"data.path={tmp}/data",
+                                                     f"run.out_dir={tmp}/runs", *(args.set or [])]
+        ranks = measure_first_step(args.config, overrides, args.nproc)
+    return summarise(imported, ranks) | {"nproc": args.nproc}

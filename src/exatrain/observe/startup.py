@@ -8,11 +8,14 @@ Each measurement runs in a fresh interpreter that installs a Python audit hook
   os.scandir   directory once per process, and each package directory it searches)
 
 and taking marks: after `import torch` (the baseline: what any PyTorch job pays), after
-`import exatrain`, and at the end of the first training step (the audit event
-"exatrain.step_end" that the Trainer's observer raises after every step; for older trees without
-it, rank 0's first open of RUN_DIR/metrics.jsonl, with train.log_every = 1). `stat` calls are not audit events; count them
-with `strace -f -c -e trace=%file` (docs/how-to/startup.md). On a parallel file system every
-one of these is a metadata request to a single server, from every rank at once.
+`import exatrain`, after `import exatrain.cli` and building its parser for `exatrain run` (what
+`srun exatrain run` does on every rank before training), and at the end of the first training
+step (the audit event "exatrain.step_end" that the Trainer's observer raises after every step;
+for older trees without it, rank 0's first open of RUN_DIR/metrics.jsonl, with
+train.log_every = 1). Each mark also names the HEAVY_MODULES imported by then. `stat` calls
+are not audit events; count them with `strace -f -c -e trace=%file` (docs/how-to/startup.md).
+On a parallel file system every one of these is a metadata request to a single server, from
+every rank at once.
 
 The first-step measurement runs `nproc` ranks as torchrun would start them (RANK, WORLD_SIZE,
 MASTER_ADDR ... in the environment), each in its own measured interpreter; the data are written
@@ -26,13 +29,21 @@ import os
 import subprocess
 import sys
 
+# Modules a training rank must not import before it needs them: each costs hundreds of files
+# (sympy, DTensor, torch._dynamo) or is not training at all (the planner, the benchmarks).
+HEAVY_MODULES = ("sympy", "mpmath", "matplotlib", "safetensors", "torch.utils.tensorboard",
+                 "torch.distributed.pipelining", "torch.distributed.checkpoint",
+                 "torch.distributed.tensor", "torch._dynamo", "mlperf_logging", "scipy",
+                 "exatrain.tune", "exatrain.bench")
+
 PROBE = r"""
 import json, sys, time
 t0 = time.perf_counter()
 counts = {"open": 0, "os.listdir": 0, "os.scandir": 0}
 marks = {}
 def mark(name):
-    marks[name] = dict(counts, wall_s=time.perf_counter() - t0, modules=len(sys.modules))
+    marks[name] = dict(counts, wall_s=time.perf_counter() - t0, modules=len(sys.modules),
+                       heavy=sorted(m for m in HEAVY if m in sys.modules))
 def hook(event, args):
     if event in counts:
         counts[event] += 1
@@ -44,15 +55,18 @@ import torch
 mark("torch")
 import exatrain
 mark("exatrain")
-marks["heavy_modules"] = sorted(m for m in ("sympy", "mpmath", "matplotlib", "safetensors",
-    "torch.utils.tensorboard", "torch.distributed.pipelining", "torch.distributed.checkpoint",
-    "torch.distributed.tensor", "torch._dynamo", "mlperf_logging", "scipy") if m in sys.modules)
+from exatrain.cli import build_parser
+try:
+    build_parser(["run"])
+except TypeError:   # an older tree, whose parser is always built whole
+    build_parser()
+mark("cli")
 if len(sys.argv) > 1:
     from exatrain.train.config import load_config
     from exatrain.train.run import run_job
     run_job(load_config(sys.argv[1] or None, json.loads(sys.argv[2])))
 print("EXATRAIN_STARTUP " + json.dumps(marks))
-"""
+""".replace("HEAVY", repr(HEAVY_MODULES))
 
 
 def _probe(args: list[str], env: dict | None = None, **popen) -> subprocess.Popen:
@@ -95,18 +109,23 @@ def measure_first_step(config_path: str | None, overrides: list[str], nproc: int
 
 def summarise(imported: dict, ranks: list[dict] | None = None) -> dict:
     """Flat figures: opens and listings at each mark, and beyond torch's own."""
-    t, e = imported["torch"], imported["exatrain"]
+    t, e, c = imported["torch"], imported["exatrain"], imported["cli"]
     out = {"torch_opens": t["open"], "exatrain_opens": e["open"],
            "exatrain_opens_beyond_torch": e["open"] - t["open"],
            "exatrain_listdirs_beyond_torch": e["os.listdir"] + e["os.scandir"]
            - t["os.listdir"] - t["os.scandir"],
            "exatrain_modules_beyond_torch": e["modules"] - t["modules"],
            "torch_import_s": t["wall_s"], "exatrain_import_s": e["wall_s"] - t["wall_s"],
-           "heavy_modules_at_import": ",".join(imported["heavy_modules"]) or "none"}
+           "heavy_modules_at_import": ",".join(e["heavy"]) or "none",
+           "run_parser_opens_beyond_torch": c["open"] - t["open"],
+           "run_parser_modules_beyond_torch": c["modules"] - t["modules"],
+           "heavy_modules_at_run_parser": ",".join(c["heavy"]) or "none"}
     if ranks:
         first = [r["first_step"] for r in ranks if "first_step" in r]
         out.update(first_step_opens_max=max(f["open"] for f in first),
                    first_step_listdirs_max=max(f["os.listdir"] + f["os.scandir"] for f in first),
                    first_step_s_max=max(f["wall_s"] for f in first),
-                   first_step_modules_max=max(f["modules"] for f in first))
+                   first_step_modules_max=max(f["modules"] for f in first),
+                   heavy_modules_at_first_step=",".join(sorted({m for f in first
+                                                                 for m in f["heavy"]})) or "none")
     return out
