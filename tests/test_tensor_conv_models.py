@@ -24,8 +24,10 @@ measured 2.8e-5 and 2e-3 under tensor=2), its shifts within 1e-4 absolute (measu
 and one float64 step under tensor=2 must equal serial to 1e-10 (measured 1e-14): the algorithm is
 exact, the differences are float32 summation order. A checkpoint
 written under Plan(tensor=2) at step 2 resumes under Plan(data=2) and serially with the same
-losses at steps 3 and 4; DeepCAM under space × tensor is refused before training, naming the
-convolution (its output would leave the switch whole, its labels are blocks).
+losses at steps 3 and 4; DeepCAM under space × tensor is refused before training: automatically
+no convolution is worth splitting at this size (tensor would only replicate the model), and with
+the switch moved onto a convolution by `parallel.chanfilt_from` the refusal names it (its output
+would leave the switch whole, its labels are blocks).
 """
 
 from __future__ import annotations
@@ -162,10 +164,15 @@ def test_deepcam_under_tensor_and_data(deepcam_data, tmp_path):
         _check(runs, serial[0], case, state_tol=5 * max(state_floor, 1e-5),
                loss_tol=5 * max(loss_floor, 1e-5), shift_tol=1e-4)
         assert runs[0]["summary"]["conv_pairs"], runs[0]["summary"]
-    messages = run_ranks(4, refusal, deepcam(deepcam_data, tmp_path, "plan.space=[1,1,2]",
-                                             "plan.tensor=2"))
-    for m in messages:
-        assert "no nn.Flatten" in m and "chanfilt_from" in m, m
+    # space × tensor: at this batch the byte rule splits no convolution (space moves fewer bytes
+    # in every one), so tensor would only replicate the model: refused; and a switch moved by
+    # hand onto a convolution is refused naming it (the output would leave it whole)
+    space = ("plan.space=[1,1,2]", "plan.tensor=2")
+    for m in run_ranks(4, refusal, deepcam(deepcam_data, tmp_path, *space)):
+        assert "would only replicate the model" in m, m
+    moved = deepcam(deepcam_data, tmp_path, *space, "parallel.chanfilt_from='enc2.0.0'")
+    for m in run_ranks(4, refusal, moved):
+        assert "no nn.Flatten" in m and "chanfilt_from" in m and "'enc2.0.0'" in m, m
 
 
 def test_checkpoint_from_tensor_resumes_under_data_and_serially(tiny_config, tmp_path):
