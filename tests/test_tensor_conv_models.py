@@ -165,11 +165,11 @@ def test_deepcam_under_tensor_and_data(deepcam_data, tmp_path):
                loss_tol=5 * max(loss_floor, 1e-5), shift_tol=1e-4)
         assert runs[0]["summary"]["conv_pairs"], runs[0]["summary"]
     # space × tensor: at this batch the byte rule splits no convolution (space moves fewer bytes
-    # in every one), so tensor would only replicate the model: refused; and a switch moved by
+    # in every one), so no layer is left for tensor: refused with the two fixes; and a switch moved by
     # hand onto a convolution is refused naming it (the output would leave it whole)
     space = ("plan.space=[1,1,2]", "plan.tensor=2")
     for m in run_ranks(4, refusal, deepcam(deepcam_data, tmp_path, *space)):
-        assert "would only replicate the model" in m, m
+        assert "no layer is left for the tensor axis" in m and "chanfilt_from" in m, m
     moved = deepcam(deepcam_data, tmp_path, *space, "parallel.chanfilt_from='enc2.0.0'")
     for m in run_ranks(4, refusal, moved):
         assert "no nn.Flatten" in m and "chanfilt_from" in m and "'enc2.0.0'" in m, m
