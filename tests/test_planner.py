@@ -107,8 +107,9 @@ def test_published_megatron_runs_are_predicted():
     assert len(cases) == 12 and all(c["predicted_s"] > 0 for c in cases)
     figures = published_figures(cases)
     assert figures["published_memory_cases"] == 8
-    assert figures["published_step_time_mape"] < 15
-    assert figures["published_memory_mape"] < 15
+    # the issue-22 bar: the published figures stay within their recorded error (9.5 %, 7.7 %)
+    assert figures["published_step_time_mape"] < 10.0
+    assert figures["published_memory_mape"] < 8.0
 
 
 _DRY_RUNS = """
@@ -224,6 +225,12 @@ def test_cnn_tensor_plans_are_ranked_with_the_ledger_bytes_of_their_dry_runs():
             if axis == "tensor":
                 ledger[op] = [ledger.get(op, [0, 0])[0] + nbytes, ledger.get(op, [0, 0])[1] + calls]
         assert terms["by_op"] == ledger, plan
+        priced: dict = {}   # and the step time prices each collective as the kind it is
+        for c in pred.comms:
+            if c.axis == "tensor":
+                priced[c.op] = [priced.get(c.op, [0, 0])[0] + c.nbytes,
+                                priced.get(c.op, [0, 0])[1] + c.calls]
+        assert priced == ledger, plan
         assert set(ledger) == {"all_reduce", "all_gather", "broadcast"}, plan
         assert terms["calls"] == sum(c for _b, c in ledger.values()), plan
     spec = spec_from_config(load_config(None, []))

@@ -214,13 +214,15 @@ def _cnn_tensor_cached(kwargs: tuple, sample_shape: tuple, t: int, element_size:
     from .chanfilt import cnn_tensor, cosmoflow_meta
     model = cosmoflow_meta(**dict(kwargs))
     one = cnn_tensor(model, Plan(tensor=t), sample_shape, 1, element_size)
+    per_op = tuple((op, b, c) for op, (b, c) in sorted(one["per_sample_by_op"].items()))
     return (one["per_sample_bytes"], one["calls"], tuple(one["local_shapes"]),
-            tuple(one["batchnorm_channels"]))
+            tuple(one["batchnorm_channels"]), per_op)
 
 
 def _cnn_tensor(spec: ModelSpec, t: int, element_size: int) -> tuple:
     """(tensor-axis bytes per sample, collectives, local parameter shapes, local BatchNorm
-    channels) of CosmoFlow under 1D tensor = t: `tune.chanfilt.cnn_tensor` on the meta model."""
+    channels, (op, bytes per sample, calls) per collective) of CosmoFlow under 1D tensor = t:
+    `tune.chanfilt.cnn_tensor` on the meta model."""
     e = spec.extra
     kwargs = tuple(sorted((k, e[k]) for k in ("size", "in_channels", "base_channels",
                                                "conv_layers", "batchnorm")))
@@ -340,9 +342,12 @@ def comms(spec: ModelSpec, plan: Plan, options: Options, psi: int, shapes: list,
     elif t > 1 and spec.family == "cosmoflow":
         # channel/filter convolutions and the head's Linears (`tune.chanfilt.cnn_tensor`):
         # per sample, plus the dropout-seed broadcast once per forward
+        # priced per collective: the pairs all-reduce, the gathered layers all-gather
         from .chanfilt import SEED_BYTES
-        per_sample, calls, _shapes, _bn = _cnn_tensor(spec, t, PRECISION_BYTES[options.precision])
-        add(("tensor",), "all_reduce", per_sample * mb + SEED_BYTES, calls)
+        per_op = _cnn_tensor(spec, t, PRECISION_BYTES[options.precision])[4]
+        for op, per_sample, calls in per_op:
+            add(("tensor",), op, per_sample * mb, calls)
+        add(("tensor",), "broadcast", SEED_BYTES, 1)
     elif t > 1 and spec.family == "gpt":
         s = PRECISION_BYTES[options.precision]
         rows = int(mb * spec.tokens)
