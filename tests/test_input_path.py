@@ -104,6 +104,41 @@ def test_decode_on_device_trains_like_the_cpu_transform(tiny_config, one_thread)
     np.testing.assert_allclose(runs[True], runs[False], rtol=1e-5)
 
 
+def _slot_of(batch):
+    """The loader worker's collate, noting which BufferRing slot the batch's counts occupy."""
+    from exatrain.data.loader import collate
+    return collate(batch), (batch.lease[1] if batch.lease else None)
+
+
+def test_worker_buffers_are_reused_only_once_the_training_process_let_go(cosmo_data):
+    """A worker reads raw counts into a ring of shared-memory buffers: batches dropped after use
+    free their slot (a few slots serve the whole pass), batches kept keep theirs (the ring runs
+    out and fresh buffers follow), and no batch ever changes under its holder."""
+    from torch.utils.data import DataLoader
+    data = CosmoFlowDataset(cosmo_data / "train.h5")
+    data.raw = True
+    expected = [data[i][0] for i in range(40)]
+    batches = [list(range(i, i + 2)) for i in range(0, 40, 2)]
+
+    def run(keep: bool):
+        kept, slots = [], []
+        loader = DataLoader(data, batch_sampler=batches, num_workers=1, collate_fn=_slot_of)
+        for j, ((x, y), slot) in enumerate(loader):
+            slots.append(slot)
+            assert torch.equal(x, torch.stack(expected[2 * j:2 * j + 2]))
+            if keep:
+                kept.append(x)
+            del x, y
+        for j, x in enumerate(kept):  # still what was read, after every later batch
+            assert torch.equal(x, torch.stack(expected[2 * j:2 * j + 2]))
+        return slots
+
+    dropped = run(keep=False)
+    assert None not in dropped and len(set(dropped)) <= 4, dropped  # the loader's prefetch: 2
+    kept = run(keep=True)
+    assert kept[:8] == list(range(8)) and kept[8:] == [None] * 12  # 8 slots, then fresh buffers
+
+
 # ---------------------------------------------------------------- the input wait, measured
 class SlowSet(Dataset):
     """Reading a sample takes `delay_s` (a sleep, like a slow file system)."""

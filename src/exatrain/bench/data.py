@@ -8,10 +8,21 @@ forecaster, GPT, QM9; the GCN trains on one whole graph held in memory, so it ha
                                   device where the workload does) from a warm page cache, with 0
                                   (the prefetch thread reads), 1 and 2 worker processes
   read_bytes_per_s_w{N}           the bytes it delivered per second (as stored for raw inputs)
-  loader_samples_per_s_cold       1 worker, files evicted from the page cache first
+  loader_samples_per_cpu_s_w{N}   samples per CPU-second spent loading: the CPU time of the
+                                  worker processes (getrusage of the joined workers) plus that
+                                  of the thread that takes batches from the loader (thread CPU
+                                  time: the whole read at w0, the hand-over with workers);
+                                  decoding is the device's work and not counted. CPU time is
+                                  what a loader core spends, so it holds on a loaded machine
+                                  where wall-clock rates do not
+  loader_samples_per_s_cold       1 worker, files evicted from the page cache before each pass
                                   (fsync + posix_fadvise(DONTNEED)): what a first epoch reads
-  stage_s, stage_bytes_per_s      copying the data set to node-local storage (/dev/shm)
-  loader_samples_per_s_staged     1 worker, cold, from the staged copy
+  stage_s, stage_bytes_per_s      copying the data set to node-local storage (/dev/shm) from a
+                                  cold page cache
+  loader_samples_per_s_staged_cold  1 worker, from the staged copy, its files evicted before
+                                  each pass like the cold variant's. On tmpfs (/dev/shm) the
+                                  pages are the files and cannot be evicted: there this is a
+                                  memory read, as every epoch after staging is
   model_samples_per_s             the model's appetite: steps (forward, backward, optimizer) on
                                   one batch already in memory, one rank's share of the cores
   loader_over_model               loader_samples_per_s at the default workers / appetite (>= 2:
@@ -21,16 +32,24 @@ forecaster, GPT, QM9; the GCN trains on one whole graph held in memory, so it ha
 
 For CosmoFlow 128³ also: the loader with the transform on the CPU (float32, log1p: the path
 before decode on the device), a `space=(1,1,2)` rank's hyperslab reads, the per-core loader rate
-and `cores_per_gpu`: the loader cores one GPU needs at `--gpu-rate` samples/s (NVIDIA's MLPerf HPC
-v3.0 CosmoFlow: about 200 samples/s per H100).
+`loader_samples_per_s_per_core` (samples per CPU-second with one worker process, the path a GPU
+node's ranks take, decode on the device) and `cores_per_gpu`: the loader cores one GPU needs at
+`--gpu-rate` samples/s (NVIDIA's MLPerf HPC v3.0 CosmoFlow: about 200 samples/s per H100).
 
-All variants run in one launch on the same files; rates are medians of `--repeats` passes over the
-same samples, after a warm-up pass.
+All variants run in one launch on the same files. A pass is one run of a fresh loader over the
+same `--samples` samples (spread over the files); rates are medians of `--repeats` passes, after a
+warm-up pass for the warm variants. Wall-clock rates count from a pass's first batch (worker
+start-up is paid once a run); CPU time counts the whole pass, start-up and shut-down included
+(a worker's fork and its first shared-memory buffers: a run pays them once, so short passes
+understate the per-core rate of a long run).
+`--set [CASE:]KEY=VALUE` changes every case's configuration, or CASE's (e.g. smaller data for a
+smoke test).
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import statistics
 import tempfile
 import time
@@ -62,18 +81,23 @@ def add_arguments(parser) -> None:
     parser.add_argument("--stage-to", default="/dev/shm" if Path("/dev/shm").is_dir() else "",
                         help="node-local directory for the staging case (default /dev/shm)")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes per variant")
-    parser.add_argument("--seconds", type=float, default=1.0,
-                        help="seconds per timed pass (at most one pass over the samples)")
+    parser.add_argument("--samples", type=int, default=512,
+                        help="samples per pass (default 512; cold passes: at most the set)")
     parser.add_argument("--real-steps", type=int, default=40,
                         help="steps of the real 2-rank run per workload (0: skip it)")
     parser.add_argument("--gpu-rate", type=float, default=GPU_RATE,
                         help="CosmoFlow 128³ samples/s one GPU takes, for cores_per_gpu")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="[CASE:]KEY=VALUE",
+                        help="a config override for every case, or for CASE only (repeatable)")
 
 
-def _config(case: str, data_dir: str, extra: list[str] = ()):
+def _config(case: str, args, extra: list[str] = ()):
     from ..train.config import load_config
-    return load_config(None, [*CASES[case], f"data.path={data_dir}/{case}", "run.nproc=2",
-                              *extra])
+    mine = [o.split(":", 1)[-1] for o in args.overrides
+            if ":" not in o.split("=", 1)[0] or o.startswith(f"{case}:")]
+    return load_config(None, [*CASES[case], f"data.path={args.data_dir}/{case}", "run.nproc=2",
+                              *mine, *extra])
 
 
 def _mesh():
@@ -88,7 +112,8 @@ def _files(path: Path) -> list[Path]:
 
 
 def evict(path: Path) -> None:
-    """Drop a data set's files from the page cache (flushed first: only clean pages go)."""
+    """Drop a data set's files from the page cache (flushed first: only clean pages go; a no-op
+    on tmpfs, whose pages are the files)."""
     for file in _files(path):
         fd = os.open(file, os.O_RDONLY)
         try:
@@ -98,37 +123,77 @@ def evict(path: Path) -> None:
             os.close(fd)
 
 
-def loader_rate(workload, dataset, micro: int, workers: int, seconds: float, repeats: int,
-                cold_path: Path | None = None) -> tuple[float, float]:
-    """(samples/s, bytes/s) of the run's input path alone: a loader with `workers`, prefetch 2,
-    decode by the workload, timed from its first batch (worker start-up is paid once a run) for
-    at least `seconds`; median over `repeats` passes (after a warm-up pass when warm)."""
-    from ..data.loader import EpochSampler, Prefetcher, run_loader
+class _TimedSource:
+    """The loader's iterator, with the CPU time of the thread that takes its batches (the
+    prefetch thread): the whole read without workers, the hand-over (unpickling, mapping the
+    shared memory) with them."""
+
+    def __init__(self, source):
+        self.source, self.cpu_s = source, 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        start = time.thread_time()
+        try:
+            return next(self.source)
+        finally:
+            self.cpu_s += time.thread_time() - start
+
+    def _shutdown_workers(self):  # Prefetcher.close stops the loader's workers through this
+        shutdown = getattr(self.source, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def loader_pass(workload, dataset, micro: int, workers: int, order: list[int]) -> dict:
+    """One pass of a fresh loader (prefetch 2, decode by the workload) over `order`: wall-clock
+    samples/s and bytes/s from the first batch on, and the CPU-seconds spent loading (worker
+    processes, counted once they are joined, plus the thread taking the batches)."""
+    from ..data.loader import Prefetcher, run_loader
+    before = _children_cpu_s()
+    source = _TimedSource(run_loader(dataset, order, micro, workers, torch.device("cpu"), seed=0))
+    feed = Prefetcher(source, torch.device("cpu"), decode=workload.decode, depth=2)
+    try:
+        next(feed)
+        first = micro
+        feed.take()
+        start, samples = time.perf_counter(), 0
+        for batch in feed:
+            samples += len(batch[0])
+        elapsed = time.perf_counter() - start
+    finally:
+        feed.close()  # joins the workers: their CPU time is then the children's
+    _, size = feed.take()
+    cpu = _children_cpu_s() - before + source.cpu_s
+    return {"samples_per_s": samples / elapsed, "bytes_per_s": size / elapsed,
+            "cpu_s_per_sample": cpu / (samples + first)}
+
+
+def loader_rate(workload, dataset, micro: int, workers: int, samples: int, repeats: int,
+                cold_path: Path | None = None) -> dict:
+    """The medians of `repeats` passes (`loader_pass`) over the same `samples` samples (at
+    least three batches), spread over the files; warm after an untimed pass, going round the
+    data set as often as it takes, or cold: `cold_path` evicted before each pass, each sample
+    read once (a smaller pass where the set is smaller)."""
     n = len(dataset)
-    order = [(i * 7919) % n for i in range(n)]  # spread over the files, the same every pass
-    rates, byte_rates = [], []
+    count = max(samples if cold_path is None else min(n, samples), 3 * micro)
+    order = [(i * 7919) % n for i in range(count)]
+    passes = []
     for attempt in range(repeats + (0 if cold_path else 1)):
         if cold_path is not None:
             evict(cold_path)
-        sampler = EpochSampler(lambda e, s: order, steps_per_epoch=1, start_step=0)
-        source = run_loader(dataset, sampler, micro, workers, torch.device("cpu"), seed=0)
-        feed = Prefetcher(source, torch.device("cpu"), decode=workload.decode, depth=2)
-        try:
-            next(feed)
-            feed.take()
-            start, batches = time.perf_counter(), 0
-            while time.perf_counter() - start < seconds and batches < max(1, n // micro - 1):
-                next(feed)
-                batches += 1
-            elapsed = time.perf_counter() - start
-        finally:
-            feed.close()
-        _, size = feed.take()
+        figures = loader_pass(workload, dataset, micro, workers, order)
         if cold_path is None and attempt == 0:
             continue
-        rates.append(batches * micro / elapsed)
-        byte_rates.append(size / elapsed)
-    return statistics.median(rates), statistics.median(byte_rates)
+        passes.append(figures)
+    return {key: statistics.median(p[key] for p in passes) for key in passes[0]}
 
 
 def model_rate(workload, config, micro: int, steps: int = 6) -> float:
@@ -159,13 +224,20 @@ def _real_run(config) -> dict:
                                         "input_bytes_per_s", "num_workers")}
 
 
-def real_run_wait(case: str, data_dir: str, steps: int, out_dir: str) -> dict:
+def real_run_wait(case: str, args) -> dict:
     """The data_wait_fraction of a real 2-rank `exatrain run` of the case (default workers)."""
     from ..launch import spawn
-    config = _config(case, data_dir, [f"train.steps={steps}", f"train.log_every={steps}",
-                                      "train.eval_every=0", f"run.out_dir={out_dir}",
-                                      "observe.tensorboard=false", "data.generate=false"])
+    steps, out_dir = args.real_steps, str(Path(args.data_dir) / "runs")
+    config = _config(case, args, [f"train.steps={steps}", f"train.log_every={steps}",
+                                  "train.eval_every=0", f"run.out_dir={out_dir}",
+                                  "observe.tensorboard=false", "data.generate=false"])
     return spawn(_real_run, 2, args=(config,))[0]
+
+
+def _add(out: dict, suffix: str, figures: dict) -> None:
+    out[f"loader_samples_per_s_{suffix}"] = figures["samples_per_s"]
+    out[f"read_bytes_per_s_{suffix}"] = figures["bytes_per_s"]
+    out[f"loader_samples_per_cpu_s_{suffix}"] = 1.0 / figures["cpu_s_per_sample"]
 
 
 def run_case(case: str, args, mesh) -> dict:
@@ -174,7 +246,7 @@ def run_case(case: str, args, mesh) -> dict:
     from ..train.config import micro_batch_size
     from ..workloads import get_workload
 
-    config = _config(case, args.data_dir)
+    config = _config(case, args)
     module = get_workload(config.run.workload)
     module.prepare(config)
     torch.manual_seed(0)
@@ -184,24 +256,28 @@ def run_case(case: str, args, mesh) -> dict:
     out: dict = {"micro_batch": micro}
     warm = {}
     for workers in (0, 1, 2):
-        warm[workers], out[f"read_bytes_per_s_w{workers}"] = loader_rate(
-            workload, workload.train_set, micro, workers, args.seconds, args.repeats)
-        out[f"loader_samples_per_s_w{workers}"] = warm[workers]
-    out["loader_samples_per_s_cold"], out["read_bytes_per_s_cold"] = loader_rate(
-        workload, workload.train_set, micro, 1, args.seconds, args.repeats, cold_path=path)
+        warm[workers] = loader_rate(workload, workload.train_set, micro, workers, args.samples,
+                                    args.repeats)
+        _add(out, f"w{workers}", warm[workers])
+    _add(out, "cold", loader_rate(workload, workload.train_set, micro, 1, args.samples,
+                                  args.repeats, cold_path=path))
     if args.stage_to:
         with tempfile.TemporaryDirectory(dir=args.stage_to, prefix="exatrain-bench-") as shm:
             evict(path)
+            inputs = getattr(module, "input_files", None)
+            files = inputs(config) if inputs else None
             start = time.perf_counter()
-            staged = copy_files(_files(path), path, stage_dir(path, shm))
+            staged = copy_files(_files(path) if files is None else
+                                files.for_node(0, 1, node_shard=False)[0], path,
+                                stage_dir(path, shm))
             out["stage_s"] = time.perf_counter() - start
             out["stage_bytes_per_s"] = staged.copied_bytes / out["stage_s"]
-            staged_config = _config(case, args.data_dir, [f"data.path={staged.path}",
-                                                          "data.generate=false"])
+            staged_config = _config(case, args, [f"data.path={staged.path}", "data.generate=false"])
             torch.manual_seed(0)
             staged_workload = module.build(staged_config, mesh)
-            out["loader_samples_per_s_staged"], _ = loader_rate(
-                staged_workload, staged_workload.train_set, micro, 1, args.seconds, args.repeats)
+            _add(out, "staged_cold", loader_rate(staged_workload, staged_workload.train_set, micro,
+                                                 1, args.samples, args.repeats,
+                                                 cold_path=staged.path))
     threads = torch.get_num_threads()
     torch.set_num_threads(cores_per_rank(2))  # one rank's share, as in the 2-rank job
     try:
@@ -210,14 +286,11 @@ def run_case(case: str, args, mesh) -> dict:
         torch.set_num_threads(threads)
     default = default_workers(2)
     out["default_workers"] = default
-    out["loader_over_model"] = warm[min(default, 2)] / out["model_samples_per_s"]
+    out["loader_over_model"] = warm[min(default, 2)]["samples_per_s"] / out["model_samples_per_s"]
     if case == "cosmoflow128":
         out.update(_cosmoflow128_extras(workload, micro, args, warm))
-        out["loader_bytes_per_s_per_core"] = out["read_bytes_per_s_w1"]
     if args.real_steps:
-        run = real_run_wait(case, args.data_dir, args.real_steps,
-                            str(Path(args.data_dir) / "runs"))
-        out.update({f"run_{k}": v for k, v in run.items()})
+        out.update({f"run_{k}": v for k, v in real_run_wait(case, args).items()})
     return out
 
 
@@ -225,20 +298,22 @@ def _cosmoflow128_extras(workload, micro: int, args, warm: dict) -> dict:
     """The CPU-decode path, a spatial rank's hyperslab reads, the cores one GPU needs."""
     from ..parallel.spatial import SpatialBlocks
     data = workload.train_set
-    out = {}
+    out: dict = {}
     data.raw = False  # the path before decode on the device: float32 + log1p in the loader
     decode, workload.decode = workload.decode, None
     try:
-        out["cpu_decode_loader_samples_per_s_w1"], out["cpu_decode_read_bytes_per_s_w1"] = \
-            loader_rate(workload, data, micro, 1, args.seconds, args.repeats)
+        _add(out, "cpu_decode_w1", loader_rate(workload, data, micro, 1, args.samples,
+                                               args.repeats))
     finally:
         data.raw, workload.decode = True, decode
     edge = data.sample_shape[0]
     half = (slice(None), slice(None), slice(0, edge // 2))  # rank 0 of space=(1,1,2)
-    out["space2_loader_samples_per_s_w1"], out["space2_read_bytes_per_s_w1"] = loader_rate(
-        workload, SpatialBlocks(data, half), micro, 1, args.seconds, args.repeats)
-    per_core = warm[1]  # one worker process: one core reads, collates and hands over
+    _add(out, "space2_w1", loader_rate(workload, SpatialBlocks(data, half), micro, 1,
+                                       args.samples, args.repeats))
+    # one worker process reads, collates and hands over; per CPU-second of that work
+    per_core = 1.0 / warm[1]["cpu_s_per_sample"]
     out["loader_samples_per_s_per_core"] = per_core
+    out["loader_bytes_per_s_per_core"] = per_core * warm[1]["bytes_per_s"] / warm[1]["samples_per_s"]
     out["gpu_rate_samples_per_s"] = args.gpu_rate
     out["cores_per_gpu"] = args.gpu_rate / per_core
     return out

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .loader import Collated, batch_buffer
+from .loader import BufferRing, Collated, batch_buffer
 
 PARAM_NAMES = ("Omega_m", "sigma_8", "n_s", "H0")
 # The Quijote latin hypercube's ranges (Villaescusa-Navarro et al. 2020, ApJS 250, 2), a simulation
@@ -259,6 +259,7 @@ class CosmoFlowDataset(Dataset):
         self.transform = transform
         self.bytes_read = 0
         self._handle, self._pid = None, None
+        self._ring, self._ring_pid = None, None  # a loader worker's batch buffers (BufferRing)
         if not self.path.exists():
             raise FileNotFoundError(f"CosmoFlow data not found: {self.path}; {_HINT}")
         if self.path.is_dir() and any(self.path.glob("*_data.npy")):
@@ -296,6 +297,7 @@ class CosmoFlowDataset(Dataset):
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_handle"], state["_pid"] = None, None  # h5py handles must not cross processes
+        state["_ring"], state["_ring_pid"] = None, None  # nor a worker's buffers
         return state
 
     def close(self) -> None:
@@ -380,8 +382,9 @@ class CosmoFlowDataset(Dataset):
 
     def __getitems__(self, indices: list[int]):
         """A whole batch (the DataLoader's batched fetch). Raw counts are read straight into one
-        batch buffer, in shared memory inside a loader worker: no per-sample array, no stacking
-        copy, one hand-over to the training process (`Collated`, see data.loader)."""
+        batch buffer, inside a loader worker one of its reused shared-memory buffers: no
+        per-sample array, no stacking copy, one hand-over to the training process (`Collated`,
+        `BufferRing`, see data.loader)."""
         return self.read_batch(indices)
 
     def read_batch(self, indices: list[int], region: tuple[slice, slice, slice] | None = None):
@@ -389,9 +392,11 @@ class CosmoFlowDataset(Dataset):
             return [self.read(i, region) for i in indices]
         shape = self.sample_shape if region is None else tuple(
             len(range(*r.indices(n))) for r, n in zip(region, self.sample_shape[:3])) + (4,)
-        x = batch_buffer((len(indices), *shape), self.dtype)
+        if self._ring_pid != os.getpid():  # one ring per process (each worker has its own)
+            self._ring, self._ring_pid = BufferRing(), os.getpid()
+        x, lease = batch_buffer((len(indices), *shape), self.dtype, self._ring)
         ys = [self.read(i, region, out=x[j].numpy())[1] for j, i in enumerate(indices)]
-        return Collated((x, torch.stack(ys)))
+        return Collated.of((x, torch.stack(ys)), lease)
 
     def sample_ids(self) -> list[str]:
         """Index in a file; file name (without suffix) in a per-sample directory."""
