@@ -15,6 +15,7 @@ from torch import nn
 from exatrain.data.deepcam import (
     CHANNEL_NAMES,
     DeepCAMDataset,
+    FieldsDecoder,
     load_deepcam_stats,
     synth_deepcam_sample,
     write_deepcam,
@@ -206,6 +207,26 @@ def test_hyperslab_read_matches_full_read(small_set):
     # no open handles: the dataset pickles and keeps working in another "process"
     clone = pickle.loads(pickle.dumps(ds))
     assert torch.equal(clone.read(2, region=region)[0], xr)
+
+
+def test_fields_decoder_on_the_device_equals_the_cpu_normalisation(small_set):
+    """Fields and labels as stored, normalised on the device: the CPU path's values to the last
+    bit (whole fields and a spatial block), in channels-last memory; a decoded batch passes."""
+    out, _ = small_set
+    cpu, raw = DeepCAMDataset(out / "train"), DeepCAMDataset(out / "train")
+    raw.raw = True
+    decode = FieldsDecoder(*raw.normalisation, channels=16)
+    for region in (None, (slice(8, 24), slice(36, 72))):
+        pairs = [(cpu.read(i, region), raw.read(i, region)) for i in (0, 3, 5)]
+        xs = torch.stack([r[0] for _, r in pairs])
+        assert xs.shape[-1] == 16 and xs.dtype == torch.float32  # (N, H, W, C) as stored
+        assert all(r[1].dtype == torch.uint8 for _, r in pairs)  # labels as stored
+        batch = decode(xs)
+        assert torch.equal(batch, torch.stack([c[0] for c, _ in pairs]))
+        assert batch.is_contiguous(memory_format=torch.channels_last)
+        assert all(torch.equal(c[1], r[1].long()) for c, r in pairs)
+        assert decode(batch) is batch  # decoded inputs pass through
+    assert cpu.bytes_read == raw.bytes_read  # the same bytes read from the files
 
 
 def test_clear_errors(tmp_path, small_set):

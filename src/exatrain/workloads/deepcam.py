@@ -18,6 +18,13 @@ it makes the global batch's weighted mean exact (a per-replica mean of means wou
 
 Metric. The confusion matrix (counts) is summed over blocks, batches and ranks
 (`metric_axes = ("data", "space")`), and mean IoU computed from the total.
+
+Input. With `data.decode_on_device` (the default) the fields travel as stored, (H, W, C) float32,
+and the labels in their stored dtype (uint8: 1/8 of int64's bytes; the loss and the metric take
+them as they come), and `data.deepcam.FieldsDecoder` normalises each batch on the device: the
+loader neither transposes nor computes (measured: 1.0 instead of 1.4 ms of CPU a 96×144×16
+sample). The fields stay float32 on the way, so unlike CosmoFlow's int16 counts no bytes are
+saved there; the normalised values are the CPU path's to the last bit.
 """
 
 from __future__ import annotations
@@ -26,12 +33,14 @@ import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..comm import all_reduce
-from ..data.deepcam import CLASS_NAMES, DeepCAMDataset, find_stats, sample_files, write_deepcam
+from ..data.deepcam import (CLASS_NAMES, DeepCAMDataset, FieldsDecoder, find_stats, sample_files,
+                            write_deepcam)
 from ..data.stage import InputFiles
 from ..models.deepcam import DeepCAM, class_weights_from_frequencies, iou_from_confusion
 from ..parallel.spatial.functions import sum_over_axis
@@ -55,6 +64,8 @@ class DataOptions(InputOptions):
     channels: int = 16
     seed: int = 0
     class_weights: bool = True            # inverse-sqrt-frequency class weights (as DeepCAM)
+    decode_on_device: bool = True         # move fields and labels as stored, normalise on the
+                                          # device (FieldsDecoder): no loader arithmetic
 
 
 def prepare(config, progress=None) -> Path:
@@ -142,6 +153,12 @@ def build(config, mesh) -> Workload:
                          f"model's output stride {DeepCAM.output_stride} (data.height/data.width).")
     flops = 3 * deepcam_forward_flops(model, channels, height, width)
     freqs = train_set.class_frequencies
+    decode = None
+    same = all(np.array_equal(a, b) if a is not None else b is None
+               for a, b in zip(train_set.normalisation, val_set.normalisation))
+    if d.decode_on_device and same:  # one decoder serves both splits: the same statistics
+        decode = FieldsDecoder(*train_set.normalisation, channels=channels)
+        train_set.raw = val_set.raw = True
     if mesh.plan.space_degree > 1:
         # spatial parallelism: each rank reads only its block of every sample (HDF5 hyperslab)
         from ..parallel.spatial import SpatialBlocks, block_region
@@ -190,4 +207,4 @@ def build(config, mesh) -> Workload:
     return Workload(model=model, train_set=train_set, val_set=val_set,
                     loss_fn=segmentation_loss(weights, mesh), metric_sums=metric_sums,
                     finalize=finalize, baselines=baselines, metric_axes=("data", "space"),
-                    flops_per_sample=flops)
+                    flops_per_sample=flops, decode=decode)
