@@ -558,11 +558,15 @@ class FieldsDecoder:
     """Stored DeepCAM fields -> the model's input, on whatever device the batch is: (N, H, W, C)
     as stored -> (N, C, H, W) float32, ``(x - shift) * scale`` per channel (the data set's
     normalisation, the same float32 arithmetic as its CPU path, so the values are equal to the
-    last bit), written in one pass in the stored memory order: the result is channels-last
-    (the channels innermost, as in the file). A raw batch has the `channels` in its last,
-    innermost dimension; this decoder's own output has them innermost in dimension 1, so it is
-    returned unchanged whatever the field's size (as is anything that is not 4-dimensional
-    with `channels` last). Spatial blocks decode like whole fields."""
+    last bit), written contiguous in one pass, the memory layout of the CPU path (a
+    channels-last result changed the convolutions' rounding enough to move BatchNorm shifts of
+    a space × tensor run past their 1e-4 bound against serial, measured).
+
+    A batch whose last dimension is not `channels` is returned unchanged (a decoded batch, as
+    `Workload.decode` must allow). A decoded batch whose width equals the channel count cannot
+    be told from a raw one whose height does, and is decoded as raw: every caller hands this
+    raw batches (the prefetcher, validation, predict), and taking a raw batch for a decoded one
+    would train on un-normalised, transposed fields. Spatial blocks decode like whole fields."""
 
     def __init__(self, shift: np.ndarray | None, scale: np.ndarray | None, channels: int):
         self.channels = channels
@@ -570,11 +574,10 @@ class FieldsDecoder:
         self.scale = None if scale is None else torch.as_tensor(scale).reshape(-1, 1, 1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 4 or x.shape[-1] != self.channels or x.stride(-1) != 1:
-            return x  # decoded (channels-last (N, C, H, W)), or not a batch of fields
+        if x.dim() != 4 or x.shape[-1] != self.channels:
+            return x  # decoded (N, C, H, W), or not a batch of fields
         fields = x.permute(0, 3, 1, 2)
-        out = torch.empty(fields.shape, dtype=torch.float32, device=x.device,
-                          memory_format=torch.channels_last)
+        out = torch.empty(fields.shape, dtype=torch.float32, device=x.device)
         if self.shift is None:
             return out.copy_(fields)
         torch.sub(fields, self.shift.to(x.device), out=out)

@@ -21,10 +21,10 @@ Metric. The confusion matrix (counts) is summed over blocks, batches and ranks
 
 Input. With `data.decode_on_device` (the default) the fields travel as stored, (H, W, C) float32,
 and the labels in their stored dtype (uint8: 1/8 of int64's bytes; the loss and the metric take
-them as they come), and `data.deepcam.FieldsDecoder` normalises each batch on the device: the
-loader neither transposes nor computes (measured: 1.0 instead of 1.4 ms of CPU a 96×144×16
-sample). The fields stay float32 on the way, so unlike CosmoFlow's int16 counts no bytes are
-saved there; the normalised values are the CPU path's to the last bit.
+them as they come), and `data.deepcam.FieldsDecoder` transposes and normalises each batch on the
+device: the loader neither transposes nor computes (measured: 1.0 instead of 1.4 ms of CPU a
+96×144×16 sample). The fields stay float32 on the way, so unlike CosmoFlow's int16 counts no
+bytes are saved there; the normalised values and their memory layout are the CPU path's.
 """
 
 from __future__ import annotations
