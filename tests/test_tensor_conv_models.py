@@ -12,6 +12,7 @@ Three SGD steps of the real Trainer (its data, loss, BatchNorm with global stati
              Plan(shard=2, tensor=2)         4 ranks, ZeRO-3 (FSDP2) over the split pieces
   DeepCAM    (48×64, width 4, no dropout)
              Plan(tensor=2), Plan(data=2, tensor=2)
+             Plan(space=(1, 1, 2), tensor=2) with the switch at 'fuse.0.0' (a segmentation model)
 
 against one process: the three losses and every weight and running statistic (full state dict).
 CosmoFlow: relative ≤ 1e-5 (losses), ≤ 1e-4 per tensor, BatchNorm shifts absolute ≤ 1e-5 (measured
@@ -24,10 +25,13 @@ measured 2.8e-5 and 2e-3 under tensor=2), its shifts within 1e-4 absolute (measu
 and one float64 step under tensor=2 must equal serial to 1e-10 (measured 1e-14): the algorithm is
 exact, the differences are float32 summation order. A checkpoint
 written under Plan(tensor=2) at step 2 resumes under Plan(data=2) and serially with the same
-losses at steps 3 and 4; DeepCAM under space × tensor is refused before training: automatically
-no convolution is worth splitting at this size (tensor would only replicate the model), and with
-the switch moved onto a convolution by `parallel.chanfilt_from` the refusal names it (its output
-would leave the switch whole, its labels are blocks).
+losses at steps 3 and 4. DeepCAM under Plan(space=(1, 1, 2), tensor=2): automatically no
+convolution is worth splitting at this size (tensor would only replicate the model), which is
+refused before training; with the switch moved by `parallel.chanfilt_from` to 'fuse.0.0' (after
+the skip connection's torch.cat) it equals serial within the same bounds (measured losses 2.8e-5,
+state 2e-3, shifts 2.7e-5; its whole output is cut back into the label blocks, whose gradient
+all-gather the ledger counts), and at 'enc2.0.0' (before the skip joins) it is refused naming
+the switch and the skip's layer.
 """
 
 from __future__ import annotations
@@ -60,7 +64,9 @@ def fit(config) -> dict:
         tp = getattr(model, "exatrain_tensor", None)
         return {"losses": [l for h in trainer.history if "step_losses" in h
                            for l in h["step_losses"]],
-                "state": state, "summary": tp.summary() if tp is not None else {}}
+                "state": state, "summary": tp.summary() if tp is not None else {},
+                "output_gather": (mesh.ledger.calls_by_axis("output"),
+                                  mesh.ledger.bytes_by_axis("output"))}
     finally:
         mesh.close()
 
@@ -165,14 +171,26 @@ def test_deepcam_under_tensor_and_data(deepcam_data, tmp_path):
                loss_tol=5 * max(loss_floor, 1e-5), shift_tol=1e-4)
         assert runs[0]["summary"]["conv_pairs"], runs[0]["summary"]
     # space × tensor: at this batch the byte rule splits no convolution (space moves fewer bytes
-    # in every one), so no layer is left for tensor: refused with the two fixes; and a switch moved by
-    # hand onto a convolution is refused naming it (the output would leave it whole)
+    # in every one), so no layer is left for tensor: refused with the two fixes
     space = ("plan.space=[1,1,2]", "plan.tensor=2")
     for m in run_ranks(4, refusal, deepcam(deepcam_data, tmp_path, *space)):
         assert "no layer is left for the tensor axis" in m and "chanfilt_from" in m, m
+    # the switch moved by hand past the skip join (the torch.cat): the blocks are gathered
+    # before 'fuse.0.0', the output is cut back into blocks; equal to serial
+    runs = run_ranks(4, fit, deepcam(deepcam_data, tmp_path, *space,
+                                     "parallel.chanfilt_from='fuse.0.0'"))
+    _check(runs, serial[0], space, state_tol=5 * max(state_floor, 1e-5),
+           loss_tol=5 * max(loss_floor, 1e-5), shift_tol=1e-4)
+    assert runs[0]["summary"]["conv_pairs"] == [["fuse.0.0", "fuse.1.0"]], runs[0]["summary"]
+    # the output gradient's all-gather over space, once per training step: N·C_out·H·W·4 bytes
+    for r in runs:
+        assert r["output_gather"] == ({"space": 3}, {"space": 3 * 4 * 3 * 48 * 64 * 4}), r
+    # ... and before it, at 'enc2.0.0': the skip (enc1's output, on blocks) would meet the whole
+    # upsampled ASPP output; refused naming the switch, the layer and the fix
     moved = deepcam(deepcam_data, tmp_path, *space, "parallel.chanfilt_from='enc2.0.0'")
     for m in run_ranks(4, refusal, moved):
-        assert "no nn.Flatten" in m and "chanfilt_from" in m and "'enc2.0.0'" in m, m
+        assert m.startswith("SpatialSplitError") and "'enc2.0.0'" in m and "'skip_proj.0'" in m \
+            and "chanfilt_from to a convolution after the skip joins" in m, m
 
 
 def test_checkpoint_from_tensor_resumes_under_data_and_serially(tiny_config, tmp_path):

@@ -18,9 +18,21 @@ Layers, in the model's registration order (which must be its execution order):
                      else there is refused with an error naming the layer.
   transition         nn.Flatten gathers the blocks (all-gather); AdaptiveAvgPool(1) reduces them
                      (all-reduce); so does the first channel/filter-parallel convolution under
-                     Plan(space=..., tensor=...) (a gather before it: parallel/tensor/switch.py). A layer of an nn.Sequential whose blocks became too small to
-                     split gathers early, if the model has such a transition anyway.
+                     Plan(space=..., tensor=...) (a gather before it: parallel/tensor/switch.py).
+                     A layer of an nn.Sequential whose blocks became too small to split gathers
+                     early, if the model has such a transition anyway.
   replicated region  everything after: runs on identical whole tensors on every spatial rank.
+
+Segmentation models under space × tensor (no nn.Flatten / AdaptiveAvgPool(1) after the switch,
+e.g. DeepCAM with parallel.chanfilt_from='fuse.0.0'): the output is whole after the switch while
+the targets are blocks, so the model's whole output is cut back into this rank's block
+(`SplitBlocks`), in the forwards that gathered. Its backward all-gathers the block gradients, so
+every spatial rank holds the whole, identical output gradient, as the replicated region expects.
+Communication: one all-gather over `space` per backward, tag "output", N × C_out × V_out × s bytes
+per rank (the whole output's gradient: V_out its whole volume, s bytes per element). A skip
+connection that joins after the switch (a tensor a layer before the switch computed on blocks,
+fed to a layer after it) cannot meet the whole tensors there: it is refused, naming the switch
+and the layer, with the fix (move parallel.chanfilt_from to a convolution after the join).
 
 Gradients. `parallel.apply` wraps the result in data parallelism over `data+space` that SUMS over
 the spatial ranks of a sample and averages over data replicas. A split layer's weight gradient on
@@ -35,6 +47,8 @@ from __future__ import annotations
 
 import copy as _copy
 import math
+import weakref
+from functools import partial
 
 import torch
 from torch import nn
@@ -95,12 +109,70 @@ class SpatialRuntime:
         assert self.space.rank == position, (self.space.rank, position)
         self.overlap = overlap
         self.gathered = False          # set once the blocks of this forward pass are gathered
+        self._blocks: dict[int, weakref.ref] = {}  # outputs on blocks (before a tensor switch)
         self._modes: dict[int, tuple[str, bool]] = {}
 
     # ---------------------------------------------------------------- per forward
     def begin(self, _module, _args) -> None:
         """Forward pre-hook of the root module: every forward starts on split blocks."""
         self.gathered = False
+        self._blocks = {}
+
+    # ---------------------------------------------------------------- at a tensor switch
+    def note_blocks(self, _module, _args, out) -> None:
+        """Forward hook of the layers before the switch: remember their outputs on blocks (weak
+        references, so nothing is kept alive), to recognise them after the switch."""
+        if not self.gathered and isinstance(out, torch.Tensor):
+            self._blocks[id(out)] = weakref.ref(out)
+
+    def check_whole(self, switch: str, name: str, module: nn.Module, args) -> None:
+        """Forward pre-hook of the layers after the switch: their input must be whole."""
+        if not self.gathered:
+            return
+        for x in args:
+            ref = self._blocks.get(id(x)) if isinstance(x, torch.Tensor) else None
+            if ref is not None and ref() is x:
+                raise SpatialSplitError(
+                    f"layer '{name}' ({type(module).__name__}) runs after the switch to channel/"
+                    f"filter parallelism at '{switch}', where the tensors are whole samples, but "
+                    f"its input {list(x.shape)} was computed before the switch on this rank's "
+                    f"spatial block (a skip connection that joins after the switch): it cannot "
+                    f"meet the whole tensors there (torch.cat or + would fail on the sizes). "
+                    f"Move parallel.chanfilt_from to a convolution after the skip joins (one "
+                    f"that runs on the joined tensor), or use Plan(space=...) or "
+                    f"Plan(tensor=...) alone.")
+
+    def split_output(self, _module, _args, out):
+        """Forward hook of the root of a model without Flatten / AdaptiveAvgPool(1) after the
+        switch (a segmentation model): its output is whole and identical on every spatial rank;
+        return this rank's block of it, as its targets are blocks (`SplitBlocks`).
+
+        Communication: none forward; backward one all-gather of the output's gradient over
+        `space` (tag "output"), S × block bytes per rank: S × N × C_out × V_out / S × s =
+        N × C_out × V_out × s bytes (the whole output's gradient; V_out its whole volume, s
+        bytes per element). Every spatial rank then holds the whole, identical gradient, which
+        the replicated layers after the switch expect (their parameter gradients are scaled by
+        1/S and summed over `space`).
+        """
+        self._blocks = {}
+        if not self.gathered:
+            return out  # the switch did not run: the output is still blocks
+        return _map_tensors(out, self._split_block)
+
+    def _split_block(self, y: torch.Tensor) -> torch.Tensor:
+        k = y.dim() - 2
+        if k < 1:
+            raise SpatialSplitError(
+                f"the model's output {list(y.shape)} has no spatial dims, but the model has no "
+                f"nn.Flatten or AdaptiveAvgPool(1) after its switch to channel/filter parallelism "
+                f"for exatrain to gather at; put an nn.Flatten module before its dense layers.")
+        parts, coords, _ = self.layout(k, None)
+        for n, p, a in zip(y.shape[2:], parts, "dhw"[3 - k:]):
+            if n % p:
+                raise SpatialSplitError(
+                    f"the model's output {list(y.shape)} is {n} long along {a}, which "
+                    f"space_{a}={p} does not divide into the blocks its targets are cut in.")
+        return SplitBlocks.apply(y, self.space, parts, coords, "output")
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         parts, coords, _ = self.layout(x.dim() - 2, None)
@@ -143,6 +215,17 @@ class SpatialRuntime:
     def modes(self) -> list[tuple[str, bool]]:
         """(layer name, runs replicated?) of every layer with parameters that has run so far."""
         return list(self._modes.values())
+
+
+def _map_tensors(out, fn):
+    """`out` with `fn` applied to every tensor in it (nested tuples, lists, dicts)."""
+    if isinstance(out, torch.Tensor):
+        return fn(out)
+    if isinstance(out, (tuple, list)):
+        return type(out)(_map_tensors(v, fn) for v in out)
+    if isinstance(out, dict):
+        return {k: _map_tensors(v, fn) for k, v in out.items()}
+    return out
 
 
 def _direct_params(module: nn.Module) -> list[str]:
@@ -189,6 +272,27 @@ def _convert(name: str, module: nn.Module, rt: SpatialRuntime, may_gather: bool,
     raise _unsupported(name, module)
 
 
+def _install_switch(model: nn.Module, leaves: list, transition: int, rt: SpatialRuntime,
+                    split_output: bool) -> None:
+    """The hooks of a spatial -> channel/filter switch at `leaves[transition]` (module doc).
+
+    Its input blocks are gathered before it. Layers registered after it must not see a tensor
+    that a layer before it computed on blocks (a skip connection that joins after the switch):
+    that is refused naming both layers. `split_output`: the model has no nn.Flatten /
+    AdaptiveAvgPool(1) after the switch (a segmentation model); its whole output is cut back
+    into this rank's block. `leaves`: the converted layers (a replaced one loses its hooks).
+    """
+    switch, layer = leaves[transition]
+    layer.register_forward_pre_hook(
+        lambda _m, args: None if rt.gathered else (rt.gather(args[0]), *args[1:]))
+    for _name, module in leaves[:transition]:
+        module.register_forward_hook(rt.note_blocks)
+    for name, module in leaves[transition + 1:]:
+        module.register_forward_pre_hook(partial(rt.check_whole, switch, name))
+    if split_output:
+        model.register_forward_hook(rt.split_output)
+
+
 def parallelize_spatial(model: nn.Module, mesh: Mesh, overlap: bool | None = None,
                         split_input: bool = True,
                         batchnorm_axes: tuple[str, ...] = ("data",), copy: bool = True) -> nn.Module:
@@ -214,21 +318,10 @@ def parallelize_spatial(model: nn.Module, mesh: Mesh, overlap: bool | None = Non
     transition = next((i for i, (_, m) in enumerate(leaves)
                        if type(m) is nn.Flatten or isinstance(m, _GLOBAL_POOLS)
                        or getattr(m, "needs_whole_input", False)), None)
-    if transition is not None and getattr(leaves[transition][1], "needs_whole_input", False):
-        if not any(is_transition(m) for _, m in leaves[transition:]):
-            name, layer = leaves[transition]
-            raise SpatialSplitError(
-                f"{mesh.plan}: layer '{name}' ({layer.source_type}) is the first channel/filter-"
-                f"parallel convolution, where the spatial blocks would be gathered, but the "
-                f"model has no nn.Flatten or AdaptiveAvgPool(1) after it: its output would be "
-                f"whole where its targets are spatial blocks (a segmentation model). Use "
-                f"Plan(space=...) or Plan(tensor=...) alone for it, or move the switch with "
-                f"parallel.chanfilt_from to a later convolution of a model that ends in a "
-                f"Flatten.")
-        # a channel/filter-parallel convolution (tensor × space): the switch from spatial blocks
-        # to whole samples is here; it gathers the blocks first (the redistribution, counted)
-        leaves[transition][1].register_forward_pre_hook(
-            lambda _m, args: None if rt.gathered else (rt.gather(args[0]), *args[1:]))
+    # a channel/filter-parallel convolution (tensor × space): the switch from spatial blocks to
+    # whole samples is there; it gathers the blocks first (the redistribution, counted)
+    switch = transition is not None and getattr(leaves[transition][1], "needs_whole_input", False)
+    segmentation = switch and not any(is_transition(m) for _, m in leaves[transition:])
     split_names = {n for i, (n, _) in enumerate(leaves) if transition is None or i <= transition}
     by_name = dict(named)
     for name, module in named:  # containers holding parameters of their own
@@ -263,6 +356,9 @@ def parallelize_spatial(model: nn.Module, mesh: Mesh, overlap: bool | None = Non
             else:
                 parent_name, _, key = name.rpartition(".")
                 setattr(by_name.get(parent_name, model) if parent_name else model, key, new)
+    if switch:  # on the converted layers: a replaced layer does not keep its hooks
+        _install_switch(root, [(n, done[id(m)]) for n, m in leaves], transition, rt,
+                        split_output=segmentation)
     root.register_forward_pre_hook(rt.begin)
     root.spatial_runtime = rt
     return root

@@ -7,7 +7,9 @@ batch and channels, `block` the local spatial extent, C the channels of a norm l
   GatherBlocks     blocks -> whole tensor on every spatial rank      all-gather, S × block bytes
                    backward: own block's slice (no communication)
   SplitBlocks      whole tensor -> own block (no communication)
-                   backward: all-gather of the block gradients, S × block bytes
+                   backward: all-gather of the block gradients, S × block bytes (tag "gather";
+                   "output" at a segmentation model's output after a tensor switch: the whole
+                   output gradient, N × C_out × V_out × s bytes)
   SumOverAxis      forward all-reduce (sum), backward identity       all-reduce, tensor bytes
   shared_mask      a dropout mask drawn on one rank and broadcast, mask bytes
 
@@ -36,12 +38,13 @@ def _block_slices(full_shape, parts, coords) -> tuple[slice, ...]:
     return tuple(lead + spans)
 
 
-def gather_blocks_(x: torch.Tensor, axis: Axis, parts: tuple[int, ...]) -> torch.Tensor:
+def gather_blocks_(x: torch.Tensor, axis: Axis, parts: tuple[int, ...],
+                   tag: str = "gather") -> torch.Tensor:
     """All-gather the blocks of the last len(parts) dims (row-major rank order) into one tensor."""
     k = len(parts)
     x = x.contiguous()
     out = x.new_empty((axis.size * x.shape[0],) + tuple(x.shape[1:]))
-    all_gather_into(out, x, axis, tag="gather")
+    all_gather_into(out, x, axis, tag=tag)
     lead, block = tuple(x.shape[:-k]), tuple(x.shape[-k:])
     out = out.view(tuple(parts) + lead + block)
     # (P1..Pk, lead..., b1..bk) -> (lead..., P1, b1, ..., Pk, bk)
@@ -73,17 +76,20 @@ class GatherBlocks(torch.autograd.Function):
 class SplitBlocks(torch.autograd.Function):
     """The whole tensor -> this rank's block; backward all-gathers the block gradients.
 
-    Communication: none forward; one all-gather over the space axis backward, S × block bytes.
+    Communication: none forward; one all-gather over the space axis backward, S × block bytes,
+    under `tag` ("gather"; "output" where it cuts a segmentation model's output back into blocks
+    after a switch to channel/filter parallelism).
     """
 
     @staticmethod
-    def forward(ctx, x, axis: Axis, parts: tuple[int, ...], coords: tuple[int, ...]):
-        ctx.axis, ctx.parts = axis, parts
+    def forward(ctx, x, axis: Axis, parts: tuple[int, ...], coords: tuple[int, ...],
+                tag: str = "gather"):
+        ctx.axis, ctx.parts, ctx.tag = axis, parts, tag
         return x[_block_slices(x.shape, parts, coords)].contiguous()
 
     @staticmethod
     def backward(ctx, grad):
-        return gather_blocks_(grad, ctx.axis, ctx.parts), None, None, None
+        return gather_blocks_(grad, ctx.axis, ctx.parts, ctx.tag), None, None, None, None
 
 
 class SumOverAxis(torch.autograd.Function):

@@ -384,7 +384,9 @@ class TensorParallel:
                     f"convolution does (its activations outweigh its weights at every layer), "
                     f"and no Linear divides {self.mesh.plan.tensor} (Linear (in, out) shapes: "
                     f"{shapes[:8]}). Use Plan(space=...) alone (put the tensor ranks on data), "
-                    f"or name the first convolution to split with parallel.chanfilt_from.")
+                    f"or name the first convolution to split with parallel.chanfilt_from (in a "
+                    f"model with skip connections, e.g. a segmentation model, one after they "
+                    f"join).")
             raise ValueError(
                 f"{self.mesh.plan}: no Linear or convolution of the model divides the tensor "
                 f"grid {self.mesh.plan.tensor} (Linear (in, out) shapes: {shapes[:8]}); tensor "
