@@ -118,7 +118,7 @@ def _two_steps_with_an_unused_parameter(find_unused: bool):
         x = torch.randn(8, 4)[4 * mesh.rank:4 * mesh.rank + 4]
         try:
             for _ in range(2):
-                optim.zero_grad()
+                optim.zero_grad(set_to_none=True)   # as the Trainer does
                 model(x).square().mean().backward()
                 optim.step()
         except Exception as err:  # noqa: BLE001 - the test inspects it
@@ -132,7 +132,8 @@ def test_an_unused_parameter_is_named_with_its_fixes_and_the_option_trains_it_as
     refused = run_ranks(2, _two_steps_with_an_unused_parameter, False)
     for kind, message in refused:
         assert kind == "UnusedParameterError", message
-        assert "unused_head.weight" in message and "find_unused_parameters" in message
+        assert "unused_head.weight" in message and "unused_head.bias" in message
+        assert "find_unused_parameters" in message and "body." not in message, message
     trained = run_ranks(2, _two_steps_with_an_unused_parameter, True)
     torch.manual_seed(0)
     serial = _SkipsAHead()

@@ -94,8 +94,11 @@ def add_arguments(parser) -> None:
 
 def _config(case: str, args, extra: list[str] = ()):
     from ..train.config import load_config
-    mine = [o.split(":", 1)[-1] for o in args.overrides
-            if ":" not in o.split("=", 1)[0] or o.startswith(f"{case}:")]
+    def for_case(o: str) -> bool:   # "CASE:KEY=VALUE" names its case before the "="
+        return ":" not in o.split("=", 1)[0] or o.startswith(f"{case}:")
+
+    mine = [o.split(":", 1)[1] if ":" in o.split("=", 1)[0] else o
+            for o in args.overrides if for_case(o)]
     return load_config(None, [*CASES[case], f"data.path={args.data_dir}/{case}", "run.nproc=2",
                               *mine, *extra])
 

@@ -580,8 +580,10 @@ class FieldsDecoder:
         out = torch.empty(fields.shape, dtype=torch.float32, device=x.device)
         if self.shift is None:
             return out.copy_(fields)
-        torch.sub(fields, self.shift.to(x.device), out=out)
-        return out.mul_(self.scale.to(x.device))
+        if self.shift.device != x.device:   # once: not two host-to-device copies a batch
+            self.shift, self.scale = self.shift.to(x.device), self.scale.to(x.device)
+        torch.sub(fields, self.shift, out=out)
+        return out.mul_(self.scale)
 
 
 class DeepCAMDataset(Dataset):

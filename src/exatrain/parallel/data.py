@@ -27,6 +27,8 @@ group hold partial gradients of the same samples, which must be summed, so repli
 degree only.
 """
 
+import re
+
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -60,8 +62,7 @@ class ReplicatedModule(DistributedDataParallel):
         except RuntimeError as err:
             if "finished reduction in the prior iteration" not in str(err):
                 raise
-            unused = [name for name, p in self.module.named_parameters()
-                      if p.requires_grad and p.grad is None]
+            unused = self._unused_names(str(err))
             raise UnusedParameterError(
                 f"data parallelism: the last step's forward did not use "
                 f"{len(unused)} parameter(s) that require a gradient"
@@ -69,6 +70,24 @@ class ReplicatedModule(DistributedDataParallel):
                 f"{' ...' if len(unused) > 8 else ''}. Freeze them (requires_grad_(False)) or "
                 "remove them from the model, or set parallel.find_unused_parameters = true "
                 "(one search of the autograd graph per step).") from err
+
+
+    def _unused_names(self, message: str) -> list[str]:
+        """The names of the parameters DDP's message lists by index ("Parameter indices which
+        did not receive grad for rank R: i j ..."; the gradients themselves are gone by then,
+        zeroed by the optimizer), in the reducer's order: module by module, each parameter
+        once, those requiring a gradient and not ignored."""
+        found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", message)
+        if not found:
+            return []
+        order, seen = [], set()
+        for module_name, module in self.module.named_modules():
+            for name, p in module.named_parameters(recurse=False):
+                full = f"{module_name}.{name}" if module_name else name
+                if p.requires_grad and full not in self.parameters_to_ignore and id(p) not in seen:
+                    seen.add(id(p))
+                    order.append(full)
+        return [order[int(i)] for i in found.group(1).split() if int(i) < len(order)]
 
 
 def data_parallel(model: nn.Module, axis: Axis, replicas: "int | None" = None,

@@ -31,8 +31,10 @@ every spatial rank holds the whole, identical output gradient, as the replicated
 Communication: one all-gather over `space` per backward, tag "output", N × C_out × V_out × s bytes
 per rank (the whole output's gradient: V_out its whole volume, s bytes per element). A skip
 connection that joins after the switch (a tensor a layer before the switch computed on blocks,
-fed to a layer after it) cannot meet the whole tensors there: it is refused, naming the switch
-and the layer, with the fix (move parallel.chanfilt_from to a convolution after the join).
+fed to a layer after it) cannot meet the whole tensors there: where the block tensor enters a
+layer after the switch as it is, it is refused, naming the switch and the layer, with the fix
+(move parallel.chanfilt_from to a convolution after the join). Where it first goes through a
+function (torch.cat of the skip itself, a slice), only torch's size mismatch says so.
 
 Gradients. `parallel.apply` wraps the result in data parallelism over `data+space` that SUMS over
 the spatial ranks of a sample and averages over data replicas. A split layer's weight gradient on

@@ -375,13 +375,16 @@ class TensorParallel:
             shapes = sorted({(m.in_features, m.out_features) for m in root.modules()
                              if isinstance(m, nn.Linear)})
             has_convs = any(isinstance(m, nn.modules.conv._ConvNd) for m in root.modules())
-            if has_convs and self.mesh.plan.space_degree > 1 and not self.three_d:
+            if has_convs and self.mesh.plan.space_degree > 1 and not self.three_d \
+                    and not self.conv_eligible:
                 # the switch rule (parallel/tensor/switch.py) kept every convolution on `space`
+                # (convolutions chosen but not dividing t fall to the message below)
                 raise ValueError(
                     f"{self.mesh.plan}: no layer is left for the tensor axis. Under space x "
                     f"tensor a convolution goes to channel/filter parallelism only where that "
-                    f"moves fewer bytes than the spatial split; for this model and input no "
-                    f"convolution does (its activations outweigh its weights at every layer), "
+                    f"moves fewer bytes than the spatial split (or where parallel.chanfilt_from "
+                    f"says, less parallel.chanfilt_skip); for this model and input none does "
+                    f"(its activations outweigh its weights at every layer), "
                     f"and no Linear divides {self.mesh.plan.tensor} (Linear (in, out) shapes: "
                     f"{shapes[:8]}). Use Plan(space=...) alone (put the tensor ranks on data), "
                     f"or name the first convolution to split with parallel.chanfilt_from (in a "
