@@ -42,9 +42,12 @@ def _worker(rank: int, world_size: int, tasks, results) -> None:
             except Exception:
                 results.put((rank, "error", None, traceback.format_exc(), time.time()))
         finally:
+            import gc
+
             import torch.distributed as dist
             if dist.is_initialized():  # a failed test must not leak its group into the next
                 dist.destroy_process_group()
+            gc.collect()  # frees the test's subgroups that only reference cycles kept alive
 
 
 class _Pool:
@@ -95,6 +98,13 @@ class _Pool:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
+    def threads(self) -> int:
+        """The most threads any rank process holds (Linux; 0 where /proc cannot tell)."""
+        try:
+            return max(len(os.listdir(f"/proc/{p.pid}/task")) for p in self.procs)
+        except OSError:
+            return 0
+
     def close(self) -> None:
         for p in self.procs:
             if p.is_alive():
@@ -104,6 +114,11 @@ class _Pool:
 
 
 _pools: dict[int, _Pool] = {}  # test-session cache of rank pools, keyed by world size
+# Gloo's threads of the groups earlier tests made outlive destroy_process_group where something
+# still references the group; their TCP loops then spin on the closed sockets (measured: 600-900
+# threads and a quarter of a core per idle rank process late in the suite). Past this many
+# threads a pool is replaced by fresh processes (a few seconds) rather than kept burning CPU.
+MAX_POOL_THREADS = 150
 
 
 @atexit.register
@@ -121,6 +136,9 @@ def run_ranks(world_size: int, fn, *args, timeout_s: float = 300.0, fresh: bool 
     if fresh and world_size in _pools:
         _pools.pop(world_size).close()
     pool = _pools.get(world_size)
+    if pool is not None and pool.threads() > MAX_POOL_THREADS:
+        _pools.pop(world_size).close()
+        pool = None
     if pool is None or not pool.alive():
         pool = _pools[world_size] = _Pool(world_size)
     try:
