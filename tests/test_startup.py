@@ -28,23 +28,25 @@ def figures():
     return summarise(measure_import())   # one fresh interpreter for both tests (it imports torch)
 
 
+def _assert_light(figures: dict, stage: str, what: str, ceiling: int, fix: str) -> None:
+    """`what` (figures' keys `heavy_modules_at_<stage>`, `<stage>_opens_beyond_torch`) imports
+    no heavy module and opens at most `ceiling` files beyond torch's."""
+    heavy = figures[f"heavy_modules_at_{stage}"]
+    assert heavy == "none", f"{what} now imports {heavy}: {fix}"
+    opens = figures["exatrain_opens_beyond_torch" if stage == "import"
+                    else f"{stage}_opens_beyond_torch"]
+    assert opens <= ceiling, (f"{what} opens {opens} files beyond torch's (ceiling {ceiling}): "
+                              f"a new eager import? {fix}")
+
+
 def test_import_exatrain_opens_few_files_beyond_torch(figures):
-    assert figures["heavy_modules_at_import"] == "none", (
-        f"import exatrain now imports {figures['heavy_modules_at_import']}: import it where it "
-        "is used (see docs/how-to/startup.md)")
-    assert figures["exatrain_opens_beyond_torch"] <= CEILING_BEYOND_TORCH, (
-        f"import exatrain opens {figures['exatrain_opens_beyond_torch']} files beyond torch's "
-        f"(ceiling {CEILING_BEYOND_TORCH}): a new eager import? `python -X importtime -c "
-        f"'import exatrain'` shows which")
+    _assert_light(figures, "import", "import exatrain", CEILING_BEYOND_TORCH,
+                  "import it where it is used (see docs/how-to/startup.md); `python -X "
+                  "importtime -c 'import exatrain'` shows which")
 
 
 def test_the_run_parser_imports_neither_the_planner_nor_the_benchmarks(figures):
     """`exatrain run` on every rank: `import exatrain.cli` and its parser for `run`."""
-    assert figures["heavy_modules_at_run_parser"] == "none", (
-        f"building `exatrain run`'s parser imports {figures['heavy_modules_at_run_parser']}: "
-        "add that subcommand's arguments lazily (cli.COMMANDS)")
-    assert figures["run_parser_opens_beyond_torch"] <= CEILING_RUN_PARSER, (
-        f"import exatrain.cli and `exatrain run`'s parser open "
-        f"{figures['run_parser_opens_beyond_torch']} files beyond torch's (ceiling "
-        f"{CEILING_RUN_PARSER}): a new eager import in cli.py? `python -X importtime -c "
-        f"'import exatrain.cli'` shows which")
+    _assert_light(figures, "run_parser", "import exatrain.cli with `exatrain run`'s parser",
+                  CEILING_RUN_PARSER, "add that subcommand's arguments lazily (cli.COMMANDS); "
+                  "`python -X importtime -c 'import exatrain.cli'` shows which")
