@@ -17,7 +17,7 @@ from harness import run_ranks
 
 ARGV = ["bench", "kfac", "--workloads", "cosmoflow", "--optimizers", "kfac,sgd", "--size", "8",
         "--samples", "12", "--steps", "2", "--eval-every", "2", "--batch", "4",
-        "--kfac-inverse-every", "1", "--kfac-factor-every", "1",
+        "--kfac-inverse-every", "1", "--kfac-factor-every", "1", "--seeds", "2",
         "--deepcam-size", "16", "--deepcam-width", "4", "--deepcam-steps", "2", "--warmup", "0"]
 
 
@@ -32,6 +32,8 @@ def test_bench_kfac_writes_sane_figures():
         for figure in ("steps_to_target", "seconds_to_target", "step_s", "best_val_mae"):
             assert f"cosmoflow_{o}_{figure}" in result
         assert result[f"cosmoflow_{o}_step_s"] > 0
+        assert len(result[f"cosmoflow_{o}_steps_to_target_per_seed"]) == 2
+        assert len(result[f"cosmoflow_{o}_curves"]) == 2
     assert result["cosmoflow_kfac_step_overhead"] > 0
     assert result["cosmoflow_kfac_bytes_per_step"] > 0   # the factor all-reduce, every step
     # second-order state: the largest per rank falls from f = 1 to f = 1/2, as the formula says
@@ -53,3 +55,9 @@ def test_bench_kfac_writes_sane_figures():
         assert 0 <= result[f"deepcam_branches_vs_data_{figure}"] < 1e-4, figure
     assert result["deepcam_branches_vs_data_rel_err_in_data_worst_entry"] <= \
         result["deepcam_branches_vs_data_max_rel_err"]
+
+
+def test_median_run_counts_a_run_that_missed_the_target_as_slowest():
+    assert kfac._median_reached([(100, 10.0), (None, None), (50, 5.0)]) == (100, 10.0)
+    assert kfac._median_reached([(None, None), (300, 1.0), (None, None)]) == (None, None)
+    assert kfac._median_reached([(400, 40.0)]) == (400, 40.0)

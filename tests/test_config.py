@@ -11,6 +11,20 @@ def test_example_file_is_the_built_in_default():
     assert load_config(EXAMPLES / "cosmoflow.toml").to_dict() == load_config(None).to_dict()
 
 
+def test_kfac_example_is_the_default_job_with_kfac_only():
+    """examples/cosmoflow-kfac.toml changes the optimizer (and stops at the target, evaluating
+    every 100 steps); the rest is the default job the K-FAC bench measured."""
+    kfac, default = (load_config(EXAMPLES / f).to_dict()
+                     for f in ("cosmoflow-kfac.toml", "cosmoflow.toml"))
+    assert kfac["optim"]["name"] == "kfac" and kfac["optim"]["kfac_max_factor_dim"] == 1000
+    for section in kfac:
+        if section in ("optim", "train"):
+            continue
+        assert kfac[section] == default[section], section
+    changed = {k for k in kfac["train"] if kfac["train"][k] != default["train"][k]}
+    assert changed == {"target", "eval_every"}
+
+
 def test_overrides_are_parsed_as_toml():
     assert parse_override("train.steps=12") == ("train", "steps", 12)
     assert parse_override("plan.space=[1, 2, 2]") == ("plan", "space", [1, 2, 2])

@@ -37,8 +37,14 @@ KFAC = ("optim.name='kfac'", "optim.lr=0.05", "optim.kfac_inverse_every=3",
 def _report(trainer, mesh) -> dict:
     opt = trainer.optimizer
     layers = opt.layers
-    factor = 4 * (sum(l.a ** 2 + l.g ** 2 for l in layers) + 2 * len(layers))
-    eigen = 4 * sum(l.a ** 2 + l.a + l.g ** 2 + l.g for i, l in enumerate(layers) if opt.holds(i))
+    # a diagonal factor (wider than kfac_max_factor_dim) sends its n entries, a full one n²
+    # (and n eigenvalues beside its n² eigenvectors)
+    width = {"A": lambda l: l.a, "G": lambda l: l.g}
+    full = lambda l, k: width[k](l) ** 2
+    factor = 4 * (sum(width[k](l) if l.diag[k] else full(l, k) for l in layers for k in "AG")
+                  + 2 * len(layers))
+    eigen = 4 * sum(width[k](l) + (0 if l.diag[k] else full(l, k))
+                    for i, l in enumerate(layers) if opt.holds(i) for k in "AG")
     grad = 4 * sum(l.a * l.g for l in layers)
     return {"state": {k: v.detach().cpu().clone()
                       for k, v in unwrap(trainer.model).state_dict().items()},
@@ -73,6 +79,8 @@ def kfac_runs(configs: dict, cut: str) -> dict:
 # the cheap variant for wide 3D convolutions: damped inverses by Cholesky, each conv's A from
 # 8 strided positions per sample (the same ones on every rank, so data=2 still equals serial)
 CHOLESKY = ("optim.kfac_inverse='cholesky'", "optim.kfac_factor_positions=8")
+# the cheap variant for wide factors: those wider than 100 kept diagonal
+DIAGONAL = ("optim.kfac_max_factor_dim=100",)
 
 
 def _serial(config) -> dict:
@@ -90,20 +98,37 @@ def test_kfac_distributed_equals_serial_at_every_fraction(tiny_config, tmp_path)
                for f in (0.5, 1.0)}
     configs["cholesky-data-0.5"] = tiny_config(*KFAC, *CHOLESKY,
                                                "optim.kfac_grad_worker_fraction=0.5")
+    # factors wider than 100 kept diagonal: every conv's A (108-432 wide), the first dense
+    # layer's G (128); the rest full
+    configs["diagonal-data-0.5"] = tiny_config(*KFAC, *DIAGONAL,
+                                               "optim.kfac_grad_worker_fraction=0.5")
+    # (all positions: under space, factor_positions picks each block's own)
+    configs["diagonal-cholesky-space-1.0"] = tiny_config(*KFAC, *DIAGONAL, CHOLESKY[0],
+                                                         "plan.space=[1,1,2]")
     ranks = run_ranks(2, kfac_runs, configs, str(tmp_path / "cut"))
     serial = _serial(tiny_config(*KFAC))
-    serial_cholesky = _serial(tiny_config(*KFAC, *CHOLESKY))
-    # the variant is another optimizer: it moves the weights elsewhere than eigen's K-FAC
-    assert max_rel_err_state(serial_cholesky["state"], serial["state"]) > 1e-3
+    variants = {"cholesky": _serial(tiny_config(*KFAC, *CHOLESKY)),
+                "diagonal-cholesky": _serial(tiny_config(*KFAC, *DIAGONAL, CHOLESKY[0])),
+                "diagonal": _serial(tiny_config(*KFAC, *DIAGONAL))}
+    # each variant is another optimizer: it moves the weights elsewhere than eigen's K-FAC
+    for variant in variants.values():
+        assert max_rel_err_state(variant["state"], serial["state"]) > 1e-3
+    assert variants["diagonal"]["memory"] < serial["memory"] / 2
     total = serial["memory"]
     assert total == serial["formula"] > 0
     for name in configs:
         runs = [r[name] for r in ranks]
-        reference = serial_cholesky if name.startswith("cholesky") else serial
+        variant = next((v for v in variants if name.startswith(v + "-")), None)
+        reference = variants[variant] if variant else serial
+        if variant:   # f = 1: every rank holds all of the serial state; f = 1/2: they split it
+            copies = 2 if name.endswith("1.0") else 1
+            assert sum(r["memory"] for r in runs) == copies * reference["memory"]
         for run in runs:
             assert max_rel_err_state(run["state"], reference["state"]) <= 2e-5, name
             assert run["memory"] == run["formula"]  # the module doc's formula, per rank
             assert run["kfac_bytes"] == run["expected_bytes"], name
+        if variant:
+            continue
         if name.endswith("0.5"):  # one grad worker per layer: the ranks split the state
             assert sum(r["memory"] for r in runs) == total
             assert all(0 < r["memory"] < total for r in runs)

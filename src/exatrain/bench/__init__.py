@@ -36,6 +36,9 @@ def run_benchmark(name: str, args) -> dict:
     table.add_column("figure")
     table.add_column("value", justify="right")
     for key, value in result.items():
+        if isinstance(value, (list, dict)) and len(str(value)) > 60:   # curves: in the JSON
+            table.add_row(key, f"{len(value)} entries (--json)")
+            continue
         table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
     Console().print(table)
     return result

@@ -39,7 +39,7 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -71,6 +71,19 @@ def add_arguments(parser) -> None:
     parser.add_argument("--deepcam-width", type=int, default=16)
     parser.add_argument("--deepcam-steps", type=int, default=10)
     parser.add_argument("--parts", default="optim,memory,branches")
+    parser.add_argument("--stop-at-target", action="store_true",
+                        help="end each run at its first evaluation that reaches the target "
+                             "(train.target; the schedule still spans --steps)")
+    parser.add_argument("--data-dir", default="",
+                        help="CosmoFlow files to reuse (written there if missing); default: a "
+                             "temporary directory")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="runs per optimizer (run.seed 0..N-1: init and sample order); "
+                             "the median run's steps and seconds to target are reported")
+    parser.add_argument("--plot", default="",
+                        help="PNG of every run's val_mae against its training seconds")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        help="section.key=value for every run (repeatable)")
 
 
 # ---------------------------------------------------------------------- the residual CNN task
@@ -162,8 +175,8 @@ def _memory_rank(config, fractions) -> dict:
         out = {}
         for f in fractions:
             inner = build_optimizer(trainer.model.parameters(), config.optim, 0.01)
-            opt = KFAC(trainer.model, inner, mesh,
-                       KFACSettings(grad_worker_fraction=f))
+            opt = KFAC(trainer.model, inner, mesh, replace(
+                KFACSettings.from_options(config.optim), grad_worker_fraction=f))
             out[f] = (opt.memory_bytes(), opt.memory_formula())
             opt.close()
         return out
@@ -218,8 +231,11 @@ def _deepcam_rank(size: int, width: int, steps: int, warmup: int, batch: int) ->
 
 
 # ---------------------------------------------------------------------- the bench
-def _config(work: Path, workload: str, optimizer: str, args, steps: int, size: int):
+def _config(work: Path, workload: str, optimizer: str, args, steps: int, size: int,
+            data: Path | None = None, target: float | None = None, more: list[str] = ()):
     from ..train.config import load_config
+
+    data = data or work / "data"
 
     lr = {"adamw": args.lr_adamw, "sgd": args.lr_sgd, "kfac": args.lr_kfac}[optimizer]
     common = [f"train.steps={steps}", f"train.eval_every={args.eval_every}",
@@ -235,11 +251,77 @@ def _config(work: Path, workload: str, optimizer: str, args, steps: int, size: i
               "run.backend=gloo" if not torch.cuda.is_available() else "run.backend=auto"]
     if workload == "cosmoflow":
         extra = [f"model.size={size}", f"model.conv_layers={min(5, size.bit_length() - 1)}",
-                 f"data.size={size}", f"data.path={work / 'data'}",
+                 f"data.size={size}", f"data.path={data}",
                  "data.generate=false"]
     else:
-        extra = ["run.workload='exatrain.bench.kfac:build_resnet'", f"data.path={work / 'data'}"]
-    return load_config(None, common + extra)
+        extra = ["run.workload='exatrain.bench.kfac:build_resnet'", f"data.path={data}"]
+    if target is not None:
+        extra.append(f"train.target='val_mae <= {target!r}'")
+    return load_config(None, common + extra + list(more) + list(getattr(args, "overrides", [])))
+
+
+def _baseline_mae(data: Path) -> float:
+    """MAE on the validation set of predicting the training set's mean targets."""
+    from ..data.cosmoflow import CosmoFlowDataset, predict_mean_baseline_mae
+    return predict_mean_baseline_mae(CosmoFlowDataset(f"{data}/train.h5"),
+                                     CosmoFlowDataset(f"{data}/val.h5"))
+
+
+NAMES = {"kfac": "K-FAC", "adamw": "AdamW", "sgd": "SGD"}
+
+
+def plot_to_target(result: dict, path) -> Path:
+    """One panel per workload: val_mae against training seconds for every optimizer (one colour)
+    and seed (one line), the target dashed, each run's first evaluation at the target marked."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = sorted({k[:-len("_target_val_mae")] for k in result
+                        if k.endswith("_target_val_mae")})
+    fig, axes = plt.subplots(1, len(workloads), figsize=(6.4 * len(workloads), 4.2), dpi=110,
+                             squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, w in zip(axes[0], workloads):
+        target = result[f"{w}_target_val_mae"]
+        optimizers = [k[len(w) + 1:-len("_curves")] for k in result
+                      if k.startswith(f"{w}_") and k.endswith("_curves")]
+        for color, o in zip(colors, optimizers):
+            seconds = result[f"{w}_{o}_seconds_to_target"]
+            runs = len(result[f"{w}_{o}_curves"])
+            name = NAMES.get(o, o) + (f" on {NAMES.get(result.get('kfac_base'), '')}" if o == "kfac" and
+                                 "kfac_base" in result else "") + (f", lr {result[f'{w}_{o}_lr']:g}" if f"{w}_{o}_lr" in result
+                                      else "")
+            label = (f"{name} ({runs} seeds): median {seconds:.1f} s, "
+                     f"{result[f'{w}_{o}_steps_to_target']} steps" if seconds
+                     else f"{name} ({runs} seeds): target not reached")
+            for j, curve in enumerate(result[f"{w}_{o}_curves"]):
+                t = [c[1] for c in curve]
+                m = [c[2] for c in curve]
+                ax.plot(t, m, "-", color=color, lw=1.1, alpha=0.75, label=label if j == 0 else None)
+                hit = next((c for c in curve if c[2] <= target), None)
+                if hit:
+                    ax.plot([hit[1]], [hit[2]], "o", color=color, ms=5, mec="black", mew=0.5)
+        ax.axhline(target, ls="--", color="0.3", lw=1)
+        ax.annotate(f"target {target:.3f} (0.5 × baseline)", (0, target), textcoords="offset points",
+                    xytext=(4, -11), fontsize=7, color="0.3")
+        ax.set_xlabel("training seconds (evaluations excluded)")
+        ax.set_ylabel("validation MAE")
+        ax.set_title(f"{w}: {result.get('ranks', 2)} ranks, global batch {result['global_batch']}",
+                     fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return Path(path)
+
+
+def _median_reached(reached: list[tuple]) -> tuple:
+    """The median run's (steps, seconds) to the target over seeds, a run that never reached it
+    counting as slower than all that did (None when that is the median)."""
+    order = sorted(reached, key=lambda r: (r[1] is None, r[1] or 0.0))
+    return order[(len(order) - 1) // 2]
 
 
 def _to_target(curve, target):
@@ -260,33 +342,54 @@ def run(args, launch=None) -> dict:
                     "device": "cuda" if torch.cuda.is_available() else "cpu"}
     with tempfile.TemporaryDirectory(prefix="exatrain-bench-kfac-") as tmp:
         work = Path(tmp)
-        if parts & {"optim", "memory"}:
-            write_cosmoflow(work / "data", samples=args.samples, size=size, seed=1234)
+        data = Path(args.data_dir) if getattr(args, "data_dir", "") else work / "data"
+        if parts & {"optim", "memory"} and not (data / "val.h5").exists():
+            write_cosmoflow(data, samples=args.samples, size=size, seed=1234)
         if "optim" in parts:
+            # the baseline (predicting the training set's mean) is the data's, not a run's
+            target = args.target_fraction * _baseline_mae(data)
+            stop = target if getattr(args, "stop_at_target", False) else None
+            seeds = range(getattr(args, "seeds", 1))
             for workload in args.workloads.split(","):
-                runs = {o: launch(_train_rank, 2, args=(_config(work, workload, o, args, steps,
-                                                               size),))[0]
-                        for o in args.optimizers.split(",")}
-                # the baseline (predicting the training set's mean) is the data's, not a run's
-                target = args.target_fraction * next(iter(runs.values()))["baseline_mae"]
+                # seed by seed, every optimizer in turn: a drifting machine slows all alike
+                per_seed = [{o: launch(_train_rank, 2, args=(_config(
+                                 work, workload, o, args, steps, size, data, stop,
+                                 [f"run.seed={seed}"]),))[0]
+                             for o in args.optimizers.split(",")} for seed in seeds]
+                runs = {o: [r[o] for r in per_seed] for o in per_seed[0]}
                 result[f"{workload}_target_val_mae"] = target
-                for o, r in runs.items():
-                    step, seconds = _to_target(r["curve"], target)
+                for o, rs in runs.items():
+                    reached = [_to_target(r["curve"], target) for r in rs]
+                    step, seconds = _median_reached(reached)
                     result[f"{workload}_{o}_steps_to_target"] = step
                     result[f"{workload}_{o}_seconds_to_target"] = seconds
-                    result[f"{workload}_{o}_step_s"] = r["step_s"]
-                    result[f"{workload}_{o}_best_val_mae"] = min(m for _, _, m in r["curve"])
+                    result[f"{workload}_{o}_lr"] = {"adamw": args.lr_adamw, "sgd": args.lr_sgd,
+                                                    "kfac": args.lr_kfac}[o]
+                    if o == "kfac":
+                        result["kfac_base"] = args.kfac_base
+                    result[f"{workload}_{o}_step_s"] = statistics.median(r["step_s"] for r in rs)
+                    result[f"{workload}_{o}_best_val_mae"] = statistics.median(
+                        min(m for _, _, m in r["curve"]) for r in rs)
+                    if len(rs) > 1:
+                        result[f"{workload}_{o}_steps_to_target_per_seed"] = [s for s, _ in reached]
+                        result[f"{workload}_{o}_seconds_to_target_per_seed"] = [
+                            None if t is None else round(t, 2) for _, t in reached]
+                    result[f"{workload}_{o}_curves"] = [r["curve"] for r in rs]
                 if "kfac" not in runs:
                     continue
-                result[f"{workload}_kfac_bytes_per_step"] = runs["kfac"]["kfac_bytes_per_step"]
+                result[f"{workload}_kfac_bytes_per_step"] = runs["kfac"][0]["kfac_bytes_per_step"]
                 if "sgd" in runs:
-                    result[f"{workload}_kfac_step_overhead"] = (runs["kfac"]["step_s"]
-                                                                / runs["sgd"]["step_s"])
+                    result[f"{workload}_kfac_step_overhead"] = (result[f"{workload}_kfac_step_s"]
+                                                                / result[f"{workload}_sgd_step_s"])
                 if "adamw" in runs:
                     a, k = (result[f"{workload}_{o}_seconds_to_target"] for o in ("adamw", "kfac"))
                     result[f"{workload}_kfac_vs_adamw_seconds"] = k / a if a and k else None
+                    result[f"{workload}_kfac_step_over_adamw"] = (result[f"{workload}_kfac_step_s"]
+                                                                  / result[f"{workload}_adamw_step_s"])
+            if getattr(args, "plot", ""):
+                plot_to_target(result, args.plot)
         if "memory" in parts:
-            config = _config(work, "cosmoflow", "kfac", args, 1, size)
+            config = _config(work, "cosmoflow", "kfac", args, 1, size, data)
             per_rank = launch(_memory_rank, 2, args=(config, (0.5, 1.0)))
             for f in (0.5, 1.0):
                 result[f"second_order_bytes_per_rank_f{f}"] = max(r[f][0] for r in per_rank)

@@ -109,6 +109,8 @@ class OptimOptions:
     kfac_grad_worker_fraction: float = 1.0  # 1/W: memory-optimal .. 1: communication-optimal
     kfac_inverse: str = "eigen"   # eigen | cholesky (damped inverses: n³/3 flops, not ~9n³)
     kfac_factor_positions: int = 0  # a conv's A from at most this many positions per sample
+    kfac_max_factor_dim: int = 0  # a factor wider than this is kept diagonal (0 = all full):
+                                  # a 3D conv's A is C_in·27 wide, its preconditioning ~ C_in²
 
 
 @dataclass
@@ -264,7 +266,8 @@ def validate(config: Config) -> None:
                     "train.max_nonfinite_skips": t.max_nonfinite_skips,
                     "schedule.warmup_steps": s.warmup_steps,
                     "schedule.base_batch_size": s.base_batch_size,
-                    "optim.kfac_factor_positions": config.optim.kfac_factor_positions}
+                    "optim.kfac_factor_positions": config.optim.kfac_factor_positions,
+                    "optim.kfac_max_factor_dim": config.optim.kfac_max_factor_dim}
     for where, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"{where}={value} is out of range: it accepts whole numbers ≥ 0 "

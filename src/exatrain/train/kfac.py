@@ -131,18 +131,22 @@ class KFACSettings:
     inverse: str = "eigen"          # eigen | cholesky (see the module doc)
     factor_positions: int = 0       # a convolution's A from at most this many output positions
                                     # per sample (strided); 0 = all
+    max_factor_dim: int = 0         # a factor wider than this is kept diagonal; 0 = none is
 
     @classmethod
     def from_options(cls, o) -> "KFACSettings":
         return cls(o.kfac_damping, o.kfac_factor_decay, o.kfac_factor_every,
                    o.kfac_inverse_every, o.kfac_kl_clip, o.kfac_grad_worker_fraction,
-                   o.kfac_inverse, o.kfac_factor_positions)
+                   o.kfac_inverse, o.kfac_factor_positions, o.kfac_max_factor_dim)
 
 
 # ---------------------------------------------------------------------- factor statistics
-def conv_patches(x: torch.Tensor, kernel, stride, dilation, pad_lo, pad_hi) -> torch.Tensor:
-    """The rows (positions × samples, C·K) of a convolution's input patches, in the order of
-    `weight.view(out, -1)`'s columns (1-3 spatial dims; zero padding lo/hi per dim)."""
+def conv_patches(x: torch.Tensor, kernel, stride, dilation, pad_lo, pad_hi,
+                 cap: int = 0) -> torch.Tensor:
+    """The rows (samples × positions, C·K) of a convolution's input patches, in the order of
+    `weight.view(out, -1)`'s columns (1-3 spatial dims; zero padding lo/hi per dim). With
+    `cap` > 0 only every ⌈T/cap⌉-th of a sample's T output positions (in flat order), picked
+    from the unfolded view so only those patches are copied."""
     nd = len(kernel)
     pads = [p for lo, hi in zip(reversed(pad_lo), reversed(pad_hi)) for p in (lo, hi)]
     if any(pads):
@@ -151,9 +155,16 @@ def conv_patches(x: torch.Tensor, kernel, stride, dilation, pad_lo, pad_hi) -> t
         x = x.unfold(2 + i, dilation[i] * (kernel[i] - 1) + 1, stride[i])
     if any(d > 1 for d in dilation):
         x = x[(Ellipsis, *(slice(None, None, d) for d in dilation))]
+    c_k = x.shape[1] * math.prod(kernel)
+    grid = x.shape[2:2 + nd]
+    positions = math.prod(grid)
+    if 0 < cap < positions:   # the same strided positions of every sample
+        flat = torch.arange(0, positions, -(-positions // cap), device=x.device)
+        index = torch.unravel_index(flat, grid)
+        x = x[(slice(None), slice(None), *index)]           # (N, C, P, k1..knd)
+        return x.movedim(1, 2).reshape(-1, c_k)
     # (N, C, o1..ond, k1..knd) -> (N, o1..ond, C, k1..knd)
     order = [0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd)]
-    c_k = x.shape[1] * math.prod(kernel)
     return x.permute(order).reshape(-1, c_k)
 
 
@@ -168,22 +179,47 @@ def _damped_inverse(factor: torch.Tensor, damping: float) -> torch.Tensor:
 class _Layer:
     """One preconditioned layer: its parameters, sizes and the statistics of the current step."""
 
-    def __init__(self, name: str, module: nn.Module):
+    def __init__(self, name: str, module: nn.Module, max_dim: int = 0):
         self.name, self.module = name, module
         self.weight, self.bias = module.weight, module.bias
         self.out = self.weight.shape[0]
         self.a = self.weight[0].numel() + (self.bias is not None)
         self.g = self.out
         self.conv = not isinstance(module, nn.Linear)
+        # a factor wider than max_dim is kept diagonal (its vector of diagonal entries)
+        self.diag = {"A": 0 < max_dim < self.a, "G": 0 < max_dim < self.g}
         self.reset()
+
+    def width(self, k: str) -> int:
+        return self.a if k == "A" else self.g
+
+    def factor_shape(self, k: str) -> tuple[int, ...]:
+        n = self.width(k)
+        return (n,) if self.diag[k] else (n, n)
+
+    def factor_numel(self, k: str) -> int:
+        """Floats of the factor (and of its eigenvectors or inverse, when it has them)."""
+        n = self.width(k)
+        return n if self.diag[k] else n * n
 
     def reset(self) -> None:
         self.A_sum = self.G_sum = None
         self.a_count = self.g_count = 0.0
 
+    def factor_cost(self, k: str) -> int:
+        n = self.width(k)
+        return n if self.diag[k] else n ** 3
+
     @property
     def cost(self) -> int:
-        return self.a ** 3 + self.g ** 3
+        return self.factor_cost("A") + self.factor_cost("G")
+
+    def state_numel(self) -> int:
+        """Floats of this layer's second-order state: per full factor the running factor, its
+        eigenvectors (or inverse) and eigenvalues (2n² + n); per diagonal factor the running
+        diagonal and its eigenvalues (or inverse diagonal) (2n)."""
+        return sum(2 * self.width(k) if self.diag[k] else 2 * self.width(k) ** 2 + self.width(k)
+                   for k in ("A", "G"))
 
 
 def _supported(module: nn.Module) -> bool:
@@ -223,10 +259,11 @@ class KFAC(torch.optim.Optimizer):
         s = settings
         if not 0 < s.factor_decay < 1 or s.damping <= 0 or s.kl_clip <= 0 \
                 or s.factor_every < 1 or s.inverse_every < 1 or s.factor_positions < 0 \
-                or s.inverse not in ("eigen", "cholesky"):
+                or s.inverse not in ("eigen", "cholesky") or s.max_factor_dim < 0:
             raise ValueError(f"K-FAC settings out of range: {s}; need 0 < factor_decay < 1, "
                              "damping > 0, kl_clip > 0, factor_every ≥ 1, inverse_every ≥ 1, "
-                             "factor_positions ≥ 0, inverse 'eigen' or 'cholesky'.")
+                             "factor_positions ≥ 0, inverse 'eigen' or 'cholesky', "
+                             "max_factor_dim ≥ 0.")
         self.inner, self.settings, self.grad_accum = inner, s, grad_accum
         self.defaults = inner.defaults
         module = unwrap(model)
@@ -239,7 +276,7 @@ class KFAC(torch.optim.Optimizer):
         self.space_size = mesh.axis("space").size if mesh is not None else 1
         self.device = mesh.device if mesh is not None else next(module.parameters()).device
         trainable = {id(p) for g in inner.param_groups for p in g["params"]}
-        self.layers = [_Layer(n, m) for n, m in module.named_modules()
+        self.layers = [_Layer(n, m, s.max_factor_dim) for n, m in module.named_modules()
                        if _supported(m) and id(m.weight) in trainable
                        and (m.bias is None or id(m.bias) in trainable)]
         # the grid: R rows of n grad workers
@@ -260,7 +297,7 @@ class KFAC(torch.optim.Optimizer):
         for row in range(self.rows):
             mine = [i for i, r in enumerate(self.layer_row) if r == row]
             items = [(i, k) for i in mine for k in ("A", "G")]
-            sizes = [getattr(self.layers[i], k.lower()) ** 3 for i, k in items]
+            sizes = [self.layers[i].factor_cost(k) for i, k in items]
             for item, w in zip(items, lpt(sizes, n)):
                 self.factor_worker[item] = w
         self.steps = 0
@@ -268,10 +305,12 @@ class KFAC(torch.optim.Optimizer):
         for i, layer in enumerate(self.layers):
             entry = {"kfac_steps": torch.zeros((), dtype=torch.int64)}
             if self.holds(i):
-                z = lambda *shape: torch.zeros(shape, device=self.device)
-                a, g = layer.a, layer.g
-                entry.update(kfac_A=z(a, a), kfac_G=z(g, g), kfac_QA=z(a, a), kfac_dA=z(a),
-                             kfac_QG=z(g, g), kfac_dG=z(g))
+                for k in ("A", "G"):
+                    shape = layer.factor_shape(k)
+                    entry[f"kfac_{k}"] = torch.zeros(shape, device=self.device)
+                    if not layer.diag[k]:   # a diagonal factor's eigenvectors are the identity
+                        entry[f"kfac_Q{k}"] = torch.zeros(shape, device=self.device)
+                    entry[f"kfac_d{k}"] = torch.zeros(shape[0], device=self.device)
             self.kfac_state[layer.weight] = entry
         self._arm()
         self._handles = [l.module.register_forward_hook(self._forward_hook(l)) for l in self.layers]
@@ -317,9 +356,9 @@ class KFAC(torch.optim.Optimizer):
                    for k, t in e.items() if k != "kfac_steps")
 
     def memory_formula(self) -> int:
-        """4 · Σ_{ℓ in my row} (2a² + a + 2g² + g), the module doc's formula."""
-        return sum(4 * (2 * l.a ** 2 + l.a + 2 * l.g ** 2 + l.g)
-                   for i, l in enumerate(self.layers) if self.holds(i))
+        """4 · Σ_{ℓ in my row} (2a² + a + 2g² + g), the module doc's formula (2a for a diagonal
+        A, 2g for a diagonal G)."""
+        return sum(4 * l.state_numel() for i, l in enumerate(self.layers) if self.holds(i))
 
     # ------------------------------------------------------------------ statistics (hooks)
     def _forward_hook(self, layer: _Layer):
@@ -343,18 +382,13 @@ class KFAC(torch.optim.Optimizer):
                                          f"{module.padding_mode!r}; only 'zeros' is supported.")
                     lo = hi = tuple(module.padding)
                     kernel, stride, dil = module.kernel_size, module.stride, module.dilation
-                rows = conv_patches(x, kernel, stride, dil, lo, hi)
-                cap = self.settings.factor_positions
-                positions = rows.shape[0] // x.shape[0]
-                if 0 < cap < positions:   # the same strided positions of every sample
-                    rows = rows.view(x.shape[0], positions, -1)[:, ::-(-positions // cap)]
-                    rows = rows.reshape(-1, rows.shape[-1])
+                rows = conv_patches(x, kernel, stride, dil, lo, hi, self.settings.factor_positions)
             else:
                 rows = x.reshape(-1, x.shape[-1])
             if layer.bias is not None:
                 rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], 1)
             rows = rows.float()
-            A = (rows.T @ rows) * weight
+            A = ((rows * rows).sum(0) if layer.diag["A"] else rows.T @ rows) * weight
             layer.A_sum = A if layer.A_sum is None else layer.A_sum + A
             layer.a_count += rows.shape[0] * weight
             b = inputs[0].shape[0]
@@ -365,7 +399,7 @@ class KFAC(torch.optim.Optimizer):
         g = grad.detach().float()
         g = (g.movedim(1, -1) if layer.conv else g).reshape(-1, layer.out) \
             * (samples * self.grad_accum)
-        G = (g.T @ g) * weight
+        G = ((g * g).sum(0) if layer.diag["G"] else g.T @ g) * weight
         layer.G_sum = G if layer.G_sum is None else layer.G_sum + G
         # per sample (KFC: the sum over a sample's positions): under space each rank holds 1/S
         # of every sample's positions, and a replicated layer's rows weigh 1/S
@@ -450,10 +484,10 @@ class KFAC(torch.optim.Optimizer):
         all_reduce(flat, self.axis, tag="kfac")
         at, decay = 0, self.settings.factor_decay
         for i, l in enumerate(self.layers):
-            A = flat[at:at + l.a * l.a].view(l.a, l.a)
-            at += l.a * l.a
-            G = flat[at:at + l.g * l.g].view(l.g, l.g)
-            at += l.g * l.g
+            A = flat[at:at + l.factor_numel("A")].view(l.factor_shape("A"))
+            at += l.factor_numel("A")
+            G = flat[at:at + l.factor_numel("G")].view(l.factor_shape("G"))
+            at += l.factor_numel("G")
             a_count, g_count = flat[at:at + 2].tolist()
             at += 2
             l.reset()
@@ -473,17 +507,24 @@ class KFAC(torch.optim.Optimizer):
                 continue
             e = self.kfac_state[l.weight]
             for k in ("A", "G"):
-                Q, d = e[f"kfac_Q{k}"], e[f"kfac_d{k}"]
+                Q, d = e.get(f"kfac_Q{k}"), e[f"kfac_d{k}"]
                 src = self.factor_worker[(i, k)]
                 if self.row_axis.rank == src:
-                    if self.settings.inverse == "eigen":
-                        vals, vecs = torch.linalg.eigh(e[f"kfac_{k}"].double())
+                    factor = e[f"kfac_{k}"]
+                    if l.diag[k]:   # eigenvalues: the diagonal; inverse: 1 / (diagonal + damping)
+                        d.copy_(factor.clamp_min(0) if self.settings.inverse == "eigen"
+                                else 1 / (factor.clamp_min(0) + self._tikhonov(e, k)))
+                    elif self.settings.inverse == "eigen":
+                        vals, vecs = torch.linalg.eigh(factor.double())
                         Q.copy_(vecs)
                         d.copy_(vals.clamp_min(0))
                     else:
                         d.fill_(self._tikhonov(e, k))
-                        Q.copy_(_damped_inverse(e[f"kfac_{k}"], float(d[0])))
+                        Q.copy_(_damped_inverse(factor, float(d[0])))
                 if self.workers > 1:
+                    if Q is None:
+                        broadcast(d, self.row_axis, src=src, tag="kfac")
+                        continue
                     buf = torch.cat([Q.flatten(), d])
                     broadcast(buf, self.row_axis, src=src, tag="kfac")
                     Q.copy_(buf[:Q.numel()].view_as(Q))
@@ -497,13 +538,17 @@ class KFAC(torch.optim.Optimizer):
             grad = self._grad_matrix(l)
             if self.holds(i):
                 e = self.kfac_state[l.weight]
-                QA, dA, QG, dG = e["kfac_QA"], e["kfac_dA"], e["kfac_QG"], e["kfac_dG"]
-                if self.settings.inverse == "eigen":
-                    v = QG.T @ grad @ QA
+                QA, dA, QG, dG = e.get("kfac_QA"), e["kfac_dA"], e.get("kfac_QG"), e["kfac_dG"]
+                if self.settings.inverse == "eigen":   # (no Q: a diagonal factor's is I)
+                    v = grad if QG is None else QG.T @ grad
+                    v = v if QA is None else v @ QA
                     v = v / (dG[:, None] * dA[None, :] + lam)
-                    v = (QG @ v @ QA.T).contiguous()
-                else:   # QA, QG hold the damped inverses
-                    v = (QG @ grad @ QA).contiguous()
+                    v = v if QG is None else QG @ v
+                    v = v if QA is None else v @ QA.T
+                else:   # QA, QG hold the damped inverses; a diagonal factor's inverse is in d
+                    v = dG[:, None] * grad if QG is None else QG @ grad
+                    v = v * dA[None, :] if QA is None else v @ QA
+                v = v.contiguous()
             else:
                 v = torch.empty_like(grad)
             if self.rows > 1:
@@ -515,8 +560,9 @@ class KFAC(torch.optim.Optimizer):
         """Factored Tikhonov damping (Martens & Grosse 2015, §6.3): A + π√λ·I and G + √λ/π·I
         with π = sqrt((tr A / a) / (tr G / g)), so the damping splits by the factors' scales."""
         A, G = e["kfac_A"], e["kfac_G"]
-        ta = float(A.diagonal().mean().clamp_min(1e-12))
-        tg = float(G.diagonal().mean().clamp_min(1e-12))
+        diagonal = lambda f: f if f.dim() == 1 else f.diagonal()
+        ta = float(diagonal(A).mean().clamp_min(1e-12))
+        tg = float(diagonal(G).mean().clamp_min(1e-12))
         pi = math.sqrt(ta / tg)
         root = math.sqrt(self.settings.damping)
         return pi * root if k == "A" else root / pi
