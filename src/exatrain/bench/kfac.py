@@ -10,6 +10,12 @@ evaluation every `--eval-every`. Figures per workload W and optimizer O:
                           reached; W_O_best_val_mae beside it
   W_O_seconds_to_target   training seconds to that step (the step times the Trainer logged,
                           evaluations excluded)
+                          With `--seeds N` every optimizer runs N times (run.seed 0..N-1, seed
+                          by seed in turn) and both are the median run's (a run that never
+                          reached the target counts as the slowest); `..._per_seed` lists them,
+                          W_O_curves holds every run's (step, seconds, val_mae), `--plot` draws
+                          them. `--stop-at-target` ends a run there (the schedule still spans
+                          `--steps`).
   W_O_step_s              median step time
   W_kfac_step_overhead    K-FAC step time / the first-order (SGD) step time
   W_kfac_vs_adamw_seconds K-FAC's seconds to target / AdamW's (< 1: K-FAC faster)

@@ -56,10 +56,17 @@ a = d_A, g = d_G of layer ℓ and 4-byte floats:
 
 (L layers; the 2L are each layer's two row counts, sent as floats in the same all-reduce.)
 
+A factor wider than `max_factor_dim` is kept diagonal (Distributed Shampoo's fallback for wide
+dimensions): only its diagonal is summed, all-reduced (a floats, not a²) and inverted
+(elementwise), and its eigenvectors are the identity, so it costs a in place of a² (and of a² + a
+in the eigen broadcast), 2a in place of 2a² + a in the state below, and applying it costs g·a
+flops instead of g·a². A 3D convolution's A is C_in·27 wide: in the default CosmoFlow the last
+two (1,728 and 3,456 wide) took ~90 % of the preconditioning flops.
+
 Second-order state held per rank (`memory_bytes`; the persistent tensors: running factors,
 eigenvectors, eigenvalues of the layers of its row):
 
-  4 · Σ_{ℓ in my row} (2a² + a + 2g² + g)
+  4 · Σ_{ℓ in my row} (2a² + a + 2g² + g)          (2a for a diagonal A, 2g for a diagonal G)
 
 so the sum over ranks is n times the serial state, and each rank holds about f of it.
 
