@@ -242,7 +242,6 @@ def _config(work: Path, workload: str, optimizer: str, args, steps: int, size: i
     from ..train.config import load_config
 
     data = data or work / "data"
-
     lr = {"adamw": args.lr_adamw, "sgd": args.lr_sgd, "kfac": args.lr_kfac}[optimizer]
     common = [f"train.steps={steps}", f"train.eval_every={args.eval_every}",
               f"train.log_every={args.eval_every}", f"train.batch_size={args.batch}",
@@ -263,7 +262,7 @@ def _config(work: Path, workload: str, optimizer: str, args, steps: int, size: i
         extra = ["run.workload='exatrain.bench.kfac:build_resnet'", f"data.path={data}"]
     if target is not None:
         extra.append(f"train.target='val_mae <= {target!r}'")
-    return load_config(None, common + extra + list(more) + list(getattr(args, "overrides", [])))
+    return load_config(None, common + extra + list(more) + list(args.overrides))
 
 
 def _baseline_mae(data: Path) -> float:
@@ -294,13 +293,14 @@ def plot_to_target(result: dict, path) -> Path:
                       if k.startswith(f"{w}_") and k.endswith("_curves")]
         for color, o in zip(colors, optimizers):
             seconds = result[f"{w}_{o}_seconds_to_target"]
-            runs = len(result[f"{w}_{o}_curves"])
-            name = NAMES.get(o, o) + (f" on {NAMES.get(result.get('kfac_base'), '')}" if o == "kfac" and
-                                 "kfac_base" in result else "") + (f", lr {result[f'{w}_{o}_lr']:g}" if f"{w}_{o}_lr" in result
-                                      else "")
-            label = (f"{name} ({runs} seeds): median {seconds:.1f} s, "
-                     f"{result[f'{w}_{o}_steps_to_target']} steps" if seconds
-                     else f"{name} ({runs} seeds): target not reached")
+            name = NAMES.get(o, o)
+            if o == "kfac" and "kfac_base" in result:
+                name += f" on {NAMES.get(result['kfac_base'], result['kfac_base'])}"
+            if f"{w}_{o}_lr" in result:
+                name += f", lr {result[f'{w}_{o}_lr']:g}"
+            name += f" ({len(result[f'{w}_{o}_curves'])} seeds)"
+            label = (f"{name}: median {seconds:.1f} s, {result[f'{w}_{o}_steps_to_target']} steps"
+                     if seconds else f"{name}: target not reached")
             for j, curve in enumerate(result[f"{w}_{o}_curves"]):
                 t = [c[1] for c in curve]
                 m = [c[2] for c in curve]
@@ -308,6 +308,8 @@ def plot_to_target(result: dict, path) -> Path:
                 hit = next((c for c in curve if c[2] <= target), None)
                 if hit:
                     ax.plot([hit[1]], [hit[2]], "o", color=color, ms=5, mec="black", mew=0.5)
+        ax.plot([], [], "o", color="0.6", ms=5, mec="black", mew=0.5,
+                label="a run's first evaluation at the target")
         ax.axhline(target, ls="--", color="0.3", lw=1)
         ax.annotate(f"target {target:.3f} (0.5 × baseline)", (0, target), textcoords="offset points",
                     xytext=(4, -11), fontsize=7, color="0.3")
@@ -348,14 +350,14 @@ def run(args, launch=None) -> dict:
                     "device": "cuda" if torch.cuda.is_available() else "cpu"}
     with tempfile.TemporaryDirectory(prefix="exatrain-bench-kfac-") as tmp:
         work = Path(tmp)
-        data = Path(args.data_dir) if getattr(args, "data_dir", "") else work / "data"
+        data = Path(args.data_dir) if args.data_dir else work / "data"
         if parts & {"optim", "memory"} and not (data / "val.h5").exists():
             write_cosmoflow(data, samples=args.samples, size=size, seed=1234)
         if "optim" in parts:
             # the baseline (predicting the training set's mean) is the data's, not a run's
             target = args.target_fraction * _baseline_mae(data)
-            stop = target if getattr(args, "stop_at_target", False) else None
-            seeds = range(getattr(args, "seeds", 1))
+            stop = target if args.stop_at_target else None
+            seeds = range(args.seeds)
             for workload in args.workloads.split(","):
                 # seed by seed, every optimizer in turn: a drifting machine slows all alike
                 per_seed = [{o: launch(_train_rank, 2, args=(_config(
@@ -392,7 +394,7 @@ def run(args, launch=None) -> dict:
                     result[f"{workload}_kfac_vs_adamw_seconds"] = k / a if a and k else None
                     result[f"{workload}_kfac_step_over_adamw"] = (result[f"{workload}_kfac_step_s"]
                                                                   / result[f"{workload}_adamw_step_s"])
-            if getattr(args, "plot", ""):
+            if args.plot:
                 plot_to_target(result, args.plot)
         if "memory" in parts:
             config = _config(work, "cosmoflow", "kfac", args, 1, size, data)

@@ -138,7 +138,7 @@ class KFACSettings:
     inverse: str = "eigen"          # eigen | cholesky (see the module doc)
     factor_positions: int = 0       # a convolution's A from at most this many output positions
                                     # per sample (strided); 0 = all
-    max_factor_dim: int = 0         # a factor wider than this is kept diagonal; 0 = none is
+    max_factor_dim: int = 0         # a factor wider than this is kept diagonal; 0 = all full
 
     @classmethod
     def from_options(cls, o) -> "KFACSettings":
@@ -206,8 +206,7 @@ class _Layer:
 
     def factor_numel(self, k: str) -> int:
         """Floats of the factor (and of its eigenvectors or inverse, when it has them)."""
-        n = self.width(k)
-        return n if self.diag[k] else n * n
+        return math.prod(self.factor_shape(k))
 
     def reset(self) -> None:
         self.A_sum = self.G_sum = None
@@ -225,7 +224,7 @@ class _Layer:
         """Floats of this layer's second-order state: per full factor the running factor, its
         eigenvectors (or inverse) and eigenvalues (2n² + n); per diagonal factor the running
         diagonal and its eigenvalues (or inverse diagonal) (2n)."""
-        return sum(2 * self.width(k) if self.diag[k] else 2 * self.width(k) ** 2 + self.width(k)
+        return sum(2 * self.factor_numel(k) + (0 if self.diag[k] else self.width(k))
                    for k in ("A", "G"))
 
 
