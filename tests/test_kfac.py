@@ -21,10 +21,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from exatrain.parallel import unwrap
 from exatrain.train.config import ConfigError, load_config
-from exatrain.train.kfac import check_plan
+from exatrain.train.kfac import KFAC as KFACOptimizer, KFACSettings, _damped_inverse, check_plan
 from exatrain.train.run import setup
 from exatrain.plan import Plan
 from harness import max_rel_err_state, run_ranks
@@ -149,3 +150,68 @@ def test_kfac_refuses_unsupported_axes(tiny_config):
     with pytest.raises(ConfigError, match="activation_checkpointing"):
         tiny_config("optim.name='kfac'", "parallel.activation_checkpointing='full'")
 
+
+
+class _SmallNet(nn.Module):
+    """A model written the way people write them: a padded, strided Conv2d and a Linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, kernel_size=3, stride=2, padding=1)
+        self.head = nn.Linear(4 * 4 * 4, 2)
+
+    def forward(self, x):
+        self.features = torch.relu(self.conv(x))
+        self.features.retain_grad()
+        self.logits = self.head(self.features.flatten(1))
+        self.logits.retain_grad()
+        return self.logits
+
+
+@pytest.mark.parametrize("max_factor_dim", [0, 20])
+def test_kfac_factors_equal_their_definition(max_factor_dim):
+    """After one step the factors are KFC's A = E[a aᵀ] over the unfolded input patches (here
+    from F.unfold, not K-FAC's own patch code; a 1 appended for the bias) and G = E_samples[Σ_t
+    (B·g)(B·g)ᵀ] over the output gradients of the mean loss; full and kept diagonal (wider than
+    20: the conv's A, 28 wide, and the head's A, 65 wide)."""
+    torch.manual_seed(0)
+    model, x, y = _SmallNet(), torch.randn(3, 3, 8, 8), torch.randn(3, 2)
+    settings = KFACSettings(max_factor_dim=max_factor_dim)
+    opt = KFACOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), settings=settings)
+    nn.functional.mse_loss(model(x), y).backward()
+    B = x.shape[0]
+    ones = lambda rows: torch.cat([rows, torch.ones(rows.shape[0], 1)], 1)
+    patches = nn.functional.unfold(x, 3, padding=1, stride=2).transpose(1, 2).reshape(-1, 27)
+    mask = (model.features > 0).float()   # the conv's output gradient, through the relu
+    conv_g = (model.features.grad * mask * B).permute(0, 2, 3, 1).reshape(-1, 4)
+    head_g = model.logits.grad * B
+    expected = {
+        model.conv.weight: (ones(patches), conv_g),
+        model.head.weight: (ones(model.features.detach().flatten(1)), head_g)}
+    opt.step()
+    for weight, (a_rows, g_rows) in expected.items():
+        e = opt.kfac_state[weight]
+        A = a_rows.T @ a_rows / a_rows.shape[0]
+        G = g_rows.T @ g_rows / B
+        A = A.diagonal() if max_factor_dim and A.shape[0] > max_factor_dim else A
+        G = G.diagonal() if max_factor_dim and G.shape[0] > max_factor_dim else G
+        torch.testing.assert_close(e["kfac_A"], A, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(e["kfac_G"], G, rtol=1e-5, atol=1e-7)
+    opt.close()
+
+
+def test_damped_inverse_in_float32_and_its_float64_fallback():
+    torch.manual_seed(0)
+    rows = torch.randn(64, 200) * torch.logspace(0, -4, 200)   # condition ~1e8 before damping
+    factor = rows.T @ rows / 64
+    inverse = _damped_inverse(factor, 1e-3)
+    assert inverse.dtype == torch.float32
+    exact = torch.linalg.inv(factor.double() + 1e-3 * torch.eye(200, dtype=torch.float64))
+    assert float((inverse.double() - exact).norm() / exact.norm()) < 1e-4
+    # singular in float32 (1 + 1e-10 rounds to 1), positive definite in float64: the float64
+    # inverse, in float32
+    singular = torch.ones(2, 2)
+    inverse = _damped_inverse(singular, 1e-10)
+    exact = torch.linalg.inv(singular.double() + 1e-10 * torch.eye(2, dtype=torch.float64))
+    assert inverse.dtype == torch.float32
+    torch.testing.assert_close(inverse.double(), exact, rtol=1e-4, atol=0)

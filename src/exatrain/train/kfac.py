@@ -177,9 +177,14 @@ def conv_patches(x: torch.Tensor, kernel, stride, dilation, pad_lo, pad_hi,
 
 def _damped_inverse(factor: torch.Tensor, damping: float) -> torch.Tensor:
     """(F + damping·I)⁻¹ of a symmetric positive semi-definite factor, by Cholesky (n³/3 flops,
-    against eigh's ~9n³), in float64 on the factor's worker."""
-    f = factor.double()
-    f = f + damping * torch.eye(f.shape[0], dtype=f.dtype, device=f.device)
+    against eigh's ~9n³), on the factor's worker in the factor's precision (KAISA's default:
+    the damping bounds the condition number, and float32 halves the cost of the widest factor),
+    again in float64 if float32 rounding leaves it not positive definite."""
+    eye = torch.eye(factor.shape[0], dtype=factor.dtype, device=factor.device)
+    L, info = torch.linalg.cholesky_ex(factor + damping * eye)
+    if int(info) == 0:
+        return torch.cholesky_inverse(L)
+    f = factor.double() + damping * eye.double()
     return torch.cholesky_inverse(torch.linalg.cholesky(f)).to(factor.dtype)
 
 
@@ -403,9 +408,11 @@ class KFAC(torch.optim.Optimizer):
 
     def _grad_hook(self, layer: _Layer, grad: torch.Tensor, samples: int, weight: float):
         g = grad.detach().float()
-        g = (g.movedim(1, -1) if layer.conv else g).reshape(-1, layer.out) \
-            * (samples * self.grad_accum)
-        G = ((g * g).sum(0) if layer.diag["G"] else g.T @ g) * weight
+        g = (g.movedim(1, -1) if layer.conv else g).reshape(-1, layer.out)
+        # B·g: the per-sample gradient rows, scaled after the product (B² on a g×g matrix, not B
+        # on every row: the first convolution's rows are a copy as large as its activation)
+        scale = (samples * self.grad_accum) ** 2 * weight
+        G = ((g * g).sum(0) if layer.diag["G"] else g.T @ g) * scale
         layer.G_sum = G if layer.G_sum is None else layer.G_sum + G
         # per sample (KFC: the sum over a sample's positions): under space each rank holds 1/S
         # of every sample's positions, and a replicated layer's rows weigh 1/S
@@ -455,10 +462,11 @@ class KFAC(torch.optim.Optimizer):
         if self.steps % s.inverse_every == 0:
             self._eigen()
         lr = self.inner.param_groups[0]["lr"]
-        grads = self._precondition()
-        vg = sum(float((v * self._grad_matrix(l)).sum()) for l, v in zip(self.layers, grads))
+        grads = [self._grad_matrix(l) for l in self.layers]
+        preconditioned = self._precondition(grads)
+        vg = sum(float((v * g).sum()) for v, g in zip(preconditioned, grads))
         nu = min(1.0, math.sqrt(s.kl_clip / abs(vg * lr * lr))) if vg and lr else 1.0
-        for layer, v in zip(self.layers, grads):
+        for layer, v in zip(self.layers, preconditioned):
             v = v * nu
             w = v[:, :layer.weight[0].numel()]
             layer.weight.grad.copy_(w.reshape(layer.weight.shape))
@@ -536,12 +544,11 @@ class KFAC(torch.optim.Optimizer):
                     Q.copy_(buf[:Q.numel()].view_as(Q))
                     d.copy_(buf[Q.numel():])
 
-    def _precondition(self) -> list[torch.Tensor]:
+    def _precondition(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Step 3: the row's workers precondition; V broadcast down each column."""
         out = []
         lam = self.settings.damping
-        for i, l in enumerate(self.layers):
-            grad = self._grad_matrix(l)
+        for i, (l, grad) in enumerate(zip(self.layers, grads)):
             if self.holds(i):
                 e = self.kfac_state[l.weight]
                 QA, dA, QG, dG = e.get("kfac_QA"), e["kfac_dA"], e.get("kfac_QG"), e["kfac_dG"]
