@@ -15,7 +15,7 @@ from exatrain.bench import kfac
 from exatrain.cli import build_parser
 from harness import run_ranks
 
-ARGV = ["bench", "kfac", "--workloads", "cosmoflow", "--optimizers", "kfac,sgd", "--size", "8",
+ARGV = ["bench", "kfac", "--workloads", "cosmoflow", "--optimizers", "kfac,adamw,sgd", "--size", "8",
         "--samples", "12", "--steps", "2", "--eval-every", "2", "--batch", "4",
         "--kfac-inverse-every", "1", "--kfac-factor-every", "1", "--seeds", "2",
         "--deepcam-size", "16", "--deepcam-width", "4", "--deepcam-steps", "2", "--warmup", "0"]
@@ -28,13 +28,14 @@ def _pool(fn, nproc, args=()):
 def test_bench_kfac_writes_sane_figures():
     args = build_parser(ARGV).parse_args(ARGV)
     result = json.loads(json.dumps(kfac.run(args, launch=_pool)))   # what --json writes
-    for o in ("kfac", "sgd"):
+    for o in ("kfac", "adamw", "sgd"):
         for figure in ("steps_to_target", "seconds_to_target", "step_s", "best_val_mae"):
             assert f"cosmoflow_{o}_{figure}" in result
         assert result[f"cosmoflow_{o}_step_s"] > 0
         assert len(result[f"cosmoflow_{o}_steps_to_target_per_seed"]) == 2
         assert len(result[f"cosmoflow_{o}_curves"]) == 2
     assert result["cosmoflow_kfac_step_overhead"] > 0
+    assert 0 < result["cosmoflow_kfac_vs_adamw_p_value"] <= 1
     assert result["cosmoflow_kfac_bytes_per_step"] > 0   # the factor all-reduce, every step
     # second-order state: the largest per rank falls from f = 1 to f = 1/2, as the formula says
     small, full = (result[f"second_order_bytes_per_rank_f{f}"] for f in (0.5, 1.0))
@@ -61,3 +62,16 @@ def test_median_run_counts_a_run_that_missed_the_target_as_slowest():
     assert kfac._median_reached([(100, 10.0), (None, None), (50, 5.0)]) == (100, 10.0)
     assert kfac._median_reached([(None, None), (300, 1.0), (None, None)]) == (None, None)
     assert kfac._median_reached([(400, 40.0)]) == (400, 40.0)
+
+
+def test_rank_sum_p_value_of_separated_tied_and_unreached_runs():
+    # 3 against 3, fully apart: 2 of the C(6, 3) = 20 splits are as extreme (either side)
+    assert kfac.rank_sum_p_value([1.0, 2.0, 3.0], [4.0, 5.0, 6.0]) == 0.1
+    assert kfac.rank_sum_p_value([6.0, 5.0, 4.0], [1.0, 2.0, 3.0]) == 0.1
+    # runs that never reached the target rank above all that did, tied among themselves
+    assert kfac.rank_sum_p_value([None, None, None], [7.0, 8.0, 9.0]) == 0.1
+    # the same values on both sides: no split is less extreme
+    assert kfac.rank_sum_p_value([350, 400], [400, 350]) == 1.0
+    # 4 against 4 with one cross-over: rank sum 11 of mean 18; of the C(8, 4) = 70 splits,
+    # {1,2,3,4} and {1,2,3,5} lie as far out below, {5,6,7,8} and {4,6,7,8} above
+    assert abs(kfac.rank_sum_p_value([1, 2, 3, 5], [4, 6, 7, 8]) - 4 / 70) < 1e-12

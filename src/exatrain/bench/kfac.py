@@ -10,8 +10,9 @@ evaluation every `--eval-every`. Figures per workload W and optimizer O:
                           reached; W_O_best_val_mae beside it
   W_O_seconds_to_target   training seconds to that step (the step times the Trainer logged,
                           evaluations excluded)
-                          With `--seeds N` every optimizer runs N times (run.seed 0..N-1, seed
-                          by seed in turn) and both are the median run's (a run that never
+                          With `--seeds N` every optimizer runs N times (run.seed F..F+N-1,
+                          F = `--first-seed`, seed by seed in turn) and both are the median
+                          run's (the lower of the middle two for even N; a run that never
                           reached the target counts as the slowest); `..._per_seed` lists them,
                           W_O_curves holds every run's (step, seconds, val_mae), `--plot` draws
                           them. `--stop-at-target` ends a run there (the schedule still spans
@@ -19,6 +20,9 @@ evaluation every `--eval-every`. Figures per workload W and optimizer O:
   W_O_step_s              median step time
   W_kfac_step_overhead    K-FAC step time / the first-order (SGD) step time
   W_kfac_vs_adamw_seconds K-FAC's seconds to target / AdamW's (< 1: K-FAC faster)
+  W_kfac_vs_adamw_p_value with `--seeds N`: the exact two-sided rank-sum (Mann-Whitney) p-value
+                          of the two optimizers' seconds to target per seed (small: the
+                          difference is more than the spread between seeds)
   W_kfac_bytes_per_step   the K-FAC collectives the ledger counted, per step
 
 and `second_order_bytes_per_rank_f<f>`: the largest K-FAC state any rank holds, for every
@@ -86,6 +90,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seeds", type=int, default=1,
                         help="runs per optimizer (run.seed 0..N-1: init and sample order); "
                              "the median run's steps and seconds to target are reported")
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="run.seed of the first run (seeds F..F+N-1): extend an earlier "
+                             "sweep; a seed's steps to target do not depend on the launch")
     parser.add_argument("--plot", default="",
                         help="PNG of every run's val_mae against its training seconds")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
@@ -276,18 +283,21 @@ NAMES = {"kfac": "K-FAC", "adamw": "AdamW", "sgd": "SGD"}
 
 
 def plot_to_target(result: dict, path) -> Path:
-    """One panel per workload: val_mae against training seconds for every optimizer (one colour)
-    and seed (one line), the target dashed, each run's first evaluation at the target marked."""
+    """Two panels per workload: val_mae against training seconds for every optimizer (one colour)
+    and seed (one line), the target dashed, each run's first evaluation at the target marked;
+    beside it every run's seconds to the target, the median run's as a bar (an open marker at
+    the top: a run that never reached it)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     workloads = sorted({k[:-len("_target_val_mae")] for k in result
                         if k.endswith("_target_val_mae")})
-    fig, axes = plt.subplots(1, len(workloads), figsize=(6.4 * len(workloads), 4.2), dpi=110,
-                             squeeze=False)
+    fig, axes = plt.subplots(1, 2 * len(workloads), figsize=(8.8 * len(workloads), 4.2),
+                             dpi=110, squeeze=False,
+                             gridspec_kw={"width_ratios": [3, 1] * len(workloads)})
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, w in zip(axes[0], workloads):
+    for ax, spread, w in zip(axes[0][::2], axes[0][1::2], workloads):
         target = result[f"{w}_target_val_mae"]
         optimizers = [k[len(w) + 1:-len("_curves")] for k in result
                       if k.startswith(f"{w}_") and k.endswith("_curves")]
@@ -319,10 +329,40 @@ def plot_to_target(result: dict, path) -> Path:
                      fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+        _plot_spread(spread, result, w, optimizers, colors)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
     return Path(path)
+
+
+def _plot_spread(ax, result: dict, w: str, optimizers: list, colors: list) -> None:
+    """Every run's seconds to the target per optimizer, the median run's as a bar."""
+    reached = [s for o in optimizers for s in result.get(f"{w}_{o}_seconds_to_target_per_seed",
+               [result[f"{w}_{o}_seconds_to_target"]]) if s is not None]
+    top = 1.1 * max(reached, default=1.0)
+    for x, (color, o) in enumerate(zip(colors, optimizers)):
+        runs = result.get(f"{w}_{o}_seconds_to_target_per_seed",
+                          [result[f"{w}_{o}_seconds_to_target"]])
+        jitter = [x + 0.18 * ((j % 5) - 2) / 2 for j in range(len(runs))]
+        ax.plot([j for j, s in zip(jitter, runs) if s is not None],
+                [s for s in runs if s is not None], "o", color=color, ms=5, mec="black", mew=0.5)
+        missed = [j for j, s in zip(jitter, runs) if s is None]
+        ax.plot(missed, [top] * len(missed), "o", mfc="none", color=color, ms=5)
+        median = result[f"{w}_{o}_seconds_to_target"]
+        if median:
+            ax.hlines(median, x - 0.3, x + 0.3, color=color, lw=2.5)
+    ax.set_xticks(range(len(optimizers)), [NAMES.get(o, o) for o in optimizers], fontsize=8)
+    ax.set_xlim(-0.6, len(optimizers) - 0.4)
+    ax.set_ylim(0, top * 1.05)
+    ax.set_ylabel("seconds to the target, per seed")
+    p = result.get(f"{w}_kfac_vs_adamw_p_value")
+    ratio = result.get(f"{w}_kfac_vs_adamw_seconds")
+    title = "bar: the median run"
+    if ratio:
+        title = f"K-FAC / AdamW {ratio:.2f}" + (f", p = {p:.2f}" if p is not None else "")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3, axis="y")
 
 
 def _median_reached(reached: list[tuple]) -> tuple:
@@ -330,6 +370,33 @@ def _median_reached(reached: list[tuple]) -> tuple:
     counting as slower than all that did (None when that is the median)."""
     order = sorted(reached, key=lambda r: (r[1] is None, r[1] or 0.0))
     return order[(len(order) - 1) // 2]
+
+
+def rank_sum_p_value(a: list, b: list) -> float:
+    """The exact two-sided p-value of the Mann-Whitney rank-sum test that `a` and `b` come from
+    one distribution: the share of all C(n, |a|) ways to split the n pooled values into groups of
+    |a| and |b| whose rank sum of the first group lies at least as far from its mean as `a`'s.
+    Ties take their mean rank (steps to a target come in multiples of the evaluation interval),
+    and None (a run that never reached the target) ranks above every reached value."""
+    from itertools import combinations
+
+    key = lambda v: (v is None, v or 0.0)
+    pooled = sorted(list(a) + list(b), key=key)
+    ranks, i = {}, 0
+    while i < len(pooled):   # mean rank (1-based) of each run of equal values
+        j = i
+        while j < len(pooled) and key(pooled[j]) == key(pooled[i]):
+            j += 1
+        ranks[key(pooled[i])] = (i + j + 1) / 2
+        i = j
+    values = [ranks[key(v)] for v in pooled]
+    mean = len(a) * (len(pooled) + 1) / 2
+    observed = abs(sum(ranks[key(v)] for v in a) - mean)
+    splits = extreme = 0
+    for group in combinations(values, len(a)):
+        splits += 1
+        extreme += abs(sum(group) - mean) >= observed - 1e-9
+    return extreme / splits
 
 
 def _to_target(curve, target):
@@ -357,7 +424,7 @@ def run(args, launch=None) -> dict:
             # the baseline (predicting the training set's mean) is the data's, not a run's
             target = args.target_fraction * _baseline_mae(data)
             stop = target if args.stop_at_target else None
-            seeds = range(args.seeds)
+            seeds = range(args.first_seed, args.first_seed + args.seeds)
             for workload in args.workloads.split(","):
                 # seed by seed, every optimizer in turn: a drifting machine slows all alike
                 per_seed = [{o: launch(_train_rank, 2, args=(_config(
@@ -392,6 +459,10 @@ def run(args, launch=None) -> dict:
                 if "adamw" in runs:
                     a, k = (result[f"{workload}_{o}_seconds_to_target"] for o in ("adamw", "kfac"))
                     result[f"{workload}_kfac_vs_adamw_seconds"] = k / a if a and k else None
+                    if len(seeds) > 1:   # could the seeds' spread alone give that ratio?
+                        result[f"{workload}_kfac_vs_adamw_p_value"] = rank_sum_p_value(
+                            *(result[f"{workload}_{o}_seconds_to_target_per_seed"]
+                              for o in ("kfac", "adamw")))
                     result[f"{workload}_kfac_step_over_adamw"] = (result[f"{workload}_kfac_step_s"]
                                                                   / result[f"{workload}_adamw_step_s"])
             if args.plot:
