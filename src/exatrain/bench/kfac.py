@@ -46,9 +46,11 @@ from the branches. The two layouts are also compared with each other, rank by ra
 
 from __future__ import annotations
 
+import math
 import statistics
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -372,12 +374,16 @@ def _median_reached(reached: list[tuple]) -> tuple:
     return order[(len(order) - 1) // 2]
 
 
-def rank_sum_p_value(a: list, b: list) -> float:
+EXACT_SPLITS = 200_000   # up to C(18, 9) = 48,620 splits: exact; C(20, 10) = 184,756 too
+
+
+def rank_sum_p_value(a: list, b: list, exact_splits: int = EXACT_SPLITS) -> float:
     """The exact two-sided p-value of the Mann-Whitney rank-sum test that `a` and `b` come from
     one distribution: the share of all C(n, |a|) ways to split the n pooled values into groups of
     |a| and |b| whose rank sum of the first group lies at least as far from its mean as `a`'s.
     Ties take their mean rank (steps to a target come in multiples of the evaluation interval),
-    and None (a run that never reached the target) ranks above every reached value."""
+    and None (a run that never reached the target) ranks above every reached value. Beyond
+    `exact_splits` splits the normal approximation with the tie and continuity corrections."""
     from itertools import combinations
 
     key = lambda v: (v is None, v or 0.0)
@@ -390,8 +396,14 @@ def rank_sum_p_value(a: list, b: list) -> float:
         ranks[key(pooled[i])] = (i + j + 1) / 2
         i = j
     values = [ranks[key(v)] for v in pooled]
-    mean = len(a) * (len(pooled) + 1) / 2
+    n, na = len(pooled), len(a)
+    mean = na * (n + 1) / 2
     observed = abs(sum(ranks[key(v)] for v in a) - mean)
+    if math.comb(n, na) > exact_splits:
+        ties = sum(t ** 3 - t for t in Counter(values).values())
+        variance = na * (n - na) / 12 * ((n + 1) - ties / (n * (n - 1)))
+        z = max(observed - 0.5, 0.0) / math.sqrt(variance)
+        return min(1.0, math.erfc(z / math.sqrt(2)))
     splits = extreme = 0
     for group in combinations(values, len(a)):
         splits += 1
