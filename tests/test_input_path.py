@@ -342,13 +342,14 @@ def test_node_shuffle_reads_each_sample_once_per_epoch_per_node_and_stages_only_
         assert all(r["stage_linked_files"] == 21 and r["stage_s"] > 0 for r in members)
 
 
-def test_trainer_batches_are_todays_order_across_an_epoch_and_a_resume(tiny_config, one_thread):
-    """The Trainer's batches (default workers, prefetch, decode on the device) hold exactly the
-    samples of its per-epoch permutation slices, from a mid-epoch start across the epoch's end."""
+def _batches_across_the_epoch_end(config) -> dict:
+    """On a rank: the Trainer's batches from two steps before an epoch's end, and the samples
+    its per-epoch permutation slices hold."""
     from exatrain.train.run import setup
-    mesh, trainer = setup(tiny_config("train.steps=2", "train.num_workers=2"))
+    torch.set_num_threads(1)
+    mesh, trainer = setup(config)
     try:
-        assert trainer.num_workers == 2  # read in worker processes
+        workers = trainer.num_workers
         targets = torch.as_tensor(trainer.workload.train_set.targets())
         per_epoch = trainer.steps_per_epoch  # 42 samples, batches of 8: 5 steps
         start = per_epoch - 2
@@ -358,6 +359,19 @@ def test_trainer_batches_are_todays_order_across_an_epoch_and_a_resume(tiny_conf
         finally:
             batches.close()
         order = trainer._rank_indices(0, start) + trainer._rank_indices(1, 0)
-        assert torch.equal(got, targets[order])
+        return {"workers": workers, "got": got, "expected": targets[order]}
     finally:
         mesh.close()
+
+
+def test_trainer_batches_are_todays_order_across_an_epoch_and_a_resume(tiny_config):
+    """The Trainer's batches (default workers, prefetch, decode on the device) hold exactly the
+    samples of its per-epoch permutation slices, from a mid-epoch start across the epoch's end.
+
+    In a fresh process: once (1 of ~6 full-suite runs, 2026-11-25) the loader's forked workers
+    here never delivered a batch after the suite's earlier tests had left threads in the pytest
+    process (TensorBoard writers, rank pools' queue feeders, gloo); the cause is not found yet."""
+    result, = run_ranks(1, _batches_across_the_epoch_end,
+                        tiny_config("train.steps=2", "train.num_workers=2"), fresh=True)
+    assert result["workers"] == 2  # read in worker processes
+    assert torch.equal(result["got"], result["expected"])
