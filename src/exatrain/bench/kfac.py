@@ -340,16 +340,15 @@ def plot_to_target(result: dict, path) -> Path:
 
 def _plot_spread(ax, result: dict, w: str, optimizers: list, colors: list) -> None:
     """Every run's seconds to the target per optimizer, the median run's as a bar."""
-    reached = [s for o in optimizers for s in result.get(f"{w}_{o}_seconds_to_target_per_seed",
-               [result[f"{w}_{o}_seconds_to_target"]]) if s is not None]
-    top = 1.1 * max(reached, default=1.0)
+    runs = {o: result.get(f"{w}_{o}_seconds_to_target_per_seed",
+                          [result[f"{w}_{o}_seconds_to_target"]]) for o in optimizers}
+    top = 1.1 * max((s for r in runs.values() for s in r if s is not None), default=1.0)
     for x, (color, o) in enumerate(zip(colors, optimizers)):
-        runs = result.get(f"{w}_{o}_seconds_to_target_per_seed",
-                          [result[f"{w}_{o}_seconds_to_target"]])
-        jitter = [x + 0.18 * ((j % 5) - 2) / 2 for j in range(len(runs))]
-        ax.plot([j for j, s in zip(jitter, runs) if s is not None],
-                [s for s in runs if s is not None], "o", color=color, ms=5, mec="black", mew=0.5)
-        missed = [j for j, s in zip(jitter, runs) if s is None]
+        jitter = [x + 0.09 * ((j % 5) - 2) for j in range(len(runs[o]))]
+        reached = [(j, s) for j, s in zip(jitter, runs[o]) if s is not None]
+        ax.plot([j for j, _ in reached], [s for _, s in reached], "o", color=color, ms=5,
+                mec="black", mew=0.5)
+        missed = [j for j, s in zip(jitter, runs[o]) if s is None]
         ax.plot(missed, [top] * len(missed), "o", mfc="none", color=color, ms=5)
         median = result[f"{w}_{o}_seconds_to_target"]
         if median:
@@ -362,7 +361,7 @@ def _plot_spread(ax, result: dict, w: str, optimizers: list, colors: list) -> No
     ratio = result.get(f"{w}_kfac_vs_adamw_seconds")
     title = "bar: the median run"
     if ratio:
-        title = f"K-FAC / AdamW {ratio:.2f}" + (f", p = {p:.2f}" if p is not None else "")
+        title = f"K-FAC / AdamW seconds\n{ratio:.2f}" + (f" (p = {p:.2f})" if p is not None else "")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3, axis="y")
 
