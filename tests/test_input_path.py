@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 
 import exatrain as et
 from exatrain.data.cosmoflow import CosmoFlowDataset, CountsDecoder
-from exatrain.data.loader import EpochSampler, Prefetcher, run_loader
+from exatrain.data.loader import EpochSampler, LoaderTimeout, Prefetcher, run_loader
 from exatrain.data.stage import (MANIFEST, SHARD_HINT, StagingError, check_stage_dir, copy_files,
                                  data_files, stage_dir)
 from exatrain.workloads.cosmoflow import Standardize
@@ -74,6 +74,32 @@ def test_prefetcher_raises_the_loaders_error_on_the_training_thread():
         for _ in range(5):
             next(batches)
     batches.close()
+
+
+class Stuck(IndexSet):
+    """Sample 4 blocks its worker (a hung file system) for longer than the loader waits."""
+
+    def __getitem__(self, i):
+        if i == 4:
+            time.sleep(3)
+        return super().__getitem__(i)
+
+
+def test_a_stuck_loader_worker_is_an_error_that_names_the_fix_not_a_hang():
+    sampler = EpochSampler(lambda e, s: list(range(s * 2, 10)), steps_per_epoch=5, start_step=0)
+    source = run_loader(Stuck(10), sampler, 2, workers=1, device=torch.device("cpu"), seed=0,
+                        timeout_s=0.5)
+    batches = Prefetcher(source, torch.device("cpu"), depth=1)
+    start = time.monotonic()
+    try:
+        with pytest.raises(LoaderTimeout, match=r"1 worker process\(es\) delivered no batch in "
+                                                r"0.5 s \(run.timeout_s\).*train.num_workers=0"):
+            for _ in range(5):
+                next(batches)
+        waited = time.monotonic() - start
+    finally:
+        batches.close()
+    assert waited < 2.5, f"the error came after {waited:.1f} s, when the worker woke, not at the bound"
 
 
 def test_counts_decoder_equals_the_cpu_transform(cosmo_data):

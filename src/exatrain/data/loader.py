@@ -325,13 +325,49 @@ class Prefetcher:
 
 
 def run_loader(dataset, sampler: Sampler, batch_size: int, workers: int, device: torch.device,
-               seed: int, collate_fn=None) -> Iterator:
+               seed: int, collate_fn=None, timeout_s: float = 0.0) -> Iterator:
     """A `DataLoader` iterator over `sampler` in micro-batches of `batch_size` (workers persist for
-    as long as the iterator lives; pinned memory for CUDA copies)."""
+    as long as the iterator lives; pinned memory for CUDA copies). With workers, `timeout_s` > 0
+    bounds the wait for any one batch: a worker that hangs or died silently becomes an error that
+    says so (`LoaderTimeout`), not a run that waits forever."""
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
                         pin_memory=device.type == "cuda", collate_fn=collate_fn or collate,
                         prefetch_factor=2 if workers > 0 else None,
+                        timeout=timeout_s if workers > 0 else 0,
                         # its own generator: starting the loader must not draw from the global
                         # RNG, or dropout after a resume would differ
                         generator=torch.Generator().manual_seed(seed))
+    if workers > 0 and timeout_s > 0:
+        return _BoundedWait(iter(loader), workers, timeout_s)
     return iter(loader)
+
+
+class LoaderTimeout(RuntimeError):
+    """No batch came from the loader's worker processes within the bound."""
+
+
+class _BoundedWait:
+    """A DataLoader iterator whose timeout error names the setting and the fixes."""
+
+    def __init__(self, batches: Iterator, workers: int, timeout_s: float):
+        self.batches, self.workers, self.timeout_s = batches, workers, timeout_s
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self.batches)
+        except RuntimeError as exc:
+            if "timed out" not in str(exc):
+                raise
+            raise LoaderTimeout(
+                f"the input loader's {self.workers} worker process(es) delivered no batch in "
+                f"{self.timeout_s:g} s (run.timeout_s): a worker is stuck reading (a slow or hung "
+                "file system, a data set that blocks) or was forked from a process whose threads "
+                "it cannot use. Check the data path, set train.num_workers=0 to read on the "
+                "prefetch thread instead, or raise run.timeout_s for first reads that are this "
+                "slow.") from exc
+
+    def _shutdown_workers(self) -> None:   # what Prefetcher.close calls on a DataLoader iterator
+        self.batches._shutdown_workers()

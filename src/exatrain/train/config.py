@@ -40,6 +40,8 @@ class RunOptions:
     nproc: int = 2              # local ranks for `exatrain run` when no launcher is detected
     timeout_s: float = 600.0    # a collective waiting longer than this fails instead of hanging
     backend: str = "auto"       # auto | gloo | nccl
+    host_memory: str = "keep"   # keep: freed host memory stays in the process for reuse (glibc
+                                # mallopt; faster CPU steps) | return: malloc's defaults
     init_from: str = ""         # initial weights: a state dict (.pt) or .safetensors file;
                                 # also accepted as model.init_from
 
@@ -276,6 +278,9 @@ def validate(config: Config) -> None:
         raise ConfigError(f"train.num_workers={t.num_workers} is out of range: give the loader "
                           "processes per rank (0 = none, on the training side), or -1 for a "
                           "number chosen from the cores each rank has.")
+    if config.run.host_memory not in ("keep", "return"):
+        raise ConfigError(f"run.host_memory={config.run.host_memory!r}: use 'keep' (freed host "
+                          "memory stays in the process for reuse) or 'return' (malloc's defaults).")
     if config.run.timeout_s <= 0:
         raise ConfigError(f"run.timeout_s={config.run.timeout_s} is out of range: it accepts "
                           "seconds > 0.")

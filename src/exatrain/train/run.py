@@ -83,8 +83,12 @@ def pipeline_example(workload, config: Config, plan) -> "torch.Tensor | None":
 
 
 def join(config: Config):
-    """Join the job: the mesh of the configured Plan over this launch's ranks."""
+    """Join the job: the mesh of the configured Plan over this launch's ranks (this rank's host
+    malloc set up per run.host_memory first)."""
     from ..launch import detect
+    from ..launch.host_memory import keep_freed_host_memory
+
+    keep_freed_host_memory(config.run.host_memory)
 
     launch = detect()
     plan = config.plan.resolve(launch.world_size if launch else 1)

@@ -196,7 +196,8 @@ class Trainer:
         t = self.config.train
         sampler = EpochSampler(self._rank_indices, self.steps_per_epoch, start_step)
         source = run_loader(self.workload.train_set, sampler, self.micro, self.num_workers,
-                            self.mesh.device, seed=start_step // self.steps_per_epoch)
+                            self.mesh.device, seed=start_step // self.steps_per_epoch,
+                            timeout_s=self.config.run.timeout_s)
         return Prefetcher(source, self.mesh.device, decode=self.workload.decode, depth=t.prefetch)
 
     def _to_device(self, batch):
