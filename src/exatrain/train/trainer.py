@@ -23,6 +23,7 @@ allocator on GPUs every step, tracked per storage on CPU for the second step of 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import resource
@@ -364,6 +365,12 @@ class Trainer:
                        peak_activation_source=self.step_peak.source)
         return out
 
+    @functools.cached_property
+    def peak_matmul_flops(self) -> float:
+        """This device's measured matmul FLOP/s in the step's dtype (MFU's denominator), measured
+        once per run: the live log and the summary share it."""
+        return measured_matmul_flops(self.mesh.device, self.precision.dtype)
+
     def _throughput(self, samples_per_s: float) -> dict:
         """Tokens/s, model FLOP/s and MFU against this device's measured matmul rate."""
         out = {}
@@ -371,7 +378,7 @@ class Trainer:
             out["tokens_per_s"] = samples_per_s * self.tokens_per_sample
         if self.workload.flops_per_sample and math.isfinite(samples_per_s):
             per_rank = self.workload.flops_per_sample * samples_per_s / self.mesh.world_size
-            peak = measured_matmul_flops(self.mesh.device, self.precision.dtype)
+            peak = self.peak_matmul_flops
             out.update(model_flops_per_s=per_rank * self.mesh.world_size,
                        matmul_flops_per_s_measured=peak, mfu=per_rank / peak)
         return out

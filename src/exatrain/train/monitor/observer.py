@@ -30,7 +30,6 @@ import torch
 
 from ...comm import all_gather_object
 from ...comm.timing import named_range
-from ...parallel.precision import measured_matmul_flops
 from .bandwidth import BandwidthWatch
 from .target import Target
 
@@ -48,7 +47,6 @@ class StepObserver:
         self.time_to_train_s: float | None = None
         self._blocked0 = 0.0
         self._exposed: list[float] = []
-        self._peak_flops: float | None = None
         self.writer = self._tensorboard() if self.is_main and self.run_dir else None
         self.profiler = self._profiler(mesh.rank)
         self.mlperf = None  # opened at fit_begin, once the launcher's figures are known
@@ -145,10 +143,7 @@ class StepObserver:
             record["busbw_GBps"] = {a: f["busbw"] / 1e9 for a, f in self.bandwidth.last.items()}
         flops = self.trainer.workload.flops_per_sample
         if flops and "samples_per_s" in record and "mfu" not in record:
-            if self._peak_flops is None:  # measured once per run: it takes a tenth of a second
-                self._peak_flops = measured_matmul_flops(self.trainer.mesh.device,
-                                                         self.trainer.precision.dtype)
-            record["mfu"] = flops * record["samples_per_s"] / self._peak_flops / \
+            record["mfu"] = flops * record["samples_per_s"] / self.trainer.peak_matmul_flops / \
                 self.trainer.mesh.world_size
 
     def written(self, record: dict) -> None:
