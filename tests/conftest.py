@@ -8,7 +8,11 @@ import torch
 
 from exatrain.data.cosmoflow import write_cosmoflow
 from exatrain.data.text import write_text_corpus
+from exatrain.launch.host_memory import keep_freed_host_memory
 from exatrain.train.config import load_config
+
+# the test process allocates like a rank of `exatrain run` (run.host_memory = "keep")
+keep_freed_host_memory()
 
 TINY = ["model.size=16", "model.conv_layers=4", "model.base_channels=4", "data.size=16",
         "data.generate=false", "train.batch_size=8", "train.log_every=1", "optim.lr=0.003"]
