@@ -40,3 +40,28 @@ def test_pool_harness_recovers_after_a_failure():
     with pytest.raises(RankFailed, match="bad shape on purpose"):
         run_ranks(2, fail_on_rank_one_after_a_collective)
     assert run_ranks(2, world_sum) == [3.0, 3.0]
+
+
+_PROBE = '''
+import os, sys
+import torch
+
+def probe():
+    return os.environ.get("EXATRAIN_TEST_PROBE"), os.getcwd(), torch.get_num_threads()
+'''
+
+
+def test_ranks_see_the_callers_environment_directory_and_import_path_at_launch(tmp_path,
+                                                                                monkeypatch):
+    """Ranks fork from a server started at the first launch; what the caller changed since (an
+    environment variable, the working directory, a module only its new import path finds)
+    reaches the ranks of the next launch."""
+    assert spawn(world_sum, 2) == [3.0, 3.0]   # the forkserver runs from here on
+    (tmp_path / "user_probe_module.py").write_text(_PROBE)
+    monkeypatch.setenv("EXATRAIN_TEST_PROBE", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import user_probe_module
+
+    results = spawn(user_probe_module.probe, 2)
+    assert results == [("set after the server started", str(tmp_path), 1)] * 2
