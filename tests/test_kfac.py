@@ -168,15 +168,16 @@ class _SmallNet(nn.Module):
         return self.logits
 
 
-@pytest.mark.parametrize("max_factor_dim", [0, 20])
-def test_kfac_factors_equal_their_definition(max_factor_dim):
+@pytest.mark.parametrize("max_factor_dim,matmul_dtype", [(0, "float32"), (20, "float32"),
+                                                          (0, "bfloat16")])
+def test_kfac_factors_equal_their_definition(max_factor_dim, matmul_dtype):
     """After one step the factors are KFC's A = E[a aᵀ] over the unfolded input patches (here
     from F.unfold, not K-FAC's own patch code; a 1 appended for the bias) and G = E_samples[Σ_t
     (B·g)(B·g)ᵀ] over the output gradients of the mean loss; full and kept diagonal (wider than
     20: the conv's A, 28 wide, and the head's A, 65 wide)."""
     torch.manual_seed(0)
     model, x, y = _SmallNet(), torch.randn(3, 3, 8, 8), torch.randn(3, 2)
-    settings = KFACSettings(max_factor_dim=max_factor_dim)
+    settings = KFACSettings(max_factor_dim=max_factor_dim, matmul_dtype=matmul_dtype)
     opt = KFACOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), settings=settings)
     nn.functional.mse_loss(model(x), y).backward()
     B = x.shape[0]
@@ -195,9 +196,35 @@ def test_kfac_factors_equal_their_definition(max_factor_dim):
         G = g_rows.T @ g_rows / B
         A = A.diagonal() if max_factor_dim and A.shape[0] > max_factor_dim else A
         G = G.diagonal() if max_factor_dim and G.shape[0] > max_factor_dim else G
-        torch.testing.assert_close(e["kfac_A"], A, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(e["kfac_G"], G, rtol=1e-5, atol=1e-7)
+        if matmul_dtype == "float32":
+            torch.testing.assert_close(e["kfac_A"], A, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(e["kfac_G"], G, rtol=1e-5, atol=1e-7)
+        else:   # bfloat16 operands (8-bit mantissa), float32 state: within 1 % of the largest
+            for got, want in ((e["kfac_A"], A), (e["kfac_G"], G)):
+                assert got.dtype == torch.float32
+                assert float((got - want).abs().max() / want.abs().max()) < 1e-2
     opt.close()
+
+
+def test_bfloat16_products_precondition_like_float32():
+    """One K-FAC step (factors, damped inverses, preconditioning, KL clip) with bfloat16 products
+    moves the weights within 3 % of the float32 step, for both inverse methods."""
+    for inverse in ("eigen", "cholesky"):
+        moves = {}
+        for dtype in ("float32", "bfloat16"):
+            torch.manual_seed(0)
+            model, x, y = _SmallNet(), torch.randn(6, 3, 8, 8), torch.randn(6, 2)
+            before = [p.detach().clone() for p in model.parameters()]
+            settings = KFACSettings(matmul_dtype=dtype, inverse=inverse, kl_clip=10.0)
+            opt = KFACOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                settings=settings)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.close()
+            moves[dtype] = torch.cat([(p.detach() - b).flatten()
+                                      for p, b in zip(model.parameters(), before)])
+        err = float((moves["bfloat16"] - moves["float32"]).norm() / moves["float32"].norm())
+        assert 0 < err < 3e-2, (inverse, err)
 
 
 def test_damped_inverse_in_float32_and_its_float64_fallback():

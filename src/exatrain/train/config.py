@@ -113,6 +113,9 @@ class OptimOptions:
     kfac_factor_positions: int = 0  # a conv's A from at most this many positions per sample
     kfac_max_factor_dim: int = 0  # a factor wider than this is kept diagonal (0 = all full):
                                   # a 3D conv's A is C_in·27 wide, its preconditioning ~ C_in²
+    kfac_matmul_dtype: str = "float32"  # float32 | bfloat16: factor and preconditioning products
+                                        # (bfloat16: 2.2x the matmul rate of a CPU with AVX512-BF16
+                                        # and of a GPU; the state stays float32)
 
 
 @dataclass
@@ -241,6 +244,7 @@ def validate(config: Config) -> None:
     choices = {"optim.name": (o.name, ("adamw", "adam", "sgd", "kfac")),
                "optim.kfac_base": (o.kfac_base, ("sgd", "adamw")),
                "optim.kfac_inverse": (o.kfac_inverse, ("eigen", "cholesky")),
+               "optim.kfac_matmul_dtype": (o.kfac_matmul_dtype, ("float32", "bfloat16")),
                "schedule.decay": (s.decay, ("cosine", "linear", "constant")),
                "schedule.lr_scaling": (s.lr_scaling, ("none", "linear", "sqrt")),
                "run.backend": (config.run.backend, ("auto", "gloo", "nccl")),

@@ -97,6 +97,7 @@ from ..parallel.spatial.layers import SpatialConv
 
 UNSUPPORTED_AXES = ("trainer", "pipe", "shard", "tensor")
 STATE_KEYS = ("kfac_A", "kfac_G", "kfac_QA", "kfac_dA", "kfac_QG", "kfac_dG")
+MATMUL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def check_plan(plan, where: str = "") -> None:
@@ -139,12 +140,15 @@ class KFACSettings:
     factor_positions: int = 0       # a convolution's A from at most this many output positions
                                     # per sample (strided); 0 = all
     max_factor_dim: int = 0         # a factor wider than this is kept diagonal; 0 = all full
+    matmul_dtype: str = "float32"   # float32 | bfloat16: the factor products and the
+                                    # preconditioning products (the state stays float32)
 
     @classmethod
     def from_options(cls, o) -> "KFACSettings":
         return cls(o.kfac_damping, o.kfac_factor_decay, o.kfac_factor_every,
                    o.kfac_inverse_every, o.kfac_kl_clip, o.kfac_grad_worker_fraction,
-                   o.kfac_inverse, o.kfac_factor_positions, o.kfac_max_factor_dim)
+                   o.kfac_inverse, o.kfac_factor_positions, o.kfac_max_factor_dim,
+                   o.kfac_matmul_dtype)
 
 
 # ---------------------------------------------------------------------- factor statistics
@@ -270,12 +274,14 @@ class KFAC(torch.optim.Optimizer):
         s = settings
         if not 0 < s.factor_decay < 1 or s.damping <= 0 or s.kl_clip <= 0 \
                 or s.factor_every < 1 or s.inverse_every < 1 or s.factor_positions < 0 \
-                or s.inverse not in ("eigen", "cholesky") or s.max_factor_dim < 0:
+                or s.inverse not in ("eigen", "cholesky") or s.max_factor_dim < 0 \
+                or s.matmul_dtype not in MATMUL_DTYPES:
             raise ValueError(f"K-FAC settings out of range: {s}; need 0 < factor_decay < 1, "
                              "damping > 0, kl_clip > 0, factor_every ≥ 1, inverse_every ≥ 1, "
                              "factor_positions ≥ 0, inverse 'eigen' or 'cholesky', "
-                             "max_factor_dim ≥ 0.")
+                             "max_factor_dim ≥ 0, matmul_dtype 'float32' or 'bfloat16'.")
         self.inner, self.settings, self.grad_accum = inner, s, grad_accum
+        self.matmul_dtype = MATMUL_DTYPES[s.matmul_dtype]
         self.defaults = inner.defaults
         module = unwrap(model)
         where = f"rank {mesh.rank}: " if mesh is not None else ""
@@ -399,12 +405,24 @@ class KFAC(torch.optim.Optimizer):
             if layer.bias is not None:
                 rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], 1)
             rows = rows.float()
-            A = ((rows * rows).sum(0) if layer.diag["A"] else rows.T @ rows) * weight
+            A = ((rows * rows).sum(0) if layer.diag["A"] else self._gram(rows)) * weight
             layer.A_sum = A if layer.A_sum is None else layer.A_sum + A
             layer.a_count += rows.shape[0] * weight
             b = inputs[0].shape[0]
             output.register_hook(lambda g: self._grad_hook(layer, g, b, weight))
         return hook
+
+    def _mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """a @ b in `matmul_dtype` (rounded inputs, float32 accumulation inside the kernel),
+        returned in float32."""
+        if self.matmul_dtype == torch.float32:
+            return a @ b
+        return (a.to(self.matmul_dtype) @ b.to(self.matmul_dtype)).float()
+
+    def _gram(self, rows: torch.Tensor) -> torch.Tensor:
+        """rowsᵀ rows (a factor's sum over its rows) in `matmul_dtype`, returned in float32."""
+        low = rows.to(self.matmul_dtype)
+        return (low.T @ low).float()
 
     def _grad_hook(self, layer: _Layer, grad: torch.Tensor, samples: int, weight: float):
         g = grad.detach().float()
@@ -412,7 +430,7 @@ class KFAC(torch.optim.Optimizer):
         # B·g: the per-sample gradient rows, scaled after the product (B² on a g×g matrix, not B
         # on every row: the first convolution's rows are a copy as large as its activation)
         scale = (samples * self.grad_accum) ** 2 * weight
-        G = ((g * g).sum(0) if layer.diag["G"] else g.T @ g) * scale
+        G = ((g * g).sum(0) if layer.diag["G"] else self._gram(g)) * scale
         layer.G_sum = G if layer.G_sum is None else layer.G_sum + G
         # per sample (KFC: the sum over a sample's positions): under space each rank holds 1/S
         # of every sample's positions, and a replicated layer's rows weigh 1/S
@@ -553,14 +571,14 @@ class KFAC(torch.optim.Optimizer):
                 e = self.kfac_state[l.weight]
                 QA, dA, QG, dG = e.get("kfac_QA"), e["kfac_dA"], e.get("kfac_QG"), e["kfac_dG"]
                 if self.settings.inverse == "eigen":   # (no Q: a diagonal factor's is I)
-                    v = grad if QG is None else QG.T @ grad
-                    v = v if QA is None else v @ QA
+                    v = grad if QG is None else self._mm(QG.T, grad)
+                    v = v if QA is None else self._mm(v, QA)
                     v = v / (dG[:, None] * dA[None, :] + lam)
-                    v = v if QG is None else QG @ v
-                    v = v if QA is None else v @ QA.T
+                    v = v if QG is None else self._mm(QG, v)
+                    v = v if QA is None else self._mm(v, QA.T)
                 else:   # QA, QG hold the damped inverses; a diagonal factor's inverse is in d
-                    v = dG[:, None] * grad if QG is None else QG @ grad
-                    v = v * dA[None, :] if QA is None else v @ QA
+                    v = dG[:, None] * grad if QG is None else self._mm(QG, grad)
+                    v = v * dA[None, :] if QA is None else self._mm(v, QA)
                 v = v.contiguous()
             else:
                 v = torch.empty_like(grad)
