@@ -74,6 +74,11 @@ The state lives in the optimizer's state dict under the weight's name (keys "kfa
 "kfac_QA", "kfac_dA", "kfac_QG", "kfac_dG" on the ranks that hold them, "kfac_steps" on all), so
 checkpoints carry it and a resume continues bit-identically.
 
+With `matmul_dtype = "bfloat16"` the factor products (aᵀa, gᵀg) and the preconditioning
+products take bfloat16 operands (float32 accumulation in the kernel, float32 results); the
+running factors, inverses, eigendecompositions and the update stay float32. Bytes and state are
+unchanged.
+
 Limits: activation checkpointing re-runs forward hooks (factors would count twice) and is
 refused; fp16 loss scaling is not undone in G (use bf16 or fp32); branches split over the data
 ranks (`parallel.branches = "data"`) run each branch on one rank, so its layers have no factors
