@@ -12,7 +12,6 @@ pool is torn down and rebuilt, and `RankFailed` is raised with the failing rank'
 from __future__ import annotations
 
 import atexit
-import multiprocessing
 import os
 import queue
 import time
@@ -20,7 +19,7 @@ import traceback
 
 import torch
 
-from exatrain.launch.local import RankFailed, free_port
+from exatrain.launch.local import RankFailed, free_port, rank_context
 
 
 def _worker(rank: int, world_size: int, tasks, results) -> None:
@@ -56,11 +55,10 @@ def _worker(rank: int, world_size: int, tasks, results) -> None:
 
 class _Pool:
     def __init__(self, world_size: int):
-        # forked from a server that imported torch and exatrain once (a single-threaded process,
-        # so the fork is safe): a pool of 4 starts in 0.3 s instead of 3 s of four interpreters
-        # importing torch on 2 cores; a rank is as fresh as a spawned one
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "exatrain"])
+        # forked from a server that imported torch and exatrain once, as exatrain's own local
+        # ranks are (launch.local): a pool of 4 starts in 0.3 s instead of 3 s of four
+        # interpreters importing torch on 2 cores; a rank is as fresh as a spawned one
+        ctx = rank_context()
         self.world_size = world_size
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]

@@ -28,15 +28,21 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 _PAGES_PER_STEP = (1 + 4 + 8 + 16 + 2 + 8) * (1 << 20) // 4096
 
 
+# the cases' interpreters run without the caller's MALLOC_* choices, which would make "keep" a no-op
+_ENV = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+
+
 def _page_faults(mode: str) -> int:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     done = subprocess.run([sys.executable, "-c", _STEPS, mode], capture_output=True, text=True,
-                          env=env, timeout=120)
+                          env=_ENV, timeout=120)
     assert done.returncode == 0, done.stderr
     return int(done.stdout.split()[-1])
 
 
-@pytest.mark.skipif(why_not_keep() != "", reason=f"host malloc cannot be set here: {why_not_keep()}")
+# Skipped only where exatrain itself leaves malloc alone (a C library other than glibc, or
+# jemalloc/tcmalloc preloaded into every process): there "keep" is documented to do nothing.
+@pytest.mark.skipif(why_not_keep(_ENV) != "",
+                    reason=f"malloc is not glibc's here: {why_not_keep(_ENV)}")
 def test_kept_host_memory_is_reused_not_faulted_in_every_step():
     kept, returned = _page_faults("keep"), _page_faults("return")
     # kept: ten steps fault in less than one step's pages (the first step's blocks are reused);
@@ -51,7 +57,7 @@ def test_a_users_malloc_choice_is_left_alone():
 
 
 def test_an_unknown_host_memory_mode_is_refused_before_the_run():
-    with pytest.raises(ConfigError, match="run.host_memory='kept'.*'keep'.*'return'"):
+    with pytest.raises(ConfigError, match="run.host_memory='kept' is not one of keep, return"):
         load_config(None, ["run.host_memory='kept'"])
     with pytest.raises(ValueError, match="'keep'"):
         keep_freed_host_memory("on")

@@ -359,7 +359,7 @@ class _BoundedWait:
         try:
             return next(self.batches)
         except RuntimeError as exc:
-            if "timed out" not in str(exc):
+            if "timed out" not in str(exc):   # DataLoader's own timeout has no type of its own
                 raise
             raise LoaderTimeout(
                 f"the input loader's {self.workers} worker process(es) delivered no batch in "

@@ -82,7 +82,7 @@ def free_port() -> int:
 START_METHOD_ENV = "EXATRAIN_START_METHOD"
 
 
-def _context():
+def rank_context():
     """The start method's context: forkserver with torch and exatrain preloaded (spawn where
     EXATRAIN_START_METHOD says so, or where the platform has no forkserver)."""
     method = os.environ.get(START_METHOD_ENV, "forkserver")
@@ -140,7 +140,7 @@ def spawn(fn, nproc: int, args: tuple = (), timeout_s: float | None = None,
     ranks do not oversubscribe the cores.
     """
     threads = max(1, (os.cpu_count() or 1) // nproc)
-    ctx = _context()
+    ctx = rank_context()
     port = free_port()
     payload = pickle.dumps((fn, tuple(args)))
     environ = {**os.environ, **(env or {})}

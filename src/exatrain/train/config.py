@@ -248,6 +248,7 @@ def validate(config: Config) -> None:
                "schedule.decay": (s.decay, ("cosine", "linear", "constant")),
                "schedule.lr_scaling": (s.lr_scaling, ("none", "linear", "sqrt")),
                "run.backend": (config.run.backend, ("auto", "gloo", "nccl")),
+               "run.host_memory": (config.run.host_memory, ("keep", "return")),
                "parallel.precision": (config.parallel.precision, ("fp32", "bf16", "fp16")),
                "parallel.activation_checkpointing": (config.parallel.activation_checkpointing,
                                                      ("none", "full", "selective")),
@@ -282,9 +283,6 @@ def validate(config: Config) -> None:
         raise ConfigError(f"train.num_workers={t.num_workers} is out of range: give the loader "
                           "processes per rank (0 = none, on the training side), or -1 for a "
                           "number chosen from the cores each rank has.")
-    if config.run.host_memory not in ("keep", "return"):
-        raise ConfigError(f"run.host_memory={config.run.host_memory!r}: use 'keep' (freed host "
-                          "memory stays in the process for reuse) or 'return' (malloc's defaults).")
     if config.run.timeout_s <= 0:
         raise ConfigError(f"run.timeout_s={config.run.timeout_s} is out of range: it accepts "
                           "seconds > 0.")

@@ -426,8 +426,8 @@ class KFAC(torch.optim.Optimizer):
 
     def _gram(self, rows: torch.Tensor) -> torch.Tensor:
         """rowsᵀ rows (a factor's sum over its rows) in `matmul_dtype`, returned in float32."""
-        low = rows.to(self.matmul_dtype)
-        return (low.T @ low).float()
+        low = rows.to(self.matmul_dtype)   # one rounded copy for both operands
+        return self._mm(low.T, low)
 
     def _grad_hook(self, layer: _Layer, grad: torch.Tensor, samples: int, weight: float):
         g = grad.detach().float()
