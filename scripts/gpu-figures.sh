@@ -40,7 +40,7 @@ step() {  # step NAME LIMIT_S CMD...: run with the smaller of LIMIT_S and what i
 
 case "$PART" in
 bench)  # baseline and exatrain per workload, the two with the targets first
-    for pair in cosmoflow:180 gpt_1b:200 gpt_125m:120 deepcam:120 vit:120; do
+    for pair in ${CASES:-cosmoflow:180 gpt_1b:200 gpt_125m:120 deepcam:120 vit:120}; do
         c=${pair%%:*}
         step "bench-$c" "${pair#*:}" python -m exatrain.cli bench device --sizes "$SIZES" --cases "$c" \
             --warmup 3 --steps 12 --data-dir "$DATA" --json "$OUT/bench-$c.json"
