@@ -27,7 +27,7 @@ def test_a_file_gets_one_unwrapped_line_per_interval_with_progress_eta_and_input
     console = TrainConsole(Console(file=out, width=80, force_terminal=False))
     bar = console.progress(total=2000, done=0)
     for _ in range(200):
-        bar.advance(0.25)
+        bar.advance()
     bar.log(RECORD)
     bar.log({"step": 200, "val_mae": 0.21})
     bar.close()
@@ -46,7 +46,7 @@ def test_a_terminal_gets_a_bar_with_rate_input_wait_and_eta():
     console = TrainConsole(Console(file=out, width=160, force_terminal=True))
     bar = console.progress(total=2000, done=0)
     assert bar.bar is not None
-    bar.advance(0.25)
+    bar.advance()
     bar.log(RECORD)
     task = bar.bar.tasks[0]
     assert task.fields["rate"] == "136 samples/s  input wait 3.1 ms"

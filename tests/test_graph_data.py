@@ -155,3 +155,37 @@ def test_schnet_sees_each_molecule_alone(qm9_dir):
     turned = data.atoms.clone()
     turned[..., 1:] = turned[..., 1:] @ rotation.T
     torch.testing.assert_close(model(turned), batch, rtol=1e-5, atol=1e-5)
+
+
+def test_schnet_equals_its_formula_over_an_edge_list():
+    """The dense, masked SchNet against the paper's formula written over an explicit edge list
+    (pairs i ≠ j of real atoms within the cutoff), for a padded batch of two molecules."""
+    import math as _math
+    from exatrain.models.schnet import SchNet, shifted_softplus
+
+    torch.manual_seed(1)
+    model = SchNet(features=8, interactions=2, rbf=6, cutoff=2.5).double()
+    atoms = torch.zeros(2, 5, 4, dtype=torch.float64)
+    atoms[0, :4, 0] = torch.tensor([6.0, 1.0, 8.0, 1.0])
+    atoms[1, :3, 0] = torch.tensor([7.0, 1.0, 1.0])
+    atoms[..., 1:] = torch.randn(2, 5, 3, dtype=torch.float64) * 1.2
+    expected = []
+    for b in range(2):
+        n = int((atoms[b, :, 0] > 0).sum())
+        z, pos = atoms[b, :n, 0].long(), atoms[b, :n, 1:]
+        x = model.embedding(z)
+        for block in model.interactions:
+            m = torch.zeros_like(x)
+            for i in range(n):
+                for j in range(n):
+                    d = (pos[i] - pos[j]).norm()
+                    if i == j or d >= model.cutoff:
+                        continue
+                    e = torch.exp(-model.gamma * (d - model.centres) ** 2)
+                    w = block.filter2(shifted_softplus(block.filter1(e))) * \
+                        0.5 * (torch.cos(d * _math.pi / model.cutoff) + 1.0)
+                    m[i] += block.into(x)[j] * w
+            x = x + block.out2(shifted_softplus(block.out1(m)))
+        y = model.head2(shifted_softplus(model.head1(x))).mean()
+        expected.append(y * model.target[1] + model.target[0])
+    torch.testing.assert_close(model(atoms), torch.stack(expected), rtol=1e-10, atol=1e-12)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -233,5 +232,7 @@ def _peak_memory(device: torch.device) -> tuple[int, str]:
 
 
 def default_workers() -> int:
-    """Loader workers for the baseline: the cores this process may use, less one, up to 8."""
-    return max(0, min(8, len(os.sched_getaffinity(0)) - 1))
+    """Loader workers for the baseline: exatrain's own policy for one rank on this node (the
+    cores this process may use, less one, up to 8), so both paths read with as many."""
+    from ..data.loader import loader_workers
+    return loader_workers(-1, local_ranks=1)

@@ -5,7 +5,8 @@ Three parts, each replaceable on its own:
 - `EpochSampler` yields this replica's sample indices epoch after epoch (epoch e's order is
   whatever `indices(e, first_step)` says), so a single `DataLoader` serves the whole run and its
   worker processes start once instead of once per epoch;
-- `default_workers` picks the worker processes of a rank from the cores it has;
+- `loader_workers` picks the worker processes of a rank from the cores it has (`default_workers`),
+  in a launched rank and in a plain process alike (forked, as a plain `DataLoader`'s are);
 - `Prefetcher` runs the loader in a background thread, a configurable number of batches ahead:
   it copies each batch to the device (from pinned memory, on its own CUDA stream) and decodes it
   there (`decode`: e.g. int16 particle counts -> log1p -> standardised float32, which moves half
@@ -45,6 +46,20 @@ def cores_per_rank(local_ranks: int) -> int:
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
     return max(1, cores // max(1, local_ranks))
+
+
+def loader_workers(setting: int, local_ranks: int | None = None) -> int:
+    """Worker processes per rank for `train.num_workers` = `setting`: itself when ≥ 0, else
+    `default_workers` of the ranks on this node (the launcher's local world size; one rank when
+    no launcher started this process). The one policy of the Trainer, its evaluation and the
+    benchmarks."""
+    if setting >= 0:
+        return setting
+    if local_ranks is None:
+        from ..launch import detect
+        launch = detect()
+        local_ranks = launch.local_world_size if launch else 1
+    return default_workers(local_ranks)
 
 
 def default_workers(local_ranks: int) -> int:
@@ -291,9 +306,8 @@ class Prefetcher:
                 raise item.exc
             batch, size, event = item
             if event is not None:
-                # waiting for the copy is input wait too: synchronising on an event recorded a
-                # step ago costs nothing when the copy is done, and measures it when it is not
-                event.synchronize()
+                # the training stream waits for the copy on the device; the host does not (a
+                # copy still running shows in the step's device time, not in wait_s)
                 torch.cuda.current_stream(self.device).wait_event(event)
                 _record_stream(batch, torch.cuda.current_stream(self.device))
         self.wait_s += time.perf_counter() - start

@@ -46,7 +46,11 @@ def normalized_adjacency(edge_index: torch.Tensor, num_nodes: int) -> torch.Tens
 
 
 class SparseOperator:
-    """A sparse matrix in CSR and its transpose in CSR, for the forward and backward SpMM."""
+    """A sparse matrix in CSR and its transpose in CSR, for the forward and backward SpMM.
+
+    `parts` and `parts_t` hold each CSR's (crow_indices, col_indices, values) as plain tensors:
+    what `sparse_matmul` hands the SpMM, so that a compiled model sees only strided tensors (a
+    sparse tensor cannot enter a compiled graph)."""
 
     def __init__(self, coo: torch.Tensor):
         coo = coo.coalesce()
@@ -56,37 +60,73 @@ class SparseOperator:
             warnings.simplefilter("ignore", UserWarning)
             self.matrix = coo.to_sparse_csr()
             self.transposed = coo.t().coalesce().to_sparse_csr()
+        self._split()
+
+    def _split(self) -> None:
+        self.parts = _csr_parts(self.matrix)
+        self.parts_t = _csr_parts(self.transposed)
+        self.device = self.parts[0].device
 
     def __deepcopy__(self, memo) -> "SparseOperator":
         return self   # constant: copies of a model share it
 
     def to(self, device) -> "SparseOperator":
-        if self.matrix.device == torch.device(device):
+        if self.device == torch.device(device):
             return self
         moved = object.__new__(SparseOperator)
         moved.shape, moved.nnz = self.shape, self.nnz
         moved.matrix, moved.transposed = self.matrix.to(device), self.transposed.to(device)
+        moved._split()
         return moved
 
 
-class _SparseMatmul(torch.autograd.Function):
-    """A · x, with dx = Aᵀ · dy (A is constant: no gradient)."""
+def _csr_parts(csr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # copies: plain strided tensors of their own, not views into the sparse tensor's members
+    return csr.crow_indices().clone(), csr.col_indices().clone(), csr.values().clone()
 
-    @staticmethod
-    def forward(ctx, x, operator):
-        ctx.operator = operator
-        return torch.sparse.mm(operator.matrix, x)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return torch.sparse.mm(ctx.operator.transposed, grad.contiguous()), None
+def _csr(crow, col, values, columns: int) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.sparse_csr_tensor(crow, col, values, (crow.numel() - 1, columns),
+                                       check_invariants=False)
+
+
+@torch.library.custom_op("exatrain::csr_matmul", mutates_args=())
+def csr_matmul(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor,
+               crow_t: torch.Tensor, col_t: torch.Tensor, values_t: torch.Tensor,
+               x: torch.Tensor) -> torch.Tensor:
+    """A · x for the CSR A = (crow, col, values) with x.shape[0] columns; its transpose
+    (crow_t, col_t, values_t) serves the backward. One op to a compiler: it enters a compiled
+    graph whole, with plain tensors only."""
+    return torch.sparse.mm(_csr(crow, col, values, x.shape[0]), x)
+
+
+@csr_matmul.register_fake
+def _(crow, col, values, crow_t, col_t, values_t, x):
+    return x.new_empty(crow.shape[0] - 1, x.shape[1])
+
+
+def _csr_matmul_context(ctx, inputs, output):
+    ctx.transposed = inputs[3:6]
+    ctx.rows = inputs[0].shape[0] - 1
+
+
+def _csr_matmul_backward(ctx, grad):
+    crow_t, col_t, values_t = ctx.transposed
+    grad_x = torch.sparse.mm(_csr(crow_t, col_t, values_t, ctx.rows), grad.contiguous())
+    return None, None, None, None, None, None, grad_x   # A is constant: no gradient
+
+
+csr_matmul.register_autograd(_csr_matmul_backward, setup_context=_csr_matmul_context)
 
 
 def sparse_matmul(operator: SparseOperator, x: torch.Tensor) -> torch.Tensor:
-    if operator.matrix.dtype != x.dtype:
-        raise TypeError(f"the adjacency is {operator.matrix.dtype} but the features are "
+    """Â · x, with dx = Âᵀ · dy (Â is constant)."""
+    if operator.parts[2].dtype != x.dtype:
+        raise TypeError(f"the adjacency is {operator.parts[2].dtype} but the features are "
                         f"{x.dtype}; cast one of them.")
-    return _SparseMatmul.apply(x, operator)
+    return csr_matmul(*operator.parts, *operator.parts_t, x)
 
 
 class GraphConv(nn.Module):
@@ -118,14 +158,12 @@ class GCN(nn.Module):
             raise ValueError(f"GCN layers={layers}: need at least one layer.")
         self.num_nodes = adjacency.shape[0]
         self.adjacency = adjacency.coalesce()          # the COO Â, for strategies to partition
-        self._operator: SparseOperator | None = None   # CSR copies, built on first forward
+        self._operator = SparseOperator(self.adjacency)   # CSR copies, moved on first forward
         dims = [in_features] + [hidden] * (layers - 1) + [classes]
         self.convs = nn.ModuleList(GraphConv(a, b) for a, b in zip(dims[:-1], dims[1:]))
         self.dropout = nn.Dropout(dropout)
 
     def operator(self, device) -> SparseOperator:
-        if self._operator is None:
-            self._operator = SparseOperator(self.adjacency)
         self._operator = self._operator.to(device)
         return self._operator
 

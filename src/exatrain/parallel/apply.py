@@ -1,7 +1,7 @@
 """parallelize(): lay a plain module out over the mesh as one ordered list of steps per stage.
 
-    split into stages -> tensor -> space -> branches -> BatchNorm -> activation checkpointing -> compile
-                      -> shard -> data
+    split into stages -> tensor -> space -> branches -> BatchNorm -> layout -> activation
+                      checkpointing -> compile -> shard -> data
 
 (torchtitan's order, for the same reasons.) Under pipe > 1, `pipe.pipeline_parallel` cuts the
 model's depth into stages and hands each of this rank's stages to `parallelize_stage`, which runs
@@ -116,10 +116,23 @@ def batchnorm_step(model, mesh, options, layout):
     return _strategy("batchnorm").globalise_batchnorm(model, mesh.axis(*axes))
 
 
+def layout_step(model, mesh, options, layout):
+    """Channels-last weights for convolutional models (parallel/layout.py)."""
+    from .layout import to_channels_last, wants_channels_last
+    if not wants_channels_last(model, options.channels_last, mesh.plan):
+        return model
+    return to_channels_last(model)
+
+
 def checkpoint_and_compile_step(model, mesh, options, layout):
     if options.activation_checkpointing == "none" and not options.compile:
         return model
-    return _strategy("memory").apply_checkpointing_and_compile(model, options)
+    scope = options.compile_scope
+    if scope == "auto":  # FSDP2 puts its hooks on blocks, which compile must leave outside
+        fsdp = mesh.plan.shard > 1 and options.zero_stage == 3
+        scope = "blocks" if fsdp else "model"
+    return _strategy("memory").apply_checkpointing_and_compile(model, options,
+                                                              whole_model=scope == "model")
 
 
 def shard_step(model, mesh, options, layout):
@@ -145,8 +158,8 @@ def data_step(model, mesh, options, layout):
                          find_unused_parameters=options.find_unused_parameters)
 
 
-STEPS = (tensor_step, space_step, branches_step, batchnorm_step, checkpoint_and_compile_step, shard_step,
-         data_step)
+STEPS = (tensor_step, space_step, branches_step, batchnorm_step, layout_step,
+         checkpoint_and_compile_step, shard_step, data_step)
 
 
 @dataclass(frozen=True)

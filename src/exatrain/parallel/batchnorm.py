@@ -63,14 +63,14 @@ class BatchNormStats(torch.autograd.Function):
         invstd = torch.rsqrt(var_x + eps)
         # the normalisation itself with given statistics: torch's fused inference kernel
         y = F.batch_norm(x, mean_x, var_x, weight, bias, False, 0.0, eps)
-        ctx.save_for_backward(x, weight, mean_x, invstd)
-        ctx.axis, ctx.total = axis, float(total)
+        ctx.save_for_backward(x, weight, mean_x, invstd, total)
+        ctx.axis = axis  # the count stays a tensor: reading it would make the host wait
         ctx.mark_non_differentiable(mean_x, var_x, total)
         return y, mean_x, var_x, total
 
     @staticmethod
     def backward(ctx, grad, _gmean, _gvar, _total):
-        x, weight, mean, invstd = ctx.saved_tensors
+        x, weight, mean, invstd, total = ctx.saved_tensors
         c = x.shape[1]
         shape = (1, c) + (1,) * (x.dim() - 2)
         dims = [0] + list(range(2, x.dim()))
@@ -82,7 +82,8 @@ class BatchNormStats(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             sums = torch.cat([sum_dy, sum_dy_xhat])
             all_reduce(sums, ctx.axis, tag="batchnorm")
-            g_dy, g_dy_xhat = sums[:c] / ctx.total, sums[c:] / ctx.total
+            sums = sums / total.to(sums.dtype)
+            g_dy, g_dy_xhat = sums[:c], sums[c:]
             scale = invstd if weight is None else invstd * weight
             # dx = scale·(dy - ḡ_dy - x̂·ḡ_dy·x̂) = scale·dy - [(x - μ)·scale·σ⁻¹·ḡ_dy·x̂ + scale·ḡ_dy],
             # computed in place in the buffer of (x - μ): four passes, no other full-size temporary
@@ -106,12 +107,14 @@ def _layout(x: torch.Tensor) -> torch.memory_format:
 def update_running_stats(bn: nn.Module, mean: torch.Tensor, var: torch.Tensor, count) -> None:
     """Serial BatchNorm's running-statistics update with global (biased) `var` of `count` values:
     the running variance takes the unbiased variance, the momentum None means a cumulative mean."""
-    with torch.no_grad():
+    with torch.no_grad():  # on the device: nothing here is read by the host
         bn.num_batches_tracked.add_(1)
-        factor = (1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum)
-        n = float(count)
-        bn.running_mean.mul_(1 - factor).add_(mean, alpha=factor)
-        bn.running_var.mul_(1 - factor).add_(var * (n / max(n - 1, 1)), alpha=factor)
+        factor = (1.0 / bn.num_batches_tracked.to(mean.dtype) if bn.momentum is None
+                  else bn.momentum)
+        n = torch.as_tensor(count, device=var.device).to(var.dtype)
+        unbiased = var * (n / (n - 1).clamp_min(1))
+        bn.running_mean.mul_(1 - factor).add_(mean * factor)
+        bn.running_var.mul_(1 - factor).add_(unbiased * factor)
 
 
 def take_over_batchnorm(layer: nn.Module, bn: nn.Module) -> None:
@@ -127,6 +130,8 @@ def take_over_batchnorm(layer: nn.Module, bn: nn.Module) -> None:
 class GlobalBatchNorm(nn.Module):
     """A BatchNorm layer (same parameters, buffers and state-dict keys) whose training-mode
     statistics are over every rank of `axis`; evaluation uses the running statistics locally."""
+
+    is_norm_layer = True  # computes in fp32 under mixed precision, as torch's norms (precision.py)
 
     def __init__(self, bn: nn.modules.batchnorm._BatchNorm, axis: Axis):
         super().__init__()

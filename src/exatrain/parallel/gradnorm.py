@@ -10,7 +10,7 @@ finiteness), whatever slice of the parameters it holds:
   a parameter sharded by an exatrain strategy carries `exatrain_norm_axes`, a tuple of
               `comm.Axis` over which its gradient is split: its squares are summed over them
 
-Communication: one all-reduce of one fp32 scalar per distinct set of `exatrain_norm_axes`.
+Communication: one all-reduce of one float64 scalar per distinct set of `exatrain_norm_axes`.
 
 `across` (pipeline parallelism: the `pipe` axis) sums the squares once more, over ranks that hold
 different parameters. It is not a per-parameter axis because ranks of different stages hold
@@ -32,10 +32,29 @@ def _is_dtensor(t) -> bool:
     return type(t).__name__ == "DTensor"
 
 
-def clip_grad_norm_(parameters, max_norm: float = math.inf, across=None) -> float:
+def _sum_of_squares(grads: list, device: torch.device) -> torch.Tensor:
+    """Σ‖g‖² of plain gradient tensors, in float64 on `device`: one foreach norm per device and
+    dtype (a handful of kernels, however many parameters), no host read."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    groups: dict = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g.detach())
+    for (_, dtype), group in groups.items():
+        # half-precision gradients: norms in float32 (a float16 norm overflows at 65504)
+        wide = None if dtype in (torch.float32, torch.float64) else torch.float32
+        norms = torch.stack(torch._foreach_norm(group, 2, dtype=wide)).double()
+        total = total + norms.pow(2).sum().to(device)
+    return total
+
+
+def clip_grad_norm_(parameters, max_norm: float = math.inf, across=None) -> torch.Tensor:
     """Scale gradients so their global 2-norm is at most `max_norm`; return the norm before.
 
-    `across`: an Axis whose members hold disjoint parameters (pipeline stages), or None."""
+    The norm is a 0-d float64 tensor on the device the collectives use, and clipping multiplies
+    by min(1, max_norm / norm) on the device (torch's `clip_grad_norm_` formula): nothing here
+    waits for the host. A non-finite norm leaves the gradients non-finite (the caller skips the
+    step on it). `across`: an Axis whose members hold disjoint parameters (pipeline stages), or
+    None."""
     # Every parameter takes part, with or without a gradient on this rank: which all-reduces run
     # must not depend on what one rank happened to use, or the ranks would stop matching.
     everything = list(parameters)
@@ -44,7 +63,12 @@ def clip_grad_norm_(parameters, max_norm: float = math.inf, across=None) -> floa
     # collectives need tensors where the backend lives: the GPU under NCCL, even when gradients
     # are offloaded to the CPU
     nccl = dist.is_initialized() and dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    if nccl:
+        device = torch.device("cuda", torch.cuda.current_device())
+    elif not dist.is_initialized() and params:
+        device = params[0].grad.device  # one process: where the gradients are
+    else:
+        device = torch.device("cpu")
     total_sq = torch.zeros((), dtype=torch.float64, device=device)
     # DTensor gradients grouped by the exatrain axes their parameter is split over besides the
     # DTensor's own mesh (FSDP2 over a tensor-parallel layer: shard mesh + tensor axes)
@@ -62,27 +86,33 @@ def clip_grad_norm_(parameters, max_norm: float = math.inf, across=None) -> floa
         total_sq += sq
     # keyed by axis names (an Axis holds its group and ledger and is not hashable); the insertion
     # order follows the parameters, which every rank lists alike, so the all-reduces match
-    by_axes: dict[tuple[str, ...], tuple[tuple, torch.Tensor]] = {}
+    by_axes: dict[tuple[str, ...], tuple[tuple, list]] = {}
     for p in everything:
         if _is_dtensor(p) or (p.grad is not None and _is_dtensor(p.grad)):
             continue
         axes = tuple(getattr(p, "exatrain_norm_axes", ()))
         key = tuple(axis.name for axis in axes)
-        sq = (p.grad.detach().double().pow(2).sum().to(device) if p.grad is not None
-              else torch.zeros((), dtype=torch.float64, device=device))
-        if key in by_axes:
-            by_axes[key] = (axes, by_axes[key][1] + sq)
-        else:
-            by_axes[key] = (axes, sq)
-    for axes, sq in by_axes.values():
+        grads = by_axes.setdefault(key, (axes, []))[1]
+        if p.grad is not None:
+            grads.append(p.grad)
+    for axes, grads in by_axes.values():
+        sq = _sum_of_squares(grads, device)
         for axis in axes:
             all_reduce(sq, axis, tag="metric")
         total_sq += sq
     if across is not None:
         all_reduce(total_sq, across, tag="metric")
-    total = float(total_sq.sqrt())
-    if math.isfinite(total) and total > max_norm:
-        factor = max_norm / (total + 1e-6)
-        for p in params:
-            p.grad.mul_(factor)
+    total = total_sq.sqrt()
+    if math.isfinite(max_norm) and params:
+        factor = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        plain = [p.grad for p in params if not _is_dtensor(p.grad)]
+        by_device: dict = {}
+        for g in plain:
+            by_device.setdefault((g.device, g.dtype), []).append(g)
+        with torch.no_grad():
+            for (gdevice, dtype), group in by_device.items():
+                torch._foreach_mul_(group, factor.to(device=gdevice, dtype=dtype))
+            for p in params:
+                if _is_dtensor(p.grad):
+                    p.grad.mul_(factor.to(dtype=p.grad.dtype).item())
     return total

@@ -29,11 +29,19 @@ recomputed (`KeepRunningStats`). Blocks are wrapped with PyTorch's `checkpoint_w
 state-dict hooks and by `torch.distributed.checkpoint`), so checkpoints stay loadable with
 checkpointing on or off.
 
-Compile (`parallel.compile = true`) compiles each block in place (`nn.Module.compile`): the
-module tree and its parameter names do not change, blocks of equal shape reuse one compiled
-graph (parameters are graph inputs), and the hooks FSDP2 later puts on a block are skipped by
-the compiler and run eagerly (ZeRO-3 with compiled blocks matched serial training to 1e-7 on
-2 CPU ranks, checked by hand: compiling is too slow here for the test suite).
+Compile (`parallel.compile = true`) compiles in place (`nn.Module.compile`), so the module tree
+and its parameter names do not change, one of two ways (`parallel.compile_scope`):
+
+  model   the whole model (or pipeline stage) as one frame: every layer, whatever the model's
+          structure, runs in compiled code, and the fusions span layers (the default, except
+          under FSDP2). Collectives inside (global BatchNorm, halo exchanges, tensor-parallel
+          layers) break the graph there; the breaks are counted and reported
+          (`parallel.compile_stats`), never silent.
+  blocks  each block: blocks of equal shape reuse one compiled graph (parameters are graph
+          inputs), and the hooks FSDP2 later puts on a block are skipped by the compiler and run
+          eagerly (ZeRO-3 with compiled blocks matched serial training to 1e-7 on 2 CPU ranks,
+          checked by hand). What lies outside every block (a model without a ModuleList keeps
+          only its children with parameters as blocks) stays eager.
 """
 
 from __future__ import annotations
@@ -150,10 +158,14 @@ def checkpoint_block(block: nn.Module, mode: str, keep_running_stats: bool = Tru
                               preserve_rng_state=True, **kwargs)
 
 
-def apply_checkpointing_and_compile(model: nn.Module, options) -> nn.Module:
-    """Checkpoint and/or compile every block of `model` in place; returns `model`."""
+def apply_checkpointing_and_compile(model: nn.Module, options, whole_model: bool = False
+                                    ) -> nn.Module:
+    """Checkpoint every block of `model` and compile each block, or (`whole_model`) the model
+    once, in place; returns `model`."""
     blocks = find_blocks(model)
-    if not blocks:
+    if not blocks and whole_model and options.activation_checkpointing == "none":
+        blocks = []  # nothing to checkpoint: the model itself is compiled below
+    elif not blocks:
         raise ValueError(
             f"{type(model).__name__} has no blocks to checkpoint or compile: it has neither an "
             "nn.ModuleList nor children with parameters. Set parallel.activation_checkpointing="
@@ -167,8 +179,10 @@ def apply_checkpointing_and_compile(model: nn.Module, options) -> nn.Module:
         if mode != "none":
             block = checkpoint_block(block, mode, keep_running_stats=not options.compile)
             parent.register_module(name, block)
-        if options.compile:
-            block.compile()
+        if options.compile and not whole_model:
+            block.compile(backend=options.compile_backend)
+    if options.compile and whole_model:
+        model.compile(backend=options.compile_backend)
     return model
 
 

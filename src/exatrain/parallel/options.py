@@ -15,7 +15,13 @@ class ParallelOptions:
     offload: bool = False           # CPU offload of sharded parameters and optimizer state
     precision: str = "fp32"         # fp32 | bf16 | fp16 (fp32 master weights and reductions)
     activation_checkpointing: str = "none"  # none | full | selective
-    compile: bool = False           # torch.compile each block
+    compile: bool = False           # torch.compile the model (see parallel/memory.py)
+    compile_backend: str = "inductor"  # torch.compile's backend (eager, aot_eager: debugging)
+    compile_scope: str = "auto"     # model | blocks | auto: the whole model (stage) as one frame,
+                                    # or each block; auto = blocks under FSDP2 (its hooks sit on
+                                    # blocks), else the model
+    channels_last: str = "auto"     # auto | on | off: convolutional models channels-last, weights
+                                    # and inputs (auto: with 2D/3D convolutions; parallel/layout.py)
     sequence_parallel: bool = False  # 1D tensor parallelism: split norms/dropout over the sequence
     bucket_cap_mb: float = 25.0     # gradient all-reduce bucket size
     # under `data`: search the autograd graph each step for parameters the forward left out

@@ -45,7 +45,8 @@ def compute_dtype(precision: str) -> torch.dtype:
 
 
 def is_norm(module: nn.Module) -> bool:
-    return isinstance(module, NORM_TYPES)
+    """A norm layer: torch's, or one of exatrain's distributed BatchNorms (`is_norm_layer`)."""
+    return isinstance(module, NORM_TYPES) or getattr(module, "is_norm_layer", False)
 
 
 def _fp32_inputs(module: nn.Module, args: tuple) -> tuple:
@@ -87,60 +88,102 @@ class Precision:
         """Context for the forward pass (not the loss, not backward)."""
         return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.mixed)
 
-    def loss_scaler(self) -> "DynamicLossScaler":
-        return DynamicLossScaler(enabled=self.dtype == torch.float16)
+    def loss_scaler(self, device: torch.device | str = "cpu") -> "DynamicLossScaler":
+        return DynamicLossScaler(enabled=self.dtype == torch.float16, device=device)
 
 
 class DynamicLossScaler:
-    """Dynamic loss scaling for fp16 (Micikevicius et al., 2018), agreed on by every rank.
+    """Dynamic loss scaling for fp16 (Micikevicius et al., 2018), agreed on by every rank, kept on
+    the device.
 
     Every rank reaches the same verdict without a collective of its own: the finiteness test is
-    the global gradient norm that clipping computes anyway (`parallel.gradnorm`), which is the
+    the global gradient norm that the Trainer computes anyway (`parallel.gradnorm`), which is the
     same number on every rank. Scales are powers of two, so scaling and unscaling are exact.
+
+    The scale, the count of clean steps and the count of skipped steps are device tensors, and
+    `update(found_inf)` with a device tensor changes them with torch's own kernel
+    (`torch._amp_update_scale_`, what `torch.amp.GradScaler` uses): a step never waits for the
+    host to decide. `update(bool)` (a verdict already read on the host) returns whether the
+    optimizer should step. `scale`, `good_steps` and `skipped_steps` read the device (at log
+    steps); `check()` refuses a scale that fell below `min_scale`.
     """
 
     def __init__(self, enabled: bool = True, init_scale: float = 2.0 ** 16,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, min_scale: float = 2.0 ** -14):
+                 growth_interval: int = 2000, min_scale: float = 2.0 ** -14,
+                 device: torch.device | str = "cpu"):
         self.enabled = enabled
-        self.scale = float(init_scale) if enabled else 1.0
+        self.device = torch.device(device)
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval, self.min_scale = growth_interval, min_scale
-        self.good_steps = 0
-        self.skipped_steps = 0
+        self._scale = torch.full((), float(init_scale) if enabled else 1.0, dtype=torch.float32,
+                                 device=self.device)
+        self._good = torch.zeros((), dtype=torch.int32, device=self.device)
+        self._skipped = torch.zeros((), dtype=torch.float32, device=self.device)
+
+    # the state, read on the host (a device read: at log steps and checkpoints only)
+    @property
+    def scale(self) -> float:
+        return float(self._scale)
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        self._scale.fill_(float(value))
+
+    @property
+    def good_steps(self) -> int:
+        return int(self._good)
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self._skipped)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.scale if self.enabled else loss
+        return loss * self._scale.to(loss.device) if self.enabled else loss
 
     @torch.no_grad()
     def unscale_(self, params) -> None:
         if not self.enabled:
             return
-        inv = 1.0 / self.scale
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(inv)
+        grads = [p.grad for p in params if p.grad is not None]
+        by_device: dict = {}
+        for g in grads:
+            by_device.setdefault((g.device, g.dtype, type(g)), []).append(g)
+        inverse = self._scale.double().reciprocal().float()
+        for (device, dtype, kind), group in by_device.items():
+            if kind is torch.Tensor:
+                torch._foreach_mul_(group, inverse.to(device=device, dtype=dtype))
+            else:  # DTensor gradients (FSDP2): one at a time, each with its own placement
+                for g in group:
+                    g.mul_(inverse.item())
 
-    def update(self, grads_finite: bool) -> bool:
-        """Record one step's verdict; True if the optimizer should step."""
+    def update(self, found_inf):
+        """Record one step's verdict. `found_inf`: a device tensor (1.0 where the gradients were
+        not finite), changed on the device, returns None; or a host bool `grads_finite` (the
+        verdict already read), then returns whether the optimizer should step and refuses a scale
+        below `min_scale` at once."""
+        host = isinstance(found_inf, bool)
+        flag = torch.tensor(0.0 if found_inf else 1.0, device=self.device) if host else \
+            found_inf.to(device=self.device, dtype=torch.float32)
         if not self.enabled:
-            return grads_finite
-        if not grads_finite:
-            self.scale *= self.backoff_factor
-            self.good_steps = 0
-            self.skipped_steps += 1
-            if self.scale < self.min_scale:
-                raise FloatingPointError(
-                    f"fp16 loss scale fell below {self.min_scale:g} after {self.skipped_steps} "
-                    "skipped steps: the gradients are not finite even unscaled. Use "
-                    "parallel.precision='bf16' or 'fp32', lower optim.lr, or set "
-                    "train.clip_grad_norm.")
-            return False
-        self.good_steps += 1
-        if self.good_steps == self.growth_interval:
-            self.scale *= self.growth_factor
-            self.good_steps = 0
-        return True
+            return found_inf if host else None
+        torch._amp_update_scale_(self._scale, self._good, flag, self.growth_factor,
+                                 self.backoff_factor, self.growth_interval)
+        self._skipped.add_(flag)
+        if host:
+            if not found_inf:
+                self.check()
+            return found_inf
+        return None
+
+    def check(self) -> None:
+        """Refuse a scale that fell below `min_scale` (reads the device)."""
+        if self.enabled and self.scale < self.min_scale:
+            raise FloatingPointError(
+                f"fp16 loss scale fell below {self.min_scale:g} after {self.skipped_steps} "
+                "skipped steps: the gradients are not finite even unscaled. Use "
+                "parallel.precision='bf16' or 'fp32', lower optim.lr, or set "
+                "train.clip_grad_norm.")
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "good_steps": self.good_steps,
@@ -148,8 +191,8 @@ class DynamicLossScaler:
 
     def load_state_dict(self, state: dict) -> None:
         self.scale = float(state["scale"])
-        self.good_steps = int(state["good_steps"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self._good.fill_(int(state["good_steps"]))
+        self._skipped.fill_(int(state.get("skipped_steps", 0)))
 
 
 def measured_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32,

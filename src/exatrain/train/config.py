@@ -76,9 +76,9 @@ class TrainOptions:
     log_every: int = 100        # steps between records in metrics.jsonl and lines on the console
     checkpoint_every: int = 0   # 0 = only at the end
     checkpoint_keep: int = 2    # newest checkpoints kept in RUN_DIR/checkpoints; older ones deleted
-    num_workers: int = -1       # loader worker processes per rank; -1 = the cores each rank of
-                                # a launched job has beyond its first (none without a launcher
-                                # or a spare core: the prefetch thread reads), 0 = none
+    num_workers: int = -1       # loader worker processes per rank; -1 = the cores each rank
+                                # has beyond its first, at most 8 (none without a spare core:
+                                # the prefetch thread reads), 0 = none
     prefetch: int = 2           # batches loaded, copied and decoded ahead of the step in a
                                 # background thread; 0 = on the training thread (all wait)
     target: str = ""            # e.g. "val_mae <= 0.124": stop when an evaluation reaches it
@@ -99,6 +99,9 @@ class OptimOptions:
                                 # of the first and second moment estimates
     momentum: float = 0.9       # sgd only
     eps: float = 1e-8           # adam, adamw: added to the denominator's square root
+    impl: str = "auto"          # auto | fused | foreach | forloop: torch.optim's kernel; auto =
+                                # fused where torch has it (one launch for every parameter, and
+                                # a non-finite step skipped on the device, not read by the host)
     # kfac: K-FAC preconditioning before `kfac_base` (see train.kfac and docs/how-to/kfac.md)
     kfac_base: str = "sgd"      # sgd | adamw: the first-order update of preconditioned gradients
     kfac_damping: float = 0.1     # 1e-3 (KAISA's) saturates the default CosmoFlow's tanh head
@@ -243,6 +246,7 @@ def validate(config: Config) -> None:
     t, o, s = config.train, config.optim, config.schedule
     choices = {"optim.name": (o.name, ("adamw", "adam", "sgd", "kfac")),
                "optim.kfac_base": (o.kfac_base, ("sgd", "adamw")),
+               "optim.impl": (o.impl, ("auto", "fused", "foreach", "forloop")),
                "optim.kfac_inverse": (o.kfac_inverse, ("eigen", "cholesky")),
                "optim.kfac_matmul_dtype": (o.kfac_matmul_dtype, ("float32", "bfloat16")),
                "schedule.decay": (s.decay, ("cosine", "linear", "constant")),
@@ -254,6 +258,9 @@ def validate(config: Config) -> None:
                                                      ("none", "full", "selective")),
                "parallel.batchnorm": (config.parallel.batchnorm, BATCHNORM_MODES),
                "parallel.branches": (config.parallel.branches, ("none", "data")),
+               "parallel.compile_scope": (config.parallel.compile_scope,
+                                          ("auto", "model", "blocks")),
+               "parallel.channels_last": (config.parallel.channels_last, ("auto", "on", "off")),
                "train.on_nonfinite": (t.on_nonfinite, ("stop", "skip")),
                "train.on_bad_sample": (t.on_bad_sample, ("stop", "skip"))}
     if hasattr(config.data, "shuffle"):

@@ -136,18 +136,23 @@ class PopulationTrainer(Trainer):
                       "val_eval_s": self.val_eval_s,
                       **{f"hp_{k}": v for k, v in self.hparams.as_dict().items()}})
 
-    def _train_step(self, batches) -> tuple[float, float]:
+    @property
+    def defers_verdict(self) -> bool:
+        """With tournaments a non-finite step is handled as it happens (below): read per step."""
+        return super().defers_verdict and not self.tournaments_on
+
+    def _train_step(self, batches, measure: bool = False) -> tuple[torch.Tensor, float]:
         """A step; in a population a diverged trainer skips its steps until a tournament
         replaces its model (its NaN scores lose every one) instead of stopping the job."""
         try:
-            return super()._train_step(batches)
+            return super()._train_step(batches, measure)
         except NonFiniteLoss:
             if not self.tournaments_on:
                 raise
             self.optimizer.zero_grad(set_to_none=True)
             self.model.zero_grad(set_to_none=True)
             self.diverged_steps += 1
-            return math.nan, self.optimizer.param_groups[0]["lr"]
+            return torch.tensor(math.nan), self.optimizer.param_groups[0]["lr"]
 
     def after_step(self) -> None:
         if self.tournaments_on and self.step % self.options.interval == 0:

@@ -14,8 +14,18 @@ Precision (`parallel.precision`, see `parallel.precision`): the forward pass run
 the compute dtype, the loss in fp32 on `output.float()`, and with fp16 the loss is scaled; a step
 whose gradients overflow is skipped and counted (`skipped_steps`).
 
-Memory (`train.memory`): every logged record carries the bytes of parameters, gradients and
-optimizer state held by the rank at the optimizer step (`state_bytes`), and the peak memory of
+The host never waits for the device between read points (log, evaluation and checkpoint steps,
+every `STOP_CHECK_EVERY` steps with several ranks, the last step): a step leaves its loss, its
+global gradient norm and its non-finite verdict on the device (`monitor.step_meters`), its times
+as CUDA events, and a non-finite step is skipped by the optimizer's own kernel (`found_inf`, as
+`torch.amp.GradScaler` does; fp16's loss scale is updated on the device too). A read point reads
+them all with one copy. What the run reports is what every step measured: per-interval medians,
+every step's loss in `step_losses`, a `NonFiniteLoss` naming the step. Optimizers without a
+device-side skip (K-FAC, foreach and for-loop kernels, FSDP2's DTensors) and
+`train.on_nonfinite = "skip"` read the verdict every step instead (`defers_verdict`).
+
+Memory (`train.memory`): logged records carry the bytes of parameters, gradients and
+optimizer state held by the rank at the optimizer step of the log step (`state_bytes`), and the peak memory of
 forward + backward above the resident state (`peak_activation_bytes`, measured by the CUDA
 allocator on GPUs every step, tracked per storage on CPU for the second step of each `fit`).
 """
@@ -29,6 +39,7 @@ import math
 import resource
 import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -37,10 +48,12 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ..comm import all_gather_object, all_reduce, broadcast_object
-from ..data.loader import EpochSampler, Prefetcher, collate, default_workers, run_loader
+from ..data.loader import EpochSampler, Prefetcher, collate, loader_workers, run_loader
 from ..mesh import Mesh
 from ..parallel.data import unwrap
 from ..parallel.gradnorm import clip_grad_norm_
+from ..parallel.compile_stats import CompileCounter
+from ..parallel.layout import channels_last_input, input_memory_format
 from ..parallel.pipe.model import PipelineModel
 from ..parallel.shard import build_optimizer_for
 from ..workloads.base import Workload
@@ -49,6 +62,7 @@ from . import kfac
 from .config import Config, micro_batch_size
 from .monitor.memory import StepPeak, state_bytes
 from .monitor.observer import StepObserver
+from .monitor.step_meters import PendingSteps
 from ..parallel.precision import Precision, keep_norms_fp32, measured_matmul_flops
 from .schedule import lr_at, scaled_lr
 from .resilience.faults import FaultInjector
@@ -57,18 +71,52 @@ from .resilience.stop import StopOnSignal
 from .resilience.watchdog import Watchdog
 
 
+STOP_CHECK_EVERY = 5  # steps between a multi-rank run's stop agreements (besides log steps); the
+                      # bandwidth watch agrees at these read points too (its check_every: 5)
+
+
+@dataclass
+class Interval:
+    """Host values of the steps since the last log record."""
+    mark: object                                  # the ledger's snapshot at its start
+    losses: list = field(default_factory=list)    # mean over the data replicas
+    times: list = field(default_factory=list)     # seconds
+    waits: list = field(default_factory=list)     # seconds waited for input
+
+
 class NonFiniteLoss(RuntimeError):
     """Training produced a NaN or infinite loss or gradient; the last checkpoint is intact."""
 
 
 def build_optimizer(params, options, lr: float) -> torch.optim.Optimizer:
     name = options.kfac_base if options.name == "kfac" else options.name  # K-FAC: see Trainer
+    params = list(params)
+    kernel = optimizer_kernel(params, getattr(options, "impl", "auto"))
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=options.momentum,
-                               weight_decay=options.weight_decay)
+                               weight_decay=options.weight_decay, **kernel)
     cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
     return cls(params, lr=lr, betas=tuple(options.betas), eps=options.eps,
-               weight_decay=options.weight_decay)
+               weight_decay=options.weight_decay, **kernel)
+
+
+def optimizer_kernel(params: list, impl: str) -> dict:
+    """torch.optim's implementation for `optim.impl`: "auto" takes the fused kernel (one launch
+    for every parameter, and a step it can skip on the device) wherever torch has one for these
+    parameters (plain floating-point tensors on a CPU or a GPU), else torch's own choice."""
+    if impl == "fused" or (impl == "auto" and all(
+            type(p) in (torch.Tensor, nn.Parameter) and p.is_floating_point()
+            and p.device.type in ("cpu", "cuda") for p in params)):
+        return {"fused": True}
+    return {"foreach": True} if impl == "foreach" else {"foreach": False} if impl == "forloop" \
+        else {}
+
+
+def supports_found_inf(optimizer) -> bool:
+    """Whether `optimizer.step()` honours `optimizer.found_inf` (skips on the device): torch's
+    fused Adam, AdamW and SGD do, as `torch.amp.GradScaler` relies on."""
+    return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD) and \
+        bool(optimizer.defaults.get("fused"))
 
 
 def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
@@ -116,11 +164,13 @@ class Trainer:
         self.precision = Precision(config.parallel.precision, mesh.device)
         if self.precision.mixed:
             keep_norms_fp32(model)
-        self.scaler = self.precision.loss_scaler()
+        self.scaler = self.precision.loss_scaler(mesh.device)
+        self._halted = torch.zeros((), device=mesh.device)  # on_nonfinite = "stop", deferred
+        self.last_grad_norm = self.last_found_inf = None
+        self.compile_counter: CompileCounter | None = None  # set by fit under parallel.compile
         self.step_peak = StepPeak(mesh.device)
         self._track_step = 0             # which step the CPU peak tracker watches (see fit)
         self.last_state_bytes: dict = {}
-        self.skipped_steps = 0
         self.nonfinite_skipped = 0       # steps skipped under train.on_nonfinite = "skip"
         self.stopped_by_signal = False
         self.faults = FaultInjector(mesh.rank, self.run_dir)
@@ -128,7 +178,7 @@ class Trainer:
         if config.train.on_bad_sample == "skip":
             workload.train_set = SkipBadSamples(workload.train_set, self.run_dir, mesh.rank)
         # loader workers per rank: train.num_workers, or (-1) from the cores the node's ranks share
-        self.num_workers = t.num_workers if t.num_workers >= 0 else _auto_workers()
+        self.num_workers = loader_workers(t.num_workers)
         self.step = 0
         self.history: list[dict] = []
         self.input_bytes = 0  # training input delivered to this rank's device (data.loader)
@@ -199,70 +249,141 @@ class Trainer:
         source = run_loader(self.workload.train_set, sampler, self.micro, self.num_workers,
                             self.mesh.device, seed=start_step // self.steps_per_epoch,
                             timeout_s=self.config.run.timeout_s)
-        return Prefetcher(source, self.mesh.device, decode=self.workload.decode, depth=t.prefetch)
+        return Prefetcher(source, self.mesh.device, decode=self._decode(), depth=t.prefetch)
+
+    def _decode(self):
+        """The workload's decode on the device, then the layout the model takes (layout.py)."""
+        decode = self.workload.decode
+        if not input_memory_format(self.model):
+            return decode
+        return lambda x: channels_last_input(decode(x) if decode is not None else x)
 
     def _to_device(self, batch):
         x, y = batch
         x, y = x.to(self.mesh.device, non_blocking=True), y.to(self.mesh.device, non_blocking=True)
-        return self.workload.decode_inputs(x), y
+        decode = self._decode()
+        return (decode(x) if decode is not None else x), y
 
     # ------------------------------------------------------------------ one step
-    def _train_step(self, batches) -> tuple[float, float]:
-        t, accum = self.config.train, self.config.train.grad_accum
+    def _forward_backward(self, batches) -> torch.Tensor:
+        """Forward and backward of every micro-batch; this rank's loss (a device tensor)."""
+        accum = self.config.train.grad_accum
+        if isinstance(self.model, PipelineModel):  # micro-batches run by the schedule
+            x, y = next(batches)
+            return torch.as_tensor(self.model.train_step(
+                x, y, lambda output, target: self.workload.loss_fn(output.float(), target)))
+        loss_sum = None
+        for micro in range(accum):
+            x, y = next(batches)
+            sync = micro == accum - 1 or not hasattr(self.model, "no_sync")
+            with (self.model.no_sync() if not sync else contextlib.nullcontext()):
+                with self.precision.autocast(), self.observer.phase("forward"):
+                    output = self.model(x)
+                loss = self.workload.loss_fn(output.float(), y) / accum  # fp32 loss
+                with self.observer.phase("backward"):
+                    self.scaler.scale_loss(loss).backward()
+            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+        return loss_sum
+
+    def _train_step(self, batches, measure: bool = False) -> tuple[torch.Tensor, float]:
+        """One optimizer step. Returns this rank's loss as a device tensor and the lr; leaves the
+        global gradient norm and the non-finite verdict in `last_grad_norm`, `last_found_inf`.
+
+        With `defers_verdict` nothing is read from the device: a non-finite step is skipped by
+        the optimizer itself (`found_inf`, as `torch.amp.GradScaler` has fused optimizers do) and
+        under `train.on_nonfinite = "stop"` every step after it too, until the next read point
+        raises `NonFiniteLoss` naming it. `measure`: count the model state's bytes (log steps)."""
+        t = self.config.train
         lr = lr_at(self.step, self.peak_lr, self.total_steps, self.config.schedule.warmup_steps,
                    self.config.schedule.decay, self.config.schedule.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        torch.manual_seed(hash((self.config.run.seed, self.step, self.mesh.rank)) % 2 ** 63)
+        self._seed_step()
         self.model.train()
-        loss_sum = 0.0
         # CUDA: the allocator's peak, every step for free; CPU: the tracker, one step per fit
         watch = self.mesh.device.type == "cuda" or self.step == self._track_step
-        track = self.step_peak.track() if watch else contextlib.nullcontext()
-        with track:
-            if isinstance(self.model, PipelineModel):  # micro-batches run by the schedule
-                x, y = next(batches)
-                loss_sum = self.model.train_step(
-                    x, y, lambda output, target: self.workload.loss_fn(output.float(), target))
-            for micro in range(accum if not isinstance(self.model, PipelineModel) else 0):
-                x, y = next(batches)
-                sync = micro == accum - 1 or not hasattr(self.model, "no_sync")
-                with (self.model.no_sync() if not sync else contextlib.nullcontext()):
-                    with self.precision.autocast(), self.observer.phase("forward"):
-                        output = self.model(x)
-                    loss = self.workload.loss_fn(output.float(), y) / accum  # fp32 loss
-                    with self.observer.phase("backward"):
-                        self.scaler.scale_loss(loss).backward()
-                loss_sum += loss.detach().item()
+        with self.step_peak.track() if watch else contextlib.nullcontext():
+            loss_sum = self._forward_backward(batches)
         self.scaler.unscale_(self.opt_params)
         # The gradient norm is global (the same on every rank), so every rank reaches the same
         # verdict on finiteness without another collective.
         max_norm = t.clip_grad_norm if t.clip_grad_norm > 0 else math.inf
         grad_norm = clip_grad_norm_(self.opt_params, max_norm,
                                     across=getattr(self.model, "norm_axis", None))
-        finite = math.isfinite(grad_norm)
-        # (the local loss is only reported: deciding on it could stop one rank and strand the rest)
-        if not finite and not self.scaler.enabled and skip_nonfinite(self, loss_sum, grad_norm):
-            return loss_sum, lr
-        if not finite and not self.scaler.enabled:
-            last = checkpoint.latest(self.run_dir) if self.run_dir else None
-            raise NonFiniteLoss(
-                f"step {self.step + 1}: loss {loss_sum} / gradient norm {grad_norm} is not finite on "
-                f"rank {self.mesh.rank}. Stopped before the optimizer step; "
-                + (f"the last good checkpoint is {last}. " if last else "no checkpoint was written yet. ")
-                + "Lower optim.lr, add schedule.warmup_steps, set train.clip_grad_norm, or check "
-                  "the data for NaNs.")
-        if self.scaler.update(finite):
+        found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)
+        self.last_grad_norm, self.last_found_inf = grad_norm, found_inf
+        if self.defers_verdict:
+            skip = found_inf
+            if not self.scaler.enabled:  # stop: this step and every later one are skipped
+                self._halted = torch.maximum(self._halted, found_inf.to(self._halted.device))
+                skip = self._halted
+            self.scaler.update(found_inf)
+            with self.observer.phase("optimizer"):
+                self._step_unless(skip)
+        elif self._decide_on_host(loss_sum, grad_norm, found_inf):
             with self.observer.phase("optimizer"):
                 self.optimizer.step()
-            # at the optimizer step: gradients still alive, optimizer state (lazily) created
-            self.last_state_bytes = state_bytes(self.model, self.optimizer)
-        else:  # fp16 overflow: skip this step, with a halved loss scale
-            self.last_state_bytes = state_bytes(self.model, self.optimizer)
-            self.skipped_steps += 1
+        else:
             self.model.zero_grad(set_to_none=True)
+        if measure:  # at the optimizer step: gradients still alive, optimizer state created
+            self.last_state_bytes = state_bytes(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, lr
+
+    def _step_unless(self, skip: torch.Tensor) -> None:
+        """The optimizer's step, skipped by its own kernel where `skip` is 1 (no host read)."""
+        first = self.optimizer.param_groups[0]["params"][0]
+        self.optimizer.found_inf = skip.to(device=first.device, dtype=torch.float32)
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf
+
+    def _decide_on_host(self, loss_sum, grad_norm, found_inf) -> bool:
+        """The verdict read on the host (policies that act per step): True to step."""
+        finite = not bool(found_inf)
+        if not finite and not self.scaler.enabled:
+            loss, norm = float(loss_sum), float(grad_norm)
+            if skip_nonfinite(self, loss, norm):
+                return False
+            raise self._nonfinite_error(self.step + 1, loss, norm)
+        if self.scaler.enabled and not finite:
+            self.last_state_bytes = state_bytes(self.model, self.optimizer)
+        return self.scaler.update(finite)
+
+    def _nonfinite_error(self, step: int, loss: float, norm: float) -> "NonFiniteLoss":
+        last = checkpoint.latest(self.run_dir) if self.run_dir else None
+        return NonFiniteLoss(
+            f"step {step}: loss {loss} / gradient norm {norm} is not finite on rank "
+            f"{self.mesh.rank}. The optimizer skipped it"
+            + (f" and every step after it up to step {self.step}" if step < self.step else "")
+            + "; " + (f"the last good checkpoint is {last}. " if last
+                      else "no checkpoint was written yet. ")
+            + "Lower optim.lr, add schedule.warmup_steps, set train.clip_grad_norm, or check "
+              "the data for NaNs.")
+
+    def _seed_step(self) -> None:
+        """Seed this step's random streams (dropout) from (seed, step, rank): the CPU generator
+        and this rank's CUDA generator, directly (torch.manual_seed seeds every device type)."""
+        seed = hash((self.config.run.seed, self.step, self.mesh.rank)) % 2 ** 63
+        torch.default_generator.manual_seed(seed)
+        if self.mesh.device.type == "cuda":
+            index = self.mesh.device.index
+            torch.cuda.default_generators[torch.cuda.current_device() if index is None
+                                          else index].manual_seed(seed)
+
+    @property
+    def defers_verdict(self) -> bool:
+        """True when the step decides on non-finite gradients on the device (see _train_step):
+        the optimizer's kernel can skip a step by itself (torch's fused optimizers) and the
+        non-finite policy is "stop". Otherwise the verdict is read every step: K-FAC, foreach
+        and for-loop optimizers, DTensor (FSDP2) parameters, `on_nonfinite = "skip"`."""
+        return supports_found_inf(self.optimizer) and self.config.train.on_nonfinite == "stop"
+
+    @property
+    def skipped_steps(self) -> int:
+        """fp16 steps skipped for overflowing gradients (reads the device)."""
+        return self.scaler.skipped_steps if self.scaler.enabled else 0
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -341,7 +462,6 @@ class Trainer:
         self.step = int(state["step"])
         if self.scaler.enabled and "loss_scaler" in state and state.get("precision") == "fp16":
             self.scaler.load_state_dict(state["loss_scaler"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
         self.nonfinite_skipped = int(state.get("nonfinite_skipped", 0))
         if self.is_main and self.run_dir:  # lines past the checkpoint are written again
             checkpoint.truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
@@ -421,107 +541,149 @@ class Trainer:
                 "bubble_formula": model.bubble_formula(), "events": events}))
         return {"bubble_fraction": bubble, "bubble_formula": model.bubble_formula()}
 
+    def _is_read_point(self, step: int, last: bool) -> bool:
+        """Whether the device's values are read after `step` (1-based): log, evaluation,
+        checkpoint and (with several ranks) stop-check steps, and the last. The same on every
+        rank: the config decides."""
+        t = self.config.train
+        return last or step % t.log_every == 0 or bool(t.eval_every and step % t.eval_every == 0) \
+            or bool(t.checkpoint_every and step % t.checkpoint_every == 0) \
+            or (self.mesh.world_size > 1 and step % STOP_CHECK_EVERY == 0)
+
+    def _read(self, pending: PendingSteps) -> None:
+        """Bring the pending steps' values to the host; a deferred non-finite verdict raises."""
+        if not len(pending):
+            return
+        first = self.step - len(pending) + 1
+        values = pending.read(self.data_axis, self.replicas)
+        self._interval.losses += values.losses
+        self._interval.times += values.times
+        self._run_times["times"] += values.times
+        if self.defers_verdict and not self.scaler.enabled and any(values.nonfinite):
+            bad = values.nonfinite.index(True)
+            raise self._nonfinite_error(first + bad, values.losses[bad], values.grad_norms[bad])
+        if self.defers_verdict:
+            self.scaler.check()
+
+    def _record(self, lr: float) -> dict:
+        """The logging interval's training record (host values only; see `_read`)."""
+        t, iv = self.config.train, self._interval
+        n = len(iv.times)
+        peak, source = peak_memory_bytes(self.mesh.device)
+        record = {"step": self.step, "loss": statistics.fmean(iv.losses), "lr": lr,
+                  "samples_per_s": t.batch_size * n / sum(iv.times),
+                  "step_s": statistics.median(iv.times),
+                  "data_wait_s": statistics.median(iv.waits),
+                  "data_wait_fraction": statistics.median(
+                      w / d for w, d in zip(iv.waits, iv.times)),
+                  "peak_mem_bytes": peak, "peak_mem_source": source,
+                  **self._memory_figures(),
+                  "bytes_per_step": {a: b // n for a, b in
+                                     self.mesh.ledger.since(iv.mark).bytes_by_axis().items()},
+                  "step_losses": list(iv.losses)}
+        if self.tokens_per_sample:
+            record["tokens_per_s"] = record["samples_per_s"] * self.tokens_per_sample
+        if self.scaler.enabled:
+            record.update(loss_scale=self.scaler.scale, skipped_steps=self.skipped_steps)
+        if isinstance(self.model, PipelineModel):
+            record.update(self._pipeline_timeline())
+        if self.compile_counter is not None and not any("loss" in h for h in self.history):
+            # the first record says whether compile took effect: never a silent eager run
+            compiled = self.compile_counter.figures()
+            record.update(compiled_graphs=compiled["compiled_graphs"],
+                          graph_breaks=compiled["graph_breaks"])
+        self._interval = Interval(self.mesh.ledger.snapshot())
+        return record
+
+    def _one_step(self, batches, pending: PendingSteps, stop, watchdog, progress) -> dict | None:
+        """One step and what follows it (log, evaluation, checkpoint, stop); the evaluation's
+        metrics when it evaluated. Sets `_finished` when the run ends early."""
+        t = self.config.train
+        self.mesh.ledger.step = self.step + 1  # the step number metrics.jsonl will give it
+        self.faults.at_step(self.step + 1)
+        watchdog.beat()
+        self.observer.step_begin()
+        last = self.step + 1 == self.total_steps
+        read = self._is_read_point(self.step + 1, last)
+        pending.clock.begin()
+        try:
+            loss, lr = self._train_step(batches, measure=read)
+        except torch.OutOfMemoryError as exc:
+            raise torch.OutOfMemoryError(out_of_memory_advice(self, exc)) from exc
+        pending.clock.end()
+        pending.add(loss, self.last_grad_norm, self.last_found_inf)
+        wait, nbytes = batches.take()  # this step's input wait (host seconds) and bytes
+        self.observer.step_end(read)
+        self.step += 1
+        self._interval.waits.append(wait)
+        self._run_times["waits"].append(wait)
+        self._run_times["bytes"].append(nbytes)
+        self.input_bytes += nbytes
+        if progress:
+            progress.advance()
+        if read:
+            self._read(pending)
+        if self.step % t.log_every == 0 or last:
+            record = self._record(lr)
+            self.observer.log(record)
+            self._log(record)
+            if progress:
+                progress.log(record)
+        eval_metrics, reached = None, False
+        if (t.eval_every and self.step % t.eval_every == 0) or last:
+            eval_start = time.time()
+            with watchdog.paused():  # long and collective-free under plain data parallelism
+                eval_metrics = self.evaluate()
+            self._log({"step": self.step, **eval_metrics})
+            if progress:
+                progress.log({"step": self.step, **eval_metrics})
+            reached = self.observer.evaluated(eval_metrics, eval_start)  # train.target
+        self.after_step()
+        # one rank decides alone; several agree (a collective) at read points only
+        check = self.mesh.world_size == 1 or read
+        stopping = not last and not reached and check and (stop.agreed(self.mesh)
+                                                          or self.observer.stop_requested)
+        if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or last or reached \
+                or stopping:
+            self._read(pending)  # a step not yet read could be the non-finite one
+            with watchdog.paused():  # file system time; the backend's timeout still holds
+                self._save()
+        if stopping:
+            self.stopped_by_signal = True
+            stop.announce(self)
+        self._finished = reached or stopping
+        return eval_metrics
+
     def fit(self) -> dict:
         # the second step: the first one also allocates what persists (communication buckets,
         # FSDP2's lazy initialisation), which is not activation memory
         self._track_step = self.step + (1 if self.total_steps - self.step > 1 else 0)
-        t = self.config.train
+        self._finished = False
+        self.compile_counter = CompileCounter() if self.config.parallel.compile else None
         batches = self._batches(self.step)
-        ledger = self.mesh.ledger
-        interval_losses, interval_times, step_times = [], [], []
-        interval_waits, step_waits, step_bytes = [], [], []
-        mark, start = ledger.snapshot(), time.perf_counter()
+        pending = PendingSteps(self.mesh.device)
+        self._interval = Interval(self.mesh.ledger.snapshot())
+        self._run_times: dict[str, list] = {"times": [], "waits": [], "bytes": []}
+        start = time.perf_counter()
         eval_metrics: dict[str, float] = {}
         progress = self.console.progress(self.total_steps, self.step) if self.console else None
         self.observer.fit_begin()
         stop = StopOnSignal().install()
-        watchdog = Watchdog(ledger, self.mesh.rank, self.run_dir, self.config.run.timeout_s).start(
-            self.mesh.world_size)
+        watchdog = Watchdog(self.mesh.ledger, self.mesh.rank, self.run_dir,
+                            self.config.run.timeout_s).start(self.mesh.world_size)
+        # the steps seed the global generators (dropout masks replayable on resume); the
+        # caller's streams come back when fit returns, so user code never sees them reset
+        rng = torch.random.fork_rng(devices=_rng_devices(self.mesh.device))
+        rng.__enter__()
         try:
             while self.step < self.total_steps:
-                ledger.step = self.step + 1  # the step number metrics.jsonl will give it
-                self.faults.at_step(self.step + 1)
-                watchdog.beat()
-                t0 = time.perf_counter()
-                self.observer.step_begin()
-                try:
-                    # the step seeds the global generators (dropout masks replayable on resume);
-                    # fork_rng gives the caller's streams back after it, so user code never sees
-                    # them reset
-                    with torch.random.fork_rng(devices=_rng_devices(self.mesh.device)):
-                        loss, lr = self._train_step(batches)
-                except torch.OutOfMemoryError as exc:
-                    raise torch.OutOfMemoryError(out_of_memory_advice(self, exc)) from exc
-                if self.mesh.device.type == "cuda":
-                    torch.cuda.synchronize()
-                dt = time.perf_counter() - t0
-                wait, nbytes = batches.take()  # this step's input wait (within dt) and bytes
-                self.observer.step_end()
-                self.step += 1
-                interval_losses.append(loss)
-                interval_times.append(dt)
-                step_times.append(dt)
-                interval_waits.append(wait)
-                step_waits.append(wait)
-                step_bytes.append(nbytes)
-                self.input_bytes += nbytes
-                if progress:
-                    progress.advance(loss)
-                last = self.step == self.total_steps
-                if self.step % t.log_every == 0 or last:
-                    # on the mesh device: NCCL reduces only GPU tensors
-                    losses = torch.tensor(interval_losses, dtype=torch.float64, device=self.mesh.device)
-                    all_reduce(losses, self.data_axis, tag="metric")
-                    losses = losses.cpu() / self.replicas
-                    delta = ledger.since(mark)
-                    n = len(interval_times)
-                    peak, source = peak_memory_bytes(self.mesh.device)
-                    record = {"step": self.step, "loss": float(losses.mean()), "lr": lr,
-                              "samples_per_s": t.batch_size * n / sum(interval_times),
-                              "step_s": statistics.median(interval_times),
-                              "data_wait_s": statistics.median(interval_waits),
-                              "data_wait_fraction": statistics.median(
-                                  w / d for w, d in zip(interval_waits, interval_times)),
-                              "peak_mem_bytes": peak, "peak_mem_source": source,
-                              **self._memory_figures(),
-                              "bytes_per_step": {a: b // n for a, b in delta.bytes_by_axis().items()},
-                              "step_losses": losses.tolist()}
-                    if self.tokens_per_sample:
-                        record["tokens_per_s"] = record["samples_per_s"] * self.tokens_per_sample
-                    if self.scaler.enabled:
-                        record.update(loss_scale=self.scaler.scale, skipped_steps=self.skipped_steps)
-                    if isinstance(self.model, PipelineModel):
-                        record.update(self._pipeline_timeline())
-                    self.observer.log(record)
-                    self._log(record)
-                    if progress:
-                        progress.log(record)
-                    interval_losses, interval_times, mark = [], [], ledger.snapshot()
-                    interval_waits = []
-                reached = False
-                if (t.eval_every and self.step % t.eval_every == 0) or last:
-                    eval_start = time.time()
-                    with watchdog.paused():  # long and collective-free under plain data parallelism
-                        eval_metrics = self.evaluate()
-                    self._log({"step": self.step, **eval_metrics})
-                    if progress:
-                        progress.log({"step": self.step, **eval_metrics})
-                    reached = self.observer.evaluated(eval_metrics, eval_start)  # train.target
-                self.after_step()
-                stopping = not last and not reached and (stop.agreed(self.mesh)
-                                                         or self.observer.stop_requested)
-                if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or last or reached \
-                        or stopping:
-                    with watchdog.paused():  # file system time; the backend's timeout still holds
-                        self._save()
-                if reached:
-                    break
-                if stopping:
-                    self.stopped_by_signal = True
-                    stop.announce(self)
+                eval_metrics = self._one_step(batches, pending, stop, watchdog, progress) \
+                    or eval_metrics
+                if self._finished:
                     break
             self.checkpoint_writer.wait()
         finally:  # a failed step must not leave a live progress bar or loader workers
+            rng.__exit__(None, None, None)
             stop.restore()
             watchdog.stop()
             if progress:
@@ -532,6 +694,7 @@ class Trainer:
             eval_metrics = self.evaluate()
         wall = time.perf_counter() - start
         # The first steps pay for warm-up (allocator, DDP bucket rebuild): leave them out.
+        t, step_times = self.config.train, self._run_times["times"]
         steady = step_times[min(len(step_times) - 1, 2):] if step_times else [float("nan")]
         summary = {**eval_metrics, **self.workload.baselines, "steps": self.step,
                    "samples_per_s": t.batch_size / statistics.median(steady),
@@ -542,7 +705,8 @@ class Trainer:
                                            if "bytes_per_step" in h), {}),
                    **self._memory_figures(),
                    **self._throughput(t.batch_size / statistics.median(steady)),
-                   **self._input_figures(step_times, step_waits, step_bytes),
+                   **self._input_figures(step_times, self._run_times["waits"],
+                                         self._run_times["bytes"]),
                    "precision": self.precision.name,
                    "stopped_by_signal": self.stopped_by_signal,
                    "nonfinite_skipped": self.nonfinite_skipped,
@@ -552,6 +716,8 @@ class Trainer:
         # this rank's training input over the run, as delivered to the device (as stored in the
         # files when the workload decodes on the device: a spatial rank's blocks only)
         summary["input_bytes_per_rank"] = self.input_bytes
+        if self.compile_counter is not None:
+            summary.update(self.compile_counter.figures())
         if self.mesh.plan.shard > 1:
             summary["zero_stage"] = self.config.parallel.zero_stage
         if self.scaler.enabled:
@@ -585,16 +751,6 @@ def data_wait_advice(figures: dict, config: Config, device: torch.device) -> str
     return (f"steps waited {figures['data_wait_fraction']:.0%} of their time for input "
             f"(median {figures['data_wait_s_median'] * 1e3:.1f} ms a step): try "
             + "; ".join(levers) + ".")
-
-
-def _auto_workers() -> int:
-    """train.num_workers = -1: loader processes from the cores each rank of a launched job has
-    (exatrain run, torchrun, srun, ...); none in a plain process (a notebook, a script or test
-    process started without a launcher), which may already run threads that a forked worker
-    would inherit broken (seen: a worker forked from a test process died of a segfault)."""
-    from ..launch import detect
-    launch = detect()
-    return default_workers(launch.local_world_size) if launch else 0
 
 
 def _rng_devices(device: torch.device) -> list[int]:

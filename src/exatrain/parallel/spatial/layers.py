@@ -584,6 +584,8 @@ class SpatialBatchNorm(SpatialLayer):
     Evaluation with running statistics is local and needs no communication.
     """
 
+    is_norm_layer = True  # computes in fp32 under mixed precision, as torch's norms (precision.py)
+
     def __init__(self, bn: nn.Module, name: str, runtime, may_gather: bool = False):
         super().__init__(bn, name, runtime, may_gather)
         take_over_batchnorm(self, bn)

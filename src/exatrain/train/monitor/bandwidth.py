@@ -12,9 +12,10 @@ not bandwidth) are left out. An axis's reference is the median busbw of its last
 steps, after `warmup` steps; a step below `fraction` times that reference is low, and is not added
 to the reference. Every `check_every` steps the ranks agree (one MAX all-reduce of one int32 over
 the world, tag "control", 4 bytes per rank) whether any rank has seen `patience` low steps in a
-row on some axis; if so, one all-gather of each rank's facts (host, blocked seconds per axis over
+row on some axis (at the Trainer's first read point after those steps); if so, one all-gather of each rank's facts (host, blocked seconds per axis over
 the low steps) names the axis, its busiest operation and the ranks that waited longest, once per
-axis per run. A drop is thus reported at most patience + check_every steps after it begins.
+axis per run. A drop is thus reported at most patience + check_every steps after it begins, plus the steps to
+the next read point.
 
 `observe.on_bandwidth_drop`: "warn" (default) reports and goes on; "stop" also asks the Trainer to
 checkpoint and stop after this step, as a wall-time signal does (train.stop).
@@ -52,6 +53,7 @@ class BandwidthWatch:
         self.drops: list[dict] = []
         self.stop_requested = False
         self._mark: tuple = ()
+        self._unchecked = 0  # steps since the ranks last agreed
 
     def _counters(self) -> tuple:
         return self.ledger.snapshot(), dict(self.ledger.blocked_s), dict(self.ledger.async_s)
@@ -59,9 +61,11 @@ class BandwidthWatch:
     def step_begin(self) -> None:
         self._mark = self._counters()
 
-    def step_end(self, step: int) -> list[dict]:
-        """After a step: update every axis; every `check_every` steps agree (collective) on drops.
-        Returns the drops reported now (the same list on every rank)."""
+    def step_end(self, step: int, may_agree: bool = True) -> list[dict]:
+        """After a step: update every axis; agree (collective) on drops at the first step that
+        `may_agree` (the Trainer's read points: a step between them reads nothing from the
+        device) once `check_every` steps have passed since the last agreement. Returns the drops
+        reported now (the same list on every rank)."""
         entries0, blocked0, async0 = self._mark
         entries, blocked, asynchronous = self._counters()
         bus, by_op = defaultdict(float), defaultdict(lambda: defaultdict(int))
@@ -89,8 +93,10 @@ class BandwidthWatch:
                 self.low[axis] = 0
                 if self.steps > o.bandwidth_warmup:
                     ref.append(busbw)
-        if step % o.bandwidth_check_every:
+        self._unchecked += 1
+        if not may_agree or self._unchecked < o.bandwidth_check_every:
             return []
+        self._unchecked = 0
         return self._agree(step)
 
     def _dropped(self) -> list[str]:

@@ -28,10 +28,11 @@ from .units import human_bytes, human_seconds, human_value
 _LABELS = {"samples_per_s": "", "tokens_per_s": "", "step_s": "step", "peak_mem_bytes": "peak mem",
            "state_bytes": "state", "peak_activation_bytes": "activations",
            "exposed_comm_s": "exposed comm", "exposed_comm_fraction": "=", "mfu": "MFU",
-           "data_wait_s": "input wait", "data_wait_fraction": "="}
+           "data_wait_s": "input wait", "data_wait_fraction": "=",
+           "compiled_graphs": "compiled graphs", "graph_breaks": "graph breaks"}
 _NAMED = ("peak_mem_bytes", "samples_per_s", "tokens_per_s", "step_s", "exposed_comm_s",
           "exposed_comm_fraction", "mfu", "state_bytes", "peak_activation_bytes", "data_wait_s",
-          "data_wait_fraction")
+          "data_wait_fraction", "compiled_graphs", "graph_breaks")
 
 
 def axis_label(axis: str) -> str:
@@ -99,10 +100,11 @@ class _Bar:
                                           rate="", val="")
             self.bar.start()
 
-    def advance(self, loss: float) -> None:
+    def advance(self) -> None:
+        """One step done (its loss reaches the bar with the next log record)."""
         self.done += 1
         if self.bar:
-            self.bar.update(self.task, advance=1, loss=f"{loss:.4g}")
+            self.bar.update(self.task, advance=1)
 
     def eta_s(self) -> float | None:
         """Seconds left at the mean pace of the steps taken since this bar started."""
@@ -122,7 +124,7 @@ class _Bar:
         if self.bar:
             self.console.print(_fmt(record), highlight=False)
             if "loss" in record:
-                self.bar.update(self.task, rate=_rate(record))
+                self.bar.update(self.task, rate=_rate(record), loss=f"{record['loss']:.4g}")
             else:  # a validation record: its first figure on the bar
                 key = next((k for k in sorted(record) if k.startswith("val_")), None)
                 if key:

@@ -169,11 +169,11 @@ class StepPeak:
     @contextmanager
     def track(self):
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            # the caching allocator's counters move when work is queued, not when it runs: no
+            # wait for the device is needed to read them
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
             yield self
-            torch.cuda.synchronize(self.device)
             self.bytes = torch.cuda.max_memory_allocated(self.device) - base
         else:
             tracker = _StorageTracker()

@@ -113,13 +113,16 @@ class StepObserver:
         if self.bandwidth:
             self.bandwidth.step_begin()
 
-    def step_end(self) -> None:
+    def step_end(self, read_point: bool = True) -> None:
+        """After a step; `read_point`: the Trainer reads the device after this step, so the
+        bandwidth watch may agree across ranks now."""
         self._exposed.append(self.ledger.blocked_total() - self._blocked0
                              + self.ledger.drain_async_tail())
         if self.profiler:
             self.profiler.step()
         sys.audit("exatrain.step_end", self.ledger.step)  # marks start-up's end (observe.startup)
-        for drop in self.bandwidth.step_end(self.ledger.step) if self.bandwidth else ():
+        for drop in self.bandwidth.step_end(self.ledger.step, read_point) \
+                if self.bandwidth else ():
             if self.writer:
                 self.writer.add_scalar(f"bandwidth_drop/{drop['axis']}", drop["busbw_GBps"],
                                        drop["step"])

@@ -2,8 +2,10 @@
 
 A batch system warns before the wall-time limit (Slurm `--signal=USR1@120`, or SIGTERM at the
 limit). The signal may reach some ranks and not others, or reach them in different steps, so the
-handler only sets a flag; after every step the ranks agree with one all-reduce (MAX of one int32
-over the whole mesh: 4 bytes per rank per step) and all stop after the same step.
+handler only sets a flag; the ranks agree with one all-reduce (MAX of one int32 over the whole
+mesh: 4 bytes per rank) at every read point of the Trainer (log, evaluation and checkpoint steps,
+and every `trainer.STOP_CHECK_EVERY` steps: a step between them reads nothing from the device) and
+all stop after the same step. A single rank checks its own flag after every step.
 """
 
 from __future__ import annotations
@@ -46,7 +48,10 @@ class StopOnSignal:
         self.signum = signum
 
     def agreed(self, mesh) -> bool:
-        """Collective: True on every rank when any rank has received a stop signal."""
+        """Collective: True on every rank when any rank has received a stop signal (one rank:
+        its own flag, no collective and no tensor)."""
+        if mesh.world_size == 1:
+            return self.signum is not None
         flag = torch.tensor([1 if self.signum else 0], dtype=torch.int32, device=mesh.device)
         all_reduce(flag, mesh.world, op=torch.distributed.ReduceOp.MAX, tag="control")
         return bool(flag.item())
