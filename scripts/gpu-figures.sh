@@ -2,6 +2,8 @@
 # Every figure of issue 27 on a machine with one GPU (H100 or H200), in three parts that each fit
 # one device call of at most 10 minutes (about 25 of a session's 30 device minutes in all):
 #
+#   bash scripts/gpu-figures.sh step        # 0. the step's figures in one ~6-minute call: CosmoFlow,
+#                                           #    DeepCAM, GPT 125m with --profile, then a table
 #   bash scripts/gpu-figures.sh bench       # 1. baseline vs exatrain, all five workloads
 #   bash scripts/gpu-figures.sh levers      # 2. each lever on its own (gpt_125m, cosmoflow, vit)
 #   bash scripts/gpu-figures.sh multirank   # 3. distributed-equals-serial, ranks sharing the GPU
@@ -38,7 +40,32 @@ step() {  # step NAME LIMIT_S CMD...: run with the smaller of LIMIT_S and what i
 { nvidia-smi; python -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"; } \
     > "$OUT/device.txt" 2>&1
 
+table() {  # the figures that say whether the step is fast, one line per case
+    python - "$OUT" <<'PY'
+import glob, json, sys
+keys = ("vs_baseline", "exatrain_samples_per_s", "baseline_samples_per_s",
+        "exatrain_data_wait_fraction", "exatrain_host_syncs_per_step",
+        "baseline_host_syncs_per_step", "exatrain_compiled_graphs", "exatrain_graph_breaks",
+        "exatrain_compiled_share", "baseline_compiled_share", "loss_max_rel_diff",
+        "exatrain_mfu_peak")
+for path in sorted(glob.glob(f"{sys.argv[1]}/bench-*.json")):
+    d = json.load(open(path))
+    for case in d["cases"].split(","):
+        print(case, {k: (round(d[f"{case}_{k}"], 4) if isinstance(d.get(f"{case}_{k}"), float)
+                         else d.get(f"{case}_{k}")) for k in keys})
+PY
+}
+
 case "$PART" in
+step)   # the step's figures, each path profiled after its timed steps
+    for pair in ${CASES:-cosmoflow:150 deepcam:90 gpt_125m:90}; do
+        c=${pair%%:*}
+        step "bench-$c" "${pair#*:}" python -m exatrain.cli bench device --sizes "$SIZES" --cases "$c" \
+            --warmup 3 --steps 12 --profile --data-dir "$DATA" --json "$OUT/bench-$c.json"
+    done
+    table | tee "$OUT/table.txt"
+    # the device tool brings back at most 8 files: logs and profile tables travel as one archive
+    (cd "$OUT" && tar czf logs.tgz ./*.log ./*-profile-*.txt && rm -f ./*.log ./*-profile-*.txt) ;;
 bench)  # baseline and exatrain per workload, the two with the issue's targets first
     for pair in ${CASES:-cosmoflow:180 gpt_1b:200 gpt_125m:120 deepcam:120 vit:120}; do
         c=${pair%%:*}
@@ -59,6 +86,6 @@ multirank)  # the distributed-equals-serial cases of every axis, ranks sharing t
             env EXATRAIN_SHARE_GPU=1 python -m pytest -q -p no:cacheprovider -rf "${pair#*:}"
         tail -n 1 "$OUT/multirank-${pair%%:*}.log" >> "$OUT/summary.txt"
     done ;;
-*) echo "usage: $0 bench|levers|multirank" >&2; exit 2 ;;
+*) echo "usage: $0 step|bench|levers|multirank" >&2; exit 2 ;;
 esac
 cat "$OUT/summary.txt"

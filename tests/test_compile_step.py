@@ -36,9 +36,13 @@ WORKLOADS = {
 }
 
 
-@pytest.mark.parametrize("workload", sorted(WORKLOADS))
+@pytest.mark.parametrize("workload", sorted(WORKLOADS) + ["cosmoflow:blocks"])
 def test_compile_captures_the_whole_model(workload, tmp_path, one_thread):
+    """`cosmoflow:blocks` compiles each block (compile_scope = "blocks"): CosmoFlow's blocks are
+    `nn.Sequential`s, torch's own class, which `nn.Module.compile()` left eager."""
+    workload, _, scope = workload.partition(":")
     config = load_config(None, [f"run.workload='{workload}'", *COMMON, *WORKLOADS[workload],
+                                f"parallel.compile_scope='{scope or 'auto'}'",
                                 f"data.path='{tmp_path}/data'", f"run.out_dir='{tmp_path}/runs'"])
     torch._dynamo.reset()
     mesh, trainer = setup(config)

@@ -17,7 +17,11 @@ Figures per case and variant (`<case>_<variant>_<figure>`): samples_per_s (and t
 GPT), step_s_median (median of the timed steps after --warmup), mfu_peak (model FLOP/s over the
 datasheet dense peak of the device in the step's dtype, `bench.device_peaks`; None on a CPU),
 mfu_measured (over the matmul rate measured on this device in that dtype), peak_memory_bytes,
-data_wait_fraction, losses (every step's, warm-up included). Per case: vs_baseline (exatrain /
+data_wait_fraction, losses (every step's, warm-up included); exatrain's compiled_graphs and
+graph_breaks (with their reasons) under compile; with --profile, host_syncs_per_step,
+compiled_share and profile_table (the path of its top-kernels table; `bench.device_profile`).
+Step times are CUDA timing events on a GPU in both paths (neither waits for the device per
+step). Per case: vs_baseline (exatrain /
 baseline throughput), loss_max_rel_diff (largest relative difference of the two paths' step
 losses: the check that they train the same model on the same batches), the published figure
 (published_value, published_unit, published_source) and, at --sizes full, vs_published.
@@ -52,6 +56,11 @@ def add_arguments(parser) -> None:
                         help="torch.compile backend of the baseline and the levers")
     parser.add_argument("--workers", type=int, default=-1,
                         help="loader workers of both paths (-1: each path's default)")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile --profile-steps more steps of each path after the timed "
+                             "ones: top kernels (a table beside the JSON), host syncs per step, "
+                             "the share of compiled code")
+    parser.add_argument("--profile-steps", type=int, default=3, help="steps each profile covers")
     parser.add_argument("--data-dir", default="",
                         help="where the data sets are written once and reused (default: a "
                              "temporary directory)")
@@ -79,21 +88,40 @@ def _figures(run: dict, batch: int, flops_per_sample: float, tokens: int, peak, 
     return out
 
 
-def _exatrain(config, mesh, workload, warmup: int, steps: int) -> dict:
-    """`exatrain run`'s path on one process: parallelize, Trainer, fit (no run directory)."""
+def _exatrain(config, mesh, workload, warmup: int, steps: int, window=None) -> dict:
+    """`exatrain run`'s path on one process: parallelize, Trainer, fit (no run directory), one
+    log record at the end (every step's loss and time are in it: nothing is read per step);
+    `window` profiles the steps after the timed ones."""
     from ..parallel import parallelize
     from ..train.trainer import Trainer
     model = parallelize(workload.model, mesh, config.parallel)
     workload.model = model
     trainer = Trainer(mesh, workload, config, model, run_dir=None)
-    trainer.fit()
-    records = [r for r in trainer.history if "step_s" in r]
-    timed = records[warmup:] or records
-    return {"losses": [r["loss"] for r in records],
-            "step_s_median": statistics.median(r["step_s"] for r in timed),
-            "data_wait_fraction": statistics.median(r["data_wait_fraction"] for r in timed),
-            "peak_memory_bytes": records[-1]["peak_mem_bytes"],
-            "peak_memory_source": records[-1]["peak_mem_source"]}
+    if window is not None:
+        trainer.observer.profiler = window  # stepped after every step, stopped at the end
+    summary = trainer.fit()
+    n = warmup + steps
+    times, waits = trainer.step_times[:n], trainer.step_waits[:n]
+    losses = [loss for r in trainer.history for loss in r.get("step_losses", [])][:n]
+    timed = slice(warmup, n) if n > warmup else slice(0, n)
+    out = {"losses": losses, "step_s_median": statistics.median(times[timed]),
+           "data_wait_fraction": statistics.median(w / t for w, t in zip(waits[timed],
+                                                                         times[timed])),
+           "peak_memory_bytes": summary["memory_per_rank"][0]["peak_mem_bytes"],
+           "peak_memory_source": "cuda_max_allocated" if mesh.device.type == "cuda"
+           else "process_peak_rss"}
+    for key in ("compiled_graphs", "graph_breaks", "graph_break_reasons"):
+        if key in summary:
+            out[key] = summary[key]
+    return out
+
+
+def _progress(case: str, variant: str, figures: dict) -> None:
+    """One line per finished path on stderr, so a cut run still says what it measured."""
+    import sys
+    print(f"bench device: {case} {variant}: {figures['samples_per_s']:.4g} samples/s, step "
+          f"{figures['step_s_median'] * 1e3:.2f} ms, input wait "
+          f"{figures['data_wait_fraction']:.1%}", file=sys.stderr, flush=True)
 
 
 def _free(device: torch.device) -> None:
@@ -113,11 +141,14 @@ def run_case(case, args, data_root: str, device: torch.device, precision: str) -
     from .device_baseline import best_practice, default_workers, notes, refusal, train_plain
     from .device_cases import COMMON, data_path, plain_loss
     from .device_peaks import datasheet_peak_flops
+    from .device_profile import Window, write_table
 
     warmup, steps = args.warmup, args.steps or (2 if args.sizes == "small" else 20)
     compile = not args.no_compile
+    extra = args.profile_steps if args.profile else 0
     sets = {**COMMON, **case.sets, **case.data_sets, "run.workload": case.workload,
-            "data.path": data_path(data_root, case), "train.steps": warmup + steps,
+            "data.path": data_path(data_root, case), "train.steps": warmup + steps + extra,
+            "train.log_every": warmup + steps + extra,
             "parallel.precision": precision, "parallel.compile": compile, "plan.data": 1,
             "run.nproc": 1, "run.backend": "nccl" if device.type == "cuda" else "gloo"}
     if args.workers >= 0:
@@ -144,7 +175,11 @@ def run_case(case, args, data_root: str, device: torch.device, precision: str) -
                             datasheet_peak_flops(device, levers_precision),
                             measured[levers_precision])
 
-        results = {"exatrain": figures(_exatrain(config, mesh, workload, warmup, steps), precision)}
+        window = Window(device, warmup + steps, extra) if extra else None
+        results = {"exatrain": figures(_exatrain(config, mesh, workload, warmup, steps, window),
+                                       precision)}
+        profiles = {"exatrain": window} if window else {}
+        _progress(case.name, "exatrain", results["exatrain"])
         del workload
         _free(device)
         workers = args.workers if args.workers >= 0 else default_workers()
@@ -154,14 +189,23 @@ def run_case(case, args, data_root: str, device: torch.device, precision: str) -
             if refused:
                 results[name] = {"refused": refused}
                 continue
+            window = Window(device, warmup + steps, extra) if extra else None
             run = train_plain(plain_model, train_set, loss_fn, decode, levers, device, optim,
-                              batch, warmup, steps, config.run.seed, workers, args.compile_backend)
+                              batch, warmup, steps, config.run.seed, workers, args.compile_backend,
+                              window)
             results[name] = figures(run, levers.precision)
+            _progress(case.name, name, results[name])
+            if window:
+                profiles[name] = window
             if notes(levers, device, plain_model):
                 results[name]["note"] = notes(levers, device, plain_model)
             _free(device)
     finally:
         mesh.close()
+    for variant, window in profiles.items():
+        figs, table = window.figures()
+        results[variant].update(figs, profile_table=write_table(args.json, case.name, variant,
+                                                                 table))
     out = {f"{case.name}_{variant}_{key}": value for variant, figs in results.items()
            for key, value in figs.items()}
     base, ours = results["baseline"], results["exatrain"]

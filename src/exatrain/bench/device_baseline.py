@@ -148,8 +148,14 @@ def _optimizer(params, levers: Levers, optim) -> torch.optim.Optimizer:
 
 def train_plain(model: nn.Module, dataset, loss_fn, decode, levers: Levers, device, optim,
                 batch: int, warmup: int, steps: int, seed: int, workers: int,
-                compile_backend: str = "inductor") -> dict:
-    """Train a copy of `model` for warmup + steps steps; returns losses, step times, peak memory."""
+                compile_backend: str = "inductor", window=None) -> dict:
+    """Train a copy of `model` for warmup + steps steps (and `window.steps` more, profiled by
+    `window`, a `device_profile.Window`); returns losses, step times, peak memory.
+
+    Step times come from CUDA timing events (the host clock on a CPU), read after the last step:
+    the loop never waits for the device, as a best-practice loop does not."""
+    from ..train.monitor.step_meters import StepClock
+    extra = window.steps if window is not None else 0
     device = torch.device(device)
     cuda = device.type == "cuda"
     model = copy.deepcopy(model).to(device)
@@ -177,8 +183,8 @@ def train_plain(model: nn.Module, dataset, loss_fn, decode, levers: Levers, devi
         attention = lambda: sdpa_kernel(SDPBackend.MATH)  # noqa: E731
     else:
         attention = contextlib.nullcontext
-    loader = DataLoader(dataset, batch_sampler=sample_batches(len(dataset), batch, warmup + steps,
-                                                              seed),
+    loader = DataLoader(dataset, batch_sampler=sample_batches(len(dataset), batch,
+                                                              warmup + steps + extra, seed),
                         num_workers=workers, pin_memory=cuda, collate_fn=collate,
                         persistent_workers=False, prefetch_factor=2 if workers else None)
     benchmark = torch.backends.cudnn.benchmark
@@ -186,11 +192,12 @@ def train_plain(model: nn.Module, dataset, loss_fn, decode, levers: Levers, devi
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    losses, times, waits = [], [], []
+    losses, waits, clock = [], [], StepClock(device)
     try:
         batches = iter(loader)
-        for _ in range(warmup + steps):
+        for _ in range(warmup + steps + extra):
             t0 = time.perf_counter()
+            clock.begin()
             x, y = next(batches)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             x = decode(x) if decode is not None else x
@@ -210,12 +217,17 @@ def train_plain(model: nn.Module, dataset, loss_fn, decode, levers: Levers, devi
                 opt_step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.detach())
-            if cuda:
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
+            clock.end()
             waits.append(waited)
+            if window is not None:
+                window.step()
     finally:
         torch.backends.cudnn.benchmark = benchmark
+        if window is not None:
+            window.stop()
+    times = clock.read()[:warmup + steps]
+    waits = waits[:warmup + steps]
+    losses = losses[:warmup + steps]
     timed = times[warmup:] or times
     peak, source = _peak_memory(device)
     return {"losses": [float(v) for v in losses], "step_s_median": statistics.median(timed),

@@ -42,7 +42,7 @@ class Case:
     data_sets: dict = field(default_factory=dict)  # data.* that name and size the data set
 
 
-COMMON = {"train.eval_every": 0, "train.log_every": 1, "schedule.warmup_steps": 0,
+COMMON = {"train.eval_every": 0, "schedule.warmup_steps": 0,
           "schedule.decay": "constant", "data.generate": True}
 
 MLPERF_COSMOFLOW = Published(200.0, "samples_per_s", "NVIDIA, MLPerf HPC v3.0 CosmoFlow: 2.1 min "
@@ -62,7 +62,7 @@ def _cases(size: str) -> list[Case]:
         "model.conv_layers": 5, "model.batchnorm": False, "model.channels_last": True,
         "train.batch_size": 2 if small else 16},
         MLPERF_COSMOFLOW,
-        {"data.size": cosmo["size"], "data.samples": 12 if small else 96})
+        {"data.size": cosmo["size"], "data.samples": 12 if small else 48})
     h, w = (32, 48) if small else (384, 576)
     deepcam = Case("deepcam", "deepcam", {
         "model.width": 4 if small else 32, "model.dropout": 0.0,

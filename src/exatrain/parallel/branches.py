@@ -138,7 +138,7 @@ class SplitBranches(nn.ModuleList):
     def _unused_params_zero(self) -> torch.Tensor:
         """0 · (one element of each parameter this rank does not use): DDP then sees every
         parameter take part, and their (zero) gradients average to the owner's / P."""
-        terms = [p.view(-1)[0] * 0.0 for i, b in enumerate(self) if i not in self.mine
+        terms = [p[(0,) * p.dim()] * 0.0 for i, b in enumerate(self) if i not in self.mine
                  for p in b.parameters() if p.requires_grad]
         return sum(terms) if terms else 0.0
 

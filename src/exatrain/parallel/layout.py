@@ -11,7 +11,8 @@ computes the same function: only which order the elements lie in memory.
 
 Left as they are under `space` and `tensor` (the spatial and channel/filter layers split and
 exchange blocks along the logical dimensions, and their halo buffers are laid out contiguous)
-and under `shard` (ZeRO's flat buckets and FSDP2 take contiguous parameters only).
+and under `shard` and `pipe` (ZeRO's flat buckets and FSDP2 take contiguous parameters only;
+stages send contiguous activations).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def _convolutional(model: nn.Module) -> bool:
 
 def wants_channels_last(model: nn.Module, setting: str, plan) -> bool:
     """Whether `parallel.channels_last` (auto | on | off) lays `model` out channels-last."""
-    if setting == "off" or plan.space_degree > 1 or plan.tensor_degree > 1 or plan.shard > 1:
+    if setting == "off" or plan.space_degree > 1 or plan.tensor_degree > 1 or plan.shard > 1 \
+            or plan.pipe > 1:
         return False
     return setting == "on" or _convolutional(model)
 

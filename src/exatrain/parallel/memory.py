@@ -29,8 +29,9 @@ recomputed (`KeepRunningStats`). Blocks are wrapped with PyTorch's `checkpoint_w
 state-dict hooks and by `torch.distributed.checkpoint`), so checkpoints stay loadable with
 checkpointing on or off.
 
-Compile (`parallel.compile = true`) compiles in place (`nn.Module.compile`), so the module tree
-and its parameter names do not change, one of two ways (`parallel.compile_scope`):
+Compile (`parallel.compile = true`) compiles in place (`compile_in_place`: the module's forward),
+so the module tree and its parameter names do not change, one of two ways
+(`parallel.compile_scope`):
 
   model   the whole model (or pipeline stage) as one frame: every layer, whatever the model's
           structure, runs in compiled code, and the fusions span layers (the default, except
@@ -180,10 +181,20 @@ def apply_checkpointing_and_compile(model: nn.Module, options, whole_model: bool
             block = checkpoint_block(block, mode, keep_running_stats=not options.compile)
             parent.register_module(name, block)
         if options.compile and not whole_model:
-            block.compile(backend=options.compile_backend)
+            compile_in_place(block, options.compile_backend)
     if options.compile and whole_model:
-        model.compile(backend=options.compile_backend)
+        compile_in_place(model, options.compile_backend)
     return model
 
 
-__all__ = ["apply_checkpointing_and_compile", "checkpoint_block", "find_blocks"]
+def compile_in_place(module: nn.Module, backend: str) -> nn.Module:
+    """`module`'s forward as compiled code; the module, its hooks and its state-dict keys stay.
+
+    Not `nn.Module.compile()`: that compiles `Module._call_impl`, a frame in Dynamo's skip list,
+    so a module of torch's own classes (`nn.Sequential`, say) ran eager, silently. The forward
+    of the instance is what Dynamo traces here, whatever class it belongs to."""
+    module.forward = torch.compile(module.forward, backend=backend)
+    return module
+
+
+__all__ = ["apply_checkpointing_and_compile", "checkpoint_block", "compile_in_place", "find_blocks"]

@@ -101,7 +101,8 @@ class OptimOptions:
     eps: float = 1e-8           # adam, adamw: added to the denominator's square root
     impl: str = "auto"          # auto | fused | foreach | forloop: torch.optim's kernel; auto =
                                 # fused where torch has it (one launch for every parameter, and
-                                # a non-finite step skipped on the device, not read by the host)
+                                # a non-finite step skipped on the device, not read by the host;
+                                # SGD on a CPU: for-loop, see train.trainer.optimizer_kernel)
     # kfac: K-FAC preconditioning before `kfac_base` (see train.kfac and docs/how-to/kfac.md)
     kfac_base: str = "sgd"      # sgd | adamw: the first-order update of preconditioned gradients
     kfac_damping: float = 0.1     # 1e-3 (KAISA's) saturates the default CosmoFlow's tanh head

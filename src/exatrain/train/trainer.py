@@ -91,7 +91,7 @@ class NonFiniteLoss(RuntimeError):
 def build_optimizer(params, options, lr: float) -> torch.optim.Optimizer:
     name = options.kfac_base if options.name == "kfac" else options.name  # K-FAC: see Trainer
     params = list(params)
-    kernel = optimizer_kernel(params, getattr(options, "impl", "auto"))
+    kernel = optimizer_kernel(params, getattr(options, "impl", "auto"), sgd=name == "sgd")
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=options.momentum,
                                weight_decay=options.weight_decay, **kernel)
@@ -100,16 +100,34 @@ def build_optimizer(params, options, lr: float) -> torch.optim.Optimizer:
                weight_decay=options.weight_decay, **kernel)
 
 
-def optimizer_kernel(params: list, impl: str) -> dict:
+def optimizer_kernel(params: list, impl: str, sgd: bool = False) -> dict:
     """torch.optim's implementation for `optim.impl`: "auto" takes the fused kernel (one launch
     for every parameter, and a step it can skip on the device) wherever torch has one for these
-    parameters (plain floating-point tensors on a CPU or a GPU), else torch's own choice."""
-    if impl == "fused" or (impl == "auto" and all(
-            type(p) in (torch.Tensor, nn.Parameter) and p.is_floating_point()
-            and p.device.type in ("cpu", "cuda") for p in params)):
+    parameters (plain floating-point tensors on a GPU; on a CPU for Adam and AdamW), else
+    torch's own choice. On a CPU, SGD keeps the for-loop kernel: torch 2.13's fused CPU SGD
+    disagreed with it by 5e-4 (relative, one step) under 3D tensor parallelism with activation
+    checkpointing, where every parameter and gradient was contiguous (cause not found)."""
+    plain = all(type(p) in (torch.Tensor, nn.Parameter) and p.is_floating_point()
+                and p.device.type in ("cpu", "cuda") for p in params)
+    on_cpu = any(p.device.type == "cpu" for p in params)
+    if impl == "fused" or (impl == "auto" and plain and not (sgd and on_cpu)):
         return {"fused": True}
     return {"foreach": True} if impl == "foreach" else {"foreach": False} if impl == "forloop" \
         else {}
+
+
+def match_grad_layouts(params) -> None:
+    """Give every gradient its parameter's strides. torch's fused optimizers walk parameter and
+    gradient memory in step, assuming the two are laid out alike, which autograd's gradients are
+    but gradients a strategy assigns need not be (seen with torch 2.13's fused CPU SGD and AdamW:
+    a transposed gradient gave updates off by 0.5-1.0). A host-side check of strides per
+    parameter; a copy only where they differ."""
+    for p in params:
+        g = p.grad
+        if g is not None and g.stride() != p.stride() and type(g) is torch.Tensor:
+            aligned = torch.empty_like(p)
+            aligned.copy_(g)
+            p.grad = aligned
 
 
 def supports_found_inf(optimizer) -> bool:
@@ -168,6 +186,7 @@ class Trainer:
         self._halted = torch.zeros((), device=mesh.device)  # on_nonfinite = "stop", deferred
         self.last_grad_norm = self.last_found_inf = None
         self.compile_counter: CompileCounter | None = None  # set by fit under parallel.compile
+        self._run_times: dict[str, list] = {"times": [], "waits": [], "bytes": []}
         self.step_peak = StepPeak(mesh.device)
         self._track_step = 0             # which step the CPU peak tracker watches (see fit)
         self.last_state_bytes: dict = {}
@@ -332,6 +351,7 @@ class Trainer:
 
     def _step_unless(self, skip: torch.Tensor) -> None:
         """The optimizer's step, skipped by its own kernel where `skip` is 1 (no host read)."""
+        match_grad_layouts(self.opt_params)
         first = self.optimizer.param_groups[0]["params"][0]
         self.optimizer.found_inf = skip.to(device=first.device, dtype=torch.float32)
         try:
@@ -379,6 +399,16 @@ class Trainer:
         non-finite policy is "stop". Otherwise the verdict is read every step: K-FAC, foreach
         and for-loop optimizers, DTensor (FSDP2) parameters, `on_nonfinite = "skip"`."""
         return supports_found_inf(self.optimizer) and self.config.train.on_nonfinite == "stop"
+
+    @property
+    def step_times(self) -> list[float]:
+        """Seconds of every step of the last `fit` read so far (device time on a GPU)."""
+        return list(self._run_times["times"])
+
+    @property
+    def step_waits(self) -> list[float]:
+        """Seconds every step of the last `fit` waited for its input."""
+        return list(self._run_times["waits"])
 
     @property
     def skipped_steps(self) -> int:
