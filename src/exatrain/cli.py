@@ -362,7 +362,7 @@ def main(argv=None) -> int:
             print(f"exatrain: {exc}" + (f" (after {exc.restarts} restart(s))"
                                         if getattr(exc, "restarts", 0) else ""), file=sys.stderr)
             return 1
-        if is_user_error(original, exc.remote_traceback):
+        if is_user_error(original):   # one line on behalf of every rank: the first to fail
             print(f"exatrain: error on rank {exc.rank}: {original}", file=sys.stderr)
             return 2
         if known_cause(original):
