@@ -24,10 +24,14 @@ from .config import Config
 from .monitor.console import TrainConsole
 from .resilience.restart import cleanup_failed_start, record_failure, stable_run_dir
 from .trainer import Trainer
+from ..errors import UserError
 
 
-class ResumeError(FileNotFoundError):
-    pass
+class ResumeError(UserError, FileNotFoundError):
+    """`--resume DIR` names a directory that holds no complete checkpoint to resume.
+
+    What to do: name a run directory with a checkpoint, or start a new run (no `--resume`).
+    """
 
 
 def fresh_run_dir(config: Config) -> Path:
