@@ -350,5 +350,9 @@ def _progress_printer():
 
 
 def _human(n: float) -> str:
-    """Staged sizes in GiB (data sets are large; train.units is above this layer)."""
-    return f"{n / 2 ** 30:.2f} GiB"
+    """Staged sizes in GiB, or MiB / KiB below one GiB, so that a small directory's free space
+    does not read 0.00 GiB (train.units is above this layer)."""
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n / 2 ** 10:.2f} KiB"
