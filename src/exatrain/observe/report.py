@@ -70,11 +70,11 @@ def _runs_section(runs: list[RunRecord], out: Path, made: dict) -> list[str]:
 
 def _benchmark_section(path: Path, out: Path, made: dict) -> list[str]:
     result = json.loads(path.read_text())
-    if not isinstance(result, dict):
+    rows = [(k, human_value(k, v)) for k, v in result.items()
+            if not isinstance(v, (dict, list))] if isinstance(result, dict) else []
+    if not rows:   # not an object, or one without a single flat figure
         raise ArgumentError(f"{path}: a benchmark JSON is one flat object of figures "
                             "(as `exatrain bench NAME --json` writes); this is not.")
-    rows = [(k, human_value(k, v)) for k, v in result.items()
-            if not isinstance(v, (dict, list))]
     made[f"bench_{path.stem}"] = figures.table(rows, f"benchmark {path.stem}",
                                                out / f"bench_{path.stem}.png")
     return [f"## Benchmark `{path.name}`", "", _markdown_table(["figure", "value"],
