@@ -316,3 +316,18 @@ def test_a_bug_in_the_model_forward_is_internal_and_keeps_its_traceback(user, tm
     assert "Traceback (most recent call last)" in err and "wl.py" in err and "in forward" in err
     assert "exatrain: internal error (a bug in exatrain or in the model code" in err
     assert "ValueError: shapes (4, 4) and (3,) do not broadcast" in err
+
+
+def test_ranks_waiting_on_rank_0_relay_its_error_as_the_same_class_when_it_is_the_users():
+    """Under torchrun / srun every rank prints its own failure: the ranks that wait for rank 0's
+    data preparation (train.run.prepare_run) raise what `relayed` gives them: the class of rank
+    0's error when it is the user's (so they too exit 2 with one line), else a RuntimeError."""
+    from exatrain.errors import DataError, is_user_error, relayed
+
+    cls, text = relayed(DataError("d/train.h5: not a readable CosmoFlow file"), "prepare the data")
+    assert cls is DataError
+    assert text == ("rank 0 could not prepare the data: DataError: d/train.h5: not a readable "
+                    "CosmoFlow file")
+    assert is_user_error(cls(text))
+    cls, text = relayed(OSError(28, "No space left on device"), "prepare the data")
+    assert cls is RuntimeError and "OSError: [Errno 28] No space left on device" in text

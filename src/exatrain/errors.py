@@ -90,6 +90,14 @@ def is_user_error(exc: BaseException | None) -> bool:
     return isinstance(exc, UserError)
 
 
+def relayed(exc: BaseException, doing: str) -> tuple[type, str]:
+    """What the other ranks raise for `exc`, which stopped rank 0 while `doing`: broadcast this
+    (class, message), and they `raise cls(message)`. The same class when the error is the user's,
+    so that it is called theirs whichever rank's report arrives first; a RuntimeError otherwise."""
+    cls = type(exc) if is_user_error(exc) else RuntimeError
+    return cls, f"rank 0 could not {doing}: {type(exc).__name__}: {exc}"
+
+
 _PEER_LOSS = ("connection closed by peer", "connection reset by peer", "remote worker crashing",
               "broken pipe")
 
