@@ -283,7 +283,7 @@ def simulate_shallow_water(
         out[:, t, 1] = 0.5 * (u + _xp(u))  # west + east face -> centre
         out[:, t, 2] = 0.5 * (v + _yp(v))  # south + north face -> centre
     if not np.isfinite(out).all():
-        raise RuntimeError(
+        raise DataError(
             "shallow-water simulation blew up (non-finite values); lower cfl"
         )
     params = {
