@@ -6,6 +6,9 @@
   (and continuing below, or the comment block just above) the field's line, inherited fields
   from their base class; NOT_IN_SOURCE holds the few meanings no comment gives yet.
 * reference/cli.md: `exatrain --help` and every subcommand's help, from cli.build_parser().
+* reference/errors.md (written by hand) gets, in place of its `<!-- user-errors -->` line, every
+  subclass of exatrain.errors.UserError with what it means and what to do, from the classes'
+  docstrings (errors_reference), so a new error cannot be left out.
 
 tests/test_docs.py checks that every field, with a meaning, and every subcommand appears in
 what these return.
@@ -234,7 +237,53 @@ def cli_reference() -> str:
     return "\n".join(parts)
 
 
+def user_errors() -> list[type]:
+    """Every subclass of exatrain.errors.UserError that exatrain defines (each module imported,
+    so that none is missed), the base first, then each subtree in name order."""
+    import pkgutil
+
+    import exatrain
+    from exatrain.errors import UserError
+
+    for info in pkgutil.walk_packages(exatrain.__path__, "exatrain."):
+        importlib.import_module(info.name)
+
+    def tree(cls) -> list[type]:
+        subs = sorted((c for c in cls.__subclasses__() if c.__module__.startswith("exatrain.")),
+                      key=lambda c: c.__name__)
+        return [cls] + [c for sub in subs for c in tree(sub)]
+    return list(dict.fromkeys(tree(UserError)))
+
+
+def meaning_and_fix(cls) -> tuple[str, str]:
+    """A UserError's docstring split into what it means (the paragraphs before "What to do:")
+    and what to do."""
+    doc = inspect.getdoc(cls) if "__doc__" in vars(cls) else ""
+    parts = [" ".join(p.split()) for p in (doc or "").split("\n\n") if p.strip()]
+    fix = [p.removeprefix("What to do:").strip() for p in parts if p.startswith("What to do:")]
+    return (" ".join(p for p in parts if not p.startswith("What to do:")), " ".join(fix))
+
+
+ERRORS_MARKER = "<!-- user-errors -->"
+
+
+def errors_reference() -> str:
+    """The list that replaces ERRORS_MARKER in reference/errors.md."""
+    from exatrain.errors import UserError
+
+    parts = []
+    for cls in user_errors():
+        meaning, fix = meaning_and_fix(cls)
+        bases = " and ".join(f"`{b.__name__}`" for b in cls.__bases__ if b is not Exception)
+        parts += [f"### `{cls.__name__}`", "",
+                  f"`{cls.__module__}.{cls.__qualname__}`" +
+                  (f", a subclass of {bases}" if cls is not UserError else ""),
+                  "", meaning, "", f"**What to do:** {fix}", ""]
+    return "\n".join(parts)
+
+
 GENERATED = {"reference/config.md": config_reference, "reference/cli.md": cli_reference}
+GENERATED_IN_PAGE = {"reference/errors.md": (ERRORS_MARKER, errors_reference)}
 
 
 def on_files(files, config):
@@ -243,3 +292,12 @@ def on_files(files, config):
     for path, make in GENERATED.items():
         files.append(File.generated(config, path, content=make()))
     return files
+
+
+def on_page_markdown(markdown, page, config, files):
+    marker, make = GENERATED_IN_PAGE.get(page.file.src_uri, (None, None))
+    if marker is None:
+        return markdown
+    if marker not in markdown:
+        raise ValueError(f"{page.file.src_uri}: the line {marker} that docs/hooks.py fills is gone")
+    return markdown.replace(marker, make())

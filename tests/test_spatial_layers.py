@@ -258,7 +258,8 @@ def test_layers_two_ranks():
     assert "Conv2d 'down.conv'" in errors["geometry"] and "output length 7" in errors["geometry"]
     assert "space_w can be one of [1]" in errors["geometry"]
     assert res["_dropout"]
-    assert "Conv2d 'conv' has 2 spatial dims" in res["_dims"] and "space=(1, 1, 1)" in res["_dims"]
+    assert "Conv2d 'conv' has 2 spatial dims" in res["_dims"]
+    assert "e.g. space=(1, 2, 1) on as many ranks" in res["_dims"]   # depth's degree onto h
 
 
 def test_layers_four_ranks():

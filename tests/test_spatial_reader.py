@@ -49,5 +49,5 @@ def test_deepcam_blocks_tile_the_sample(tmp_path):
 def test_uneven_split_and_wrong_dimensionality_are_refused():
     with pytest.raises(SpatialSplitError, match="30 long along h, which space_h=4"):
         block_slices((30, 32), (1, 4, 1), (0, 0, 0))
-    with pytest.raises(SpatialSplitError, match=r"use space=\(1, 2, 2\)"):
+    with pytest.raises(SpatialSplitError, match=r"use space=\(1, 4, 2\) on as many ranks"):
         block_slices((32, 32), (2, 2, 2), (0, 0, 0))

@@ -362,8 +362,9 @@ def main(argv=None) -> int:
             print(f"exatrain: {exc}" + (f" (after {exc.restarts} restart(s))"
                                         if getattr(exc, "restarts", 0) else ""), file=sys.stderr)
             return 1
-        if is_user_error(original, exc.remote_traceback):
-            print(f"exatrain: error on rank {exc.rank}: {original}", file=sys.stderr)
+        if is_user_error(original):   # one line on behalf of every rank: the first to fail
+            print(f"exatrain: {type(original).__name__} on rank {exc.rank}: {original}",
+                  file=sys.stderr)
             return 2
         if known_cause(original):
             print(f"exatrain: error on rank {exc.rank}: {known_cause(original)}\n"
@@ -374,8 +375,8 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 1
     except Exception as exc:  # noqa: BLE001 - sorted into the user's and ours below
-        if is_user_error(exc):
-            print(f"exatrain: error: {exc}", file=sys.stderr)
+        if is_user_error(exc):   # named by its class, as in the errors reference page
+            print(f"exatrain: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 2
         if known_cause(exc):
             print(f"exatrain: error: {known_cause(exc)}\n({type(exc).__name__}: {exc})",

@@ -1,49 +1,101 @@
 """Which failures are the user's to fix (one line, exit 2) and which are internal (traceback kept).
 
-User-input errors: a config value or key (`ConfigError`), a Plan (`PlanError`), resuming
-(`ResumeError`), a checkpoint the manifest refuses (`CheckpointError`), a launcher environment
-(`LaunchError`), a run directory or data set `predict` cannot use (`PredictError`), and a
-`FileNotFoundError`. A `ValueError` / `IndexError` is the user's when it was raised where input
-is checked: inside `exatrain.data` (the readers name file and sample) or `exatrain.workloads`, or
-in a constructor (`__init__`, `__post_init__`) of `exatrain.models` (a
-model option that does not fit). Anything else -- a `ValueError` from a model's forward, a bug in
-exatrain -- is internal: the CLI says so and keeps the traceback (printed, and in the run
-directory's `error_rank<R>.log`).
+Every error of the user's making derives from `UserError`: a config value, a Plan, a data set,
+a staging directory, a resume, a checkpoint, a launcher environment, a refusal of `parallelize`,
+a loader timeout, `predict`, `model.init_from`. The CLI sorts failures by type alone: a
+`UserError` is printed as one line and exits 2; anything else -- a `ValueError` from a model's
+forward, a bug in exatrain -- is internal: the CLI says so and keeps the traceback (printed, and
+in the run directory's `error_rank<R>.log`).
+
+`UserError` is a mixin: an error that callers catch as a `ValueError` or `FileNotFoundError`
+stays one (`class ConfigError(UserError, ValueError)`). Each subclass's docstring is its entry in
+the errors reference page (docs/hooks.py): the first paragraph says what it means, the paragraph
+that starts "What to do:" the fix. The message of each raise names the value, the rank where it
+matters, and the fix.
 """
 
 from __future__ import annotations
 
-import traceback
 
-USER_ERROR_NAMES = frozenset({"ConfigError", "PlanError", "ResumeError", "CheckpointError",
-                              "LaunchError", "FileNotFoundError", "NonFiniteLoss", "InitFromError",
-                              "BadSampleError", "PredictError",
-                              "UnusedParameterError"})
-_INPUT_MODULES = ("/exatrain/data/", "/exatrain/workloads/")
-_CONSTRUCTORS = (" in __init__", " in __post_init__")
+class UserError(Exception):
+    """An error of the user's making: input they fix (a config, a Plan, a file), not a bug.
+
+    What to do: read the message; it names the value and what would work.
+    """
 
 
-def _raised_checking_input(tb_text: str) -> bool:
-    """The innermost exatrain frame of a formatted traceback checks input (see above)."""
-    frames = [line for line in tb_text.splitlines() if line.strip().startswith('File "')
-              and "/exatrain/" in line]
-    if not frames:
-        return False
-    last = frames[-1]
-    return any(m in last for m in _INPUT_MODULES) or \
-        ("/exatrain/models/" in last and last.rstrip().endswith(_CONSTRUCTORS))
+class ConfigError(UserError, ValueError):
+    """A config key or value that cannot be used (a TOML file, `--set`, or `et.fit`'s keywords).
+
+    What to do: use the value the message proposes; every key, its type and default are in the
+    [configuration reference](config.md).
+    """
 
 
-def is_user_error(exc: BaseException | None, tb_text: str = "") -> bool:
-    """True for failures the user fixes by changing input (see the module docstring)."""
-    if exc is None:
-        return False
-    if any(cls.__name__ in USER_ERROR_NAMES for cls in type(exc).__mro__):
-        return True
-    if isinstance(exc, (ValueError, IndexError)):
-        tb_text = tb_text or "".join(traceback.format_tb(exc.__traceback__))
-        return _raised_checking_input(tb_text)
-    return False
+class DataError(UserError, ValueError):
+    """A data set or file that cannot be read as asked: a wrong layout, shape, dtype or a corrupt
+    sample; or options for writing one that do not fit.
+
+    What to do: the message names the file (and sample); regenerate or convert it
+    (`exatrain data NAME --out DIR`), or point `data.path` at the right files.
+    """
+
+
+class MissingFileError(UserError, FileNotFoundError):
+    """A file or directory named by the config or on the command line does not exist: a data
+    set, a run directory, a system description.
+
+    What to do: write it with the command the message names (`exatrain data NAME --out DIR` for a
+    data set, or `data.generate = true`), or fix the path.
+    """
+
+
+class ArgumentError(UserError, ValueError):
+    """A command-line argument of an exatrain command that cannot be used (`exatrain run
+    --print-batch-script`, `plan`, `tune`, `report`).
+
+    What to do: use a value the message lists; `exatrain COMMAND --help` shows them all.
+    """
+
+
+class ModelOptionError(UserError, ValueError):
+    """A model option that the built-in model cannot be built with (a size that does not halve,
+    a width that heads do not divide).
+
+    What to do: set the `model.*` keys to values the message proposes.
+    """
+
+
+class ParallelizeError(UserError, ValueError):
+    """`parallelize` cannot lay this model out under the Plan: a layer or option that the
+    strategy refuses.
+
+    What to do: the message names the module and the degree that would work; change the Plan
+    (`plan.*`) or the `parallel.*` option it names.
+    """
+
+
+class TensorSplitError(ParallelizeError):
+    """Tensor parallelism (1D, 3D, channel/filter) cannot split a layer of the model: a width the
+    tensor degree does not divide, attention whose heads do not split, a skip connection the
+    channel/filter split cannot carry.
+
+    What to do: use a `plan.tensor` degree that divides the widths the message names, reshape
+    attention as it says, or leave the named modules unsplit (`parallel.chanfilt_skip`).
+    """
+
+
+def is_user_error(exc: BaseException | None) -> bool:
+    """True for failures the user fixes by changing input: a `UserError`, by type alone."""
+    return isinstance(exc, UserError)
+
+
+def relayed(exc: BaseException, doing: str) -> tuple[type, str]:
+    """What the other ranks raise for `exc`, which stopped rank 0 while `doing`: broadcast this
+    (class, message), and they `raise cls(message)`. The same class when the error is the user's,
+    so that it is called theirs whichever rank's report arrives first; a RuntimeError otherwise."""
+    cls = type(exc) if is_user_error(exc) else RuntimeError
+    return cls, f"rank 0 could not {doing}: {type(exc).__name__}: {exc}"
 
 
 _PEER_LOSS = ("connection closed by peer", "connection reset by peer", "remote worker crashing",

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .comm import Axis, Ledger
 from .comm.inject import SlowLinks
-from .launch.env import detect
+from .launch.env import LaunchError, detect
 from .launch.local import free_port
 from .plan import Plan
 
@@ -195,14 +195,14 @@ def init(plan: Plan, backend: str | None = None, timeout_s: float = 600.0) -> Me
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and not share else "gloo"
     if share and not torch.cuda.is_available():
-        raise RuntimeError(
+        raise LaunchError(
             f"rank {launch.rank if launch else 0}: {SHARE_GPU_ENV}=1 puts every rank's tensors "
             f"on a shared GPU, but this machine has no CUDA device; unset {SHARE_GPU_ENV} to "
             "run on the CPU.")
     if backend == "nccl":
         local_ranks = launch.local_world_size if launch else 1
         if local_ranks > torch.cuda.device_count():
-            raise RuntimeError(
+            raise LaunchError(
                 f"rank {launch.rank if launch else 0}: {local_ranks} ranks on this node but "
                 f"{torch.cuda.device_count()} GPU(s); NCCL needs one GPU per rank. Start at most "
                 f"{torch.cuda.device_count()} ranks per node, or set run.backend='gloo' (CPU).")

@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
+from .errors import UserError
+
 AXIS_ORDER = ("trainer", "pipe", "data", "shard", "space", "tensor")
 
 # Axes whose strategies exist in this version.  A Plan that needs any other is refused by
@@ -22,8 +24,12 @@ AXIS_ORDER = ("trainer", "pipe", "data", "shard", "space", "tensor")
 IMPLEMENTED_AXES = frozenset({"trainer", "data", "pipe", "space", "shard", "tensor"})
 
 
-class PlanError(ValueError):
-    """A Plan that cannot run; the message names the numbers and suggests ones that work."""
+class PlanError(UserError, ValueError):
+    """A Plan that cannot run: its product is not the world size, or axes that do not compose.
+
+    What to do: use the Plan the message proposes, or `plan.data = 0` to fill the ranks left;
+    see [which axes compose](../concepts/plan.md#which-axes-compose).
+    """
 
 
 def _as_triple(value, name: str) -> tuple[int, int, int]:

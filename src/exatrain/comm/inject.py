@@ -21,11 +21,18 @@ import os
 import time
 from dataclasses import dataclass
 
+from ..errors import UserError
+
 ENV = "EXATRAIN_INJECT_SLOW"
 
 
-class InjectError(ValueError):
-    pass
+class InjectError(UserError, ValueError):
+    """A fault injected for testing is misspelt: `EXATRAIN_INJECT_SLOW` (a slow link) is not
+    `RANK:SECONDS[:AXIS[:FROM_STEP]]`, or `EXATRAIN_INJECT_FAULTS` (a crash, hang or NaN) is not
+    `kind@rank:step`.
+
+    What to do: write it as the message shows, or unset it.
+    """
 
 
 @dataclass(frozen=True)

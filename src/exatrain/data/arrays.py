@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ..errors import DataError, MissingFileError
+
 
 def _as_tensors(x, y):
     x = torch.from_numpy(np.array(x, dtype=np.float32))   # a copy: memory maps are read-only
@@ -42,23 +44,23 @@ class HDF5Dataset(Dataset):
         self.path, self.x_name, self.y_name, self.transform = Path(path), x, y, transform
         self._handle, self._pid = None, None
         if not self.path.exists():
-            raise FileNotFoundError(f"HDF5 data not found: {self.path}")
+            raise MissingFileError(f"HDF5 data not found: {self.path}")
         self.files = sorted(p for p in self.path.iterdir() if p.suffix in (".h5", ".hdf5")) \
             if self.path.is_dir() else [self.path]
         if not self.files:
-            raise FileNotFoundError(f"{self.path}: a directory with no .h5/.hdf5 files")
+            raise MissingFileError(f"{self.path}: a directory with no .h5/.hdf5 files")
         with h5py.File(self.files[0], "r") as f:
             for name in (x, y):
                 if name not in f:
-                    raise ValueError(f"{self.files[0]}: no dataset {name!r}; it has "
-                                     f"{', '.join(sorted(f.keys()))}")
+                    raise DataError(f"{self.files[0]}: no dataset {name!r}; it has "
+                                    f"{', '.join(sorted(f.keys()))}")
             if self.path.is_dir():
                 self.sample_shape, self._len = tuple(f[x].shape), len(self.files)
             else:
                 self.sample_shape, self._len = tuple(f[x].shape[1:]), f[x].shape[0]
                 if f[y].shape[0] != self._len:
-                    raise ValueError(f"{self.path}: {x!r} has {self._len} samples but {y!r} has "
-                                     f"{f[y].shape[0]}")
+                    raise DataError(f"{self.path}: {x!r} has {self._len} samples but {y!r} has "
+                                    f"{f[y].shape[0]}")
 
     def __len__(self) -> int:
         return self._len
@@ -97,20 +99,20 @@ class NumpyDataset(Dataset):
         self.transform = transform
         source = Path(x)
         if not source.exists():
-            raise FileNotFoundError(f"NumPy data not found: {source}")
+            raise MissingFileError(f"NumPy data not found: {source}")
         if source.suffix == ".npz":
             archive = np.load(source)
             names = (y or "x", "y") if y is None else ("x", y)
             missing = [n for n in names if n not in archive.files]
             if missing:
-                raise ValueError(f"{source}: no array(s) {missing}; it has {archive.files}")
+                raise DataError(f"{source}: no array(s) {missing}; it has {archive.files}")
             self.x, self.y = archive[names[0]], archive[names[1]]
         else:
             if y is None:
-                raise ValueError(f"{source}: an .npy x needs the path of its .npy targets (y=...)")
+                raise DataError(f"{source}: an .npy x needs the path of its .npy targets (y=...)")
             self.x, self.y = np.load(source, mmap_mode="r"), np.load(y, mmap_mode="r")
         if len(self.x) != len(self.y):
-            raise ValueError(f"{source}: x has {len(self.x)} samples but y has {len(self.y)}")
+            raise DataError(f"{source}: x has {len(self.x)} samples but y has {len(self.y)}")
         self.sample_shape = tuple(self.x.shape[1:])
 
     def __len__(self) -> int:

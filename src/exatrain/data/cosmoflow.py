@@ -43,6 +43,7 @@ import torch
 from torch.utils.data import Dataset
 
 from .loader import BufferRing, Collated, batch_buffer
+from ..errors import DataError, MissingFileError
 
 PARAM_NAMES = ("Omega_m", "sigma_8", "n_s", "H0")
 # The Quijote latin hypercube's ranges (Villaescusa-Navarro et al. 2020, ApJS 250, 2), a simulation
@@ -153,8 +154,8 @@ def write_cosmoflow(out_dir, samples: int, size: int, seed: int = 0, val_fractio
     names and moved into place with ``os.replace``, so an interrupted run leaves no partial file.
     """
     if samples < 1 or size < 2 or not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"need samples >= 1, size >= 2, 0 <= val_fraction < 1; got "
-                         f"samples={samples}, size={size}, val_fraction={val_fraction}")
+        raise DataError(f"need samples >= 1, size >= 2, 0 <= val_fraction < 1; got "
+                        f"samples={samples}, size={size}, val_fraction={val_fraction}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     n_val = min(int(round(samples * val_fraction)), samples - 1)
@@ -223,7 +224,7 @@ def sample_files(path: Path) -> list[tuple[Path, ...]]:
         pairs = [(data, _label_file(data)) for data in sorted(path.glob("*_data.npy"))]
         for data, label in pairs:
             if not label.exists():
-                raise FileNotFoundError(f"{data} has no targets file {label.name}")
+                raise MissingFileError(f"{data} has no targets file {label.name}")
         return pairs
     return [(p,) for p in sorted(p for p in path.iterdir() if p.suffix in (".h5", ".hdf5"))]
 
@@ -261,7 +262,7 @@ class CosmoFlowDataset(Dataset):
         self._handle, self._pid = None, None
         self._ring, self._ring_pid = None, None  # a loader worker's batch buffers (BufferRing)
         if not self.path.exists():
-            raise FileNotFoundError(f"CosmoFlow data not found: {self.path}; {_HINT}")
+            raise MissingFileError(f"CosmoFlow data not found: {self.path}; {_HINT}")
         if self.path.is_dir() and any(self.path.glob("*_data.npy")):
             # MLPerf's preprocessed numpy: NAME_data.npy (S, S, S, 4) int16, NAME_label.npy (4,) f32
             self.layout = "numpy"
@@ -273,7 +274,7 @@ class CosmoFlowDataset(Dataset):
             self.layout = "mlperf"
             self.files = [file for file, in sample_files(self.path)]
             if not self.files:
-                raise FileNotFoundError(f"no .h5/.hdf5 sample files in {self.path}; {_HINT}")
+                raise MissingFileError(f"no .h5/.hdf5 sample files in {self.path}; {_HINT}")
             with self._open_sample_file(0) as f:
                 self.sample_shape = self._check_x(f["full"], self.files[0], 0)
                 self.dtype = f["full"].dtype
@@ -286,10 +287,11 @@ class CosmoFlowDataset(Dataset):
                     self.dtype = f["x"].dtype
                     self._len = f["x"].shape[0]
                     if f["y"].shape != (self._len, 4):
-                        raise ValueError(f"{self.path}: y has shape {f['y'].shape}, "
-                                         f"expected ({self._len}, 4)")
+                        raise DataError(f"{self.path}: y has shape {f['y'].shape}, "
+                                        f"expected ({self._len}, 4)")
             except (OSError, KeyError) as e:
-                raise ValueError(f"{self.path}: not a readable CosmoFlow file (sample 0): {e}") from e
+                raise DataError(
+                    f"{self.path}: not a readable CosmoFlow file (sample 0): {e}") from e
 
     def __len__(self) -> int:
         return self._len
@@ -316,11 +318,12 @@ class CosmoFlowDataset(Dataset):
         try:
             f = h5py.File(file, "r")
         except OSError as e:
-            raise ValueError(f"{file}: corrupt or unreadable HDF5 file (sample {index}): {e}") from e
+            raise DataError(f"{file}: corrupt or unreadable HDF5 file (sample {index}): {e}") from e
         if "full" not in f or "unitPar" not in f:
             f.close()
-            raise ValueError(f"{file} (sample {index}): expected MLPerf datasets 'full' and 'unitPar'; "
-                             f"for a directory written by exatrain pass DIR/train.h5 or DIR/val.h5")
+            raise DataError(
+                f"{file} (sample {index}): expected MLPerf datasets 'full' and 'unitPar'; "
+                f"for a directory written by exatrain pass DIR/train.h5 or DIR/val.h5")
         return f
 
     @staticmethod
@@ -328,8 +331,9 @@ class CosmoFlowDataset(Dataset):
         shape = ds.shape[1:] if batched else ds.shape
         cube = len(shape) == 4 and shape[0] == shape[1] == shape[2] and shape[3] == 4
         if not cube or ds.dtype.kind not in "iu":
-            raise ValueError(f"{file} (sample {index}): expected integer counts of shape (S, S, S, 4), "
-                             f"got {ds.dtype} {tuple(shape)}")
+            raise DataError(
+                f"{file} (sample {index}): expected integer counts of shape (S, S, S, 4), "
+                f"got {ds.dtype} {tuple(shape)}")
         return tuple(shape)
 
     def read(self, index: int, region: tuple[slice, slice, slice] | None = None, out=None):
@@ -348,8 +352,8 @@ class CosmoFlowDataset(Dataset):
             if self.layout == "numpy":
                 cube = np.load(file, mmap_mode="r")
                 if self._check_x(cube, file, index) != self.sample_shape:
-                    raise ValueError(f"{file} (sample {index}): shape {cube.shape} differs "
-                                     f"from the data set's {self.sample_shape}")
+                    raise DataError(f"{file} (sample {index}): shape {cube.shape} differs "
+                                    f"from the data set's {self.sample_shape}")
                 raw, y = cube[sel], np.load(_label_file(file))
                 raw = np.asarray(raw) if out is None else np.copyto(out, raw) or out
             elif self.layout == "exatrain":
@@ -358,15 +362,15 @@ class CosmoFlowDataset(Dataset):
             else:
                 with self._open_sample_file(index) as f:
                     if self._check_x(f["full"], file, index) != self.sample_shape:
-                        raise ValueError(f"{file} (sample {index}): shape {f['full'].shape} differs "
-                                         f"from the data set's {self.sample_shape}")
+                        raise DataError(f"{file} (sample {index}): shape {f['full'].shape} differs "
+                                        f"from the data set's {self.sample_shape}")
                     raw, y = _read_hdf5(f["full"], sel, out), f["unitPar"][...]
         except (OSError, KeyError) as e:
-            raise ValueError(f"{file}: cannot read sample {index}: {e}") from e
+            raise DataError(f"{file}: cannot read sample {index}: {e}") from e
         self.bytes_read += raw.nbytes + y.nbytes
         y = np.asarray(y, dtype=np.float32).reshape(-1)
         if y.shape != (4,) or not np.all(np.isfinite(y)):
-            raise ValueError(f"{file} (sample {index}): targets must be 4 finite values, got {y}")
+            raise DataError(f"{file} (sample {index}): targets must be 4 finite values, got {y}")
         if self.raw:  # torch has no uint16/uint32 arithmetic on every device: widen those
             raw = raw if raw.dtype in _TORCH_INTS else raw.astype(np.int32)
             return torch.from_numpy(np.ascontiguousarray(raw)), torch.from_numpy(y)
@@ -419,8 +423,9 @@ class CosmoFlowDataset(Dataset):
         self.bytes_read += y.nbytes
         if y.shape[1:] != (4,) or not np.all(np.isfinite(y)):
             bad = int(np.argwhere(~np.isfinite(y).all(axis=1))[0, 0]) if y.shape[1:] == (4,) else 0
-            raise ValueError(f"{self.files[0 if self.layout == 'exatrain' else bad]} (sample {bad}): "
-                             f"targets must be 4 finite values")
+            raise DataError(
+                f"{self.files[0 if self.layout == 'exatrain' else bad]} (sample {bad}): "
+                f"targets must be 4 finite values")
         return y
 
 

@@ -73,6 +73,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ..errors import DataError, MissingFileError
+
 __all__ = [
     "CHANNEL_NAMES",
     "CLASS_NAMES",
@@ -282,9 +284,9 @@ def synth_deepcam_sample(
         :data:`CHANNEL_NAMES`) and ``labels`` uint8 ``(height, width)``.
     """
     if height < 2 or width < 2:
-        raise ValueError(f"height and width must be >= 2, got {height}x{width}")
+        raise DataError(f"height and width must be >= 2, got {height}x{width}")
     if channels < 1:
-        raise ValueError(f"channels must be >= 1, got {channels}")
+        raise DataError(f"channels must be >= 1, got {channels}")
     h, w = int(height), int(width)
     rng = np.random.default_rng([seed, index, h, w])
     lat1 = 90.0 - (np.arange(h) + 0.5) * 180.0 / h  # row 0 is the north
@@ -413,9 +415,9 @@ def write_deepcam(
         ``class_frequencies`` and generation ``seconds``.
     """
     if samples < 1:
-        raise ValueError(f"samples must be >= 1, got {samples}")
+        raise DataError(f"samples must be >= 1, got {samples}")
     if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction must lie in [0, 1), got {val_fraction}")
+        raise DataError(f"val_fraction must lie in [0, 1), got {val_fraction}")
     start = time.perf_counter()
     out = Path(out_dir)
     n_val = int(round(samples * val_fraction))
@@ -511,7 +513,7 @@ def load_deepcam_stats(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"DeepCAM stats file {p} does not exist; {_GENERATE_HINT}")
+        raise MissingFileError(f"DeepCAM stats file {p} does not exist; {_GENERATE_HINT}")
     keys = ("mean", "std", "minval", "maxval", "class_frequencies")
     try:
         if p.suffix == ".json":
@@ -524,9 +526,9 @@ def load_deepcam_stats(path: str | os.PathLike) -> dict[str, np.ndarray]:
     except (OSError, KeyError, ValueError, TypeError) as err:
         if isinstance(err, FileNotFoundError):
             raise
-        raise ValueError(f"cannot read DeepCAM stats file {p}: {err}") from err
+        raise DataError(f"cannot read DeepCAM stats file {p}: {err}") from err
     if not ({"mean", "std"} <= out.keys() or {"minval", "maxval"} <= out.keys()):
-        raise ValueError(f"DeepCAM stats file {p} has neither mean/std nor minval/maxval")
+        raise DataError(f"DeepCAM stats file {p} has neither mean/std nor minval/maxval")
     return out
 
 
@@ -622,12 +624,12 @@ class DeepCAMDataset(Dataset):
     ) -> None:
         self.split_dir = Path(split_dir)
         if not self.split_dir.is_dir():
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"DeepCAM data directory {self.split_dir} does not exist; {_GENERATE_HINT}"
             )
         self.files: list[str] = [p.name for p in sample_files(self.split_dir)]
         if not self.files:
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"DeepCAM data directory {self.split_dir} holds no data-*.h5 files; "
                 f"{_GENERATE_HINT}"
             )
@@ -637,7 +639,7 @@ class DeepCAMDataset(Dataset):
         if stats is None:
             found = _find_stats(self.split_dir)
             if found is None:
-                raise FileNotFoundError(
+                raise MissingFileError(
                     f"no stats.h5 or stats.json in {self.split_dir} or its parent; pass "
                     f"stats=... (or stats=False for raw data), or {_GENERATE_HINT}"
                 )
@@ -666,7 +668,7 @@ class DeepCAMDataset(Dataset):
         elif not stats or set(stats) <= {"class_frequencies"}:
             return None, None
         else:
-            raise ValueError(f"stats need mean/std or minval/maxval, got keys {sorted(stats)}")
+            raise DataError(f"stats need mean/std or minval/maxval, got keys {sorted(stats)}")
         # A constant channel would divide by zero; leave it merely centred.
         spread = np.where(np.asarray(spread) > 0, spread, 1.0)
         return (
@@ -707,23 +709,23 @@ class DeepCAMDataset(Dataset):
         except FileNotFoundError:
             raise
         except OSError as err:
-            raise ValueError(f"cannot open DeepCAM sample {path}: {err}") from err
+            raise DataError(f"cannot open DeepCAM sample {path}: {err}") from err
 
     def _datasets(self, fh: h5py.File, path: Path) -> tuple[h5py.Dataset, h5py.Dataset]:
         """The data/label datasets of an open file, shape-checked."""
         try:
             data, labels = fh["climate/data"], fh["climate/labels_0"]
         except KeyError as err:
-            raise ValueError(
+            raise DataError(
                 f"DeepCAM sample {path} lacks climate/data or climate/labels_0"
             ) from err
         if data.ndim != 3 or labels.ndim != 2 or data.shape[:2] != labels.shape:
-            raise ValueError(
+            raise DataError(
                 f"DeepCAM sample {path} has climate/data {data.shape} and climate/labels_0 "
                 f"{labels.shape}; expected (H, W, C) and (H, W)"
             )
         if self._shift is not None and data.shape[2] != self._shift.shape[0]:
-            raise ValueError(
+            raise DataError(
                 f"DeepCAM sample {path} has {data.shape[2]} channels but the stats have "
                 f"{self._shift.shape[0]}"
             )
@@ -760,7 +762,7 @@ class DeepCAMDataset(Dataset):
                     rows, cols = region
                     raw, lab = data_ds[rows, cols, :], label_ds[rows, cols]
             except (OSError, ValueError, TypeError) as err:
-                raise ValueError(f"cannot read DeepCAM sample {path}: {err}") from err
+                raise DataError(f"cannot read DeepCAM sample {path}: {err}") from err
         self.bytes_read += raw.nbytes + lab.nbytes
         if self.raw:  # as stored; torch lacks uint16/uint32 arithmetic: widen those labels
             lab = lab if lab.dtype in _TORCH_LABELS else lab.astype(np.int64)

@@ -45,6 +45,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ..errors import DataError, MissingFileError
+
 CHANNELS = ("h", "u", "v")
 EQUATION = (
     "rotating shallow water (f-plane, doubly periodic): "
@@ -241,11 +243,11 @@ def simulate_shallow_water(
     (biharmonic eigenvalue 64 / dx^4) is damped at ``hyperdiffusion_rate`` per unit time.
     """
     if trajectories < 1 or steps < 1:
-        raise ValueError(f"need trajectories >= 1 and steps >= 1, got {trajectories}, {steps}")
+        raise DataError(f"need trajectories >= 1 and steps >= 1, got {trajectories}, {steps}")
     if height < 4 or width < 4:
-        raise ValueError(f"grid too small: {height} x {width}")
+        raise DataError(f"grid too small: {height} x {width}")
     if dt_save <= 0:
-        raise ValueError(f"dt_save must be > 0, got {dt_save}")
+        raise DataError(f"dt_save must be > 0, got {dt_save}")
     Lx = Ly * width / height
     dx, dy = Lx / width, Ly / height
     nu4 = hyperdiffusion_rate * min(dx, dy) ** 4 / 64.0
@@ -281,7 +283,7 @@ def simulate_shallow_water(
         out[:, t, 1] = 0.5 * (u + _xp(u))  # west + east face -> centre
         out[:, t, 2] = 0.5 * (v + _yp(v))  # south + north face -> centre
     if not np.isfinite(out).all():
-        raise RuntimeError(
+        raise DataError(
             "shallow-water simulation blew up (non-finite values); lower cfl"
         )
     params = {
@@ -355,7 +357,7 @@ def write_forecast(
     Returns a summary dict: paths, counts, shape, mean, std, params, seconds.
     """
     if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -417,30 +419,30 @@ class ForecastDataset(Dataset):
     def __init__(self, path: str | os.PathLike[str], lead: int = 1, normalize: bool = True) -> None:
         self.path = Path(path)
         if lead < 1:
-            raise ValueError(f"lead must be >= 1, got {lead}")
+            raise DataError(f"lead must be >= 1, got {lead}")
         if not self.path.is_file():
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"forecast data file not found: {self.path}; generate it with `{_HINT}`"
             )
         self.lead = int(lead)
         self.normalize = bool(normalize)
         with h5py.File(self.path, "r") as fh:
             if "fields" not in fh:
-                raise ValueError(f"{self.path}: no 'fields' dataset (expected (N, T, C, H, W))")
+                raise DataError(f"{self.path}: no 'fields' dataset (expected (N, T, C, H, W))")
             shape = tuple(fh["fields"].shape)
             if len(shape) != 5 or min(shape) < 1:
-                raise ValueError(
+                raise DataError(
                     f"{self.path}: 'fields' has shape {shape}, expected (N, T, C, H, W)"
                 )
             if shape[1] <= self.lead:
-                raise ValueError(
+                raise DataError(
                     f"{self.path}: {shape[1]} time steps per trajectory, need more than lead={lead}"
                 )
             C = shape[2]
             mean = np.asarray(fh.attrs.get("mean", np.zeros(C)), dtype=np.float32)
             std = np.asarray(fh.attrs.get("std", np.ones(C)), dtype=np.float32)
             if mean.shape != (C,) or std.shape != (C,):
-                raise ValueError(
+                raise DataError(
                     f"{self.path}: mean/std attrs have shapes {mean.shape}/{std.shape}, "
                     f"expected ({C},)"
                 )

@@ -33,9 +33,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..errors import DataError, MissingFileError
 
-class GraphFileError(ValueError):
-    """A graph file that cannot be used; the message names the file and the fix."""
+
+class GraphFileError(DataError):
+    """A graph file that cannot be used: unreadable, or its arrays disagree in shape.
+
+    What to do: the message names the file and array; write it again with
+    `exatrain data graph --out DIR` or fix the array it names.
+    """
 
 
 @dataclass
@@ -199,8 +205,8 @@ def _from_files(root: Path) -> Graph:
     if missing:
         wanted = "; ".join(f"{key}: {' or '.join(s + '.npy/.csv(.gz)' for s in _NAMES[key])}"
                            for key in missing)
-        raise FileNotFoundError(f"{root}: no graph found. Expected graph.npz (`exatrain data "
-                                f"graph`) or files in {root} or {root}/raw; missing {wanted}.")
+        raise MissingFileError(f"{root}: no graph found. Expected graph.npz (`exatrain data "
+                               f"graph`) or files in {root} or {root}/raw; missing {wanted}.")
     features = _read_array(found["features"], np.float32)
     if features.ndim == 1:
         features = features[:, None]
@@ -242,8 +248,8 @@ def _read_splits(root: Path, nodes: int) -> list[torch.Tensor]:
             mask = np.zeros(nodes, dtype=bool)
             mask[index] = True
         else:
-            raise FileNotFoundError(f"{root}: no {key} split; give {stems[0]}_idx.npy / "
-                                    f"{stems[0]}_mask.npy, or split/<name>/{stems[0]}.csv.gz.")
+            raise MissingFileError(f"{root}: no {key} split; give {stems[0]}_idx.npy / "
+                                   f"{stems[0]}_mask.npy, or split/<name>/{stems[0]}.csv.gz.")
         masks.append(torch.from_numpy(mask))
     return masks
 
@@ -254,8 +260,8 @@ def load_graph(path: str | Path) -> Graph:
     if path.is_file():
         return _from_npz(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"{path}: no such graph file or directory; write one with "
-                                f"`exatrain data graph --out {path} --nodes 20000`.")
+        raise MissingFileError(f"{path}: no such graph file or directory; write one with "
+                               f"`exatrain data graph --out {path} --nodes 20000`.")
     if (path / "graph.npz").is_file():
         return _from_npz(path / "graph.npz")
     return _from_files(path)

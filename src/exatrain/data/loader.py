@@ -36,6 +36,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler, default_collate, get_worker_info
 
+from ..errors import UserError
+
 MAX_DEFAULT_WORKERS = 8
 
 
@@ -356,8 +358,13 @@ def run_loader(dataset, sampler: Sampler, batch_size: int, workers: int, device:
     return iter(loader)
 
 
-class LoaderTimeout(RuntimeError):
-    """No batch came from the loader's worker processes within the bound."""
+class LoaderTimeout(UserError, RuntimeError):
+    """No batch came from the input loader's worker processes within `run.timeout_s`.
+
+    What to do: check the data path (a hung file system, a data set that blocks); set
+    `train.num_workers = 0` to read on the prefetch thread, or raise `run.timeout_s`; see
+    [feed the model](../how-to/data-path.md#the-loader).
+    """
 
 
 class _BoundedWait:

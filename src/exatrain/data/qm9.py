@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ..errors import DataError, MissingFileError
+
 HARTREE_EV = 27.211386245988       # CODATA 2018
 MAX_ATOMS = 29
 ELEMENTS = {"H": 1, "C": 6, "N": 7, "O": 8, "F": 9}
@@ -36,12 +38,12 @@ def qm9_csv_files() -> list[Path]:
     """The qm9pack CSV files holding the molecules, in order; a clear error if not installed."""
     spec = importlib.util.find_spec("qm9pack")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("QM9 needs the `qm9pack` package (its wheel holds the data): "
-                                "pip install qm9pack.")
+        raise MissingFileError("QM9 needs the `qm9pack` package (its wheel holds the data): "
+                               "pip install qm9pack.")
     folder = Path(list(spec.submodule_search_locations)[0]) / "data"
     files = sorted(folder.glob("qm9_part*.csv"))
     if not files:
-        raise FileNotFoundError(f"{folder}: no qm9_part*.csv files; reinstall qm9pack.")
+        raise MissingFileError(f"{folder}: no qm9_part*.csv files; reinstall qm9pack.")
     return files
 
 
@@ -61,8 +63,8 @@ def read_qm9_csv(files: list[Path] | None = None) -> dict[str, np.ndarray]:
                 xyz = np.array(row[col["XYZ_Ang"]].replace("[", "").replace("]", "").split(","),
                                dtype=np.float64).reshape(-1, 3)
                 if len(elements) != n or len(xyz) != n:
-                    raise ValueError(f"{path}: molecule {row[col['Index']]} lists {n} atoms but "
-                                     f"{len(elements)} elements and {len(xyz)} positions.")
+                    raise DataError(f"{path}: molecule {row[col['Index']]} lists {n} atoms but "
+                                    f"{len(elements)} elements and {len(xyz)} positions.")
                 index.append(int(row[col["Index"]]))
                 n_atoms.append(n)
                 gaps.append(float(row[col["HOMO_LUMO_gap_au"]]))
@@ -102,8 +104,8 @@ def load_qm9(path: str | Path) -> dict[str, np.ndarray]:
     if path.is_dir():
         path = path / "qm9.npz"
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no QM9 file; write it with `exatrain data qm9 --out "
-                                f"{path.parent}` (or set data.generate = true).")
+        raise MissingFileError(f"{path}: no QM9 file; write it with `exatrain data qm9 --out "
+                               f"{path.parent}` (or set data.generate = true).")
     with np.load(path) as z:
         return {k: z[k] for k in z.files}
 

@@ -45,14 +45,21 @@ from typing import Callable
 
 import numpy as np
 
+from ..errors import MissingFileError, UserError
+
 MANIFEST = ".exatrain-stage.json"
 CHUNK = 8 << 20
 STAGE_ENV = "EXATRAIN_STAGE_TO"  # a batch script's override of data.stage_to
 HOST_ENV = "EXATRAIN_HOST"       # pretend host name (tests: several "nodes" on one machine)
 
 
-class StagingError(RuntimeError):
-    """The stage directory cannot take the data set; the message says what to do."""
+class StagingError(UserError, RuntimeError):
+    """`data.stage_to` cannot take the data set: too little free space there, or it cannot be
+    written.
+
+    What to do: free space there, use a larger node-local directory, or leave `data.stage_to`
+    empty to read from `data.path`.
+    """
 
 
 @dataclass
@@ -271,7 +278,7 @@ def stage_files(source: Path, stage_to: Path, mesh,
     start = time.perf_counter()
     source = Path(source)
     if not source.exists():
-        raise FileNotFoundError(f"data.path={source}: nothing to stage (no such file or directory).")
+        raise MissingFileError(f"data.path={source}: nothing to stage (no such file or directory).")
     hosts = all_gather_object(host_name(), mesh.world)
     me = mesh.rank
     nodes = list(dict.fromkeys(hosts))  # in order of their lowest rank, as the Trainer's shards
@@ -343,5 +350,9 @@ def _progress_printer():
 
 
 def _human(n: float) -> str:
-    """Staged sizes in GiB (data sets are large; train.units is above this layer)."""
-    return f"{n / 2 ** 30:.2f} GiB"
+    """Staged sizes in GiB, or MiB / KiB below one GiB, so that a small directory's free space
+    does not read 0.00 GiB (train.units is above this layer)."""
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n / 2 ** 10:.2f} KiB"

@@ -36,6 +36,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ..errors import DataError, MissingFileError
+
 __all__ = [
     "ByteTokenizer",
     "stdlib_source_files",
@@ -78,7 +80,7 @@ class ByteTokenizer:
             ids = ids.detach().cpu().numpy()
         arr = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids)
         if arr.size and (arr.min() < 0 or arr.max() > 255):
-            raise ValueError(
+            raise DataError(
                 f"byte token ids must be in [0, 255], got range [{arr.min()}, {arr.max()}]"
             )
         return arr.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
@@ -93,7 +95,7 @@ def stdlib_source_files(stdlib_dir: str | os.PathLike[str] | None = None) -> lis
     """
     root = Path(stdlib_dir if stdlib_dir is not None else sysconfig.get_paths()["stdlib"])
     if not root.is_dir():
-        raise FileNotFoundError(f"Python standard library directory not found: {root}")
+        raise MissingFileError(f"Python standard library directory not found: {root}")
     found: list[tuple[str, Path]] = []
     for dirpath, dirnames, filenames in os.walk(root):
         # Pruning in place stops os.walk from descending into excluded trees.
@@ -150,14 +152,15 @@ def write_text_corpus(
         The metadata dict written to ``meta.json`` plus ``out_dir`` (absolute).
     """
     if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
     if max_bytes is not None and max_bytes < 2:
-        raise ValueError(f"max_bytes must be at least 2 (one train and one val token), got {max_bytes}")
+        raise DataError(
+            f"max_bytes must be at least 2 (one train and one val token), got {max_bytes}")
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = stdlib_source_files(stdlib)
     if not files:
-        raise FileNotFoundError(f"no .py files found under the standard library at {stdlib}")
+        raise MissingFileError(f"no .py files found under the standard library at {stdlib}")
 
     chunks: list[bytes] = []
     total = 0
@@ -179,7 +182,8 @@ def write_text_corpus(
     n_val = max(1, int(round(len(data) * val_fraction)))
     n_train = len(data) - n_val
     if n_train < 1:
-        raise ValueError(f"corpus of {len(data)} tokens is too small to split with val_fraction={val_fraction}")
+        raise DataError(
+            f"corpus of {len(data)} tokens is too small to split with val_fraction={val_fraction}")
 
     tok = ByteTokenizer()
     meta: dict[str, Any] = {
@@ -241,7 +245,7 @@ class TokenDataset(Dataset):
         """
         self.path = Path(path)
         if not self.path.is_file():
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"token file not found: {self.path}; build the corpus first with "
                 f"`exatrain data text --out DIR`"
             )
@@ -251,12 +255,12 @@ class TokenDataset(Dataset):
         self.dtype = np.dtype(dtype)
         size = self.path.stat().st_size
         if size % self.dtype.itemsize:
-            raise ValueError(
+            raise DataError(
                 f"{self.path} has {size} bytes, not a multiple of {self.dtype} ({self.dtype.itemsize} bytes)"
             )
         self.num_tokens = size // self.dtype.itemsize
         if block_size + 1 > self.num_tokens:
-            raise ValueError(
+            raise DataError(
                 f"block_size={block_size} is too large for {self.path}: it holds "
                 f"{self.num_tokens} tokens and one sample needs block_size + 1 = {block_size + 1}"
             )

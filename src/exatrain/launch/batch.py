@@ -12,6 +12,8 @@ same script (the run directory is named after the run, not the job id), or wrap 
 
 from __future__ import annotations
 
+from ..errors import ArgumentError
+
 SLURM = """#!/bin/bash
 #SBATCH --job-name={name}
 #SBATCH --nodes={nodes}
@@ -62,7 +64,7 @@ def batch_script(kind: str, config_path: str, config, nodes: int, tasks_per_node
                  time: str = "04:00:00", warn_s: int = 180, python: str = "python",
                  extra: str = "") -> str:
     if kind not in ("slurm", "flux"):
-        raise ValueError(f"--print-batch-script {kind!r}: choose slurm or flux.")
+        raise ArgumentError(f"--print-batch-script {kind!r}: choose slurm or flux.")
     name = config.run.name or config.run.workload
     template = SLURM if kind == "slurm" else FLUX
     return template.format(name=name, nodes=nodes, tasks_per_node=tasks_per_node,

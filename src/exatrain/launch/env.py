@@ -21,11 +21,18 @@ import zlib
 from dataclasses import dataclass
 from typing import Mapping
 
+from ..errors import UserError
+
 DEFAULT_PORT = 29500
 
 
-class LaunchError(RuntimeError):
-    """The environment does not say enough to join the job; the message says what to set."""
+class LaunchError(UserError, RuntimeError):
+    """The launcher's environment does not say enough to join the job (rank, world size, the
+    address of rank 0), or says it inconsistently.
+
+    What to do: start under torchrun, srun, flux or mpirun, or `exatrain run --nproc N`; or set
+    the variables the message names.
+    """
 
 
 @dataclass(frozen=True)

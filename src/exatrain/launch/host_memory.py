@@ -27,6 +27,8 @@ import ctypes
 import ctypes.util
 import os
 
+from ..errors import ConfigError
+
 M_TRIM_THRESHOLD = -1       # glibc's malloc.h
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 << 20   # glibc refuses more than HEAP_MAX_SIZE / 2 = 32 MiB (64-bit)
@@ -64,8 +66,8 @@ def why_not_keep(environ=os.environ) -> str:
 def keep_freed_host_memory(mode: str = "keep") -> str:
     """Apply the settings above when `mode` is "keep"; returns what was done, for the log."""
     if mode not in ("keep", "return"):
-        raise ValueError(f"run.host_memory={mode!r}: use 'keep' (freed host memory stays in the "
-                         "process for reuse, faster on CPUs) or 'return' (malloc's own default).")
+        raise ConfigError(f"run.host_memory={mode!r}: use 'keep' (freed host memory stays in the "
+                          "process for reuse, faster on CPUs) or 'return' (malloc's own default).")
     if mode == "return":
         return "host memory: malloc's defaults (run.host_memory = 'return')"
     reason = why_not_keep()

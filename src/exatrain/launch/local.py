@@ -28,6 +28,8 @@ import time
 import traceback
 from pathlib import Path
 
+from .env import LaunchError
+
 
 class RankFailed(RuntimeError):
     """A spawned rank raised; `.rank` is which, the message ends with its traceback."""
@@ -87,9 +89,9 @@ def rank_context():
     EXATRAIN_START_METHOD says so, or where the platform has no forkserver)."""
     method = os.environ.get(START_METHOD_ENV, "forkserver")
     if method not in ("forkserver", "spawn"):
-        raise ValueError(f"{START_METHOD_ENV}={method!r}: use 'forkserver' (the default: ranks "
-                         "forked from a process that imported torch once) or 'spawn' (fresh "
-                         "interpreters).")
+        raise LaunchError(f"{START_METHOD_ENV}={method!r}: use 'forkserver' (the default: ranks "
+                          "forked from a process that imported torch once) or 'spawn' (fresh "
+                          "interpreters).")
     if method not in multiprocessing.get_all_start_methods():
         method = "spawn"
     ctx = multiprocessing.get_context(method)
@@ -118,8 +120,8 @@ def _child(payload: bytes, environ: dict, import_path: list, cwd: str, rank: int
         # the time tells the root cause from its echoes: when one rank raises, its peers fail
         # afterwards with "connection reset" in whatever collective they were waiting in
         outcome = ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc(), exc, time.time())
-        try:
-            pickle.dumps(outcome)
+        try:   # the parent must unpickle it too (its class decides exit status 2 or 1)
+            pickle.loads(pickle.dumps(outcome))
         except Exception:
             outcome = outcome[:3] + (None, outcome[4])
     with open(path.with_suffix(".tmp"), "wb") as f:

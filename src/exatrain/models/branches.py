@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..errors import ModelOptionError
+
 COMBINES = ("sum", "concat")
 
 
@@ -21,9 +23,10 @@ class Branches(nn.ModuleList):
     def __init__(self, branches, combine: str = "concat"):
         super().__init__(branches)
         if combine not in COMBINES:
-            raise ValueError(f"Branches(combine={combine!r}): use one of {', '.join(COMBINES)}.")
+            raise ModelOptionError(
+                f"Branches(combine={combine!r}): use one of {', '.join(COMBINES)}.")
         if len(self) == 0:
-            raise ValueError("Branches([]): give at least one branch.")
+            raise ModelOptionError("Branches([]): give at least one branch.")
         self.combine = combine
 
     def combine_outputs(self, outputs: list[torch.Tensor]) -> torch.Tensor:

@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..errors import ModelOptionError
+
 
 class CosmoFlow(nn.Module):
     def __init__(self, size: int = 128, in_channels: int = 4, base_channels: int = 32,
@@ -32,9 +34,10 @@ class CosmoFlow(nn.Module):
                  batchnorm: bool = False, channels_last: bool = False):
         super().__init__()
         if size % 2 ** conv_layers:
-            raise ValueError(f"CosmoFlow size={size} must be divisible by 2^{conv_layers} = "
-                             f"{2 ** conv_layers} (one halving per conv block); try "
-                             f"{max(2 ** conv_layers, size // 2 ** conv_layers * 2 ** conv_layers)}.")
+            raise ModelOptionError(
+                f"CosmoFlow size={size} must be divisible by 2^{conv_layers} = "
+                f"{2 ** conv_layers} (one halving per conv block); try "
+                f"{max(2 ** conv_layers, size // 2 ** conv_layers * 2 ** conv_layers)}.")
         layers: list[nn.Module] = []
         channels = in_channels
         for i in range(conv_layers):

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .branches import Branches
+from ..errors import DataError, ModelOptionError
 
 __all__ = [
     "DeepCAM",
@@ -138,7 +139,7 @@ class DeepCAM(nn.Module):
     ) -> None:
         super().__init__()
         if in_channels < 1 or num_classes < 1 or width < 1:
-            raise ValueError(
+            raise ModelOptionError(
                 f"in_channels, num_classes and width must be >= 1, got "
                 f"{in_channels}, {num_classes}, {width}"
             )
@@ -213,7 +214,7 @@ def class_weights_from_frequencies(
     else:
         f = torch.as_tensor(np.asarray(freqs, dtype=np.float64)).flatten()
     if f.numel() == 0 or not torch.isfinite(f).all() or (f < 0).any() or f.sum() <= 0:
-        raise ValueError(
+        raise DataError(
             f"class frequencies must be finite, >= 0 and not all zero, got {f.tolist()}"
         )
     f = (f / f.sum()).clamp_min(min_frequency)

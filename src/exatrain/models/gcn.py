@@ -23,6 +23,8 @@ import warnings
 import torch
 from torch import nn
 
+from ..errors import ModelOptionError
+
 
 def normalized_adjacency(edge_index: torch.Tensor, num_nodes: int) -> torch.Tensor:
     """Â = D^-1/2 (A + I) D^-1/2 as a coalesced sparse COO (N, N) float32 tensor.
@@ -155,7 +157,7 @@ class GCN(nn.Module):
                  layers: int = 2, dropout: float = 0.5):
         super().__init__()
         if layers < 1:
-            raise ValueError(f"GCN layers={layers}: need at least one layer.")
+            raise ModelOptionError(f"GCN layers={layers}: need at least one layer.")
         self.num_nodes = adjacency.shape[0]
         self.adjacency = adjacency.coalesce()          # the COO Â, for strategies to partition
         self._operator = SparseOperator(self.adjacency)   # CSR copies, moved on first forward

@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import ModelOptionError
+
 __all__ = [
     "GPTConfig",
     "GPT",
@@ -115,13 +117,13 @@ class GPTConfig:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+                raise ModelOptionError(f"GPTConfig.{name} must be a positive int, got {value!r}")
         if self.n_embd % self.n_head != 0:
-            raise ValueError(
+            raise ModelOptionError(
                 f"GPTConfig.n_embd={self.n_embd} must be divisible by n_head={self.n_head}"
             )
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+            raise ModelOptionError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
 
     @property
     def head_dim(self) -> int:

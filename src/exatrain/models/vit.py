@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import ModelOptionError
+
 __all__ = [
     "ViTForecaster",
     "Attention",
@@ -80,7 +82,7 @@ class Attention(nn.Module):
     def __init__(self, dim: int, num_heads: int, dropout: float = 0.0) -> None:
         super().__init__()
         if dim % num_heads:
-            raise ValueError(f"embed_dim {dim} not divisible by num_heads {num_heads}")
+            raise ModelOptionError(f"embed_dim {dim} not divisible by num_heads {num_heads}")
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.q_proj = nn.Linear(dim, dim)
@@ -156,11 +158,11 @@ class ViTForecaster(nn.Module):
         super().__init__()
         H, W = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
         if H % patch_size or W % patch_size:
-            raise ValueError(f"img_size {(H, W)} is not divisible by patch_size {patch_size}")
+            raise ModelOptionError(f"img_size {(H, W)} is not divisible by patch_size {patch_size}")
         if residual is None:
             residual = in_channels == out_channels
         if residual and in_channels != out_channels:
-            raise ValueError(
+            raise ModelOptionError(
                 f"residual prediction needs in_channels == out_channels, got "
                 f"{in_channels} != {out_channels}"
             )

@@ -16,6 +16,7 @@ from pathlib import Path
 from ..train.monitor.units import human_value
 from . import figures
 from .runs import RunRecord, read_run
+from ..errors import ArgumentError, MissingFileError
 
 # summary keys of the side-by-side table, in order
 TABLE_KEYS = ("world_size", "plan", "steps", "samples_per_s", "step_s_median", "mfu",
@@ -69,11 +70,11 @@ def _runs_section(runs: list[RunRecord], out: Path, made: dict) -> list[str]:
 
 def _benchmark_section(path: Path, out: Path, made: dict) -> list[str]:
     result = json.loads(path.read_text())
-    if not isinstance(result, dict):
-        raise ValueError(f"{path}: a benchmark JSON is one flat object of figures "
-                         "(as `exatrain bench NAME --json` writes); this is not.")
     rows = [(k, human_value(k, v)) for k, v in result.items()
-            if not isinstance(v, (dict, list))]
+            if not isinstance(v, (dict, list))] if isinstance(result, dict) else []
+    if not rows:   # not an object, or one without a single flat figure
+        raise ArgumentError(f"{path}: a benchmark JSON is one flat object of figures "
+                            "(as `exatrain bench NAME --json` writes); this is not.")
     made[f"bench_{path.stem}"] = figures.table(rows, f"benchmark {path.stem}",
                                                out / f"bench_{path.stem}.png")
     return [f"## Benchmark `{path.name}`", "", _markdown_table(["figure", "value"],
@@ -85,8 +86,8 @@ def build_report(paths: list[str | Path], out: str | Path | None = None) -> dict
     paths = [Path(p) for p in paths]
     missing = [str(p) for p in paths if not p.exists()]
     if missing:
-        raise FileNotFoundError(f"exatrain report: {', '.join(missing)} does not exist; give run "
-                                "directories (runs/<workload>-<time>/) or benchmark JSON files.")
+        raise MissingFileError(f"exatrain report: {', '.join(missing)} does not exist; give run "
+                               "directories (runs/<workload>-<time>/) or benchmark JSON files.")
     run_paths = [p for p in paths if p.is_dir()]
     bench_paths = [p for p in paths if p.is_file()]
     if out is None:

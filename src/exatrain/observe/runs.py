@@ -7,6 +7,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import MissingFileError
+
 
 @dataclass
 class RunRecord:
@@ -47,8 +49,8 @@ def read_run(path: str | Path) -> RunRecord:
     path = Path(path)
     metrics = path / "metrics.jsonl"
     if not metrics.is_file():
-        raise FileNotFoundError(f"{path}: no metrics.jsonl here; give a run directory as "
-                                "`exatrain run` writes it (runs/<workload>-<time>/).")
+        raise MissingFileError(f"{path}: no metrics.jsonl here; give a run directory as "
+                               "`exatrain run` writes it (runs/<workload>-<time>/).")
     run = RunRecord(path)
     for line in metrics.read_text().splitlines():
         if not line.strip():

@@ -47,6 +47,7 @@ from torch import nn
 from ..comm import Axis, broadcast
 from ..comm.autograd import all_gather_dim, reduce_scatter_dim
 from ..models.branches import Branches
+from ..errors import ConfigError
 
 
 class _GatherBatch(torch.autograd.Function):
@@ -164,14 +165,14 @@ class SplitBranches(nn.ModuleList):
 def check_plan(plan, mode: str = "data") -> None:
     """Refuse, by name, what sub-graph parallelism does not support yet (before training)."""
     if mode != "data":
-        raise ValueError(f"parallel.branches={mode!r}: use 'none' or 'data'.")
+        raise ConfigError(f"parallel.branches={mode!r}: use 'none' or 'data'.")
     bad = {"pipe": plan.pipe, "shard": plan.shard, "space": plan.space_degree,
            "tensor": plan.tensor_degree}
     bad = {k: v for k, v in bad.items() if v > 1}
     if bad:
         names = ", ".join(f"{k}={v}" for k, v in bad.items())
-        raise ValueError(f"parallel.branches='data' runs under the data axis only; the plan has "
-                         f"{names}. Set parallel.branches='none' or those axes to 1.")
+        raise ConfigError(f"parallel.branches='data' runs under the data axis only; the plan has "
+                          f"{names}. Set parallel.branches='none' or those axes to 1.")
 
 
 def split_branches(model: nn.Module, axis: Axis) -> nn.Module:

@@ -35,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..comm import Axis, all_reduce_future, broadcast
 from .gradsync import GradSync, set_grad_axes
+from ..errors import UserError
 
 
 class _HookState:
@@ -49,8 +50,13 @@ def _ledger_allreduce_hook(state: _HookState, bucket) -> torch.futures.Future[to
     return all_reduce_future(buffer, state.axis, tag="grad")
 
 
-class UnusedParameterError(RuntimeError):
-    """A parameter that requires a gradient got none in the last step under data parallelism."""
+class UnusedParameterError(UserError, RuntimeError):
+    """A parameter that requires a gradient got none in the last step under data parallelism:
+    the model's forward does not use it.
+
+    What to do: the message names the parameters; use them, freeze them
+    (`requires_grad_(False)`), or remove them from the model.
+    """
 
 
 class ReplicatedModule(DistributedDataParallel):

@@ -69,6 +69,7 @@ from torch import nn
 from ..comm import Axis, all_gather_into, all_reduce, broadcast, reduce_scatter_into
 from ..comm.autograd import gather, scatter
 from ..mesh import Mesh
+from ..plan import PlanError
 from ..models.gcn import GCN, GraphConv, SparseOperator
 from .gradsync import GradSync, set_grad_axes
 from .tensor.state import shard_of
@@ -267,8 +268,8 @@ class GCN3D(nn.Module):
         super().__init__()
         plan = mesh.plan
         if not plan.tensor_3d:
-            raise ValueError(f"{plan}: the graph strategy needs a 3D tensor grid; write "
-                             f"plan.tensor = [{plan.tensor}, 1, 1] for a 1-D split of the graph.")
+            raise PlanError(f"{plan}: the graph strategy needs a 3D tensor grid; write "
+                            f"plan.tensor = [{plan.tensor}, 1, 1] for a 1-D split of the graph.")
         self.mesh = mesh
         self.x, self.y, self.z = (mesh.axis(f"tensor_{a}") for a in "xyz")
         self.tensor = mesh.axis("tensor")

@@ -52,6 +52,8 @@ import contextlib
 import torch
 from torch import nn
 
+from ..errors import ConfigError, ParallelizeError
+
 # Ops whose outputs selective checkpointing keeps: the expensive ones to recompute.
 _SAVE_OPS = {
     torch.ops.aten.mm.default,
@@ -150,7 +152,8 @@ def checkpoint_block(block: nn.Module, mode: str, keep_running_stats: bool = Tru
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl, checkpoint_wrapper)
     if mode not in ("full", "selective"):
-        raise ValueError(f"parallel.activation_checkpointing={mode!r}: use none, full or selective.")
+        raise ConfigError(
+            f"parallel.activation_checkpointing={mode!r}: use none, full or selective.")
     kwargs = {}
     norms = _running_stat_modules(block) if keep_running_stats else []
     if mode == "selective" or norms:
@@ -167,7 +170,7 @@ def apply_checkpointing_and_compile(model: nn.Module, options, whole_model: bool
     if not blocks and whole_model and options.activation_checkpointing == "none":
         blocks = []  # nothing to checkpoint: the model itself is compiled below
     elif not blocks:
-        raise ValueError(
+        raise ParallelizeError(
             f"{type(model).__name__} has no blocks to checkpoint or compile: it has neither an "
             "nn.ModuleList nor children with parameters. Set parallel.activation_checkpointing="
             "'none' and parallel.compile=false, or group its layers into an nn.ModuleList.")

@@ -31,6 +31,8 @@ import time
 import torch
 from torch import nn
 
+from ..errors import ConfigError
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # Module types whose forward runs in fp32 under mixed precision (all norm layers).
@@ -40,7 +42,7 @@ NORM_TYPES: tuple[type, ...] = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm
 
 def compute_dtype(precision: str) -> torch.dtype:
     if precision not in DTYPES:
-        raise ValueError(f"parallel.precision={precision!r} is not one of {', '.join(DTYPES)}.")
+        raise ConfigError(f"parallel.precision={precision!r} is not one of {', '.join(DTYPES)}.")
     return DTYPES[precision]
 
 
@@ -77,8 +79,8 @@ class Precision:
         self.device_type = torch.device(device).type
         if self.dtype == torch.bfloat16 and self.device_type == "cuda" and \
                 not torch.cuda.is_bf16_supported():
-            raise ValueError("parallel.precision='bf16' needs a GPU with bf16 support (Ampere or "
-                             "newer); use 'fp16' on this device.")
+            raise ConfigError("parallel.precision='bf16' needs a GPU with bf16 support (Ampere or "
+                              "newer); use 'fp16' on this device.")
 
     @property
     def mixed(self) -> bool:

@@ -68,6 +68,7 @@ from ..comm import all_gather_into, all_reduce, reduce_scatter_into
 from ..mesh import Mesh
 from .memory import find_blocks
 from .options import zero_stage_refusal
+from ..errors import ConfigError, ParallelizeError
 
 _WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
 
@@ -142,15 +143,18 @@ class ZeroDataParallel(nn.Module):
             if not p.requires_grad:
                 continue
             if p.dim() == 0:
-                raise ValueError(f"parameter {clean_fqn(name)!r} is a scalar; ZeRO shards "
-                                 "parameters along dim 0. Make it shape (1,), or use plan.shard=1.")
+                raise ParallelizeError(
+                    f"parameter {clean_fqn(name)!r} is a scalar; ZeRO shards "
+                    "parameters along dim 0. Make it shape (1,), or use plan.shard=1.")
             if p.dtype != torch.float32:
-                raise ValueError(f"parameter {clean_fqn(name)!r} is {p.dtype}; ZeRO-1/2 keep fp32 "
-                                 "parameters (the master weights). Build the model in fp32 and "
-                                 "set parallel.precision='bf16' or 'fp16' for low-precision compute.")
+                raise ParallelizeError(
+                    f"parameter {clean_fqn(name)!r} is {p.dtype}; ZeRO-1/2 keep fp32 "
+                    "parameters (the master weights). Build the model in fp32 and "
+                    "set parallel.precision='bf16' or 'fp16' for low-precision compute.")
             if not p.is_contiguous():
-                raise ValueError(f"parameter {clean_fqn(name)!r} is not contiguous; ZeRO needs "
-                                 "contiguous parameters (call .contiguous() when creating it).")
+                raise ParallelizeError(
+                    f"parameter {clean_fqn(name)!r} is not contiguous; ZeRO needs "
+                    "contiguous parameters (call .contiguous() when creating it).")
             chunk, lo, hi = _chunk_rows(p.shape[0], n, r)
             own = p.detach()[lo:hi]
             if offload:  # the optimizer's fp32 copy of the chunk, and its gradient, on the host
@@ -519,7 +523,7 @@ def _refuse_per_parameter_sums(model: nn.Module, mesh: Mesh) -> None:
     for name, p in model.named_parameters():
         axes = tuple(getattr(p, "exatrain_grad_sum_axes", ()))
         if any(mesh.axis(a).size > 1 for a in axes):
-            raise ValueError(
+            raise ParallelizeError(
                 f"{mesh.plan}: parameter {clean_fqn(name)!r} needs its gradient summed over "
                 f"{axes} (sequence parallelism or 3D tensor_z), which sharding does not do. "
                 "Set parallel.sequence_parallel=false, or use shard=1.")
@@ -535,11 +539,11 @@ def parallelize_shard(model: nn.Module, mesh: Mesh, options, partial_axes=()) ->
     _refuse_per_parameter_sums(model, mesh)
     refusal = zero_stage_refusal(mesh.plan, stage, getattr(options, "pipe_schedule", "1f1b"))
     if refusal:
-        raise ValueError(refusal)
+        raise ParallelizeError(refusal)
     if stage == 3:
         return _fully_shard(model, mesh, options, partial_axes)
     if stage not in (1, 2):
-        raise ValueError(f"parallel.zero_stage={stage} must be 1, 2 or 3 with plan.shard > 1.")
+        raise ConfigError(f"parallel.zero_stage={stage} must be 1, 2 or 3 with plan.shard > 1.")
     if options.precision != "fp32":
         from .precision import keep_norms_fp32
         keep_norms_fp32(model)

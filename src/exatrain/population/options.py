@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..errors import ConfigError
+
 STRATEGIES = ("pairwise", "truncation", "evolution", "none")
 HPARAMS = ("lr", "weight_decay", "dropout")
 
@@ -38,37 +40,40 @@ def validate(options: PopulationOptions, trainers: int) -> None:
     """Raise ValueError naming the key and a value that works."""
     o = options
     if o.strategy not in STRATEGIES:
-        raise ValueError(f"population.strategy={o.strategy!r} is not one of "
-                         f"{', '.join(STRATEGIES)}.")
+        raise ConfigError(f"population.strategy={o.strategy!r} is not one of "
+                          f"{', '.join(STRATEGIES)}.")
     if o.interval < 1:
-        raise ValueError(f"population.interval={o.interval} must be at least 1 (steps between "
-                         "tournaments).")
+        raise ConfigError(f"population.interval={o.interval} must be at least 1 (steps between "
+                          "tournaments).")
     if not o.metric or len(o.direction) not in (1, len(o.metric)):
-        raise ValueError(f"population.metric={o.metric} and population.direction={o.direction}: "
-                         "give at least one metric and one direction, or one direction per metric.")
+        raise ConfigError(
+            f"population.metric={o.metric} and population.direction={o.direction}: "
+            "give at least one metric and one direction, or one direction per metric.")
     bad = [d for d in o.direction if d not in ("lower", "higher")]
     if bad:
-        raise ValueError(f"population.direction={o.direction}: each must be 'lower' or 'higher'.")
+        raise ConfigError(f"population.direction={o.direction}: each must be 'lower' or 'higher'.")
     if not 0 < o.tournament_fraction < 1:
-        raise ValueError(f"population.tournament_fraction={o.tournament_fraction} must be in "
-                         "(0, 1).")
+        raise ConfigError(f"population.tournament_fraction={o.tournament_fraction} must be in "
+                          "(0, 1).")
     unknown = [k for k in o.mutate if k not in HPARAMS]
     if unknown:
-        raise ValueError(f"population.mutate={o.mutate}: {unknown} unknown; choose from {HPARAMS}.")
+        raise ConfigError(
+            f"population.mutate={o.mutate}: {unknown} unknown; choose from {HPARAMS}.")
     if not o.mutation_factors or any(f <= 0 for f in o.mutation_factors):
-        raise ValueError(f"population.mutation_factors={o.mutation_factors} must be positive.")
+        raise ConfigError(f"population.mutation_factors={o.mutation_factors} must be positive.")
     for key in HPARAMS:
         lo_hi = getattr(o, f"{key}_bounds")
         if len(lo_hi) != 2 or lo_hi[0] > lo_hi[1]:
-            raise ValueError(f"population.{key}_bounds={lo_hi} must be [low, high] with "
-                             "low ≤ high.")
+            raise ConfigError(f"population.{key}_bounds={lo_hi} must be [low, high] with "
+                              "low ≤ high.")
         values = getattr(o, key)
         if values and len(values) != trainers:
-            raise ValueError(f"population.{key} has {len(values)} values for {trainers} trainers "
-                             f"(plan.trainer={trainers}); give one per trainer or none.")
+            raise ConfigError(f"population.{key} has {len(values)} values for {trainers} trainers "
+                              f"(plan.trainer={trainers}); give one per trainer or none.")
     if trainers > 1 and o.strategy == "truncation" and not 1 <= o.truncation_k <= trainers // 2:
-        raise ValueError(f"population.truncation_k={o.truncation_k} with {trainers} trainers: "
-                         f"use 1..{max(1, trainers // 2)} (the bottom k take copies of the top k).")
+        raise ConfigError(
+            f"population.truncation_k={o.truncation_k} with {trainers} trainers: "
+            f"use 1..{max(1, trainers // 2)} (the bottom k take copies of the top k).")
     if trainers > 1 and o.strategy == "evolution" and not 2 <= o.sample_size <= trainers:
-        raise ValueError(f"population.sample_size={o.sample_size} with {trainers} trainers: use "
-                         f"2..{trainers}.")
+        raise ConfigError(f"population.sample_size={o.sample_size} with {trainers} trainers: use "
+                          f"2..{trainers}.")

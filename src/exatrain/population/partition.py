@@ -14,6 +14,8 @@ import math
 import numpy as np
 from torch.utils.data import Subset
 
+from ..errors import ConfigError
+
 
 def partition(samples: int, trainers: int, trainer: int, fraction: float, seed: int,
               hold_out: bool, min_tournament: int = 1) -> tuple[list[int], list[int]]:
@@ -24,7 +26,7 @@ def partition(samples: int, trainers: int, trainer: int, fraction: float, seed: 
     mine = np.sort(np.array_split(order, trainers)[trainer])
     held = max(min_tournament, math.ceil(fraction * len(mine))) if hold_out else 0
     if len(mine) - held < 1:
-        raise ValueError(
+        raise ConfigError(
             f"trainer {trainer} of {trainers} gets {len(mine)} of the {samples} training samples, "
             f"too few to hold out {held} for tournaments and still train; add samples, lower "
             "plan.trainer or population.tournament_fraction.")

@@ -25,10 +25,7 @@ from ..plan import Plan
 from .monitor.observe_options import MLPerfOptions, ObserveOptions
 from ..population.options import PopulationOptions
 from ..population.options import validate as validate_population
-
-
-class ConfigError(ValueError):
-    """A config value or key that cannot be used; the message says what would work."""
+from ..errors import ConfigError  # noqa: F401 - defined with the other user errors; used, re-exported
 
 
 @dataclass

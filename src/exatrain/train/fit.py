@@ -32,7 +32,7 @@ from torch import nn
 from ..comm import broadcast, broadcast_object
 from ..mesh import init
 from ..parallel import parallelize
-from ..plan import Plan
+from ..plan import Plan, PlanError
 from ..workloads.user import Task, workload_from_task
 from .config import FIXED_SECTIONS, Config, ConfigError, build_section, load_config, validate
 from .monitor.console import TrainConsole
@@ -92,7 +92,7 @@ def fit(model, train_set, val_set, loss, metrics: dict | None = None, *, plan: P
     if plan is None:
         plan = config.plan.resolve(world)
     elif plan.world_size != world:
-        raise ValueError(
+        raise PlanError(
             f"{plan} needs {plan.world_size} ranks but this process is one of {world}. Start the "
             f"script with `exatrain run SCRIPT --nproc {plan.world_size}`, `torchrun "
             f"--nproc-per-node {plan.world_size} SCRIPT`, srun, or et.launch(fn, "

@@ -99,6 +99,7 @@ from ..comm import Axis, all_reduce, broadcast
 from ..parallel.branches import SplitBranches
 from ..parallel.data import unwrap
 from ..parallel.spatial.layers import SpatialConv
+from ..errors import ConfigError
 
 UNSUPPORTED_AXES = ("trainer", "pipe", "shard", "tensor")
 STATE_KEYS = ("kfac_A", "kfac_G", "kfac_QA", "kfac_dA", "kfac_QG", "kfac_dG")
@@ -112,7 +113,7 @@ def check_plan(plan, where: str = "") -> None:
     bad = {k: v for k, v in degrees.items() if v > 1}
     if bad:
         names = ", ".join(f"{k}={v}" for k, v in bad.items())
-        raise ValueError(
+        raise ConfigError(
             f"{where}optim.name='kfac' supports the data and space axes only; the plan has {names}. "
             f"Set {' and '.join(f'plan.{k}=1' for k in bad)} (put those ranks on plan.data), or "
             f"use optim.name='adamw' or 'sgd'.")
@@ -125,7 +126,7 @@ def check_model(module: nn.Module, where: str = "") -> None:
     split = [name for name, m in module.named_modules()
              if isinstance(m, SplitBranches) and m.axis.size > 1]
     if split:
-        raise ValueError(
+        raise ConfigError(
             f"{where}optim.name='kfac' with parallel.branches='data': the branches of "
             f"{', '.join(repr(n) for n in split)} run on their owner ranks only, and K-FAC needs "
             f"every preconditioned layer on every data rank. Set parallel.branches='none' (K-FAC "
@@ -281,10 +282,10 @@ class KFAC(torch.optim.Optimizer):
                 or s.factor_every < 1 or s.inverse_every < 1 or s.factor_positions < 0 \
                 or s.inverse not in ("eigen", "cholesky") or s.max_factor_dim < 0 \
                 or s.matmul_dtype not in MATMUL_DTYPES:
-            raise ValueError(f"K-FAC settings out of range: {s}; need 0 < factor_decay < 1, "
-                             "damping > 0, kl_clip > 0, factor_every ≥ 1, inverse_every ≥ 1, "
-                             "factor_positions ≥ 0, inverse 'eigen' or 'cholesky', "
-                             "max_factor_dim ≥ 0, matmul_dtype 'float32' or 'bfloat16'.")
+            raise ConfigError(f"K-FAC settings out of range: {s}; need 0 < factor_decay < 1, "
+                              "damping > 0, kl_clip > 0, factor_every ≥ 1, inverse_every ≥ 1, "
+                              "factor_positions ≥ 0, inverse 'eigen' or 'cholesky', "
+                              "max_factor_dim ≥ 0, matmul_dtype 'float32' or 'bfloat16'.")
         self.inner, self.settings, self.grad_accum = inner, s, grad_accum
         self.matmul_dtype = MATMUL_DTYPES[s.matmul_dtype]
         self.defaults = inner.defaults
@@ -306,8 +307,8 @@ class KFAC(torch.optim.Optimizer):
         n = max(1, round(f * W))
         if not 1 / W - 1e-9 <= f <= 1 or W % n:
             fractions = [k / W for k in range(1, W + 1) if W % k == 0]
-            raise ValueError(f"kfac grad_worker_fraction={f} on {W} replica ranks: it must be one "
-                             f"of {fractions} (n/W with n dividing W).")
+            raise ConfigError(f"kfac grad_worker_fraction={f} on {W} replica ranks: it must be one "
+                              f"of {fractions} (n/W with n dividing W).")
         self.workers, self.rows = n, W // n
         me = self.axis.rank
         self.my_row, self.my_col = divmod(me, n)
@@ -397,11 +398,11 @@ class KFAC(torch.optim.Optimizer):
                     kernel, stride, dil = module.kernel_size, module.stride, module.dilation
                 else:
                     if isinstance(module.padding, str):
-                        raise ValueError(f"K-FAC: layer '{layer.name}' uses padding="
-                                         f"{module.padding!r}; give the padding in numbers.")
+                        raise ConfigError(f"K-FAC: layer '{layer.name}' uses padding="
+                                          f"{module.padding!r}; give the padding in numbers.")
                     if module.padding_mode != "zeros":
-                        raise ValueError(f"K-FAC: layer '{layer.name}' uses padding_mode="
-                                         f"{module.padding_mode!r}; only 'zeros' is supported.")
+                        raise ConfigError(f"K-FAC: layer '{layer.name}' uses padding_mode="
+                                          f"{module.padding_mode!r}; only 'zeros' is supported.")
                     lo = hi = tuple(module.padding)
                     kernel, stride, dil = module.kernel_size, module.stride, module.dilation
                 rows = conv_patches(x, kernel, stride, dil, lo, hi, self.settings.factor_positions)

@@ -114,9 +114,9 @@ class PopulationTrainer(Trainer):
     def _checked(self, scores: dict) -> dict:
         missing = [m for m in self.options.metric if m not in scores]
         if missing:  # the same verdict on every rank: they all computed the same metric names
-            raise ValueError(f"population.metric={self.options.metric}: the "
-                             f"{self.config.run.workload} workload reports {sorted(scores)}, not "
-                             f"{missing}; pick from those.")
+            raise ConfigError(f"population.metric={self.options.metric}: the "
+                              f"{self.config.run.workload} workload reports {sorted(scores)}, not "
+                              f"{missing}; pick from those.")
         return scores
 
     def evaluate(self, dataset=None) -> dict[str, float]:

@@ -49,10 +49,15 @@ import torch
 from ..plan import Plan
 from .checkpoints import checkpoint
 from .config import Config, load_config
+from ..errors import UserError
 
 
-class PredictError(ValueError):
-    """A run directory, data set or option that `predict` cannot use; says what would work."""
+class PredictError(UserError, ValueError):
+    """A run directory, data set or option that `exatrain predict` cannot use.
+
+    What to do: the message names what would work: a run directory with a checkpoint, data of
+    the shape the model was trained on, a Plan the checkpoint can be read under.
+    """
 
 
 # ------------------------------------------------------------------ what the outputs mean

@@ -24,10 +24,14 @@ from .config import Config
 from .monitor.console import TrainConsole
 from .resilience.restart import cleanup_failed_start, record_failure, stable_run_dir
 from .trainer import Trainer
+from ..errors import UserError, relayed
 
 
-class ResumeError(FileNotFoundError):
-    pass
+class ResumeError(UserError, FileNotFoundError):
+    """`--resume DIR` names a directory that holds no complete checkpoint to resume.
+
+    What to do: name a run directory with a checkpoint, or start a new run (no `--resume`).
+    """
 
 
 def fresh_run_dir(config: Config) -> Path:
@@ -107,12 +111,13 @@ def prepare_run(config: Config, mesh, resume_dir: str | None, stable: Path | Non
             workload_module.prepare(config)
         except Exception as exc:  # tell the others now, or they wait out run.timeout_s
             failure = exc
-    message = broadcast_object(f"{type(failure).__name__}: {failure}" if failure else None,
-                               mesh.world)
+    relay = broadcast_object(relayed(failure, "prepare the data") if failure else None,
+                             mesh.world)
     if failure is not None:
         raise failure
-    if message is not None:
-        raise RuntimeError(f"rank 0 could not prepare the data: {message}")
+    if relay is not None:
+        cls, message = relay
+        raise cls(message)
     if mesh.rank == 0:
         run_dir = Path(resume_dir) if resume_dir else make_run_dir(config, stable)
         (run_dir / "config.toml").write_text(tomli_w.dumps(config.to_dict()))

@@ -59,7 +59,7 @@ from ..parallel.shard import build_optimizer_for
 from ..workloads.base import Workload
 from .checkpoints import checkpoint
 from . import kfac
-from .config import Config, micro_batch_size
+from .config import Config, ConfigError, micro_batch_size
 from .monitor.memory import StepPeak, state_bytes
 from .monitor.observer import StepObserver
 from .monitor.step_meters import PendingSteps
@@ -69,6 +69,7 @@ from .resilience.faults import FaultInjector
 from .resilience.policies import SkipBadSamples, out_of_memory_advice, skip_nonfinite
 from .resilience.stop import StopOnSignal
 from .resilience.watchdog import Watchdog
+from ..errors import UserError
 
 
 STOP_CHECK_EVERY = 5  # steps between a multi-rank run's stop agreements (besides log steps); the
@@ -84,8 +85,12 @@ class Interval:
     waits: list = field(default_factory=list)     # seconds waited for input
 
 
-class NonFiniteLoss(RuntimeError):
-    """Training produced a NaN or infinite loss or gradient; the last checkpoint is intact."""
+class NonFiniteLoss(UserError, RuntimeError):
+    """Training produced a NaN or infinite loss or gradient; the last checkpoint is intact.
+
+    What to do: lower `optim.lr`, add warm-up, or set `train.on_nonfinite = "skip"`; resume from
+    the checkpoint the message names.
+    """
 
 
 def build_optimizer(params, options, lr: float) -> torch.optim.Optimizer:
@@ -164,11 +169,12 @@ class Trainer:
             _, _, _, on_node, nodes = self.node_shard
             self.steps_per_epoch = (n // nodes) // (on_node * (t.batch_size // self.replicas))
         if self.steps_per_epoch == 0:
-            raise ValueError(f"train.batch_size={t.batch_size} is larger than the training set "
-                             f"({n} samples); lower it or add samples.")
+            raise ConfigError(f"train.batch_size={t.batch_size} is larger than the training set "
+                              f"({n} samples); lower it or add samples.")
         if len(workload.val_set) < self.replicas:
-            raise ValueError(f"the validation set has {len(workload.val_set)} samples, fewer than "
-                             f"the {self.replicas} data replicas; every replica needs at least one.")
+            raise ConfigError(
+                f"the validation set has {len(workload.val_set)} samples, fewer than "
+                f"the {self.replicas} data replicas; every replica needs at least one.")
         self.total_steps = t.steps or t.epochs * self.steps_per_epoch
         s = config.schedule
         self.peak_lr = scaled_lr(config.optim.lr, t.batch_size, s.base_batch_size, s.lr_scaling)
@@ -246,7 +252,7 @@ class Trainer:
         split = [r for r in range(self.replicas) if sum(r in v for v in replicas.values()) > 1]
         counts = {len(v) for v in replicas.values()}
         if split or len(counts) > 1:
-            raise ValueError(
+            raise ConfigError(
                 "data.shuffle = \"node\" needs every data replica's ranks on one node and the "
                 f"same number of replicas on every node; replicas per node here: "
                 f"{ {h: v for h, v in replicas.items()} }. Use data.shuffle = \"global\", or "
@@ -255,8 +261,8 @@ class Trainer:
         shard = np.array_split(np.arange(len(self.workload.train_set)), len(hosts))[me]
         on_node = len(replicas[host_name()])
         if len(shard) < on_node * (self.config.train.batch_size // self.replicas):
-            raise ValueError(f"data.shuffle = \"node\": a node's shard of {len(shard)} samples "
-                             "is smaller than its part of one batch; lower train.batch_size.")
+            raise ConfigError(f"data.shuffle = \"node\": a node's shard of {len(shard)} samples "
+                              "is smaller than its part of one batch; lower train.batch_size.")
         return me, shard, replicas[host_name()].index(self.data_axis.rank), on_node, len(hosts)
 
     def _batches(self, start_step: int) -> Prefetcher:

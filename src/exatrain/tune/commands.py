@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..plan import Plan, PlanError
 from .cost import Options
+from ..errors import ArgumentError, MissingFileError
 
 
 def parse_plan(text: str) -> Plan:
@@ -181,12 +182,12 @@ def measured_run(run_dir: str) -> dict:
     import statistics
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"--run-dir {run_dir}: no metrics.jsonl there; give the "
-                                "directory `exatrain run` wrote (runs/NAME-DATE)")
+        raise MissingFileError(f"--run-dir {run_dir}: no metrics.jsonl there; give the "
+                               "directory `exatrain run` wrote (runs/NAME-DATE)")
     lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     steps = [x for x in lines if "step_s" in x]
     if not steps:
-        raise ValueError(f"--run-dir {run_dir}: metrics.jsonl has no step_s records yet")
+        raise ArgumentError(f"--run-dir {run_dir}: metrics.jsonl has no step_s records yet")
     memory = [x.get("state_bytes", 0) + x.get("peak_activation_bytes", 0) for x in steps]
     return {"step_s": statistics.median(x["step_s"] for x in steps),
             "memory_bytes": max(memory), "records": len(steps), "run_dir": str(run_dir)}

@@ -33,7 +33,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..plan import Plan
+from ..plan import Plan, PlanError
+from ..errors import ArgumentError, ConfigError
 
 
 def _fake_group(rank: int, world: int) -> None:
@@ -80,7 +81,7 @@ def _build(config, on_meta: bool):
                                   depth=m.depth, num_heads=m.num_heads, mlp_ratio=m.mlp_ratio,
                                   dropout=m.dropout, residual=m.residual)
         return model, d, relative_l2_loss
-    raise ValueError(f"run.workload={workload!r}: the dry run knows gpt, cosmoflow and vit")
+    raise ConfigError(f"run.workload={workload!r}: the dry run knows gpt, cosmoflow and vit")
 
 
 def dry_run(config, plan: Plan, rank: int, max_full_bytes: float = 4 * 2 ** 30) -> dict:
@@ -92,7 +93,7 @@ def dry_run(config, plan: Plan, rank: int, max_full_bytes: float = 4 * 2 ** 30) 
     plan.require_implemented()
     world = plan.world_size
     if not 0 <= rank < world:
-        raise ValueError(f"--dry-run {rank}: ranks of {plan} are 0..{world - 1}")
+        raise ArgumentError(f"--dry-run {rank}: ranks of {plan} are 0..{world - 1}")
     p = config.parallel
     options = ParallelOptions(zero_stage=p.zero_stage, precision=p.precision,
                               activation_checkpointing=p.activation_checkpointing,
@@ -104,7 +105,7 @@ def dry_run(config, plan: Plan, rank: int, max_full_bytes: float = 4 * 2 ** 30) 
     full = sum(t.numel() * t.element_size() for t in model.parameters())
     if not splits_on_meta:
         if full > max_full_bytes:
-            raise ValueError(
+            raise PlanError(
                 f"{plan}: the data/shard/space strategies split a materialised model "
                 f"(parallel.apply moves it to the device first), so this dry run would allocate "
                 f"the whole model ({full / 2 ** 30:.1f} GiB) in this process; limit "
@@ -117,8 +118,8 @@ def dry_run(config, plan: Plan, rank: int, max_full_bytes: float = 4 * 2 ** 30) 
         replicas = plan.data * plan.shard
         batch = config.train.batch_size
         if batch % replicas:
-            raise ValueError(f"train.batch_size={batch} does not split over data×shard="
-                             f"{replicas}; use a multiple of {replicas}")
+            raise ConfigError(f"train.batch_size={batch} does not split over data×shard="
+                              f"{replicas}; use a multiple of {replicas}")
         per_rank = batch // replicas // config.train.grad_accum
         net = parallelize(model, mesh, options, example=_switch_example(config, shape, plan))
         if plan.tensor_degree > 1 and any(t.is_meta for t in net.parameters()):

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import ConfigError
+
 
 def trace_saved_bytes(model: nn.Module, inputs, loss_fn, largest: list | None = None) -> int:
     """Bytes of the distinct non-parameter tensors autograd saves for one forward + loss
@@ -346,5 +348,5 @@ def spec_from_config(config) -> ModelSpec:
         m, d = config.model, config.data
         return vit_spec((d.height, d.width), m.patch_size, 3, m.embed_dim, m.depth,
                         m.num_heads, m.mlp_ratio)
-    raise ValueError(f"run.workload={workload!r}: the planner knows the gpt, cosmoflow and vit "
-                     "workloads; add a spec builder in exatrain.tune.spec for others.")
+    raise ConfigError(f"run.workload={workload!r}: the planner knows the gpt, cosmoflow and vit "
+                      "workloads; add a spec builder in exatrain.tune.spec for others.")

@@ -40,6 +40,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import ArgumentError, MissingFileError
+
 SYSTEMS_DIR = Path(__file__).parent / "systems"
 
 
@@ -114,15 +116,15 @@ def _link(table: dict, where: str) -> Link:
                     float(table.get("efficiency", 1.0)), float(table.get("small_latency", 0.0)),
                     float(table.get("small_bytes", 0.0)))
     except KeyError as exc:
-        raise ValueError(f"{where}: missing key {exc}; give bandwidth (bytes/s), latency (s) "
-                         "and optionally efficiency") from None
+        raise ArgumentError(f"{where}: missing key {exc}; give bandwidth (bytes/s), latency (s) "
+                            "and optionally efficiency") from None
 
 
 def from_dict(raw: dict, where: str = "system") -> System:
     missing = [k for k in ("name", "ranks_per_node", "memory_bytes", "flops", "intra", "inter")
                if k not in raw]
     if missing:
-        raise ValueError(f"{where}: missing {', '.join(missing)} (see {SYSTEMS_DIR}/*.toml)")
+        raise ArgumentError(f"{where}: missing {', '.join(missing)} (see {SYSTEMS_DIR}/*.toml)")
     return System(name=raw["name"], ranks_per_node=int(raw["ranks_per_node"]),
                   memory_bytes=float(raw["memory_bytes"]),
                   memory_reserved_bytes=float(raw.get("memory_reserved_bytes", 0)),
@@ -147,6 +149,6 @@ def load_system(name_or_path: str) -> System:
     if not path.is_file():
         hint = " Run `exatrain plan --calibrate` to measure this machine into cpu-local." \
             if name_or_path == "cpu-local" else ""
-        raise FileNotFoundError(f"--system {name_or_path}: no such system; known: "
-                                f"{', '.join(available())}, or give a path to a TOML file.{hint}")
+        raise MissingFileError(f"--system {name_or_path}: no such system; known: "
+                               f"{', '.join(available())}, or give a path to a TOML file.{hint}")
     return from_dict(tomllib.loads(path.read_text()), str(path))

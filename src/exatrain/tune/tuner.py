@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from .cost import Prediction
+from ..errors import ArgumentError
+from ..plan import PlanError
 
 
 def features(pred: Prediction, params: int) -> list[float]:
@@ -117,7 +119,7 @@ def search(candidates: list[Prediction], measure, budget: int, params: int,
     """Measure at most `budget` of `candidates` (see the module doc); `measure(pred) -> seconds`.
     `min_gain=None` never stops before the budget."""
     if not candidates:
-        raise ValueError("no candidate Plans to tune: every Plan was refused (see exatrain plan)")
+        raise PlanError("no candidate Plans to tune: every Plan was refused (see exatrain plan)")
     feats = np.array([features(c, params) for c in candidates])
     logp = np.log([c.step_s for c in candidates])
     px = [f for f, _ in prior]
@@ -183,9 +185,9 @@ def load_prior(paths) -> list[tuple[list[float], float]]:
         data = json.loads(Path(path).read_text())
         bad = [len(p["features"]) for p in data["points"] if len(p["features"]) != FEATURES]
         if bad:
-            raise ValueError(f"--prior {path}: its points have {bad[0]} features, this tuner "
-                             f"uses {FEATURES} (recorded by an older exatrain); record it again "
-                             "with `exatrain tune --record`")
+            raise ArgumentError(f"--prior {path}: its points have {bad[0]} features, this tuner "
+                                f"uses {FEATURES} (recorded by an older exatrain); record it again "
+                                "with `exatrain tune --record`")
         points += [(p["features"], p["residual"]) for p in data["points"]]
     return points
 

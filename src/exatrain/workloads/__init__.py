@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 
+from ..errors import ConfigError
+
 # name -> module; modules are imported on demand so one workload's dependencies never load another's.
 WORKLOAD_MODULES = {
     "cosmoflow": "exatrain.workloads.cosmoflow",
@@ -24,7 +26,7 @@ def get_workload(name: str):
         import difflib
         close = difflib.get_close_matches(name, WORKLOAD_MODULES, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"run.workload={name!r} is unknown; choose one of "
-                         f"{', '.join(sorted(WORKLOAD_MODULES))}, or name your own build "
-                         f"function as 'package.module:build' or 'path/to/file.py'.{hint}")
+        raise ConfigError(f"run.workload={name!r} is unknown; choose one of "
+                          f"{', '.join(sorted(WORKLOAD_MODULES))}, or name your own build "
+                          f"function as 'package.module:build' or 'path/to/file.py'.{hint}")
     return importlib.import_module(WORKLOAD_MODULES[name])

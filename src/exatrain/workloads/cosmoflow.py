@@ -13,6 +13,7 @@ from ..data.cosmoflow import (PARAM_NAMES, CosmoFlowDataset, CountsDecoder,
 from ..data.stage import InputFiles
 from ..models.cosmoflow import CosmoFlow
 from .base import InputOptions, Workload
+from ..errors import ConfigError, MissingFileError
 
 
 @dataclass
@@ -128,7 +129,7 @@ def _flat_samples(path: Path) -> bool:
                                  for p in path.iterdir()) and not (path / "train.h5").exists()
 
 
-def layout_error(path: Path) -> FileNotFoundError:
+def layout_error(path: Path) -> MissingFileError:
     """The accepted layouts, what `path` holds, and what to do: for a data.path that is none."""
     fix = (f"This looks like one split of per-sample files: move them into {path}/train/ (and "
            f"the validation samples into {path}/validation/), or point data.path at the "
@@ -138,8 +139,8 @@ def layout_error(path: Path) -> FileNotFoundError:
            "`exatrain data cosmoflow --out DIR` (or set data.generate = true and a data.path "
            "that does not exist yet).")
     accepted = "".join(f"\n  * {layout}" for layout in LAYOUTS)
-    return FileNotFoundError(f"data.path={str(path)!r} is not a CosmoFlow data directory. "
-                             f"Accepted layouts:{accepted}\nFound: {_found(path)}. {fix}")
+    return MissingFileError(f"data.path={str(path)!r} is not a CosmoFlow data directory. "
+                            f"Accepted layouts:{accepted}\nFound: {_found(path)}. {fix}")
 
 
 def _split(path: Path, name: str) -> Path:
@@ -177,7 +178,7 @@ def check_model_fits_data(config, data_set: CosmoFlowDataset) -> None:
            if len(set(edge)) == 1 else "use cubic samples")
     new = (f"; to generate {m.size}³ data instead, set data.size={m.size} and a data.path "
            "that does not exist yet") if d.generate else ""
-    raise ValueError(
+    raise ConfigError(
         f"model.size={m.size} expects {m.size}³ samples, but the data in {data_set.path} "
         f"({data_set.layout} layout) hold {cube} samples of {data_set.sample_shape[3]} "
         f"channels{generated}. To train on these data, {fix}{new}.")

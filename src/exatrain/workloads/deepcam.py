@@ -45,6 +45,7 @@ from ..data.stage import InputFiles
 from ..models.deepcam import DeepCAM, class_weights_from_frequencies, iou_from_confusion
 from ..parallel.spatial.functions import sum_over_axis
 from .base import InputOptions, Workload
+from ..errors import ConfigError
 
 
 @dataclass
@@ -149,8 +150,9 @@ def build(config, mesh) -> Workload:
     model = DeepCAM(in_channels=channels, num_classes=len(CLASS_NAMES), width=m.width,
                     aspp_rates=tuple(m.aspp_rates), dropout=m.dropout)
     if height % DeepCAM.output_stride or width % DeepCAM.output_stride:
-        raise ValueError(f"DeepCAM samples are {height}x{width}; both must be divisible by the "
-                         f"model's output stride {DeepCAM.output_stride} (data.height/data.width).")
+        raise ConfigError(
+            f"DeepCAM samples are {height}x{width}; both must be divisible by the "
+            f"model's output stride {DeepCAM.output_stride} (data.height/data.width).")
     flops = 3 * deepcam_forward_flops(model, channels, height, width)
     freqs = train_set.class_frequencies
     decode = None
@@ -167,7 +169,7 @@ def build(config, mesh) -> Workload:
         for n, p, a in ((height, mesh.plan.space[1], "h"), (width, mesh.plan.space[2], "w")):
             if (n // p) % stride:
                 ok = [q for q in range(1, n // stride + 1) if n % (q * stride) == 0]
-                raise ValueError(
+                raise ConfigError(
                     f"plan.space splits the {n}-pixel {'height' if a == 'h' else 'width'} of the "
                     f"DeepCAM fields {p} ways into blocks of {n // p}, which the model's output "
                     f"stride {stride} does not divide; use space_{a} in {ok}, or fields whose "
@@ -177,8 +179,9 @@ def build(config, mesh) -> Workload:
     weights = None
     if d.class_weights:
         if freqs is None:
-            raise ValueError(f"data.class_weights=true needs class frequencies in the stats file "
-                             f"next to {path}; set data.class_weights=false or regenerate the data.")
+            raise ConfigError(
+                f"data.class_weights=true needs class frequencies in the stats file "
+                f"next to {path}; set data.class_weights=false or regenerate the data.")
         weights = class_weights_from_frequencies(freqs)
     k = len(CLASS_NAMES)
 

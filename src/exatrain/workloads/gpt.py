@@ -32,6 +32,7 @@ from torch.utils.data import Subset
 from ..data.text import TokenDataset, write_text_corpus
 from ..models.gpt import GPT, GPTConfig, flops_per_token, gpt_loss
 from .base import InputOptions, Workload
+from ..errors import ConfigError, MissingFileError
 
 _DEFAULT_SHAPE = dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128)
 
@@ -90,14 +91,14 @@ def build(config, mesh) -> Workload:
     path = Path(d.path)
     meta_file = path / "meta.json"
     if not meta_file.is_file():
-        raise FileNotFoundError(f"no text corpus in {path} (meta.json missing); write it with "
-                                f"`exatrain data text --out {path}` or set data.generate=true.")
+        raise MissingFileError(f"no text corpus in {path} (meta.json missing); write it with "
+                               f"`exatrain data text --out {path}` or set data.generate=true.")
     meta = json.loads(meta_file.read_text())
     cfg = model_config(m)
     if cfg.vocab_size < meta["vocab_size"]:
-        raise ValueError(f"model.vocab_size={cfg.vocab_size} is smaller than the corpus "
-                         f"vocabulary ({meta['vocab_size']} for the {meta['tokenizer']} "
-                         "tokenizer); set model.vocab_size=0 or at least that.")
+        raise ConfigError(f"model.vocab_size={cfg.vocab_size} is smaller than the corpus "
+                          f"vocabulary ({meta['vocab_size']} for the {meta['tokenizer']} "
+                          "tokenizer); set model.vocab_size=0 or at least that.")
     train_set = TokenDataset(path / meta["train_file"], block_size=cfg.block_size)
     val_set = TokenDataset(path / meta["val_file"], block_size=cfg.block_size)
     if d.val_samples and d.val_samples < len(val_set):

@@ -36,6 +36,7 @@ from torch.utils.data import Dataset
 
 from .base import Workload
 from .metrics import Mean, metric_functions
+from ..errors import ConfigError
 
 
 @dataclass
@@ -77,8 +78,8 @@ def as_task(result, where: str) -> Task:
         known = {f.name for f in dataclasses.fields(Task)}
         unknown = set(result) - known
         if unknown:
-            raise ValueError(f"{where} returned unknown key(s) {sorted(unknown)}; a Task has "
-                             f"{', '.join(sorted(known))}")
+            raise ConfigError(f"{where} returned unknown key(s) {sorted(unknown)}; a Task has "
+                              f"{', '.join(sorted(known))}")
         return Task(**result)
     raise TypeError(f"{where} must return an exatrain.Task or a dict of its fields, got "
                     f"{type(result).__name__}")
@@ -96,7 +97,7 @@ def _load_module(target: str, spec: str):
     if target.endswith(".py"):
         path = Path(target).resolve()
         if not path.is_file():
-            raise ValueError(f"run.workload={spec!r}: no such file {path}.")
+            raise ConfigError(f"run.workload={spec!r}: no such file {path}.")
         name = f"exatrain_user_{path.stem}_{abs(hash(str(path))) % 10 ** 8}"
         if name not in sys.modules:  # once per process: its classes stay the same objects
             module_spec = importlib.util.spec_from_file_location(name, path)
@@ -111,9 +112,9 @@ def _load_module(target: str, spec: str):
     try:
         return importlib.import_module(target)
     except ModuleNotFoundError as exc:
-        raise ValueError(f"run.workload={spec!r}: cannot import module {target!r} ({exc}); "
-                         "put its folder on PYTHONPATH, or give a file path such as "
-                         "'path/to/model.py:build'.") from None
+        raise ConfigError(f"run.workload={spec!r}: cannot import module {target!r} ({exc}); "
+                          "put its folder on PYTHONPATH, or give a file path such as "
+                          "'path/to/model.py:build'.") from None
 
 
 def _options_class(spec: str, section: str, fields: list) -> type:
@@ -164,16 +165,16 @@ class UserWorkload:
             elif p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
                 continue
             elif p.default is inspect.Parameter.empty:
-                raise ValueError(f"{self.where}: parameter {name!r} of {function.__name__} has no "
-                                 "default; give it one (it is a [model] key), or annotate "
-                                 "`model`/`data` with an options dataclass.")
+                raise ConfigError(f"{self.where}: parameter {name!r} of {function.__name__} has no "
+                                  "default; give it one (it is a [model] key), or annotate "
+                                  "`model`/`data` with an options dataclass.")
             else:
                 kind = p.annotation if p.annotation in (int, float, str, bool) else \
                     type(p.default) if type(p.default) in (int, float, str, bool) else Any
                 scalar_fields.append((name, kind, field(default=p.default)))
         if "model" in self.section_classes and scalar_fields:
-            raise ValueError(f"{self.where}: {function.__name__} takes both `model` options and "
-                             f"keyword options {[f[0] for f in scalar_fields]}; choose one.")
+            raise ConfigError(f"{self.where}: {function.__name__} takes both `model` options and "
+                              f"keyword options {[f[0] for f in scalar_fields]}; choose one.")
         model_fields = [_field_of(f) for f in dataclasses.fields(self.section_classes["model"])] \
             if "model" in self.section_classes else scalar_fields
         data_fields = [_field_of(f) for f in dataclasses.fields(self.section_classes["data"])] \
@@ -216,7 +217,7 @@ def load_user_workload(spec: str) -> UserWorkload:
             names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
                      and getattr(v, "__module__", None) == module.__name__]
             close = difflib.get_close_matches(function_name, names, n=1)
-            raise ValueError(f"run.workload={spec!r}: {target} has no function {function_name!r}."
+            raise ConfigError(f"run.workload={spec!r}: {target} has no function {function_name!r}."
                              + (f" Did you mean {close[0]!r}?" if close else
                                 f" Functions there: {', '.join(sorted(names)) or 'none'}."))
         _LOADED[spec] = UserWorkload(spec, function)

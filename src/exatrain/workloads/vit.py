@@ -29,6 +29,7 @@ import torch
 from ..data.forecast import ForecastDataset, write_forecast
 from ..models.vit import ViTForecaster, flops_per_sample, relative_l2_loss
 from .base import InputOptions, Workload
+from ..errors import ConfigError, MissingFileError
 
 
 @dataclass
@@ -82,19 +83,19 @@ def build(config, mesh) -> Workload:
     path = Path(d.path)
     for split in ("train", "val"):
         if not (path / f"{split}.h5").is_file():
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"{path / (split + '.h5')} is missing: set data.generate=true to simulate it "
                 f"here, or write it with `exatrain data forecast --out {path}`.")
     train_set = ForecastDataset(path / "train.h5", lead=d.lead)
     val_set = ForecastDataset(path / "val.h5", lead=d.lead)
     _n, _t, channels, height, width = train_set.shape
     if height % m.patch_size or width % m.patch_size:
-        raise ValueError(f"model.patch_size={m.patch_size} must divide the data's grid "
-                         f"{height}×{width} ({path}); pick a divisor of both, e.g. "
-                         f"{math.gcd(height, width)}.")
+        raise ConfigError(f"model.patch_size={m.patch_size} must divide the data's grid "
+                          f"{height}×{width} ({path}); pick a divisor of both, e.g. "
+                          f"{math.gcd(height, width)}.")
     if m.embed_dim % m.num_heads:
-        raise ValueError(f"model.embed_dim={m.embed_dim} is not divisible by "
-                         f"model.num_heads={m.num_heads}.")
+        raise ConfigError(f"model.embed_dim={m.embed_dim} is not divisible by "
+                          f"model.num_heads={m.num_heads}.")
     model = ViTForecaster(img_size=(height, width), patch_size=m.patch_size,
                           in_channels=channels, out_channels=channels, embed_dim=m.embed_dim,
                           depth=m.depth, num_heads=m.num_heads, mlp_ratio=m.mlp_ratio,

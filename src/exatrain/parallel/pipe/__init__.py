@@ -19,6 +19,7 @@ from ..precision import Precision
 from .model import PipelineModel, check_microbatches, stage_shapes
 from .schedules import SCHEDULES, bubble_formula, check_schedule_microbatches, stage_indices, virtual_stages
 from .split import PipeSplitError, split_model
+from ...errors import ParallelizeError
 
 __all__ = ["PipelineModel", "PipeSplitError", "SCHEDULES", "bubble_formula", "pipeline_parallel",
            "split_model"]
@@ -36,8 +37,9 @@ def pipeline_parallel(model: nn.Module, mesh, options, example: torch.Tensor | N
     blocks, after it whole tensors (`spatial.stage_regions`).
     """
     if example is None:
-        raise ValueError("plan.pipe > 1: parallelize(model, mesh, options, example=x) needs one "
-                         "per-replica batch of inputs x, to trace the model and size the stages.")
+        raise ParallelizeError(
+            "plan.pipe > 1: parallelize(model, mesh, options, example=x) needs one "
+            "per-replica batch of inputs x, to trace the model and size the stages.")
     axis = mesh.axis("pipe")
     per_rank = virtual_stages(options.pipe_schedule, options.pipe_virtual_stages)
     stages = axis.size * per_rank

@@ -30,6 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ...comm import Axis, all_reduce
 from ..data import unwrap
 from .schedules import bubble_formula, build_schedule
+from ...errors import ConfigError
 
 
 def _as_tuple(x):
@@ -76,7 +77,7 @@ def _deferred_syncs(stage: nn.Module) -> list:
 
 def check_microbatches(batch: int, microbatches: int) -> None:
     if batch % microbatches:
-        raise ValueError(
+        raise ConfigError(
             f"parallel.microbatches={microbatches} does not divide the per-replica batch of {batch} "
             f"samples; choose a divisor of {batch} (or change train.batch_size).")
 
@@ -169,7 +170,7 @@ class PipelineModel(nn.Module):
         """
         n = x.shape[0]
         if n > self.batch:
-            raise ValueError(f"evaluation batch of {n} exceeds the pipelined batch {self.batch}.")
+            raise ConfigError(f"evaluation batch of {n} exceeds the pipelined batch {self.batch}.")
         if n < self.batch:
             x = torch.cat([x, x[-1:].expand(self.batch - n, *x.shape[1:])])
         # the schedule computes a loss on the last stage whenever it has a loss function: give

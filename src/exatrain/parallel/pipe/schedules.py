@@ -16,6 +16,8 @@ work against the m (or v·m) slots of useful work.
 
 from __future__ import annotations
 
+from ...errors import ConfigError
+
 # name -> (schedule class in torch.distributed.pipelining, several stages per rank?). The class
 # is looked up when a schedule is built: importing torch.distributed.pipelining pulls DTensor,
 # torch._dynamo and sympy (~800 files), which a job without a pipe axis must not open (start-up).
@@ -29,7 +31,7 @@ SCHEDULES = {
 
 def check_schedule(name: str) -> None:
     if name not in SCHEDULES:
-        raise ValueError(f"parallel.pipe_schedule={name!r} is not one of {', '.join(SCHEDULES)}.")
+        raise ConfigError(f"parallel.pipe_schedule={name!r} is not one of {', '.join(SCHEDULES)}.")
 
 
 def virtual_stages(name: str, virtual: int) -> int:
@@ -38,8 +40,8 @@ def virtual_stages(name: str, virtual: int) -> int:
     if not SCHEDULES[name][1]:
         return 1
     if virtual < 2:
-        raise ValueError(f"parallel.pipe_schedule={name!r} runs several stages per rank: "
-                         f"set parallel.pipe_virtual_stages >= 2 (got {virtual}).")
+        raise ConfigError(f"parallel.pipe_schedule={name!r} runs several stages per rank: "
+                          f"set parallel.pipe_virtual_stages >= 2 (got {virtual}).")
     return virtual
 
 
@@ -59,10 +61,11 @@ def check_schedule_microbatches(name: str, ranks: int, microbatches: int) -> Non
     1f1b needs m ≥ p micro-batches (torch 2.13's Schedule1F1B raises at its first step, without
     saying which setting to change)."""
     if name == "1f1b" and microbatches < ranks:
-        raise ValueError(f"parallel.pipe_schedule='1f1b' needs at least as many micro-batches as "
-                         f"pipeline ranks: parallel.microbatches={microbatches} < plan.pipe={ranks}; "
-                         f"set parallel.microbatches >= {ranks} (the bubble shrinks as it grows), "
-                         "or use gpipe.")
+        raise ConfigError(
+            f"parallel.pipe_schedule='1f1b' needs at least as many micro-batches as "
+            f"pipeline ranks: parallel.microbatches={microbatches} < plan.pipe={ranks}; "
+            f"set parallel.microbatches >= {ranks} (the bubble shrinks as it grows), "
+            "or use gpipe.")
 
 
 def build_schedule(name: str, stages: list, microbatches: int, loss_fn):

@@ -32,9 +32,16 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.experimental.meta_tracer import MetaTracer
 
+from ...errors import ParallelizeError
 
-class PipeSplitError(ValueError):
-    """A model that cannot be split as asked; the message names the module and what would work."""
+
+class PipeSplitError(ParallelizeError):
+    """The model cannot be split into `plan.pipe` pipeline stages: too few layers for the stages,
+    or a layer the split cannot cut around.
+
+    What to do: use at most as many stages as the message says (`plan.pipe`), or give the model
+    more top-level layers (an `nn.Sequential` of blocks).
+    """
 
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList)

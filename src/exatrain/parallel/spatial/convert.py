@@ -189,7 +189,7 @@ class SpatialRuntime:
             raise SpatialSplitError(
                 f"{what} has {k} spatial dims ({', '.join(dims)}) but the plan splits "
                 f"space={self.parts} (d, h, w): a {k}D model can only split its own dims, "
-                f"e.g. space={(1,) * (3 - k) + self.parts[3 - k:]}.")
+                f"e.g. space={own_dims(self.parts, k)} on as many ranks.")
         return self.parts[3 - k:], self.coords[3 - k:], self.strides[3 - k:]
 
     # ---------------------------------------------------------------- gradient bookkeeping
@@ -430,6 +430,15 @@ def block_region(sample_shape: tuple[int, ...], mesh: Mesh) -> tuple[slice, ...]
                         tuple(mesh.coords[f"space_{a}"] for a in "dhw"))
 
 
+def own_dims(space: tuple[int, int, int], k: int) -> tuple[int, int, int]:
+    """`space` (d, h, w) with the degrees of the dims a k-D sample lacks moved onto its first own
+    dim: the split a k-D model can take on the same ranks ((2, 1, 1), k=2 -> (1, 2, 1))."""
+    if not 1 <= k <= 3:
+        return tuple(space)
+    lost = math.prod(space[:3 - k])
+    return (1,) * (3 - k) + (lost * space[3 - k],) + tuple(space[4 - k:])
+
+
 def block_slices(sample_shape: tuple[int, ...], space: tuple[int, int, int],
                  coords: tuple[int, int, int]) -> tuple[slice, ...]:
     """The block at grid `coords` (d, h, w) of a sample split by `space` (d, h, w)."""
@@ -438,7 +447,7 @@ def block_slices(sample_shape: tuple[int, ...], space: tuple[int, int, int],
     if any(p > 1 for p in parts[:3 - k]):
         raise SpatialSplitError(f"samples of spatial shape {tuple(sample_shape)} have {k} spatial "
                                 f"dims but the plan splits space={parts} (d, h, w); use "
-                                f"space={(1,) * (3 - k) + parts[3 - k:]}.")
+                                f"space={own_dims(parts, k)} on as many ranks.")
     region = []
     for n, p, c, a in zip(sample_shape, parts[3 - k:], coords[3 - k:], "dhw"[3 - k:]):
         if n % p:

@@ -42,6 +42,7 @@ from torch import nn
 from ...comm import Axis
 from ...comm.autograd import copy_to, gather, reduce_from, scatter
 from .state import shard_of
+from ...errors import TensorSplitError
 
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
@@ -87,10 +88,11 @@ class _SplitConv(nn.Module):
         super().__init__()
         if not splittable(conv, axis.size, self.side):
             what = "out_channels" if self.side == "filter" else "in_channels"
-            raise ValueError(f"{type(conv).__name__} with {what}="
-                             f"{getattr(conv, what)} and groups={conv.groups} cannot be split "
-                             f"{self.side}-wise over the {axis.size} ranks of {axis.name!r}: it "
-                             f"needs groups=1 and {what} divisible by {axis.size}.")
+            raise TensorSplitError(
+                f"{type(conv).__name__} with {what}="
+                f"{getattr(conv, what)} and groups={conv.groups} cannot be split "
+                f"{self.side}-wise over the {axis.size} ranks of {axis.name!r}: it "
+                f"needs groups=1 and {what} divisible by {axis.size}.")
         shell = copy.copy(conv)
         shell.__dict__["_parameters"] = {}
         shell.__dict__["_forward_hooks"] = {}
@@ -189,8 +191,8 @@ def split_batchnorm(bn: nn.modules.batchnorm._BatchNorm, axis: Axis) -> nn.Modul
     """A copy of `bn` holding this rank's channels (weight, bias, running statistics), each
     marked with its layout so full state dicts hold the whole layer."""
     if bn.num_features % axis.size:
-        raise ValueError(f"{type(bn).__name__}({bn.num_features}) does not split over the "
-                         f"{axis.size} ranks of {axis.name!r}.")
+        raise TensorSplitError(f"{type(bn).__name__}({bn.num_features}) does not split over the "
+                               f"{axis.size} ranks of {axis.name!r}.")
     local = copy.copy(bn)
     for table in ("_parameters", "_buffers"):
         local.__dict__[table] = dict(bn.__dict__[table])

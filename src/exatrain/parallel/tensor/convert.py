@@ -82,6 +82,7 @@ from .switch import conv_names, eligible_after, switch_point
 from .linear1d import SEQ_DIM, ColumnParallelLinear, RowParallelLinear, SharedInput
 from .linear3d import Grid3D, Linear3D, SharedScatter, gather_batch, scatter_batch
 from .rng import ForwardRng
+from ...errors import ConfigError, TensorSplitError
 
 # Modules through which features stay where they are (elementwise, or identity).
 FEATURE_LOCAL = (nn.GELU, nn.ReLU, nn.ReLU6, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.LeakyReLU,
@@ -193,9 +194,10 @@ class _PairCheck:
             return None                      # no graph to check (no grad): try the next forward
         where = f"{self.name}: row layer {self.row_name!r} after column layer(s) {self.col_names}"
         if x.grad_fn is None:
-            raise ValueError(f"{where}: the row layer's input is not computed from the column "
-                             "layers' outputs, so they cannot be split as a column → row pair. "
-                             "Pass pairs=False to parallelize_tensor.")
+            raise TensorSplitError(
+                f"{where}: the row layer's input is not computed from the column "
+                "layers' outputs, so they cannot be split as a column → row pair. "
+                "Pass pairs=False to parallelize_tensor.")
         seen, stack, reached = set(), [x.grad_fn], False
         while stack and len(seen) < 100_000:
             node = stack.pop()
@@ -206,19 +208,22 @@ class _PairCheck:
                 reached = True
                 continue
             if node in self.inputs:
-                raise ValueError(f"{where}: the row layer's input depends on the module's input "
-                                 "other than through the column layers, so they cannot be split "
-                                 "as a column → row pair. Pass pairs=False to parallelize_tensor.")
+                raise TensorSplitError(
+                    f"{where}: the row layer's input depends on the module's input "
+                    "other than through the column layers, so they cannot be split "
+                    "as a column → row pair. Pass pairs=False to parallelize_tensor.")
             kind = type(node).__name__
             if kind.startswith(_NOT_FEATURE_LOCAL):
-                raise ValueError(f"{where}: between them the model applies {kind}, which mixes "
-                                 "features, so they cannot be split as a column → row pair. "
-                                 "Pass pairs=False to parallelize_tensor.")
+                raise TensorSplitError(
+                    f"{where}: between them the model applies {kind}, which mixes "
+                    "features, so they cannot be split as a column → row pair. "
+                    "Pass pairs=False to parallelize_tensor.")
             stack.extend(n for n, _ in node.next_functions)
         if not reached:
-            raise ValueError(f"{where}: the row layer's input is not computed from the column "
-                             "layers' outputs, so they cannot be split as a column → row pair. "
-                             "Pass pairs=False to parallelize_tensor.")
+            raise TensorSplitError(
+                f"{where}: the row layer's input is not computed from the column "
+                "layers' outputs, so they cannot be split as a column → row pair. "
+                "Pass pairs=False to parallelize_tensor.")
         for handle in self.handles:
             handle.remove()
         return None
@@ -379,7 +384,7 @@ class TensorParallel:
                     and not self.conv_eligible:
                 # the switch rule (parallel/tensor/switch.py) kept every convolution on `space`
                 # (convolutions chosen but not dividing t fall to the message below)
-                raise ValueError(
+                raise TensorSplitError(
                     f"{self.mesh.plan}: no layer is left for the tensor axis. Under space x "
                     f"tensor a convolution goes to channel/filter parallelism only where that "
                     f"moves fewer bytes than the spatial split (or where parallel.chanfilt_from "
@@ -390,7 +395,7 @@ class TensorParallel:
                     f"or name the first convolution to split with parallel.chanfilt_from (in a "
                     f"model with skip connections, e.g. a segmentation model, one after they "
                     f"join).")
-            raise ValueError(
+            raise TensorSplitError(
                 f"{self.mesh.plan}: no Linear or convolution of the model divides the tensor "
                 f"grid {self.mesh.plan.tensor} (Linear (in, out) shapes: {shapes[:8]}); tensor "
                 f"parallelism would only replicate the model. Pick degrees that divide the "
@@ -404,7 +409,7 @@ class TensorParallel:
             batch_norms = [n for n, m in root.named_modules()
                            if isinstance(m, nn.modules.batchnorm._BatchNorm)]
             if batch_norms:
-                raise ValueError(
+                raise TensorSplitError(
                     f"{self.mesh.plan}: tensor_z={self.z.size} splits each batch over z, but the "
                     f"model has batch norm ({', '.join(batch_norms[:3])}), whose statistics "
                     "would then differ from serial training. Use tensor_z=1 (e.g. tensor="
@@ -418,9 +423,9 @@ class TensorParallel:
     # ------------------------------------------------------------------ sequence parallelism
     def _sp_candidates(self, root: nn.Module) -> list[nn.Module]:
         if self.three_d:
-            raise ValueError("parallel.sequence_parallel applies to 1D tensor parallelism "
-                             "(Plan(tensor=N)); under the 3D grid the batch is already split "
-                             "over tensor_z. Set parallel.sequence_parallel=false.")
+            raise ConfigError("parallel.sequence_parallel applies to 1D tensor parallelism "
+                              "(Plan(tensor=N)); under the 3D grid the batch is already split "
+                              "over tensor_z. Set parallel.sequence_parallel=false.")
         pair_parents = {id(m) for _n, m, _c, _r in find_pairs(root)} if self.use_pairs else set()
         regions = []
         for module in root.modules():
@@ -428,7 +433,7 @@ class TensorParallel:
                     any(id(m) in pair_parents for m in block.modules()) for block in module):
                 regions.append(module)
         if not regions:
-            raise ValueError(
+            raise TensorSplitError(
                 "parallel.sequence_parallel needs the model's transformer blocks in an "
                 "nn.ModuleList (called one after the other) whose every block holds a "
                 "column → row pair of Linears; this model has none. Set "
@@ -451,7 +456,7 @@ class TensorParallel:
                 if _head_dim(module) is not None or head_count_attrs(module) or \
                         isinstance(module, nn.MultiheadAttention) \
                         or leaf and not isinstance(module, TOKEN_LOCAL):
-                    raise ValueError(
+                    raise TensorSplitError(
                         f"parallel.sequence_parallel: {names.get(id(module), module)} "
                         f"({type(module).__name__}) would see a shard of the sequence: "
                         "attention must be a split column → row pair (its Linears must divide "
@@ -483,7 +488,7 @@ class TensorParallel:
     def _sp_enter(self, site, _module, args):
         x, *rest = args
         if x.dim() < 2 or x.shape[SEQ_DIM] % self.tensor.size:
-            raise ValueError(
+            raise TensorSplitError(
                 f"sequence parallelism splits dim {SEQ_DIM} (the tokens) of the blocks' input "
                 f"{tuple(x.shape)} over tensor={self.tensor.size} ranks (rank {self.tensor.rank})"
                 f": use a sequence length divisible by {self.tensor.size}, or set "
@@ -550,7 +555,7 @@ class TensorParallel:
             if batch is None:
                 batch = t.shape[0]
             elif t.shape[0] != batch:
-                raise ValueError(
+                raise TensorSplitError(
                     f"tensor_z={self.z.size} splits the batch (dim 0) of every tensor argument, "
                     f"but the model got dim-0 sizes {batch} and {t.shape[0]}; pass batch-first "
                     "tensors of one batch size.")
@@ -660,12 +665,12 @@ def conv_selection(model: nn.Module, plan, options, example=None) -> set[str]:
     start = getattr(options, "chanfilt_from", "")
     skip = list(getattr(options, "chanfilt_skip", []))
     if plan.pipe > 1 and (start or skip):
-        raise ValueError(f"{plan}: parallel.chanfilt_from / chanfilt_skip name modules of the "
-                         "whole model, but under pipe > 1 each stage is converted on its own "
-                         "(its modules have stage names); leave them empty (automatic).")
+        raise ConfigError(f"{plan}: parallel.chanfilt_from / chanfilt_skip name modules of the "
+                          "whole model, but under pipe > 1 each stage is converted on its own "
+                          "(its modules have stage names); leave them empty (automatic).")
     why = conv_refusal(model, start, skip)
     if why:
-        raise ValueError(why)
+        raise TensorSplitError(why)
     names = conv_names(model)
     if not start and names:
         start = switch_point(model, plan.tensor_degree, example) if plan.space_degree > 1 \

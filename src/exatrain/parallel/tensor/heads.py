@@ -36,6 +36,8 @@ import textwrap
 import torch
 from torch import nn
 
+from ...errors import TensorSplitError
+
 # Attributes that hold a module's number of attention heads (query heads, and key/value heads:
 # in a split pair all projections have one width, so there are as many kv heads as q heads).
 HEAD_COUNT_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "n_kv_heads",
@@ -70,9 +72,9 @@ def _forward_source(module: nn.Module) -> str | None:
 
 
 def _refusal(name: str, module: nn.Module, found: str, split: int, axis: str,
-             fix: str) -> ValueError:
+             fix: str) -> TensorSplitError:
     heads = max(head_count_attrs(module).values(), default=0)
-    return ValueError(
+    return TensorSplitError(
         f"tensor parallelism splits attention module {name!r} ({type(module).__name__}) by "
         f"heads: with {axis}={split} each rank holds {heads // split} of its {heads} heads, and "
         f"exatrain sets its head-count attributes to the local count. But its forward uses "
@@ -181,7 +183,7 @@ def localize_heads(name: str, module: nn.Module, split: int, axis: str,
     local = {}
     for attr, heads in head_count_attrs(module).items():
         if heads % split:
-            raise ValueError(
+            raise TensorSplitError(
                 f"attention module {name!r} ({type(module).__name__}) has self.{attr}={heads} "
                 f"heads, which {axis}={split} does not divide: choose a tensor degree that "
                 f"divides {heads}.")

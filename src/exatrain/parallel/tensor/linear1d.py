@@ -41,6 +41,7 @@ from torch import nn
 from ...comm import Axis
 from ...comm.autograd import copy_to, gather, reduce_from, scatter
 from .state import shard_of
+from ...errors import TensorSplitError
 
 SEQ_DIM = -2  # the token dimension of (..., tokens, features) activations
 
@@ -53,8 +54,9 @@ def _mark(param: nn.Parameter, layout, norm_axes) -> nn.Parameter:
 
 def _check(features: int, axis: Axis, what: str) -> None:
     if features % axis.size:
-        raise ValueError(f"{what}={features} does not split over the {axis.size} ranks of the "
-                         f"{axis.name!r} axis; use a degree that divides {features}.")
+        raise TensorSplitError(
+            f"{what}={features} does not split over the {axis.size} ranks of the "
+            f"{axis.name!r} axis; use a degree that divides {features}.")
 
 
 def shared_input_bytes(rows: int, features: int, element_size: int, input_grad: bool = True) -> int:

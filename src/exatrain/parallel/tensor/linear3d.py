@@ -47,6 +47,7 @@ from ...comm import Axis, all_gather_into, all_reduce, reduce_scatter_into
 from ...comm.autograd import gather, scatter
 from .linear1d import SharedInput
 from .state import shard_of
+from ...errors import TensorSplitError
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -158,7 +159,7 @@ class Linear3D(nn.Module):
         self.shared_input = shared_input
         z = grid.z
         if out_features % (self.out_axis.size * z.size) or in_features % self.in_axis.size:
-            raise ValueError(
+            raise TensorSplitError(
                 f"Linear({in_features}, {out_features}) does not fit the 3D grid "
                 f"{self.out_axis.name}={self.out_axis.size} (output), {self.in_axis.name}="
                 f"{self.in_axis.size} (input), tensor_z={z.size}: out_features must be a multiple "

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ...comm.autograd import all_gather_dim
+from ...errors import TensorSplitError
 
 Layout = tuple  # tuple[tuple[int, Axis], ...]
 
@@ -51,8 +52,8 @@ def shard_of(full: torch.Tensor, layout: Layout) -> torch.Tensor:
         if axis.size == 1:
             continue
         if part.shape[dim] % axis.size:
-            raise ValueError(f"dim {dim} of size {part.shape[dim]} does not split over the "
-                             f"{axis.size} ranks of {axis.name!r}")
+            raise TensorSplitError(f"dim {dim} of size {part.shape[dim]} does not split over the "
+                                   f"{axis.size} ranks of {axis.name!r}")
         part = part.chunk(axis.size, dim)[axis.rank]
     return part
 
@@ -189,9 +190,9 @@ def dtensor_state_dict(model: nn.Module, state: dict, mesh) -> dict:
                     or value.device_mesh.mesh_dim_names != ("shard",)):
                 return value
             if param.shape[0] % shard.size:
-                raise ValueError(f"a checkpoint under {mesh.plan} needs dim 0 of every "
-                                 f"tensor-parallel piece to divide over shard={shard.size}; "
-                                 f"a piece of shape {tuple(param.shape)} does not.")
+                raise TensorSplitError(f"a checkpoint under {mesh.plan} needs dim 0 of every "
+                                       f"tensor-parallel piece to divide over shard={shard.size}; "
+                                       f"a piece of shape {tuple(param.shape)} does not.")
             shape = whole_shape(param)
             layout = layout_of(param) + ((0, shard),)
             return DTensor.from_local(value.to_local(), sharded_sub, _placements(layout, with_shard),

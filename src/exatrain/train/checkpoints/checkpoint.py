@@ -48,6 +48,7 @@ import torch.distributed as dist
 from ...parallel.data import unwrap
 from ...parallel.tensor.state import for_checkpoint
 from . import manifest as manifests
+from ...errors import UserError
 
 STATE_FILE = "trainer_state.json"
 
@@ -57,8 +58,13 @@ STATE_FILE = "trainer_state.json"
 # long before (or without ever) saving a checkpoint (docs/how-to/startup.md).
 
 
-class CheckpointError(RuntimeError):
-    pass
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint that cannot be read into this run: incomplete, or its manifest does not fit
+    the model or the Plan.
+
+    What to do: resume from a complete checkpoint (the message names it), or start the run with
+    the model the checkpoint was written by.
+    """
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:

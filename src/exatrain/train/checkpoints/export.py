@@ -20,10 +20,16 @@ import torch
 from torch import nn
 
 from . import checkpoint
+from ...errors import UserError
 
 
-class InitFromError(ValueError):
-    """model.init_from names a file that does not fit the model (a user-input error)."""
+class InitFromError(UserError, ValueError):
+    """`model.init_from` names a file that does not exist or whose weights do not fit the model.
+
+    What to do: point it at weights exported from a run of the same model
+    (`exatrain export RUN_DIR --out FILE.safetensors`), or build the model with the shapes the
+    message names.
+    """
 
 
 def export_run(run_dir: str | Path, out: str | Path, step: int | None = None) -> dict:
@@ -47,7 +53,7 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None) ->
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"model.init_from={path}: no such file.")
+        raise InitFromError(f"model.init_from={path}: no such file.")
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
         return load_file(str(path))

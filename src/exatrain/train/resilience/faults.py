@@ -21,6 +21,8 @@ import signal
 import time
 from pathlib import Path
 
+from ...comm.inject import InjectError
+
 ENV = "EXATRAIN_INJECT_FAULTS"
 KINDS = ("kill", "hang", "kill_in_save", "term")
 
@@ -31,7 +33,7 @@ def parse(text: str) -> list[tuple[str, int, int]]:
         kind, _, where = item.partition("@")
         rank, _, step = where.partition(":")
         if kind not in KINDS or not rank.isdigit() or not step.isdigit():
-            raise ValueError(f"{ENV}: {item!r} is not kind@rank:step with kind one of {KINDS}")
+            raise InjectError(f"{ENV}: {item!r} is not kind@rank:step with kind one of {KINDS}")
         faults.append((kind, int(rank), int(step)))
     return faults
 

@@ -24,6 +24,8 @@ import time
 
 from torch.utils.data import Dataset
 
+from ...errors import DataError
+
 MAX_BAD_IN_A_ROW = 8
 
 
@@ -52,8 +54,8 @@ class SkipBadSamples(Dataset):
             except (ValueError, IndexError, OSError) as exc:
                 self.skipped += 1
                 self._log(i, exc)
-        raise RuntimeError(f"{MAX_BAD_IN_A_ROW + 1} unreadable samples in a row from index "
-                           f"{index}; the data set is broken (see bad_samples.jsonl).")
+        raise DataError(f"{MAX_BAD_IN_A_ROW + 1} unreadable samples in a row from index "
+                        f"{index}; the data set is broken (see bad_samples.jsonl).")
 
     def _log(self, index: int, exc: BaseException) -> None:
         print(f"exatrain: rank {self.rank}: skipped sample {index}: {exc}", file=sys.stderr,

@@ -93,7 +93,7 @@ def supervise(run_job, config, nproc: int, resume_dir: str | None, max_restarts:
             exc.diagnosis = diagnose(run_dir, nproc) if run_dir.is_dir() else None
             restarts = len(history)
             if exc.diagnosis or restarts >= max_restarts or \
-                    is_user_error(getattr(exc, "original", None), exc.remote_traceback):
+                    is_user_error(getattr(exc, "original", None)):
                 if run_dir.is_dir() and not resume_dir and checkpoint.latest(run_dir) is None \
                         and not (run_dir / "metrics.jsonl").exists() and exc.diagnosis is None:
                     shutil.rmtree(run_dir, ignore_errors=True)  # failed before its first step

@@ -1,0 +1,333 @@
+"""Every error of the user's making, caused as a user would cause it, through the command line.
+
+Each subclass of `exatrain.errors.UserError` has a case here (a test fails when one has none, and
+when the errors reference page leaves one out). A case runs `exatrain run` (or the command the
+input belongs to: `predict`, `report`; or a script calling `et.fit` under `exatrain run SCRIPT`)
+with one input wrong, and checks what the user sees: exit status 2, one line `exatrain: CLASS:
+…` (`CLASS on rank R` under several ranks: the first rank to fail speaks for all, once) naming
+the value and the fix, and no traceback. A genuine internal error -- an exception from the user's
+model forward -- keeps its traceback and says it is internal.
+
+Cheap by design: one tiny user workload (a Python file whose `model.kind` picks what goes
+wrong), the shared 16³ CosmoFlow files of conftest, one rank in this process wherever the error
+does not need two; spawned ranks only for the refusals of parallelism and the staging case, which
+runs as the real `exatrain` process on a real 64 KiB tmpfs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from exatrain.cli import main
+
+ROOT = Path(__file__).parents[1]
+
+WORKLOAD = '''
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+import exatrain as et
+
+
+class Attention(nn.Module):
+    """nanoGPT's spelling: the head size from the full width read off the input."""
+
+    def __init__(self, width=16, heads=4):
+        super().__init__()
+        self.n_head, self.head_dim = heads, width // heads
+        self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
+        self.c_proj = nn.Linear(width, width)
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = (p(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+                   for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.attn = nn.LayerNorm(16), Attention()
+
+    def forward(self, x):
+        return x + self.attn(self.norm(x))
+
+
+class Unused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.spare = nn.Linear(4, 1), nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+class Buggy(nn.Linear):
+    def forward(self, x):
+        raise ValueError("shapes (4, 4) and (3,) do not broadcast")   # a bug in the model
+
+
+class Slow(TensorDataset):
+    def __getitem__(self, index):
+        time.sleep(0.3)   # a batch of 4 takes 1.2 s, longer than run.timeout_s
+        return super().__getitem__(index)
+
+
+def build(kind: str = "ok") -> et.Task:
+    g = torch.Generator().manual_seed(0)
+    shape = {"attention": (3, 16), "image": (1, 6, 6)}.get(kind, (4,))
+    x = torch.randn(16, *shape, generator=g)
+    y = x if kind in ("attention", "image") else x[..., :1]
+    models = {"attention": lambda: nn.Sequential(Block()), "unused": Unused,
+              "bug": lambda: Buggy(4, 1), "image": lambda: nn.Conv2d(1, 1, 3, padding=1)}
+    model = models.get(kind, lambda: nn.Linear(4, 1))()
+    loss = (lambda o, t: F.mse_loss(o, t) * float("nan")) if kind == "nan" else F.mse_loss
+    train = (Slow if kind == "slow" else TensorDataset)(x, y)
+    return et.Task(model=model, train_set=train, val_set=TensorDataset(x, y), loss=loss)
+'''
+
+PIPE_SCRIPT = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import exatrain as et
+
+if __name__ == "__main__":
+    x = torch.randn(16, 4)
+    data = TensorDataset(x, x[:, :1])
+    et.fit(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), data, data, loss=F.mse_loss,
+           plan=et.Plan(pipe=4), train={"steps": 2, "batch_size": 8}, parallel={"microbatches": 4},
+           run={"out_dir": "runs"})
+'''
+
+TINY_COSMO = ["model.size=16", "model.conv_layers=4", "model.base_channels=4", "data.size=16",
+              "data.generate=false", "train.batch_size=8", "train.steps=1", "train.eval_every=0",
+              "train.num_workers=0"]
+
+
+def sets(*overrides: str) -> list[str]:
+    return [arg for o in overrides for arg in ("--set", o)]
+
+
+@pytest.fixture
+def user(tmp_path):
+    """`--set`s for a run of the tiny user workload with `model.kind` = kind."""
+    (tmp_path / "wl.py").write_text(WORKLOAD)
+
+    def make(kind: str = "ok", *overrides: str) -> list[str]:
+        return sets(f"run.workload={tmp_path}/wl.py", f"model.kind='{kind}'", "train.steps=2",
+                    "train.batch_size=4", "train.eval_every=0", "train.checkpoint_every=0",
+                    "train.num_workers=0", f"run.out_dir={tmp_path}/runs", *overrides)
+    return make
+
+
+@pytest.fixture
+def cosmo(cosmo_data, tmp_path):
+    def make(*overrides: str) -> list[str]:
+        return sets(*TINY_COSMO, f"data.path={cosmo_data}", f"run.out_dir={tmp_path}/runs",
+                    *overrides)
+    return make
+
+
+# --------------------------------------------------------------------------- the cases
+# Each: (the argv of `exatrain`, given tmp_path and the fixtures) and the texts the one line must
+# hold (the value and the fix; {tmp} is tmp_path). Environment variables a case sets are in ENV.
+
+def _corrupt_cosmo(tmp_path):
+    (tmp_path / "train.h5").write_bytes(b"this is not HDF5")
+    (tmp_path / "val.h5").write_bytes(b"nor this")
+    return tmp_path
+
+
+def _bad_graph(tmp_path):
+    for name in ("edge_index", "node_feat", "node_label"):
+        (tmp_path / f"{name}.csv").write_text("not,numbers\n")
+    return tmp_path
+
+
+def _damaged_checkpoint(tmp_path, user):
+    assert main(["run", "--nproc", "1", *user("ok", "train.checkpoint_every=2")]) == 0
+    (run_dir,) = (tmp_path / "runs").glob("wl-*")
+    (ckpt,) = (run_dir / "checkpoints").glob("step_*")
+    victim = next(p for p in sorted(ckpt.iterdir()) if p.is_file() and p.name != "manifest.json")
+    victim.unlink()
+    return run_dir
+
+
+def _nested_json(tmp_path):
+    (tmp_path / "b.json").write_text(json.dumps({"figures": {"a": 1}}))
+    return tmp_path / "b.json"
+
+
+CASES = {
+    "ArgumentError": (lambda t, u, c: ["report", str(_nested_json(t))],
+                      ["b.json", "one flat object of figures", "exatrain bench NAME --json"]),
+    "CheckpointError": (lambda t, u, c: ["run", "--resume", str(_damaged_checkpoint(t, u)),
+                                                "--nproc", "1"],
+                        ["step_00000002", "listed in its manifest is missing"]),
+    "ConfigError": (lambda t, u, c: ["run", "--nproc", "1", *u("ok", "train.grad_accum=0")],
+                    ["train.grad_accum=0", "whole numbers ≥ 1"]),
+    "DataError": (lambda t, u, c: ["run", "--nproc", "1", *c(f"data.path={_corrupt_cosmo(t)}")],
+                  ["train.h5", "sample 0", "not a readable CosmoFlow file"]),
+    "GraphFileError": (lambda t, u, c: ["run", "--nproc", "1", *sets(
+        "run.workload='gcn'", f"data.path={_bad_graph(t)}", "data.generate=false",
+        f"run.out_dir={t}/runs")], [".csv: cannot be read as a numeric array", "Write it as .npy"]),
+    "InitFromError": (lambda t, u, c: ["run", "--nproc", "1",
+                                       *u("ok", f"model.init_from={t}/nothing.safetensors")],
+                      ["model.init_from={tmp}/nothing.safetensors", "no such file"]),
+    "InjectError": (lambda t, u, c: ["run", "--nproc", "1", *u("ok")],
+                    ["EXATRAIN_INJECT_FAULTS", "'boom'", "kind@rank:step"]),
+    "LaunchError": (lambda t, u, c: ["run", *u("ok")], ["MASTER_ADDR", "export MASTER_ADDR"]),
+    "LoaderTimeout": (lambda t, u, c: ["run", "--nproc", "1", *u(
+        "slow", "train.num_workers=1", "run.timeout_s=0.5")],
+                      ["0.5 s (run.timeout_s)", "train.num_workers=0"]),
+    "MissingFileError": (lambda t, u, c: ["run", "--nproc", "1", *c(f"data.path={t}/nothing")],
+                         ["{tmp}/nothing", "exatrain data cosmoflow --out DIR"]),
+    "ModelOptionError": (lambda t, u, c: ["run", "--nproc", "1",
+                                          *c("model.conv_layers=5")],
+                         ["size=16", "divisible by 2^5"]),
+    "NonFiniteLoss": (lambda t, u, c: ["run", "--nproc", "1", *u("nan")],
+                      ["loss nan", "Lower optim.lr"]),
+    "ParallelizeError": (lambda t, u, c: ["run", "--nproc", "1",
+                                          *u("ok", "parallel.activation_checkpointing='full'")],
+                         ["Linear has no blocks to checkpoint",
+                          "parallel.activation_checkpointing='none'"]),
+    "PipeSplitError": (lambda t, u, c: ["run", str(_script(t)), "--nproc", "4"],
+                       ["Sequential has 2 layers", "use at most 2 stages"]),
+    "PlanError": (lambda t, u, c: ["run", "--nproc", "2", *u("ok", "plan.data=3")],
+                  ["needs 3 ranks but the job has 2", "Use data=2"]),
+    "PredictError": (lambda t, u, c: ["predict", str(t)], ["{tmp}", "not a run directory"]),
+    "ResumeError": (lambda t, u, c: ["run", "--resume", str(t)],
+                    ["--resume {tmp}", "no complete checkpoint", "start a new run"]),
+    "SpatialSplitError": (lambda t, u, c: ["run", "--nproc", "2",
+                                           *u("image", "plan.space=[2, 1, 1]")],
+                          ["Conv2d", "2 spatial dims (h, w)", "space=(2, 1, 1)",
+                           "e.g. space=(1, 2, 1)"]),
+    "StagingError": None,   # the real process on a real tmpfs: its own test below
+    "TensorSplitError": (lambda t, u, c: ["run", "--nproc", "2", *u("attention", "plan.tensor=2")],
+                         ["'0.attn' (Attention)", "C // self.n_head", "self.head_dim"]),
+    "UnusedParameterError": (lambda t, u, c: ["run", "--nproc", "2", *u("unused", "plan.data=2")],
+                             ["spare.weight", "requires_grad_(False)"]),
+}
+ENV = {"InjectError": {"EXATRAIN_INJECT_FAULTS": "boom"},
+       "LaunchError": {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": ""}}
+SPAWNED = {"PipeSplitError", "SpatialSplitError", "TensorSplitError", "UnusedParameterError"}
+
+
+def _script(tmp_path):
+    (tmp_path / "pipe4.py").write_text(PIPE_SCRIPT)
+    return tmp_path / "pipe4.py"
+
+
+def _hooks():
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+USER_ERRORS = [cls.__name__ for cls in _hooks().user_errors()[1:]]   # the base is never raised
+
+
+def refused(code: int, err: str, name: str, texts: list[str], ranks: bool = False) -> str:
+    """The one message the user sees, after checking it: exit 2, no traceback, one line that
+    starts `exatrain: NAME` (more only where the message lists choices), the texts named."""
+    heads = [i for i, line in enumerate(err.splitlines())
+             if re.match(r"exatrain: [A-Z]\w*( on rank \d+)?: ", line)]
+    assert code == 2, err[-3000:]
+    assert "Traceback" not in err and "internal error" not in err, err[-3000:]
+    assert len(heads) == 1, err[-3000:]
+    message = "\n".join(err.splitlines()[heads[0]:])   # a message may list choices below
+    head = f"exatrain: {name} on rank " if ranks else f"exatrain: {name}: "
+    assert message.startswith(head), message
+    for text in texts:
+        assert text in message, (text, message)
+    return message
+
+
+def test_every_user_error_has_a_case_and_an_entry_in_the_reference_page():
+    from exatrain.errors import UserError
+
+    assert set(USER_ERRORS) == set(CASES), "a UserError without a case here, or a stale case"
+    page = _hooks().errors_reference()
+    for cls in _hooks().user_errors():
+        assert f"### `{cls.__name__}`" in page and issubclass(cls, UserError)
+        meaning, fix = _hooks().meaning_and_fix(cls)
+        assert meaning and fix, f"{cls.__name__}: its docstring needs a meaning and 'What to do:'"
+    assert _hooks().ERRORS_MARKER in (ROOT / "docs" / "reference" / "errors.md").read_text()
+
+
+@pytest.mark.parametrize("name", [n for n, case in CASES.items() if case])
+def test_a_user_error_is_one_line_naming_the_value_and_the_fix(name, user, cosmo, tmp_path,
+                                                                capsys, monkeypatch):
+    argv, texts = CASES[name]
+    for key, value in ENV.get(name, {}).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(tmp_path)
+    args = argv(tmp_path, user, cosmo)
+    capsys.readouterr()
+    code = main(args)
+    refused(code, capsys.readouterr().err, name, [t.replace("{tmp}", str(tmp_path)) for t in texts],
+            ranks=name in SPAWNED)
+
+
+def test_a_staging_directory_too_small_is_one_line_from_the_real_command(cosmo_data, tmp_path):
+    """The issue's case: `exatrain run --nproc 2 --set data.stage_to=...` on a tmpfs too small
+    for the data set. A real 64 KiB tmpfs (mounted as root), the real `exatrain` process."""
+    stage = tmp_path / "tiny"
+    stage.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(stage)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()})")
+    try:
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+        done = subprocess.run([sys.executable, "-m", "exatrain.cli", "run", "--nproc", "2",
+                               *sets(*TINY_COSMO, f"data.path={cosmo_data}",
+                                     f"run.out_dir={tmp_path}/runs", f"data.stage_to='{stage}'")],
+                              capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    finally:
+        subprocess.run(["umount", str(stage)], check=True)
+    refused(done.returncode, done.stderr, "StagingError", [
+        f"data.stage_to={stage}", "KiB free, the copy needs", "larger node-local directory"],
+        ranks=True)
+
+
+def test_a_bug_in_the_model_forward_is_internal_and_keeps_its_traceback(user, tmp_path, capsys):
+    code = main(["run", "--nproc", "1", *user("bug")])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "Traceback (most recent call last)" in err and "wl.py" in err and "in forward" in err
+    assert "exatrain: internal error (a bug in exatrain or in the model code" in err
+    assert "ValueError: shapes (4, 4) and (3,) do not broadcast" in err
+
+
+def test_ranks_waiting_on_rank_0_relay_its_error_as_the_same_class_when_it_is_the_users():
+    """Under torchrun / srun every rank prints its own failure: the ranks that wait for rank 0's
+    data preparation (train.run.prepare_run) raise what `relayed` gives them: the class of rank
+    0's error when it is the user's (so they too exit 2 with one line), else a RuntimeError."""
+    from exatrain.errors import DataError, is_user_error, relayed
+
+    cls, text = relayed(DataError("d/train.h5: not a readable CosmoFlow file"), "prepare the data")
+    assert cls is DataError
+    assert text == ("rank 0 could not prepare the data: DataError: d/train.h5: not a readable "
+                    "CosmoFlow file")
+    assert is_user_error(cls(text))
+    cls, text = relayed(OSError(28, "No space left on device"), "prepare the data")
+    assert cls is RuntimeError and "OSError: [Errno 28] No space left on device" in text
