@@ -1,0 +1,199 @@
+"""Launched the way a supercomputer launches: a real Slurm on this machine (munge, slurmctld,
+slurmd, started by tests/slurm/start-slurm.sh; `.ci/run` starts it before the suite), `srun` for
+the ranks, `sbatch` for the script `--print-batch-script slurm` writes, and the wall-time warning
+sent by the scheduler itself, not by the test."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY
+from exatrain.train.checkpoints.export import export_run, read_state_dict
+
+REPO = Path(__file__).resolve().parents[1]
+START = REPO / "tests" / "slurm" / "start-slurm.sh"
+STEPS = 6
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """Slurm running on this machine: started here when it is not (as root), else a failure
+    that says what to install."""
+    try:
+        done = subprocess.run(["bash", str(START)], capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{START} did not start Slurm within 180 s; see /var/log/slurm/*.log")
+    if done.returncode != 0:
+        pytest.fail(f"these tests need a real Slurm on this machine, and {START.name} could not "
+                    f"start one:\n{done.stderr.strip()}\nAs root on Debian/Ubuntu: "
+                    f"`apt-get install slurm-wlm munge` (or `{START} --install`), then rerun.")
+
+
+def job_env(**extra) -> dict:
+    """The ranks import this tree's exatrain (as an editable install would), one thread each."""
+    src = str(REPO / "src")
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": f"{src}:{path}" if path else src, "OMP_NUM_THREADS": "1",
+            **extra}
+
+
+def job_args(cosmo_data, out_dir) -> list[str]:
+    """The default job (`exatrain run` without a config: CosmoFlow), tiny, on the session's data."""
+    sets = [*TINY, f"data.path={cosmo_data}", f"run.out_dir={out_dir}", f"train.steps={STEPS}",
+            "train.eval_every=0"]
+    return [a for s in sets for a in ("--set", s)]
+
+
+def final_weights(run_dir: Path) -> dict:
+    out = run_dir.parent / f"{run_dir.name}.safetensors"
+    export_run(run_dir, out)
+    return read_state_dict(out)
+
+
+@pytest.fixture(scope="module")
+def local_run(cosmo_data, tmp_path_factory):
+    """The same job spawned by `exatrain run --nproc 2`: the reference."""
+    out = tmp_path_factory.mktemp("local")
+    done = subprocess.run([sys.executable, "-m", "exatrain.cli", "run", "--nproc", "2",
+                           *job_args(cosmo_data, out / "runs")], cwd=out, env=job_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    (run_dir,) = (out / "runs").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["launcher"] == "local" and "requeues" not in summary
+    return summary, final_weights(run_dir)
+
+
+def assert_same_weights(weights: dict, reference: dict) -> None:
+    assert weights.keys() == reference.keys()
+    for key, ref in reference.items():
+        assert torch.equal(weights[key], ref), key  # same ranks, same host, same threads: bitwise
+
+
+def test_srun_two_ranks_equal_exatrain_run_nproc_2(slurm, cosmo_data, tmp_path, local_run):
+    done = subprocess.run(["srun", "-n", "2", "--kill-on-bad-exit=1", sys.executable, "-m",
+                           "exatrain.cli", "run", *job_args(cosmo_data, tmp_path / "runs")],
+                          cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (run_dir,) = (tmp_path / "runs").iterdir()  # one job of two ranks, not two jobs of their own
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["launcher"] == "Slurm" and summary["world_size"] == 2
+    assert summary["steps"] == STEPS and summary["requeues"] == 0
+    assert summary["final_loss"] == local_run[0]["final_loss"]
+    assert_same_weights(final_weights(run_dir), local_run[1])
+
+
+def wait_for_job(job: str, timeout_s: float) -> str:
+    """Poll until the job has left the queue; its final state (sacct-free: scontrol)."""
+    deadline = time.monotonic() + timeout_s
+    state = ""
+    while time.monotonic() < deadline:
+        shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True)
+        fields = dict(w.split("=", 1) for w in shown.stdout.split() if "=" in w)
+        state = fields.get("JobState", "")
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY") \
+                or shown.returncode != 0:
+            return state
+        time.sleep(1)
+    subprocess.run(["scancel", job])
+    pytest.fail(f"job {job} still {state} after {timeout_s:.0f} s")
+
+
+def test_sbatch_wall_time_warning_checkpoints_requeues_and_resumes(slurm, cosmo_data, tmp_path,
+                                                                   local_run):
+    """The script `--print-batch-script slurm` writes, submitted with a one-minute wall time and
+    the warning 50 s before it: Slurm sends USR1 10-40 s into the job (its time-limit check runs
+    every 30 s), while step 3 is still running (the ranks wait there for a signal, at most 10
+    minutes); the ranks checkpoint after step 3, the script requeues the job, Slurm starts it
+    again (6 s later: AuthInfo=cred_expire=5), it resumes and finishes. Unattended."""
+    made = subprocess.run([sys.executable, "-m", "exatrain.cli", "run", "--print-batch-script",
+                           "slurm", "--time", "1", "--signal-before", "50", "--tasks-per-node", "2",
+                           *job_args(cosmo_data, tmp_path / "runs")],
+                          cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    (tmp_path / "job.sh").write_text(made.stdout)
+    env = job_env(EXATRAIN_INJECT_FAULTS="wait_signal@0:3,wait_signal@1:3")
+    env.pop("EXATRAIN_RUN_DIR", None)
+    sub = subprocess.run(["sbatch", "--parsable", "job.sh"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip().split(";")[0]
+    state = wait_for_job(job, timeout_s=240)
+    output = (tmp_path / f"cosmoflow-{job}.out").read_text()
+    assert state == "COMPLETED", output
+    assert "wall time near" in output and "stopped by SIGUSR1 after step 3" in output, output
+    run_dir = tmp_path / "runs" / f"cosmoflow-{job}"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["launcher"] == "Slurm" and summary["requeues"] >= 1
+    assert summary["steps"] == STEPS and not summary["stopped_by_signal"]
+    steps = [json.loads(l)["step"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(l)]
+    assert steps == list(range(1, STEPS + 1))  # resumed after step 3: no step twice, none lost
+    assert_same_weights(final_weights(run_dir), local_run[1])
+
+
+def sbatch_lines(script: str) -> list[tuple[str, str]]:
+    """(comment line above, option) for every `#SBATCH` line of a script."""
+    lines = script.splitlines()
+    return [(lines[i - 1], line.removeprefix("#SBATCH ")) for i, line in enumerate(lines)
+            if line.startswith("#SBATCH ")]
+
+
+def print_batch_script(capsys, *args: str) -> tuple[int, str, str]:
+    """`exatrain run --print-batch-script slurm ARGS`: exit code, script, messages."""
+    from exatrain.cli import main
+
+    code = main(["run", "--print-batch-script", "slurm", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_batch_script_for_a_gpu_cluster(capsys):
+    """The resources a GPU centre asks for, each `#SBATCH` line with its comment above it, one
+    GPU per local rank, OMP_NUM_THREADS from the CPUs per task; read back by parsing, by bash,
+    and (where this machine's Slurm runs) by sbatch itself."""
+    code, script, err = print_batch_script(
+        capsys, "--nodes", "4", "--gpus-per-node", "4", "--cpus-per-task", "32", "--account",
+        "m1234", "--partition", "regular", "--qos", "premium", "--constraint", "gpu&hbm80g",
+        "--sbatch-arg", "mail-type=END", "--sbatch-arg=--exclusive", "--set", "train.steps=10")
+    assert code == 0, err
+    pairs = sbatch_lines(script)
+    options = dict(o.removeprefix("--").split("=", 1) if "=" in o else (o.removeprefix("--"), "")
+                   for _, o in pairs)
+    assert {k: options[k] for k in ("nodes", "ntasks-per-node", "gpus-per-node", "cpus-per-task",
+                                    "account", "partition", "qos", "constraint", "mail-type",
+                                    "exclusive", "requeue")} == {
+        "nodes": "4", "ntasks-per-node": "4", "gpus-per-node": "4", "cpus-per-task": "32",
+        "account": "m1234", "partition": "regular", "qos": "premium", "constraint": "gpu&hbm80g",
+        "mail-type": "END", "exclusive": "", "requeue": ""}
+    assert options["signal"] == "B:USR1@180"
+    assert all(comment.startswith("# ") and len(comment) > 4 for comment, _ in pairs)
+    assert "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}" in script
+    srun = next(l for l in script.splitlines() if l.startswith("srun "))
+    assert "--gpu-bind=none" in srun and srun.endswith("run --set train.steps=10 &")
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+    # more ranks than GPUs on a node is refused; so is an --sbatch-arg that is not one option
+    for bad in (["--gpus-per-node", "2", "--tasks-per-node", "4"], ["--sbatch-arg", "a b\nc"]):
+        code, _, err = print_batch_script(capsys, *bad)
+        assert code == 2 and "exatrain run:" in err, err
+
+
+def test_sbatch_reads_the_resource_lines(slurm, tmp_path, capsys):
+    """sbatch --test-only: the lines are Slurm's own syntax; a constraint no node has is refused
+    (so the line was read), the same script without it would start."""
+    args = ["--tasks-per-node", "2", "--cpus-per-task", "2", "--partition", "debug",
+            "--sbatch-arg", "mail-type=END", "--sbatch-arg=--exclusive"]
+    for extra, verdict in (([], "to start at"), (["--constraint", "nvme"], "Invalid feature")):
+        (tmp_path / "job.sh").write_text(print_batch_script(capsys, *args, *extra)[1])
+        tried = subprocess.run(["sbatch", "--test-only", "job.sh"], cwd=tmp_path,
+                               capture_output=True, text=True, timeout=60)
+        assert verdict in tried.stderr, tried.stderr
