@@ -6,21 +6,17 @@ sent by the scheduler itself, not by the test."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from conftest import TINY
-from exatrain.train.checkpoints.export import export_run, read_state_dict
+from launched import (REPO, STEPS, assert_same_weights, doc_launch_line, final_weights, job_args,
+                      job_env, local_run)  # noqa: F401 (local_run: a fixture)
 
-REPO = Path(__file__).resolve().parents[1]
 START = REPO / "tests" / "slurm" / "start-slurm.sh"
-STEPS = 6
 
 
 @pytest.fixture(scope="session")
@@ -37,50 +33,15 @@ def slurm():
                     f"`apt-get install slurm-wlm munge` (or `{START} --install`), then rerun.")
 
 
-def job_env(**extra) -> dict:
-    """The ranks import this tree's exatrain (as an editable install would), one thread each."""
-    src = str(REPO / "src")
-    path = os.environ.get("PYTHONPATH")
-    return {**os.environ, "PYTHONPATH": f"{src}:{path}" if path else src, "OMP_NUM_THREADS": "1",
-            **extra}
-
-
-def job_args(cosmo_data, out_dir) -> list[str]:
-    """The default job (`exatrain run` without a config: CosmoFlow), tiny, on the session's data."""
-    sets = [*TINY, f"data.path={cosmo_data}", f"run.out_dir={out_dir}", f"train.steps={STEPS}",
-            "train.eval_every=0"]
-    return [a for s in sets for a in ("--set", s)]
-
-
-def final_weights(run_dir: Path) -> dict:
-    out = run_dir.parent / f"{run_dir.name}.safetensors"
-    export_run(run_dir, out)
-    return read_state_dict(out)
-
-
-@pytest.fixture(scope="module")
-def local_run(cosmo_data, tmp_path_factory):
-    """The same job spawned by `exatrain run --nproc 2`: the reference."""
-    out = tmp_path_factory.mktemp("local")
-    done = subprocess.run([sys.executable, "-m", "exatrain.cli", "run", "--nproc", "2",
-                           *job_args(cosmo_data, out / "runs")], cwd=out, env=job_env(),
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    (run_dir,) = (out / "runs").iterdir()
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["launcher"] == "local" and "requeues" not in summary
-    return summary, final_weights(run_dir)
-
-
-def assert_same_weights(weights: dict, reference: dict) -> None:
-    assert weights.keys() == reference.keys()
-    for key, ref in reference.items():
-        assert torch.equal(weights[key], ref), key  # same ranks, same host, same threads: bitwise
-
-
 def test_srun_two_ranks_equal_exatrain_run_nproc_2(slurm, cosmo_data, tmp_path, local_run):
-    done = subprocess.run(["srun", "-n", "2", "--kill-on-bad-exit=1", sys.executable, "-m",
-                           "exatrain.cli", "run", *job_args(cosmo_data, tmp_path / "runs")],
+    """The install page's srun line, on one node of two CPU ranks (no GPUs here: its
+    --gpus-per-node is left out), with the example config made tiny."""
+    options, command = doc_launch_line("srun")
+    assert list(options) == ["-N", "--ntasks-per-node", "--gpus-per-node", "--cpus-per-task"]
+    assert command == ["exatrain", "run", "examples/cosmoflow.toml"]
+    done = subprocess.run(["srun", "-N", "1", "--ntasks-per-node=2", "--cpus-per-task=1",
+                           sys.executable, "-m", "exatrain.cli", "run",
+                           str(REPO / command[-1]), *job_args(cosmo_data, tmp_path / "runs")],
                           cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     (run_dir,) = (tmp_path / "runs").iterdir()  # one job of two ranks, not two jobs of their own

@@ -1,0 +1,77 @@
+"""Two (and three) hosts on one machine, joined by a real network: network namespaces with
+their own addresses and host names on a veth bridge (tests/hosts.py). The install page's
+multi-node torchrun line runs across them; a link limited by `tc ... tbf` is really slow, and
+`exatrain preflight` names its host."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+
+import pytest
+
+from hosts import Hosts, HostsError, quote
+from launched import (REPO, STEPS, assert_same_weights, doc_launch_line, final_weights, job_args,
+                      job_env, local_run)  # noqa: F401 (local_run: a fixture)
+
+
+@contextlib.contextmanager
+def make_hosts(n: int):
+    """n hosts for the test's duration; a failure that says why where they cannot be made."""
+    hosts = Hosts(n)
+    try:
+        hosts.start()
+    except HostsError as exc:
+        pytest.fail(f"these tests make {n} hosts of network namespaces and could not: {exc}")
+    try:
+        yield hosts
+    finally:
+        hosts.stop()
+
+
+def run_on_hosts(hosts: Hosts, command_of, tmp_path, timeout_s: float = 240) -> list[str]:
+    """Start command_of(i) on every host at once; wait for all; their logs (all must succeed)."""
+    procs = [hosts.popen(i, command_of(i), job_env(), tmp_path, tmp_path / f"host{i}.log")
+             for i in range(1, hosts.n + 1)]
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            p.wait(max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    logs = [(tmp_path / f"host{i}.log").read_text() for i in range(1, hosts.n + 1)]
+    for i, (p, log) in enumerate(zip(procs, logs), 1):
+        assert p.returncode == 0, f"host {i} exited {p.returncode}:\n{log[-3000:]}"
+    return logs
+
+
+def test_torchrun_multi_node_line_across_two_hosts_equals_one_host(cosmo_data, tmp_path,
+                                                                   local_run):
+    """The install page's torchrun line on two hosts, one rank each: one job (c10d rendezvous
+    gives the nodes ranks 0 and 1), its traffic over the link, the same weights as the two ranks
+    that `exatrain run --nproc 2` spawns on one host."""
+    options, command = doc_launch_line("torchrun")
+    assert options == {"--nnodes": "4", "--nproc-per-node": "4", "--rdzv-backend": "c10d",
+                       "--rdzv-id": "$JOB_ID", "--rdzv-endpoint": "$HEAD:29500"}
+    assert command == ["-m", "exatrain.cli", "run", "examples/cosmoflow.toml"]
+    with make_hosts(2) as hosts:
+        values = {"--nnodes": "2", "--nproc-per-node": "1", "--rdzv-id": "twohosts",
+                  "--rdzv-endpoint": f"{hosts.names[0]}:29500"}
+        line = [sys.executable, "-m", "torch.distributed.run"]
+        for key, value in options.items():
+            line += [key, values.get(key, value)]
+        line += [*command[:-1], str(REPO / command[-1]), *job_args(cosmo_data, tmp_path / "runs")]
+        before = hosts.rx_bytes(2)
+        run_on_hosts(hosts, lambda i: quote(line), tmp_path)
+        received = hosts.rx_bytes(2) - before
+    run_dir = tmp_path / "runs" / "cosmoflow-twohosts"  # named by the rendezvous id
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["launcher"] == "torchrun" and summary["world_size"] == 2
+    assert summary["steps"] == STEPS
+    # every step all-reduces the gradients over the link: at least that much arrived on host 2
+    assert received > STEPS * summary["bytes_per_step"]["data"] / 2
+    assert_same_weights(final_weights(run_dir), local_run[1])
