@@ -31,8 +31,10 @@ def make_hosts(n: int):
         hosts.stop()
 
 
-def run_on_hosts(hosts: Hosts, command_of, tmp_path, timeout_s: float = 240) -> list[str]:
-    """Start command_of(i) on every host at once; wait for all; their logs (all must succeed)."""
+def run_on_hosts(hosts: Hosts, command_of, tmp_path, timeout_s: float = 240,
+                 exit_code: int = 0) -> list[str]:
+    """Start command_of(i) on every host at once; wait for all; their logs (each must exit with
+    `exit_code`)."""
     procs = [hosts.popen(i, command_of(i), job_env(), tmp_path, tmp_path / f"host{i}.log")
              for i in range(1, hosts.n + 1)]
     deadline = time.monotonic() + timeout_s
@@ -45,7 +47,7 @@ def run_on_hosts(hosts: Hosts, command_of, tmp_path, timeout_s: float = 240) -> 
                 p.kill()
     logs = [(tmp_path / f"host{i}.log").read_text() for i in range(1, hosts.n + 1)]
     for i, (p, log) in enumerate(zip(procs, logs), 1):
-        assert p.returncode == 0, f"host {i} exited {p.returncode}:\n{log[-3000:]}"
+        assert p.returncode == exit_code, f"host {i} exited {p.returncode}:\n{log[-3000:]}"
     return logs
 
 
@@ -75,3 +77,37 @@ def test_torchrun_multi_node_line_across_two_hosts_equals_one_host(cosmo_data, t
     # every step all-reduces the gradients over the link: at least that much arrived on host 2
     assert received > STEPS * summary["bytes_per_step"]["data"] / 2
     assert_same_weights(final_weights(run_dir), local_run[1])
+
+
+def torchrun(hosts: Hosts, run_id: str, *args: str) -> list[str]:
+    """The install page's torchrun line for one rank per host, running `exatrain ARGS`."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(hosts.n),
+            "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-id", run_id,
+            "--rdzv-endpoint", f"{hosts.names[0]}:29500", "-m", "exatrain.cli", *args]
+
+
+RATE_BYTES_S = 50e6 / 8  # tbf rate 50mbit
+
+
+def test_preflight_names_the_host_whose_link_tc_slowed(cosmo_data, tmp_path):
+    """Three hosts, the third's link limited to 50 Mbit/s by a token bucket: preflight across
+    them names that host, with its measured bandwidth far below the others', and writes it
+    (alone) to the exclude file. torchrun exits 1 where preflight exits 3 (slow)."""
+    exclude, report = tmp_path / "exclude.txt", tmp_path / "preflight.json"
+    with make_hosts(3) as hosts:
+        hosts.limit(3, "50mbit")
+        line = torchrun(hosts, "preflight", "preflight", "--set", f"data.path={cosmo_data}",
+                        "--set", "data.generate=false", "--set", f"run.out_dir={tmp_path}/runs",
+                        "--sizes", "1K,64K", "--link-bytes", "256K", "--iters", "3",
+                        "--exclude-file", str(exclude), "--json", str(report))
+        logs = run_on_hosts(hosts, lambda i: quote(line), tmp_path, exit_code=1)
+        slow = hosts.names[2]
+    assert exclude.read_text().strip() == slow
+    r = json.loads(report.read_text())
+    assert [n["host"] for n in r["slow_nodes"]] == [slow] and not r["ok"]
+    links = {n["host"]: n["link_GBps"] * 1e9 for n in r["nodes"]}
+    # a pairwise exchange sends link_bytes each way at once: no faster than the bucket's rate,
+    # and the other hosts' links (veth, no limit) more than 10x faster
+    assert links[slow] < 2 * RATE_BYTES_S
+    assert all(v > 10 * links[slow] for h, v in links.items() if h != slow)
+    assert f"SLOW node {slow}" in logs[0] and f"exclude: srun --exclude={slow}" in logs[0]
