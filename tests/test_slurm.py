@@ -158,3 +158,42 @@ def test_sbatch_reads_the_resource_lines(slurm, tmp_path, capsys):
         tried = subprocess.run(["sbatch", "--test-only", "job.sh"], cwd=tmp_path,
                                capture_output=True, text=True, timeout=60)
         assert verdict in tried.stderr, tried.stderr
+
+
+def doc_batch_lines() -> list[tuple[str, list[str]]]:
+    """Every `exatrain run ... --print-batch-script slurm` command the docs and README print:
+    (where, its arguments after `exatrain`)."""
+    import shlex
+
+    found = []
+    for page in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
+        text = page.read_text().replace("\\\n", " ")
+        for line in text.splitlines():
+            line = line.strip()
+            if line.startswith("exatrain run") and "--print-batch-script slurm" in line:
+                words = shlex.split(line.split(">")[0])
+                found.append((f"{page.relative_to(REPO)}: {line}", words[1:]))
+    return found
+
+
+def test_the_docs_batch_script_lines_make_scripts_sbatch_accepts(slurm, tmp_path, capsys):
+    """Each documented `--print-batch-script slurm` line runs through the real command line
+    (its config made the example's), and its script, scaled to this machine's one node of 8 CPUs
+    and 8 stand-in GPUs, is accepted by sbatch --test-only."""
+    from exatrain.cli import main
+
+    lines = doc_batch_lines()
+    assert len(lines) >= 2, lines  # the scale-out and long-run tutorials
+    local = {"--nodes": "1", "--cpus-per-task": "1", "--account": "test",
+             "--partition": "debug"}
+    for where, words in lines:
+        assert words[1].endswith(".toml"), where
+        words = [str(REPO / "examples" / "cosmoflow.toml") if w == words[1] else
+                 local.get(words[i - 1], w) for i, w in enumerate(words)]
+        assert main(words) == 0, where
+        script = capsys.readouterr().out
+        assert "#SBATCH --gpus-per-node=" in script and "OMP_NUM_THREADS" in script, where
+        (tmp_path / "job.sh").write_text(script)
+        tried = subprocess.run(["sbatch", "--test-only", "job.sh"], cwd=tmp_path,
+                               capture_output=True, text=True, timeout=60)
+        assert "to start at" in tried.stderr, f"{where}\n{tried.stderr}"

@@ -8,8 +8,11 @@
 # The configuration differs from a centre's only where one machine needs it: the node is this
 # host (its CPU count overridden: SlurmdParameters=config_overrides), processes are tracked by
 # /proc (no cgroup delegation in a container), no task binding, no accounting database, and
-# AuthInfo=cred_expire=5: a requeued job is held cred_expire + 1 s before it may start again
-# (120 s by default), which a requeue test would otherwise wait out.
+# eight stand-in GPUs (empty files under /run/exagpu: no device behind them) so that Slurm's
+# GPU requests (--gpus-per-node) are accepted and counted and a GPU batch script can be submitted;
+# the ranks still find no CUDA and train on CPUs with gloo. AuthInfo=cred_expire=5: a requeued
+# job is held cred_expire + 1 s before it may start again (121 s by default), which a requeue
+# test would otherwise wait out; sched_interval=1 starts it within a second after that.
 set -euo pipefail
 
 if [[ "${1:-}" == "--install" ]]; then
@@ -73,12 +76,17 @@ JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 MinJobAge=60
 KillWait=10
-NodeName=$host NodeAddr=127.0.0.1 CPUs=8 State=UNKNOWN
+GresTypes=gpu
+NodeName=$host NodeAddr=127.0.0.1 CPUs=8 Gres=gpu:8 State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 CONF
 )
-if [[ ! -f $conf ]] || [[ "$(cat $conf)" != "$want" ]]; then
+gres="AutoDetect=off
+Name=gpu File=/run/exagpu/gpu[0-7]"
+mkdir -p /run/exagpu && touch /run/exagpu/gpu{0..7}
+if [[ ! -f $conf ]] || [[ "$(cat $conf)" != "$want" ]] || [[ "$(cat /etc/slurm/gres.conf 2>/dev/null)" != "$gres" ]]; then
   echo "$want" > $conf
+  echo "$gres" > /etc/slurm/gres.conf
   pkill -F /run/slurmctld.pid 2>/dev/null || true
   pkill -F /run/slurmd.pid 2>/dev/null || true
   sleep 1
