@@ -87,6 +87,12 @@ class Hosts:
             _sh(*cmd, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", "16kb",
                 "latency", "200ms")
 
+    def unlimit(self, i: int) -> None:
+        """Host i's link at full speed again."""
+        for cmd in (["ip", "netns", "exec", self.names[i - 1], "tc"], ["tc"]):
+            dev = "eth0" if len(cmd) > 1 else f"xv{self.tag}-{i}"
+            subprocess.run([*cmd, "qdisc", "del", "dev", dev, "root"], capture_output=True)
+
     def rx_bytes(self, i: int) -> int:
         out = subprocess.run(["ip", "netns", "exec", self.names[i - 1], "cat",
                               "/sys/class/net/eth0/statistics/rx_bytes"], capture_output=True,

@@ -46,10 +46,18 @@ def assert_same_weights(weights: dict, reference: dict) -> None:
         assert torch.equal(weights[key], ref), key  # same ranks, same threads, gloo: bitwise
 
 
+_LOCAL_RUNS: dict = {}  # a fixture imported by two modules is two fixtures: run it once
+
+
 @pytest.fixture(scope="session")
 def local_run(cosmo_data, tmp_path_factory):
     """The same job spawned by `exatrain run --nproc 2`: (summary, final weights)."""
-    out = tmp_path_factory.mktemp("local")
+    if str(cosmo_data) not in _LOCAL_RUNS:
+        _LOCAL_RUNS[str(cosmo_data)] = _spawned_run(cosmo_data, tmp_path_factory.mktemp("local"))
+    return _LOCAL_RUNS[str(cosmo_data)]
+
+
+def _spawned_run(cosmo_data, out: Path) -> tuple[dict, dict]:
     done = subprocess.run([sys.executable, "-m", "exatrain.cli", "run", "--nproc", "2",
                            *job_args(cosmo_data, out / "runs")], cwd=out, env=job_env(),
                           capture_output=True, text=True, timeout=300)

@@ -32,13 +32,19 @@ def make_hosts(n: int):
 
 
 def run_on_hosts(hosts: Hosts, command_of, tmp_path, timeout_s: float = 240,
-                 exit_code: int = 0) -> list[str]:
+                 exit_code: int = 0, written=None, then=None) -> list[str]:
     """Start command_of(i) on every host at once; wait for all; their logs (each must exit with
-    `exit_code`)."""
+    `exit_code`). When the file `written` appears, call `then()` (e.g. lift a link's limit, so
+    that the launchers part at full speed)."""
     procs = [hosts.popen(i, command_of(i), job_env(), tmp_path, tmp_path / f"host{i}.log")
              for i in range(1, hosts.n + 1)]
     deadline = time.monotonic() + timeout_s
     try:
+        if written is not None:
+            while not written.exists() and time.monotonic() < deadline and \
+                    any(p.poll() is None for p in procs):
+                time.sleep(0.05)
+            then()
         for p in procs:
             p.wait(max(1.0, deadline - time.monotonic()))
     finally:
@@ -100,7 +106,8 @@ def test_preflight_names_the_host_whose_link_tc_slowed(cosmo_data, tmp_path):
                         "--set", "data.generate=false", "--set", f"run.out_dir={tmp_path}/runs",
                         "--sizes", "1K,64K", "--link-bytes", "256K", "--iters", "3",
                         "--exclude-file", str(exclude), "--json", str(report))
-        logs = run_on_hosts(hosts, lambda i: quote(line), tmp_path, exit_code=1)
+        logs = run_on_hosts(hosts, lambda i: quote(line), tmp_path, exit_code=1,
+                            written=report, then=lambda: hosts.unlimit(3))
         slow = hosts.names[2]
     assert exclude.read_text().strip() == slow
     r = json.loads(report.read_text())
@@ -111,3 +118,54 @@ def test_preflight_names_the_host_whose_link_tc_slowed(cosmo_data, tmp_path):
     assert links[slow] < 2 * RATE_BYTES_S
     assert all(v > 10 * links[slow] for h, v in links.items() if h != slow)
     assert f"SLOW node {slow}" in logs[0] and f"exclude: srun --exclude={slow}" in logs[0]
+
+
+def test_a_link_limited_mid_run_is_a_bandwidth_drop_and_stop_checkpoints(cosmo_data, tmp_path):
+    """Two hosts train (data=2 over the link); after step 8 the test limits host 2's link to
+    2 Mbit/s. The watch reports a drop of axis 'data' within its patience + check interval,
+    naming the hosts of the ranks that waited; on_bandwidth_drop = "stop" checkpoints the step
+    and ends the run cleanly, long before its last step."""
+    from exatrain.train.checkpoints import checkpoint
+
+    steps, limit_after = 100, 8
+    run_dir = tmp_path / "runs" / "cosmoflow-midrun"
+    metrics = run_dir / "metrics.jsonl"
+    with make_hosts(2) as hosts:
+        line = torchrun(hosts, "midrun", "run", *job_args(cosmo_data, tmp_path / "runs"),
+                        "--set", f"train.steps={steps}", "--set", "observe.on_bandwidth_drop='stop'")
+        procs = [hosts.popen(i, quote(line), job_env(), tmp_path, tmp_path / f"host{i}.log")
+                 for i in (1, 2)]
+        try:
+            deadline = time.monotonic() + 120
+            last = 0
+            while last < limit_after and time.monotonic() < deadline:
+                assert all(p.poll() is None for p in procs), "the run ended before the limit"
+                if metrics.is_file():
+                    lines = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
+                    last = max((l.get("step", 0) for l in lines), default=0)
+                time.sleep(0.02)
+            hosts.limit(2, "2mbit")
+            limited_at = max(json.loads(l).get("step", 0) for l in metrics.read_text().splitlines()
+                             if l.strip())
+            deadline = time.monotonic() + 120
+            while not (run_dir / "summary.json").exists() and time.monotonic() < deadline and \
+                    any(p.poll() is None for p in procs):
+                time.sleep(0.05)
+            hosts.unlimit(2)  # the run has stopped: its launchers part at full speed
+            codes = [p.wait(60) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        names = hosts.names
+    log = (tmp_path / "host1.log").read_text()
+    assert codes == [0, 0], log[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    (drop,) = summary["bandwidth_drops"]
+    assert drop["axis"] == "data" and drop["busbw_GBps"] < 0.1 * drop["reference_GBps"]
+    # patience 3 low steps, agreed every 5 steps (+1: a step may finish as tc is applied)
+    assert limited_at < drop["step"] <= limited_at + 3 + 5 + 1, (limited_at, drop)
+    assert {w["host"] for w in drop["longest_waits"]} == set(names)
+    assert f"bus bandwidth of axis 'data'" in log and names[1] in log
+    assert summary["stopped_by_signal"] and summary["steps"] == drop["step"] < steps
+    assert checkpoint.verify(checkpoint.latest(run_dir))["step"] == drop["step"]
