@@ -12,6 +12,10 @@ from rich.console import Console
 
 def _run(args) -> int:
     from .launch import detect, spawn
+    from .launch.signals import hold_early_signals
+
+    if detect() is not None and not args.print_batch_script:
+        hold_early_signals()  # one rank of a launched job: a warning while starting is kept
     from .train.config import load_config
     from .train.run import find_resume_checkpoint, run_job
     from .workloads import get_workload

@@ -4,6 +4,7 @@ A batch system warns before the wall-time limit (Slurm `--signal=USR1@120`, or S
 limit). The signal may reach some ranks and not others, or reach them in different steps, so the
 handler only sets a flag; after every step the ranks agree with one all-reduce (MAX of one int32
 over the whole mesh: 4 bytes per rank per step) and all stop after the same step.
+A signal that came while the rank started (launch.signals) is taken over at install.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ import threading
 import torch
 
 from ...comm import all_reduce
-
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+from ...launch.signals import SIGNALS, take_held_signal
 
 
 class StopOnSignal:
@@ -26,6 +26,7 @@ class StopOnSignal:
     def install(self) -> "StopOnSignal":
         if threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
+            self.signum = take_held_signal() or self.signum  # one that came while starting
         return self
 
     def restore(self) -> None:
