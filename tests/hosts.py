@@ -2,8 +2,8 @@
 
 Host i (1-based) is network namespace `xh<tag>-i` with its own stack: interface eth0, address
 10.77.<net>.i/24, loopback, and its own host name (a UTS namespace per command, name resolution
-through /etc/netns/<ns>/hosts, which `ip netns exec` mounts over /etc/hosts). The file system is
-shared, as a parallel file system is between a cluster's nodes. `limit(i, rate)` puts a token
+through /etc/netns/<ns>/hosts, bound over /etc/hosts in a private mount namespace). The file
+system is shared, as a parallel file system is between a cluster's nodes. `limit(i, rate)` puts a token
 bucket (`tc qdisc ... tbf`) on both directions of host i's link: a link that is really slow.
 
 Needs root, iproute2 (`ip`, `tc`) and util-linux (`unshare`); `Hosts.start` raises HostsError
@@ -12,10 +12,12 @@ naming what is missing.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 
@@ -43,7 +45,7 @@ class Hosts:
     def start(self) -> "Hosts":
         if os.geteuid() != 0:
             raise HostsError("network-namespace hosts need root (ip netns, veth, tc).")
-        for tool in ("ip", "tc", "unshare"):
+        for tool in ("ip", "tc", "unshare", "nsenter"):
             if shutil.which(tool) is None:
                 raise HostsError(f"{tool} not found: apt-get install iproute2 util-linux")
         try:
@@ -76,8 +78,11 @@ class Hosts:
     def popen(self, i: int, command: str, env: dict, cwd: Path, log: Path) -> subprocess.Popen:
         """Run a shell command line on host i (its own network and host name)."""
         name = self.names[i - 1]
-        inner = f"hostname {name} && exec {command}"
-        return subprocess.Popen(["ip", "netns", "exec", name, "unshare", "--uts", "sh", "-c", inner],
+        # the host's network; its own host name (UTS) and /etc/hosts (a private mount
+        # namespace); the rest of the file system, /sys and its cgroups included, as it is
+        inner = f"mount --bind /etc/netns/{name}/hosts /etc/hosts && hostname {name} && exec {command}"
+        return subprocess.Popen(["nsenter", f"--net=/run/netns/{name}", "unshare", "--uts",
+                                 "--mount", "sh", "-c", inner],
                                 env=env, cwd=cwd, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
     def limit(self, i: int, rate: str) -> None:
@@ -98,6 +103,62 @@ class Hosts:
                               "/sys/class/net/eth0/statistics/rx_bytes"], capture_output=True,
                              text=True)
         return int(out.stdout or 0)
+
+
+SLURM_CONF = """# a Slurm cluster of the namespace hosts (tests/hosts.py): slurmctld on host 1, a slurmd each
+ClusterName=exahosts
+SlurmctldHost={ctld}({ctld_addr})
+Include {base}
+StateSaveLocation={dir}/state
+SlurmdSpoolDir={dir}/spool-%n
+SlurmctldPidFile={dir}/slurmctld.pid
+SlurmdPidFile={dir}/slurmd-%n.pid
+SlurmctldLogFile={dir}/slurmctld.log
+SlurmdLogFile={dir}/slurmd-%n.log
+{nodes}
+PartitionName=hosts Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+"""
+
+
+@contextlib.contextmanager
+def slurm_on(hosts: Hosts, directory: Path, env: dict, timeout_s: float = 30.0):
+    """slurmctld on host 1 and one slurmd per host (munge: this machine's, through its socket);
+    yields the environment (SLURM_CONF) under which srun on a host uses this cluster."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "state").mkdir(exist_ok=True)
+    nodes = "\n".join(f"NodeName={name} NodeAddr={hosts.address(i)} CPUs=4 State=UNKNOWN"
+                      for i, name in enumerate(hosts.names, 1))
+    conf = directory / "slurm.conf"
+    base = Path(__file__).resolve().parent / "slurm" / "base.conf"
+    conf.write_text(SLURM_CONF.format(ctld=hosts.names[0], ctld_addr=hosts.address(1),
+                                      dir=directory, nodes=nodes, base=base))
+    env = {**env, "SLURM_CONF": str(conf)}
+    daemons = [hosts.popen(1, f"slurmctld -D -i -f {conf}", env, directory,
+                           directory / "slurmctld.out")]
+    daemons += [hosts.popen(i, f"slurmd -D -f {conf} -N {name}", env, directory,
+                            directory / f"slurmd-{i}.out") for i, name in enumerate(hosts.names, 1)]
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            probe = hosts.popen(1, "sinfo -h -o %t", env, directory, directory / "sinfo.out")
+            probe.wait(timeout_s)
+            states = (directory / "sinfo.out").read_text().split()
+            if states and all(s == "idle" for s in states):
+                break
+            if time.monotonic() > deadline or any(d.poll() is not None for d in daemons):
+                raise HostsError(f"the hosts' Slurm is not up after {timeout_s:.0f} s (nodes "
+                                 f"{states}); see {directory}/*.out")
+            time.sleep(0.2)
+        yield env
+    finally:
+        for d in daemons:
+            d.terminate()
+        for d in daemons:
+            try:
+                d.wait(15)
+            except subprocess.TimeoutExpired:
+                d.kill()
+                d.wait()
 
 
 def quote(words) -> str:

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from hosts import Hosts, HostsError, quote
+from hosts import Hosts, HostsError, quote, slurm_on
 from launched import (REPO, STEPS, assert_same_weights, doc_launch_line, final_weights, job_args,
                       job_env, local_run)  # noqa: F401 (local_run: a fixture)
 
@@ -82,6 +82,24 @@ def test_torchrun_multi_node_line_across_two_hosts_equals_one_host(cosmo_data, t
     assert summary["steps"] == STEPS
     # every step all-reduces the gradients over the link: at least that much arrived on host 2
     assert received > STEPS * summary["bytes_per_step"]["data"] / 2
+    assert_same_weights(final_weights(run_dir), local_run[1])
+
+
+def test_srun_across_two_hosts_equals_one_host(cosmo_data, tmp_path, local_run):
+    """A Slurm of the two hosts (slurmctld on one, a slurmd on each): `srun -N 2` puts one rank
+    on each host, they rendezvous over the link (MASTER_ADDR: the first host of the step's node
+    list), and the weights equal those of `exatrain run --nproc 2` on one host."""
+    with make_hosts(2) as hosts, slurm_on(hosts, tmp_path / "slurm", job_env()) as env:
+        line = ["srun", "-N", "2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", sys.executable,
+                "-m", "exatrain.cli", "run", *job_args(cosmo_data, tmp_path / "runs")]
+        before = hosts.rx_bytes(2)
+        job = hosts.popen(1, quote(line), env, tmp_path, tmp_path / "srun.log")
+        assert job.wait(240) == 0, (tmp_path / "srun.log").read_text()[-3000:]
+        received = hosts.rx_bytes(2) - before
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["launcher"] == "Slurm" and summary["world_size"] == 2
+    assert received > STEPS * summary["bytes_per_step"]["data"] / 2  # rank 1 is on host 2
     assert_same_weights(final_weights(run_dir), local_run[1])
 
 

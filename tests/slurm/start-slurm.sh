@@ -5,9 +5,8 @@
 #   tests/slurm/start-slurm.sh            start what is not running; print the config's path
 #   tests/slurm/start-slurm.sh --install  first `apt-get install slurm-wlm munge` (Debian/Ubuntu)
 #
-# The configuration differs from a centre's only where one machine needs it: the node is this
-# host (its CPU count overridden: SlurmdParameters=config_overrides), processes are tracked by
-# /proc (no cgroup delegation in a container), no task binding, no accounting database, and
+# The configuration differs from a centre's only where one machine needs it: tests/slurm/base.conf
+# (copied to /etc/slurm/exatrain-base.conf), the node is this host (its CPU count overridden), and
 # eight stand-in GPUs (empty files under /run/exagpu: no device behind them) so that Slurm's
 # GPU requests (--gpus-per-node) are accepted and counted and a GPU batch script can be submitted;
 # the ranks still find no CUDA and train on CPUs with gloo. AuthInfo=cred_expire=5: a requeued
@@ -51,29 +50,15 @@ want=$(cat <<CONF
 # written by exatrain's tests/slurm/start-slurm.sh
 ClusterName=exatrain
 SlurmctldHost=$host(127.0.0.1)
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
+Include /etc/slurm/exatrain-base.conf
 AuthInfo=cred_expire=5
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SwitchType=switch/none
-MpiDefault=none
-ReturnToService=2
-SchedulerType=sched/builtin
 SchedulerParameters=sched_interval=1
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-SlurmdParameters=config_overrides
 StateSaveLocation=/var/spool/slurmctld
 SlurmdSpoolDir=/var/spool/slurmd
 SlurmctldPidFile=/run/slurmctld.pid
 SlurmdPidFile=/run/slurmd.pid
 SlurmctldLogFile=/var/log/slurm/slurmctld.log
 SlurmdLogFile=/var/log/slurm/slurmd.log
-AccountingStorageType=accounting_storage/none
-JobAcctGatherType=jobacct_gather/none
-JobCompType=jobcomp/none
 MinJobAge=60
 KillWait=10
 GresTypes=gpu
@@ -84,7 +69,10 @@ CONF
 gres="AutoDetect=off
 Name=gpu File=/run/exagpu/gpu[0-7]"
 mkdir -p /run/exagpu && touch /run/exagpu/gpu{0..7}
-if [[ ! -f $conf ]] || [[ "$(cat $conf)" != "$want" ]] || [[ "$(cat /etc/slurm/gres.conf 2>/dev/null)" != "$gres" ]]; then
+base="$(cat "$(dirname "$0")/base.conf")"
+if [[ ! -f $conf ]] || [[ "$(cat $conf)" != "$want" ]] || [[ "$(cat /etc/slurm/gres.conf 2>/dev/null)" != "$gres" ]] \
+    || [[ "$(cat /etc/slurm/exatrain-base.conf 2>/dev/null)" != "$base" ]]; then
+  echo "$base" > /etc/slurm/exatrain-base.conf
   echo "$want" > $conf
   echo "$gres" > /etc/slurm/gres.conf
   pkill -F /run/slurmctld.pid 2>/dev/null || true

@@ -8,8 +8,9 @@ from the last checkpoint by itself.
 Slurm: `--requeue`, and a `trap` that passes the batch shell's USR1 on to the job step. When the
 step has ended, a run that stopped on a signal (the wall-time warning, or `scancel --signal=USR1`
 sent to the ranks) but did not finish requeues the job: same SLURM_JOB_ID, so the same run
-directory, and SLURM_RESTART_COUNT, which the run's summary reports as `requeues`. A crashed
-run is not requeued (its summary is missing). Flux has no requeue: resubmit the same script (the
+directory, and SLURM_RESTART_COUNT, which the run's summary reports as `requeues`. So does a
+step that ended without a summary after the warning came (the warning reached ranks still
+starting). A run that crashed without a warning is not requeued. Flux has no requeue: resubmit the same script (the
 run directory is named after the run, not the job id), or wrap it in a loop.
 
 Every `#SBATCH` line has its own comment line above it (a comment on the same line is not
@@ -88,7 +89,9 @@ export MASTER_PORT=${{MASTER_PORT:-29500}}
 export OMP_NUM_THREADS=${{SLURM_CPUS_PER_TASK:-1}}
 
 # the wall-time warning reaches this shell (B:USR1): pass it on to the ranks through srun
+warned=0
 forward() {{
+  warned=1
   echo "exatrain: wall time near; the ranks checkpoint, then job $SLURM_JOB_ID requeues"
   kill -USR1 "$STEP_PID"
 }}
@@ -102,8 +105,11 @@ STEP_PID=$!
 wait "$STEP_PID"; status=$?
 while kill -0 "$STEP_PID" 2>/dev/null; do wait "$STEP_PID"; status=$?; done
 
-# stopped on a signal before its last step: requeue (same job id, same run directory)
-if grep -q '"stopped_by_signal": true' "$EXATRAIN_RUN_DIR/summary.json" 2>/dev/null; then
+# not finished: requeue (same job id, same run directory) when the run stopped on a signal
+# (the warning, or `scancel --signal=USR1` to the ranks), or when the warning came and the
+# ranks ended without a summary (it reached them as they started)
+summary="$EXATRAIN_RUN_DIR/summary.json"
+if grep -q '"stopped_by_signal": true' "$summary" 2>/dev/null || [[ $warned == 1 && ! -f $summary ]]; then
   scontrol requeue "$SLURM_JOB_ID"
 fi
 exit $status
