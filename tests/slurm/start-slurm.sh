@@ -3,7 +3,7 @@
 # munge, slurmctld and slurmd, one node (this host), written and started by this script, as root.
 #
 #   tests/slurm/start-slurm.sh            start what is not running; print the config's path
-#   tests/slurm/start-slurm.sh --install  first `apt-get install slurm-wlm munge` (Debian/Ubuntu)
+#   tests/slurm/start-slurm.sh --install  first `apt-get install slurm-wlm munge iproute2` (Debian)
 #
 # The configuration differs from a centre's only where one machine needs it: tests/slurm/base.conf
 # (copied to /etc/slurm/exatrain-base.conf), the node is this host (its CPU count overridden), and
@@ -16,8 +16,9 @@ set -euo pipefail
 
 if [[ "${1:-}" == "--install" ]]; then
   export DEBIAN_FRONTEND=noninteractive
-  command -v slurmctld >/dev/null && command -v munged >/dev/null || \
-    { apt-get update -qq && apt-get install -y -qq slurm-wlm munge >/dev/null; }
+  # and iproute2 (ip, tc) for tests/test_hosts.py's network-namespace hosts
+  command -v slurmctld >/dev/null && command -v munged >/dev/null && command -v tc >/dev/null || \
+    { apt-get update -qq && apt-get install -y -qq slurm-wlm munge iproute2 >/dev/null; }
 fi
 for exe in munged slurmctld slurmd sbatch srun scontrol; do
   if ! command -v "$exe" >/dev/null; then
