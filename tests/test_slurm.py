@@ -199,3 +199,53 @@ def test_the_docs_batch_script_lines_make_scripts_sbatch_accepts(slurm, tmp_path
         tried = subprocess.run(["sbatch", "--test-only", "job.sh"], cwd=tmp_path,
                                capture_output=True, text=True, timeout=60)
         assert "to start at" in tried.stderr, f"{where}\n{tried.stderr}"
+
+
+def wait_for(path: Path, timeout_s: float, job: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", job])
+            pytest.fail(f"{path} not there after {timeout_s:.0f} s")
+        time.sleep(0.1)
+
+
+def test_scancel_signal_usr1_requeues_and_plain_scancel_keeps_the_checkpoint(slurm, cosmo_data,
+                                                                              tmp_path):
+    """`scancel --signal=USR1 JOB` (to the ranks, not the batch shell) while step 3 runs: the
+    ranks checkpoint, the script requeues, the job resumes from step 3. Then a plain `scancel`
+    while step 5 runs: SIGTERM, the ranks checkpoint step 5 and the job ends CANCELLED, not
+    requeued, its last checkpoint complete. Each signal is sent once both ranks wait in their
+    step (the fault markers say so), so the steps are known."""
+    from exatrain.train.checkpoints import checkpoint
+
+    made = subprocess.run([sys.executable, "-m", "exatrain.cli", "run", "--print-batch-script",
+                           "slurm", "--time", "10", "--tasks-per-node", "2",
+                           *job_args(cosmo_data, tmp_path / "runs")],
+                          cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    (tmp_path / "job.sh").write_text(made.stdout)
+    waits = ",".join(f"wait_signal@{r}:{s}" for r in (0, 1) for s in (3, 5))
+    env = job_env(EXATRAIN_INJECT_FAULTS=waits)
+    env.pop("EXATRAIN_RUN_DIR", None)
+    sub = subprocess.run(["sbatch", "--parsable", "job.sh"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip().split(";")[0]
+    faults = tmp_path / "runs" / f"cosmoflow-{job}" / "faults"
+    for rank in (0, 1):
+        wait_for(faults / f"wait_signal@{rank}:3", 120, job)
+    assert subprocess.run(["scancel", "--signal=USR1", job]).returncode == 0
+    for rank in (0, 1):
+        wait_for(faults / f"wait_signal@{rank}:5", 120, job)
+    assert subprocess.run(["scancel", job]).returncode == 0
+    state = wait_for_job(job, timeout_s=120)
+    output = (tmp_path / f"cosmoflow-{job}.out").read_text()
+    assert state == "CANCELLED", output
+    shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+    assert "Restarts=1 " in shown, shown  # requeued once (the USR1), not after the cancel
+    assert "stopped by SIGUSR1 after step 3 of 6" in output, output
+    assert "checkpoints/step_00000003 at step 3" in output.replace("\n", ""), output
+    assert "stopped by SIGTERM after step 5 of 6" in output, output
+    run_dir = faults.parent
+    assert checkpoint.verify(checkpoint.latest(run_dir))["step"] == 5
