@@ -1,5 +1,6 @@
-"""What the tests of real launchers share (test_slurm, test_hosts): the default job, tiny, its
-ranks importing this tree's exatrain, and its final weights spawned by `exatrain run --nproc 2`."""
+"""What the tests of real launchers share (test_slurm, test_hosts): the machine's Slurm, the
+default job, tiny, its ranks importing this tree's exatrain, and its final weights spawned by
+`exatrain run --nproc 2`."""
 
 from __future__ import annotations
 
@@ -17,6 +18,21 @@ from exatrain.train.checkpoints.export import export_run, read_state_dict
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 6
+START = REPO / "tests" / "slurm" / "start-slurm.sh"
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """Slurm running on this machine: started here when it is not (as root), else a failure
+    that says what to install."""
+    try:
+        done = subprocess.run(["bash", str(START)], capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{START} did not start Slurm within 180 s; see /var/log/slurm/*.log")
+    if done.returncode != 0:
+        pytest.fail(f"these tests need a real Slurm on this machine, and {START.name} could not "
+                    f"start one:\n{done.stderr.strip()}\nAs root on Debian/Ubuntu: "
+                    f"`apt-get install slurm-wlm munge` (or `{START} --install`), then rerun.")
 
 
 def job_env(**extra) -> dict:

@@ -14,7 +14,7 @@ import pytest
 
 from hosts import Hosts, HostsError, quote, slurm_on
 from launched import (REPO, STEPS, assert_same_weights, doc_launch_line, final_weights, job_args,
-                      job_env, local_run)  # noqa: F401 (local_run: a fixture)
+                      job_env, local_run, slurm)  # noqa: F401 (local_run, slurm: fixtures)
 
 
 @contextlib.contextmanager
@@ -85,10 +85,11 @@ def test_torchrun_multi_node_line_across_two_hosts_equals_one_host(cosmo_data, t
     assert_same_weights(final_weights(run_dir), local_run[1])
 
 
-def test_srun_across_two_hosts_equals_one_host(cosmo_data, tmp_path, local_run):
+def test_srun_across_two_hosts_equals_one_host(slurm, cosmo_data, tmp_path, local_run):
     """A Slurm of the two hosts (slurmctld on one, a slurmd on each): `srun -N 2` puts one rank
     on each host, they rendezvous over the link (MASTER_ADDR: the first host of the step's node
-    list), and the weights equal those of `exatrain run --nproc 2` on one host."""
+    list), and the weights equal those of `exatrain run --nproc 2` on one host. (`slurm`: the
+    machine's Slurm installed and munge running, whose socket the hosts' daemons share.)"""
     with make_hosts(2) as hosts, slurm_on(hosts, tmp_path / "slurm", job_env()) as env:
         line = ["srun", "-N", "2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", sys.executable,
                 "-m", "exatrain.cli", "run", *job_args(cosmo_data, tmp_path / "runs")]

@@ -14,24 +14,7 @@ from pathlib import Path
 import pytest
 
 from launched import (REPO, STEPS, assert_same_weights, doc_launch_line, final_weights, job_args,
-                      job_env, local_run)  # noqa: F401 (local_run: a fixture)
-
-START = REPO / "tests" / "slurm" / "start-slurm.sh"
-
-
-@pytest.fixture(scope="session")
-def slurm():
-    """Slurm running on this machine: started here when it is not (as root), else a failure
-    that says what to install."""
-    try:
-        done = subprocess.run(["bash", str(START)], capture_output=True, text=True, timeout=180)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{START} did not start Slurm within 180 s; see /var/log/slurm/*.log")
-    if done.returncode != 0:
-        pytest.fail(f"these tests need a real Slurm on this machine, and {START.name} could not "
-                    f"start one:\n{done.stderr.strip()}\nAs root on Debian/Ubuntu: "
-                    f"`apt-get install slurm-wlm munge` (or `{START} --install`), then rerun.")
-
+                      job_env, local_run, slurm)  # noqa: F401 (local_run, slurm: fixtures)
 
 def test_srun_two_ranks_equal_exatrain_run_nproc_2(slurm, cosmo_data, tmp_path, local_run):
     """The install page's srun line, on one node of two CPU ranks (no GPUs here: its
