@@ -59,3 +59,26 @@ def test_nodelist_expansion():
     assert expand_nodelist("nid[001-003,007],login1") == ["nid001", "nid002", "nid003", "nid007",
                                                           "login1"]
     assert expand_nodelist("gpu12") == ["gpu12"]
+
+
+def test_a_stop_signal_while_a_launched_rank_starts_is_kept_for_the_trainer():
+    """SIGUSR1 before the Trainer's handler exists would end the process (no checkpoint, no
+    summary for a batch script to requeue on): held from `exatrain run`'s start, then taken
+    over by StopOnSignal, so the run stops after its first step."""
+    import os
+    import signal
+
+    from exatrain.launch.signals import hold_early_signals
+    from exatrain.train.resilience.stop import StopOnSignal
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        hold_early_signals()
+        os.kill(os.getpid(), signal.SIGUSR1)  # delivered to the main thread at once
+        stop = StopOnSignal().install()
+        assert stop.signum == signal.SIGUSR1
+        stop.restore()
+        assert StopOnSignal().install().signum is None  # taken once
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)

@@ -12,6 +12,10 @@ from rich.console import Console
 
 def _run(args) -> int:
     from .launch import detect, spawn
+    from .launch.signals import hold_early_signals
+
+    if detect() is not None and not args.print_batch_script:
+        hold_early_signals()  # one rank of a launched job: a warning while starting is kept
     from .train.config import load_config
     from .train.run import find_resume_checkpoint, run_job
     from .workloads import get_workload
@@ -95,11 +99,22 @@ def _bytes(text: str) -> int:
 
 
 def _print_batch_script(args, config) -> int:
-    from .launch.batch import batch_script
+    from .launch.batch import Resources, batch_script
 
-    nodes, per_node = args.nodes, args.tasks_per_node or config.run.nproc
-    print(batch_script(args.print_batch_script, args.config or "", config, nodes, per_node,
-                       time=args.time, extra=" ".join(f"--set {s}" for s in args.set or [])))
+    nodes = args.nodes
+    per_node = args.tasks_per_node or args.gpus_per_node or config.run.nproc
+    resources = Resources(gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
+                          account=args.account or "", partition=args.partition or "",
+                          qos=args.qos or "", constraint=args.constraint or "",
+                          sbatch_args=args.sbatch_arg or [])
+    try:
+        text = batch_script(args.print_batch_script, args.config or "", config, nodes, per_node,
+                            time=args.time, warn_s=args.signal_before, overrides=args.set or [],
+                            resources=resources)
+    except ValueError as exc:
+        print(f"exatrain run: {exc}", file=sys.stderr)
+        return 2
+    print(text, end="")
     return 0
 
 
@@ -218,6 +233,18 @@ def _run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument("--tasks-per-node", type=int, default=0,
                      help="ranks per node, for --print-batch-script (default: run.nproc)")
     run.add_argument("--time", default="04:00:00", help="wall time, for --print-batch-script")
+    run.add_argument("--signal-before", type=int, default=180, metavar="SECONDS",
+                     help="the wall-time warning this long before the limit, for --print-batch-script")
+    for flag, kind, what in (("--gpus-per-node", int, "GPUs per node (one rank per GPU)"),
+                             ("--cpus-per-task", int, "CPU cores per rank (sets OMP_NUM_THREADS)"),
+                             ("--account", str, "the allocation to charge"),
+                             ("--partition", str, "the partition (queue)"),
+                             ("--qos", str, "the quality of service"),
+                             ("--constraint", str, "node features, e.g. gpu")):
+        run.add_argument(flag, type=kind, default=0 if kind is int else None,
+                         help=f"{what}, for --print-batch-script slurm")
+    run.add_argument("--sbatch-arg", action="append", metavar="NAME=VALUE",
+                     help="any other sbatch option, written as `#SBATCH --NAME=VALUE` (repeatable)")
     run.set_defaults(func=_run)
 
 

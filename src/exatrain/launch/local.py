@@ -82,6 +82,7 @@ def free_port() -> int:
 
 
 START_METHOD_ENV = "EXATRAIN_START_METHOD"
+SPAWNED_ENV = "EXATRAIN_LOCAL_SPAWN"  # set in the ranks spawn() starts: no outside launcher
 
 
 def rank_context():
@@ -106,7 +107,8 @@ def _child(payload: bytes, environ: dict, import_path: list, cwd: str, rank: int
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      **{SPAWNED_ENV: "1"})
     sys.path[:] = import_path
     os.chdir(cwd)
     import torch

@@ -7,6 +7,7 @@ from its last complete checkpoint whenever the ranks start again.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -194,12 +195,30 @@ def run_job(config: Config, resume_dir: str | None = None) -> dict:
     if config.plan.trainer > 1:
         from .population import run_population
         return run_population(config, resume_dir)
+    from ..launch import detect
+    from ..launch.local import SPAWNED_ENV
+
+    launch = detect()  # before init, which exports torchrun's variables for torch.distributed
+    launcher = "local" if launch is None or os.environ.get(SPAWNED_ENV) else launch.source
     mesh, trainer = setup(config, resume_dir)
     try:
-        return trainer.fit()
+        return _launch_figures(trainer, trainer.fit(), launcher)
     except BaseException as exc:
         record_failure(trainer, exc)
         cleanup_failed_start(trainer, resumed=resume_dir is not None)
         raise
     finally:
         mesh.close()
+
+
+def _launch_figures(trainer, summary: dict, launcher: str) -> dict:
+    """`launcher`: which launcher started the ranks (launch.detect; "local" when none, as for
+    `exatrain run --nproc N`'s own ranks); under Slurm also `requeues`: how often the scheduler
+    requeued this job (SLURM_RESTART_COUNT; the batch script of `--print-batch-script slurm`
+    requeues on the wall-time warning)."""
+    summary["launcher"] = launcher
+    if "SLURM_JOB_ID" in os.environ:
+        summary["requeues"] = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    if trainer.is_main and trainer.run_dir and (trainer.run_dir / "summary.json").is_file():
+        (trainer.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary

@@ -6,6 +6,9 @@ with steps numbered as metrics.jsonl numbers them (the first step is 1):
   kill          the rank SIGKILLs itself as step `step` starts (a node dying)
   hang          the rank stops taking part (sleeps) as step `step` starts (a rank that never joins)
   term          the rank sends itself SIGTERM as step `step` starts (the wall-time warning)
+  wait_signal   the rank waits as step `step` starts until a stop signal (SIGTERM or SIGUSR1)
+                comes from outside, at most 10 minutes: a step still running when a real batch
+                system's wall-time warning arrives, whenever the scheduler sends it
   kill_in_save  the rank SIGKILLs itself inside the checkpoint save of step `step`, after the
                 shard files are written and before the checkpoint is complete
 
@@ -24,7 +27,8 @@ from pathlib import Path
 from ...comm.inject import InjectError
 
 ENV = "EXATRAIN_INJECT_FAULTS"
-KINDS = ("kill", "hang", "kill_in_save", "term")
+KINDS = ("kill", "hang", "kill_in_save", "term", "wait_signal")
+WAIT_SIGNAL_LIMIT_S = 600.0
 
 
 def parse(text: str) -> list[tuple[str, int, int]]:
@@ -59,6 +63,8 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
         if self._fire("term", step):
             os.kill(os.getpid(), signal.SIGTERM)
+        if self._fire("wait_signal", step):
+            _wait_for_signal(WAIT_SIGNAL_LIMIT_S)
         if self._fire("hang", step):
             while True:
                 time.sleep(3600)
@@ -66,3 +72,29 @@ class FaultInjector:
     def in_save(self, step: int) -> None:
         if self._fire("kill_in_save", step):
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _wait_for_signal(limit_s: float) -> None:
+    """Sleep until SIGTERM or SIGUSR1 arrives (the handlers already installed still run), or
+    `limit_s` passes."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    got: list[int] = []
+    previous: dict = {}
+
+    def note(signum, frame):
+        got.append(signum)
+        handler = previous.get(signum)
+        if callable(handler):
+            handler(signum, frame)
+
+    previous = {s: signal.signal(s, note) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        deadline = time.monotonic() + limit_s
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

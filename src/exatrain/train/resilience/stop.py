@@ -6,6 +6,7 @@ handler only sets a flag; the ranks agree with one all-reduce (MAX of one int32 
 mesh: 4 bytes per rank) at every read point of the Trainer (log, evaluation and checkpoint steps,
 and every `trainer.STOP_CHECK_EVERY` steps: a step between them reads nothing from the device) and
 all stop after the same step. A single rank checks its own flag after every step.
+A signal that came while the rank started (launch.signals) is taken over at install.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ import threading
 import torch
 
 from ...comm import all_reduce
-
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+from ...launch.signals import SIGNALS, take_held_signal
 
 
 class StopOnSignal:
@@ -28,6 +28,7 @@ class StopOnSignal:
     def install(self) -> "StopOnSignal":
         if threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
+            self.signum = take_held_signal() or self.signum  # one that came while starting
         return self
 
     def restore(self) -> None:
