@@ -213,3 +213,21 @@ def test_tracker_tables_in_toml_and_on_the_command_line(tmp_path):
         load_config(None, ["observe.wandb.projet=x"])
     with pytest.raises(ConfigError, match="observe.wandb.mode='offlin'"):
         load_config(None, ['observe.trackers=["wandb"]', "observe.wandb.mode=offlin"])
+
+
+def test_report_pictures_join_the_tracked_runs(tracked):
+    """Last: it adds a W&B segment (`exatrain report` after the run)."""
+    from mlflow.tracking import MlflowClient
+
+    from exatrain.observe.report import build_report
+    run_dir, summary, _ = tracked
+    made = build_report([run_dir])
+    pictures = {p.name for p in made.values() if p.suffix == ".png"}
+    assert "curves.png" in pictures
+    info = summary["trackers"]["mlflow"]
+    client = MlflowClient(tracking_uri=info["tracking_uri"])
+    assert {Path(a.path).name for a in client.list_artifacts(info["run_id"], "report")} == \
+        pictures | {"report.md"}
+    last = sorted((run_dir / "wandb").glob("offline-run-*"))[-1]
+    assert last.name.endswith(summary["trackers"]["wandb"]["run_id"])
+    assert {p.name for p in (last / "files" / "report").iterdir()} == pictures | {"report.md"}

@@ -10,7 +10,8 @@ From rank 0 only (of each trainer, in a population), at log steps only, and neve
 - every record written to metrics.jsonl: its numbers at its step (a table `{axis: n}` as
   `key/axis`, `step_losses` as `step_loss` at each of its steps), as TensorBoard has them;
 - at the end: the summary, and the run's pictures (RUN_DIR/*.png), mlperf.log, summary.json and
-  config.toml as files/artifacts.
+  config.toml as files/artifacts; `exatrain report RUN_DIR` adds its pictures and report.md to
+  the same runs afterwards (`attach`: under `report/`).
 
 Resume: RUN_DIR/trackers.json keeps each tracker's run id. A run resumed from a checkpoint in the
 same directory (`--resume`, a restart, a Slurm requeue) continues the same W&B and MLflow runs. It
@@ -138,11 +139,14 @@ class WandbRun:
                  previous: dict | None):
         import wandb
         o = options.wandb
-        self.mode = o.mode or os.environ.get("WANDB_MODE") or "offline"
-        self.id = previous["id"] if previous else _new_id()
+        previous = previous or {}
+        self.mode = o.mode or os.environ.get("WANDB_MODE") or previous.get("mode") or "offline"
+        self.id = previous.get("id") or _new_id()
+        self.project = previous.get("project") or o.project or os.environ.get("WANDB_PROJECT") \
+            or "exatrain"
+        self.entity = previous.get("entity") or o.entity or None
         self.run = wandb.init(
-            project=o.project or os.environ.get("WANDB_PROJECT") or "exatrain",
-            entity=o.entity or None, name=o.name or os.environ.get("WANDB_NAME") or run_dir.name,
+            project=self.project, entity=self.entity, name=o.name or os.environ.get("WANDB_NAME") or run_dir.name,
             group=o.group or os.environ.get("WANDB_RUN_GROUP") or group or None,
             tags=[f"{k}:{v}"[:64] for k, v in tags.items()] + list(o.tags),
             config=config, dir=str(run_dir), id=self.id, resume="allow", mode=self.mode,
@@ -177,7 +181,7 @@ class WandbRun:
         self.run.finish(exit_code=0 if ok else 1)
 
     def state(self) -> dict:
-        return {"id": self.id, "mode": self.mode}
+        return {"id": self.id, "mode": self.mode, "project": self.project, "entity": self.entity}
 
     def info(self) -> dict:
         out = {"run_id": self.id, "mode": self.mode, "dir": str(self.dir)}
@@ -344,6 +348,43 @@ class Trackers:
             except Exception as exc:
                 self._fail(name, exc, "the end")
         self.runs = {}
+
+
+def attach(run_dir: Path, files: list[Path], folder: str = "report",
+           report=lambda text: print(text, file=sys.stderr, flush=True)) -> list[str]:
+    """Add `files` (a report's pictures) under `folder` to the tracked runs of a finished run
+    directory (RUN_DIR/trackers.json): MLflow's run gets them as artifacts; W&B's, in a short
+    resumed segment of the same run id (synced with the others). Returns the trackers that took
+    them; one that cannot is reported and skipped."""
+    path = Path(run_dir) / STATE
+    state = json.loads(path.read_text()) if path.is_file() else {}
+    done = []
+    for name in ("mlflow", "wandb"):
+        if name not in state:
+            continue
+        try:
+            if name == "mlflow":
+                from mlflow.tracking import MlflowClient
+                client = MlflowClient(tracking_uri=state[name]["tracking_uri"])
+                for f in files:
+                    client.log_artifact(state[name]["run_id"], str(f), folder)
+            else:
+                import wandb
+                s = state[name]
+                run = wandb.init(project=s.get("project"), entity=s.get("entity"), id=s["id"],
+                                 resume="allow", mode=s.get("mode", "offline"), dir=str(run_dir),
+                                 reinit="create_new", settings=wandb.Settings(
+                                     console="off", silent=True, save_code=False,
+                                     disable_git=True))
+                (Path(run.dir) / folder).mkdir(exist_ok=True)
+                for f in files:
+                    shutil.copy2(f, Path(run.dir) / folder / Path(f).name)
+                run.finish()
+            done.append(name)
+        except Exception as exc:
+            report(f"exatrain: could not add the report to the {name} run ({type(exc).__name__}: "
+                   f"{exc}); the report is in {Path(files[0]).parent if files else run_dir}.")
+    return done
 
 
 def read_wandb_log(path: Path) -> list:
