@@ -1,6 +1,7 @@
 """Experiment trackers beside TensorBoard: Weights & Biases and MLflow (`[observe] trackers`).
 
-From rank 0 only (of each trainer, in a population), at log steps only, and never fatal:
+From rank 0 only (of each trainer, in a population), at log steps only, from a thread of their
+own (the loop hands a record over and goes on), and never fatal:
 
 - start (at the beginning of fit): one tracked run with the resolved config as its parameters
   (flattened to `section.key`) and the Plan, world size, exatrain and torch versions, device and
@@ -32,9 +33,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import queue
 import random
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -303,7 +306,12 @@ class Trackers:
         metrics = self.run_dir / "metrics.jsonl"
         if self.logged and metrics.is_file():  # resumed: what the trackers lack, up to here
             for line in metrics.read_text().splitlines():
-                self.log(json.loads(line))
+                self._send(json.loads(line))
+        # records go to the trackers from a thread of their own, in order; what a process that
+        # dies leaves unsent is sent again from metrics.jsonl when the run resumes
+        self.queue: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._work, name="exatrain-trackers", daemon=True)
+        self.thread.start()
 
     def _fail(self, name: str, exc: BaseException, when: str) -> None:
         self.runs.pop(name, None)
@@ -313,9 +321,24 @@ class Trackers:
                     f"and the other trackers keep every record).")
 
     def log(self, record: dict) -> None:
-        """One metrics.jsonl record to every tracker, without the steps it already holds."""
-        if not self.runs:
-            return
+        """Queue one metrics.jsonl record for the trackers' thread (the training loop does not
+        wait for a tracker: a W&B record costs ~20 ms, an MLflow one ~12 ms)."""
+        if self.runs:
+            self.queue.put(record)
+
+    def _work(self) -> None:
+        while True:
+            record = self.queue.get()
+            try:
+                if record is not None:
+                    self._send(record)
+            finally:
+                self.queue.task_done()
+            if record is None:
+                return
+
+    def _send(self, record: dict) -> None:
+        """One record to every tracker, without the steps it already holds."""
         by_step = rows(record)
         for name, run in list(self.runs.items()):
             last = self.logged.setdefault(name, {})
@@ -335,11 +358,14 @@ class Trackers:
                 last.update(dict.fromkeys(values, step))
 
     def info(self) -> dict:
+        self.queue.join()  # what is queued is sent (or has failed) first
         out = {name: run.info() for name, run in self.runs.items()}
         out.update({name: {"failed": why} for name, why in self.failed.items()})
         return out
 
     def finish(self, summary: dict | None, ok: bool = True) -> None:
+        self.queue.put(None)
+        self.thread.join()
         files = sorted(self.run_dir.glob("*.png")) + \
             [self.run_dir / f for f in ARTIFACTS if (self.run_dir / f).is_file()]
         for name, run in list(self.runs.items()):
