@@ -180,8 +180,9 @@ def test_a_tracker_that_fails_during_the_run_is_reported_once_and_training_goes_
         calls.append(min(by_step))
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(trackers.MLflowRun, "log", disk_full)
-    config = load_config(None, _overrides(cosmo_data, tmp_path / "runs", 'observe.trackers=["mlflow"]',
-                                          "train.steps=3", "mlperf.enabled=false"))
+    config = load_config(None, _overrides(cosmo_data, tmp_path / "runs",
+                                          'observe.trackers=["mlflow"]', "train.steps=3",
+                                          "mlperf.enabled=false"))
     summary = run_job(config)
     assert summary["steps"] == 3 and calls == [1]
     assert "No space left on device" in summary["trackers"]["mlflow"]["failed"]
@@ -209,7 +210,7 @@ def test_tracker_tables_in_toml_and_on_the_command_line(tmp_path):
     config = load_config(path, ["observe.wandb.mode=online", "observe.mlflow.tags=['k=v']"])
     assert (config.observe.wandb.project, config.observe.wandb.mode) == ("cosmo", "online")
     assert config.observe.mlflow.tags == ["k=v"] and config.observe.mlflow.experiment == "e"
-    with pytest.raises(ConfigError, match="unknown key observe.wandb.projet. Did you mean 'project'"):
+    with pytest.raises(ConfigError, match="unknown key observe.wandb.projet. Did you mean"):
         load_config(None, ["observe.wandb.projet=x"])
     with pytest.raises(ConfigError, match="observe.wandb.mode='offlin'"):
         load_config(None, ['observe.trackers=["wandb"]', "observe.wandb.mode=offlin"])

@@ -61,7 +61,8 @@ def check_trackers(options) -> None:
         if name not in TRACKERS:
             match = difflib.get_close_matches(name, TRACKERS, n=1)
             hint = f" Did you mean {match[0]!r}?" if match else ""
-            raise ValueError(f"observe.trackers: {name!r} is not one of {', '.join(TRACKERS)}.{hint}")
+            raise ValueError(f"observe.trackers: {name!r} is not one of "
+                             f"{', '.join(TRACKERS)}.{hint}")
     if "wandb" in options.trackers:
         if _missing("wandb"):
             raise ValueError("observe.trackers includes 'wandb' but the wandb package is not "
@@ -149,7 +150,8 @@ class WandbRun:
             or "exatrain"
         self.entity = previous.get("entity") or o.entity or None
         self.run = wandb.init(
-            project=self.project, entity=self.entity, name=o.name or os.environ.get("WANDB_NAME") or run_dir.name,
+            project=self.project, entity=self.entity,
+            name=o.name or os.environ.get("WANDB_NAME") or run_dir.name,
             group=o.group or os.environ.get("WANDB_RUN_GROUP") or group or None,
             tags=[f"{k}:{v}"[:64] for k, v in tags.items()] + list(o.tags),
             config=config, dir=str(run_dir), id=self.id, resume="allow", mode=self.mode,
@@ -217,7 +219,8 @@ class MLflowRun:
         if experiment is None:
             location = None
             if self.uri.startswith("sqlite:///"):  # artifacts beside the database, not in cwd
-                location = (Path(self.uri.removeprefix("sqlite:///")).parent / "mlartifacts").as_uri()
+                database = Path(self.uri.removeprefix("sqlite:///"))
+                location = (database.parent / "mlartifacts").as_uri()
             experiment_id = self.client.create_experiment(name, artifact_location=location)
         else:
             experiment_id = experiment.experiment_id
