@@ -35,6 +35,7 @@ import json
 import os
 import queue
 import random
+import re
 import shutil
 import sys
 import threading
@@ -139,6 +140,10 @@ def run_tags(trainer) -> dict[str, str]:
 class WandbRun:
     name = "wandb"
 
+    @staticmethod
+    def key(name: str) -> str:
+        return name
+
     def __init__(self, options, config: dict, run_dir: Path, tags: dict, group: str,
                  previous: dict | None):
         import wandb
@@ -199,6 +204,12 @@ class MLflowRun:
     name = "mlflow"
     BATCH = 1000  # MLflow's limit of metrics per log_batch call (params: 100)
 
+    @staticmethod
+    def key(name: str) -> str:
+        """A metric name MLflow takes: letters, digits and `_-. :/`; others become `_`
+        (`bytes_per_step/trainer+pipe+data` -> `bytes_per_step/trainer_pipe_data`)."""
+        return re.sub(r"[^\w\-. :/]", "_", name)
+
     def __init__(self, options, config: dict, run_dir: Path, tags: dict, group: str,
                  previous: dict | None, out_dir: Path):
         from mlflow.entities import Param
@@ -248,7 +259,7 @@ class MLflowRun:
         from mlflow.entities import Metric
         if summary is not None:
             now, step = int(time.time() * 1000), int(summary.get("steps") or 0)
-            numbers = [Metric(f"summary/{k}", float(v), now, step)
+            numbers = [Metric(self.key(f"summary/{k}"), float(v), now, step)
                        for k, v in scalar_summary(summary).items()
                        if isinstance(v, (int, float)) and not isinstance(v, bool)]
             for i in range(0, len(numbers), self.BATCH):
@@ -347,7 +358,8 @@ class Trackers:
             last = self.logged.setdefault(name, {})
             new = {}
             for step, values in by_step.items():
-                keep = {k: v for k, v in values.items() if step > last.get(k, 0)}
+                named = {run.key(k): v for k, v in values.items()}
+                keep = {k: v for k, v in named.items() if step > last.get(k, 0)}
                 if keep:
                     new[step] = keep
             if not new:
