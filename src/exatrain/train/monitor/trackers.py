@@ -45,6 +45,7 @@ from pathlib import Path
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 WANDB_MODES = ("", "offline", "online", "disabled")
 STATE = "trackers.json"
+WAIT_S = 120.0  # the end of a run waits this long at most for the trackers' thread
 ARTIFACTS = ("mlperf.log", "summary.json", "config.toml")  # beside RUN_DIR/*.png
 
 
@@ -344,12 +345,22 @@ class Trackers:
         while True:
             record = self.queue.get()
             try:
-                if record is not None:
+                if record is None:
+                    return
+                try:
                     self._send(record)
+                except Exception as exc:  # not a tracker's own call: stop them all, once
+                    for name in list(self.runs):
+                        self._fail(name, exc, f"step {record.get('step')}")
             finally:
                 self.queue.task_done()
-            if record is None:
-                return
+
+    def _drained(self) -> bool:
+        """Wait (at most WAIT_S) until the thread has sent what is queued; False if it has not."""
+        deadline = time.monotonic() + WAIT_S
+        while self.queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self.queue.unfinished_tasks
 
     def _send(self, record: dict) -> None:
         """One record to every tracker, without the steps it already holds."""
@@ -373,12 +384,16 @@ class Trackers:
                 last.update(dict.fromkeys(values, step))
 
     def info(self) -> dict:
-        self.queue.join()  # what is queued is sent (or has failed) first
+        self._drained()  # what is queued is sent (or has failed) first
         out = {name: run.info() for name, run in self.runs.items()}
         out.update({name: {"failed": why} for name, why in self.failed.items()})
         return out
 
     def finish(self, summary: dict | None, ok: bool = True) -> None:
+        if not self._drained():  # a tracker stuck in a call: the run ends without it
+            for name in list(self.runs):
+                self._fail(name, TimeoutError(f"still sending after {WAIT_S:.0f} s"), "the end")
+            return
         self.queue.put(None)
         self.thread.join()
         files = sorted(self.run_dir.glob("*.png")) + \
