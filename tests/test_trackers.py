@@ -246,3 +246,24 @@ def test_report_pictures_join_the_tracked_runs(tracked):
     last = sorted((run_dir / "wandb").glob("offline-run-*"))[-1]
     assert last.name.endswith(summary["trackers"]["wandb"]["run_id"])
     assert {p.name for p in (last / "files" / "report").iterdir()} == pictures | {"report.md"}
+
+
+def test_a_population_tracks_one_run_per_trainer_grouped(cosmo_data, tmp_path):
+    """Two trainers' rank 0 open one SQLite store at once: one MLflow run each, one group."""
+    from mlflow.tracking import MlflowClient
+
+    from harness import run_ranks
+    config = load_config(None, _overrides(cosmo_data, tmp_path / "runs",
+                                          'observe.trackers=["mlflow"]', "train.steps=2",
+                                          "train.eval_every=2", "train.checkpoint_every=0",
+                                          "mlperf.enabled=false", "plan.trainer=2",
+                                          "population.interval=2"))
+    summary = run_ranks(2, run_job, config)[0]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert sorted(r.info.run_name for r in runs) == ["trainer_00", "trainer_01"]
+    assert {r.data.tags["exatrain.group"] for r in runs} == {Path(summary["run_dir"]).name}
+    assert {r.data.tags["exatrain.plan"] for r in runs} == {"Plan(trainer=2)"}
+    assert sorted(r.data.tags["exatrain.trainer"] for r in runs) == ["0", "1"]
+    for r in runs:
+        assert [m.step for m in client.get_metric_history(r.info.run_id, "loss")] == [1, 2]

@@ -133,9 +133,13 @@ def run_tags(trainer) -> dict[str, str]:
     name = device.type
     if device.type == "cuda":
         name = f"cuda:{torch.cuda.get_device_name(device)}"
-    return {"plan": str(trainer.mesh.plan), "world_size": str(trainer.mesh.world_size),
+    mesh = getattr(trainer.mesh, "parent", trainer.mesh)  # a population's: the whole job's
+    tags = {"plan": str(mesh.plan), "world_size": str(mesh.world_size),
             "exatrain": __version__, "torch": torch.__version__, "device": name,
             "workload": trainer.config.run.workload}
+    if mesh is not trainer.mesh:  # one trainer of a population
+        tags.update(trainer=str(trainer.mesh.trainer), trainer_plan=str(trainer.mesh.plan))
+    return tags
 
 
 class WandbRun:
