@@ -30,6 +30,7 @@ the config is read (`check_trackers`), naming the extra to install.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -217,7 +218,6 @@ class MLflowRun:
 
     def __init__(self, options, config: dict, run_dir: Path, tags: dict, group: str,
                  previous: dict | None, out_dir: Path):
-        from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
         o = options.mlflow
         if previous:
@@ -225,7 +225,13 @@ class MLflowRun:
         else:
             self.uri = o.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or \
                 f"sqlite:///{out_dir.resolve() / 'mlflow.db'}"
-        self.client = MlflowClient(tracking_uri=self.uri)
+        with _one_at_a_time(self.uri):
+            self.client = MlflowClient(tracking_uri=self.uri)
+            self._open(o, config, run_dir, tags, group, previous)
+
+    def _open(self, o, config: dict, run_dir: Path, tags: dict, group: str,
+              previous: dict | None) -> None:
+        from mlflow.entities import Param
         if previous:
             self.id = previous["run_id"]
             self.client.update_run(self.id, status="RUNNING")
@@ -322,15 +328,14 @@ class Trackers:
         ids = {k: v for k, v in state.items() if k in ("wandb", "mlflow")}  # a failed one's too
         ids.update({name: run.state() for name, run in self.runs.items()})
         path.write_text(json.dumps(ids))
-        metrics = self.run_dir / "metrics.jsonl"
-        if self.logged and metrics.is_file():  # resumed: what the trackers lack, up to here
-            for line in metrics.read_text().splitlines():
-                self._send(json.loads(line))
         # records go to the trackers from a thread of their own, in order; what a process that
         # dies leaves unsent is sent again from metrics.jsonl when the run resumes
         self.queue: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._work, name="exatrain-trackers", daemon=True)
         self.thread.start()
+        metrics = self.run_dir / "metrics.jsonl"
+        if self.logged and metrics.is_file():  # resumed: first what the trackers lack, up to here
+            self.queue.put((metrics, metrics.stat().st_size))
 
     def _fail(self, name: str, exc: BaseException, when: str) -> None:
         self.runs.pop(name, None)
@@ -352,10 +357,14 @@ class Trackers:
                 if record is None:
                     return
                 try:
-                    self._send(record)
+                    if isinstance(record, tuple):  # (metrics.jsonl, its size when resumed)
+                        self._send_file(*record)
+                    else:
+                        self._send(record)
                 except Exception as exc:  # not a tracker's own call: stop them all, once
                     for name in list(self.runs):
-                        self._fail(name, exc, f"step {record.get('step')}")
+                        self._fail(name, exc, "resume" if isinstance(record, tuple)
+                                   else f"step {record.get('step')}")
             finally:
                 self.queue.task_done()
 
@@ -365,6 +374,12 @@ class Trackers:
         while self.queue.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.01)
         return not self.queue.unfinished_tasks
+
+    def _send_file(self, path: Path, size: int) -> None:
+        """The records of metrics.jsonl's first `size` bytes (the loop appends to it meanwhile)."""
+        with open(path, "rb") as f:
+            for line in f.read(size).decode().splitlines():
+                self._send(json.loads(line))
 
     def _send(self, record: dict) -> None:
         """One record to every tracker, without the steps it already holds."""
@@ -482,8 +497,28 @@ def _new_id() -> str:
     return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
 
 
+@contextlib.contextmanager
+def _one_at_a_time(uri: str):
+    """A population's trainers open one store at once. For SQLite, one process at a time (a file
+    lock beside the database): MLflow creates its tables on first use, and two processes doing
+    so together leave one of them with a broken migration."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    import fcntl
+    database = Path(uri.removeprefix("sqlite:///"))
+    database.parent.mkdir(parents=True, exist_ok=True)
+    with open(database.with_name(database.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def _retry(make, tries: int = 3):
-    """A population's trainers open one SQLite store at once: a lost race is tried again."""
+    """A population's trainers create one experiment at once on a server: a lost race (the name
+    taken meanwhile) is tried again."""
     for attempt in range(tries):
         try:
             return make()
