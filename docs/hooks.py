@@ -22,6 +22,7 @@ import importlib
 import inspect
 import os
 import re
+import typing
 
 FIELD = re.compile(r"^(\s+)(\w+)\s*:\s*[^#]*?(?:#\s?(.*))?$")
 
@@ -167,14 +168,24 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def section_table(cls, section: str) -> str:
-    comments = meanings(cls)
-    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+def _rows(cls, section: str) -> list[str]:
+    """A row per field; a field that is a table of its own ([observe.wandb]) is followed by its
+    keys' rows."""
+    comments, hints, rows = meanings(cls), typing.get_type_hints(cls), []
     for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows.append(f"| `{section}.{f.name}` | table | `[{section}.{f.name}]` | "
+                        f"{_cell(comments.get(f.name, ''))} |")
+            rows += _rows(hints[f.name], f"{section}.{f.name}")
+            continue
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
         rows.append(f"| `{section}.{f.name}` | `{_cell(kind)}` | {_cell(_default(f))} | "
                     f"{_cell(comments.get(f.name, ''))} |")
-    return "\n".join(rows)
+    return rows
+
+
+def section_table(cls, section: str) -> str:
+    return "\n".join(["| key | type | default | meaning |", "|---|---|---|---|", *_rows(cls, section)])
 
 
 def config_reference() -> str:

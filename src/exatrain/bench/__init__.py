@@ -17,7 +17,8 @@ BENCHMARKS = {"dp": "exatrain.bench.dp", "spatial": "exatrain.bench.spatial",
               "ltfb": "exatrain.bench.ltfb", "faults": "exatrain.bench.faults",
               "planner": "exatrain.bench.planner", "data": "exatrain.bench.data",
               "device": "exatrain.bench.device", "kfac": "exatrain.bench.kfac",
-              "chanfilt": "exatrain.bench.chanfilt", "startup": "exatrain.bench.startup"}
+              "chanfilt": "exatrain.bench.chanfilt", "startup": "exatrain.bench.startup",
+              "trackers": "exatrain.bench.trackers"}
 
 
 def bench_module(name: str):

@@ -110,4 +110,7 @@ def build_report(paths: list[str | Path], out: str | Path | None = None) -> dict
     lines += [f"- **{name}**: ![{name}]({p.name})" for name, p in made.items()]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     made["report"] = out / "report.md"
+    if len(run_paths) == 1 and (run_paths[0] / "trackers.json").is_file():
+        from ..train.monitor.trackers import attach  # the same W&B and MLflow runs get them
+        attach(run_paths[0], list(made.values()))
     return made

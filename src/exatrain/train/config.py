@@ -185,7 +185,12 @@ def build_section(cls, values: dict, section: str):
     for key, value in values.items():
         if key not in known:
             raise ConfigError(f"unknown key {section}.{key}.{_closest(key, known)}")
-        kwargs[key] = _coerce(value, hints[key], f"{section}.{key}")
+        if dataclasses.is_dataclass(hints[key]):  # a table inside the section: [observe.wandb]
+            if not isinstance(value, dict):
+                raise ConfigError(f"{section}.{key} must be a table of keys, got {value!r}.")
+            kwargs[key] = build_section(hints[key], value, f"{section}.{key}")
+        else:
+            kwargs[key] = _coerce(value, hints[key], f"{section}.{key}")
     return cls(**kwargs)
 
 
@@ -218,7 +223,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             raise ConfigError(f"{path} is not valid TOML: {exc}") from None
     for text in overrides:
         section, key, value = parse_override(text)
-        raw.setdefault(section, {})[key] = value
+        table = raw.setdefault(section, {})
+        *tables, key = key.split(".")  # observe.wandb.project: a key of a table in a section
+        for name in tables:
+            table = table.setdefault(name, {})
+        table[key] = value
     if isinstance(raw.get("model"), dict) and "init_from" in raw["model"]:
         raw.setdefault("run", {})["init_from"] = raw["model"].pop("init_from")
     sections = {*FIXED_SECTIONS, "model", "data"}
@@ -322,6 +331,11 @@ def validate(config: Config) -> None:
             Target.parse(t.target)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+    from .monitor.trackers import check_trackers
+    try:
+        check_trackers(config.observe)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     try:
         validate_population(config.population, config.plan.trainer)
     except ValueError as exc:

@@ -204,6 +204,7 @@ def run_job(config: Config, resume_dir: str | None = None) -> dict:
     try:
         return _launch_figures(trainer, trainer.fit(), launcher)
     except BaseException as exc:
+        trainer.observer.finished(None, ok=False)  # a tracked run that failed says so
         record_failure(trainer, exc)
         cleanup_failed_start(trainer, resumed=resume_dir is not None)
         raise

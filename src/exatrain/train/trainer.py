@@ -765,6 +765,7 @@ class Trainer:
                 summary["time_to_train_s"] += self.stage_figures["stage_s"]
         if self.is_main and self.run_dir:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        self.observer.finished(summary)  # W&B, MLflow: the summary, pictures, logs; the end
         return summary
 
 

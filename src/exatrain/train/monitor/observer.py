@@ -13,6 +13,8 @@ record, each evaluation, the end of fit), so strategies and the training loop st
 - TensorBoard event files in RUN_DIR/tensorboard (rank 0): every number of every metrics.jsonl
   record under its own key, `bytes_per_step/<axis>` for the per-axis bytes, and `step_loss` for
   each step's loss;
+- `[observe] trackers` "wandb", "mlflow" (`train.monitor.trackers`, rank 0): the same numbers at
+  the same steps in a W&B run (offline by default) and an MLflow run, resumed with the run;
 - `[mlperf] enabled`: the MLPerf HPC log (`train.mlperf`), and `train.target`: stop when reached;
 - bus bandwidth per mesh axis (`train.bandwidth`): `busbw_GBps/<axis>` in every logged record, a
   drop below a fraction of the axis's own median reported once (`bandwidth_drops` in the summary,
@@ -32,6 +34,7 @@ from ...comm import all_gather_object
 from ...comm.timing import named_range
 from .bandwidth import BandwidthWatch
 from .target import Target
+from .trackers import rows
 
 
 class StepObserver:
@@ -50,12 +53,13 @@ class StepObserver:
         self.writer = self._tensorboard() if self.is_main and self.run_dir else None
         self.profiler = self._profiler(mesh.rank)
         self.mlperf = None  # opened at fit_begin, once the launcher's figures are known
+        self.trackers = None  # W&B, MLflow: started at fit_begin (after a resume), on rank 0
         self.bandwidth = BandwidthWatch(mesh, self.options, self.is_main) \
             if self.options.bandwidth_watch and mesh.world_size > 1 else None
 
     # ------------------------------------------------------------------ set-up
     def _tensorboard(self):
-        if not self.options.tensorboard:
+        if not self.options.tensorboard or "tensorboard" not in self.options.trackers:
             return None
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -92,6 +96,10 @@ class StepObserver:
 
     def fit_begin(self) -> None:
         t, c = self.trainer, self.trainer.config
+        if self.is_main and self.run_dir and self.trackers is None and \
+                {"wandb", "mlflow"} & set(self.options.trackers):
+            from .trackers import Trackers
+            self.trackers = Trackers(t)
         if c.mlperf.enabled and self.is_main and self.run_dir and self.mlperf is None:
             from .mlperf import MLPerfLog
             world = t.mesh.world_size
@@ -150,24 +158,14 @@ class StepObserver:
                 self.trainer.mesh.world_size
 
     def written(self, record: dict) -> None:
-        """A record went to metrics.jsonl: the same numbers go to TensorBoard."""
+        """A record went to metrics.jsonl: the same numbers go to TensorBoard and the trackers."""
+        if self.trackers:
+            self.trackers.log(record)
         if not self.writer:
             return
-        step = record["step"]
-        for key, value in record.items():
-            if key == "step":
-                continue
-            if isinstance(value, bool):
-                value = float(value)
-            if isinstance(value, (int, float)):
+        for step, values in rows(record).items():
+            for key, value in values.items():
                 self.writer.add_scalar(key, value, step)
-            elif isinstance(value, dict):
-                for sub, v in value.items():
-                    if isinstance(v, (int, float)):
-                        self.writer.add_scalar(f"{key}/{sub}", v, step)
-            elif key == "step_losses":
-                for i, loss in enumerate(value):
-                    self.writer.add_scalar("step_loss", loss, step - len(value) + 1 + i)
         self.writer.flush()
 
     def epoch(self) -> float:
@@ -206,6 +204,8 @@ class StepObserver:
             self.time_to_train_s = time.perf_counter() - fit_start_s
         if self.time_to_train_s is not None and self.reached_at is not None:
             out["time_to_train_s"] = self.time_to_train_s
+        if self.trackers:
+            out["trackers"] = self.trackers.info()  # run ids; `wandb sync DIR` for offline runs
         self.close()
         return out
 
@@ -218,6 +218,13 @@ class StepObserver:
                 "peak_activation_bytes": figures.get("peak_activation_bytes"),
                 "peak_mem_bytes": peak_memory_bytes(t.mesh.device)[0]}
         return all_gather_object(mine, t.mesh.world)
+
+    def finished(self, summary: dict | None, ok: bool = True) -> None:
+        """The run's end (summary.json written; None, ok=False: it failed): the trackers get the
+        summary and the run's pictures and logs, and finish their runs."""
+        if self.trackers:
+            self.trackers.finish(summary, ok)
+            self.trackers = None
 
     def close(self) -> None:
         if self.profiler:
