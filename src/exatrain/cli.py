@@ -152,9 +152,11 @@ def _progress(console: Console, label: str):
 def _print_summary(console: Console, summary: dict) -> None:
     from rich.table import Table
 
-    table = Table(title="run summary", show_header=False)
     from .train.monitor.console import comm_text
-    from .train.monitor.units import human_bytes, human_value
+    from .train.monitor.fields import format_value
+    from .train.monitor.units import human_bytes
+
+    table = Table(title="run summary", show_header=False)
 
     for key, value in summary.items():
         if key == "memory_per_rank":  # a list per rank: its largest figures are what matter
@@ -164,8 +166,8 @@ def _print_summary(console: Console, summary: dict) -> None:
             value = "; ".join(f"step {d['step']}: {d['axis']} ({d['op']})" for d in value) or "none"
         elif key == "bytes_per_step":  # the ledger's bytes per step, by mesh axis
             key, value = "comm/step (bytes_per_step)", comm_text(value, prefix="")
-        else:
-            value = human_value(key, value)
+        else:  # in the unit the field table gives (docs: reference/summary.md)
+            value = format_value(key, value)
         table.add_row(key, str(value))
     console.print(table)
     if summary.get("run_dir"):
