@@ -20,6 +20,7 @@ module is made equal on every rank by a broadcast of its parameters and buffers 
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import runpy
 import sys
@@ -38,6 +39,11 @@ from .config import FIXED_SECTIONS, Config, ConfigError, build_section, load_con
 from .monitor.console import TrainConsole
 from .run import make_run_dir, pipeline_example
 from .trainer import Trainer
+
+
+# the summaries of the fit calls of the script that run_script runs (None outside one)
+_script_summaries: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "exatrain_script_summaries", default=None)
 
 
 @dataclasses.dataclass
@@ -124,15 +130,24 @@ def fit(model, train_set, val_set, loss, metrics: dict | None = None, *, plan: P
         if resume:
             from .run import find_resume_checkpoint
             trainer.resume(find_resume_checkpoint(resume))
-        return trainer.fit()
+        summary = trainer.fit()
+        if _script_summaries.get() is not None:  # for `exatrain run SCRIPT` to print
+            _script_summaries.get().append(summary)
+        return summary
     finally:
         mesh.close()
 
 
-def run_script(path: str, argv: list[str] | None = None):
-    """Run a Python script as `__main__` (what every rank of `exatrain run SCRIPT` does)."""
+def run_script(path: str, argv: list[str] | None = None) -> list[dict]:
+    """Run a Python script as `__main__` with `argv` as its sys.argv[1:] (what every rank of
+    `exatrain run SCRIPT -- ARGS` does); returns the summaries of the et.fit calls it made."""
     sys.argv = [str(path), *(argv or [])]
-    runpy.run_path(str(path), run_name="__main__")
+    token = _script_summaries.set([])
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+        return _script_summaries.get()
+    finally:
+        _script_summaries.reset(token)
 
 
 def launch(fn, nproc: int, args: tuple = ()) -> list:
