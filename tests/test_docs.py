@@ -319,3 +319,77 @@ def test_the_readme_links_into_pages_and_headings_that_exist():
             assert anchor in anchors_of(ROOT / link), (
                 f"README links to {link}#{anchor}, but that page has no such heading; its "
                 f"anchors: {sorted(anchors_of(ROOT / link))}")
+
+
+# ---------------------------------------------------------------- outputs shown in pages
+# A ```text block right after the line `<!-- docs-output: exatrain ARGS -->` is what that command
+# prints; the test runs it and compares, with only the wall-clock durations ("in 0.55 s") masked.
+OUTPUT = re.compile(r"^<!-- docs-output: exatrain (.+?) -->\n```text\n(.*?)^```", re.S | re.M)
+DURATION = re.compile(r"\bin \d+(\.\d+)? (s|ms)\b")
+
+
+def shown_outputs(path: Path) -> list[tuple[str, str]]:
+    return [(m.group(1), m.group(2)) for m in OUTPUT.finditer(path.read_text())]
+
+
+def command_output(command: str, capsys) -> str:
+    import shlex
+
+    from exatrain.cli import main
+
+    capsys.readouterr()
+    assert main(shlex.split(command)) == 0, command
+    return capsys.readouterr().out
+
+
+def _masked(text: str) -> list[str]:
+    return [DURATION.sub("in … s", line.rstrip()) for line in text.strip("\n").splitlines()]
+
+
+SHOWING = [p for p in PAGES if shown_outputs(p)]
+
+
+@pytest.mark.parametrize("path", SHOWING, ids=[str(p.relative_to(ROOT)) for p in SHOWING])
+def test_outputs_shown_in_pages_are_what_the_command_prints(path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    for command, shown in shown_outputs(path):
+        fresh = command_output(command, capsys)
+        assert _masked(shown) == _masked(fresh), (
+            f"{path.relative_to(ROOT)}: `exatrain {command}` now prints (paste it into the "
+            f"page):\n{fresh}")
+
+
+def test_a_changed_output_fails_the_page(tmp_path, capsys, monkeypatch):
+    """What happens when the code changes what it prints: the shown output no longer matches."""
+    command = "plan examples/gpt.toml --world 2 --top 2 --system a100-selene"
+    monkeypatch.chdir(ROOT)
+    fresh = command_output(command, capsys)
+    page = tmp_path / "page.md"
+    page.write_text(f"<!-- docs-output: exatrain {command} -->\n```text\n{fresh}```\n")
+    [(_, shown)] = shown_outputs(page)
+    assert _masked(shown) == _masked(fresh)
+    monkeypatch.setattr("exatrain.tune.commands._human_bytes", lambda n: f"{n:.0f} B")
+    assert _masked(shown) != _masked(command_output(command, capsys))
+
+
+COMPOSE_AXES = {"data": {"data": 2}, "shard": {"shard": 2}, "tensor 1D": {"tensor": 2},
+                "tensor 3D": {"tensor": (1, 1, 2)}, "space": {"space": (1, 1, 2)},
+                "pipe": {"pipe": 2}}
+
+
+def test_the_composition_table_says_what_plan_refuses():
+    from exatrain.plan import Plan, composition_refusal
+
+    text = (DOCS / "concepts" / "plan.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| **")]
+    assert len(rows) == len(COMPOSE_AXES)
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        a = cells[0].strip("*")
+        for b, cell in zip(COMPOSE_AXES, cells[1:]):
+            if cell == "–":
+                continue
+            refusal = composition_refusal(Plan(**COMPOSE_AXES[a], **COMPOSE_AXES[b]))
+            assert cell.startswith("refused") == (refusal is not None), (
+                f"concepts/plan.md says {a} × {b} is '{cell}', plan.composition_refusal says "
+                f"{refusal or 'it composes'}")
