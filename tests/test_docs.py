@@ -13,6 +13,9 @@ made). Conventions:
 * A Python block whose first line is `# NAME.py` is also saved as NAME.py and run as a script
   (`__name__ == "__main__"`), as the page tells the reader to do; `# NAME.py, continued` appends
   the block to that file (and runs it in the page's namespace).
+* A TOML block preceded by `<!-- docs-test: defaults ... -->` claims every value it sets is the
+  code's default: each is compared with its config field's default (a guide's table of defaults
+  cannot go stale when a default changes).
 * ```console, ```bash and ```text blocks are shell commands and output, and a fence with no
   language is plain text (as in Markdown): not run. Any other language fails the test, so no
   block escapes by its label.
@@ -38,6 +41,7 @@ import pytest
 ROOT = Path(__file__).parents[1]
 DOCS = ROOT / "docs"
 SKIP = "<!-- docs-test: skip"
+DEFAULTS = "<!-- docs-test: defaults"
 FENCE = re.compile(r"^([ \t]*)```([\w+-]*)[^\n]*\n(.*?)^\1```[ \t]*$", re.S | re.M)  # also indented
 RUN = ("python", "toml")                    # run (or, when skipped, compiled / parsed)
 SHOWN = ("console", "bash", "text", "")     # commands and output; "" = a fence with no language
@@ -50,6 +54,7 @@ class Block:
     lang: str
     code: str
     skip: bool
+    defaults: bool = False
 
 
 def blocks_of(path: Path) -> list[Block]:
@@ -59,7 +64,8 @@ def blocks_of(path: Path) -> list[Block]:
         before = text[:match.start()].rstrip("\n").rsplit("\n", 1)[-1]
         name = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
         out.append(Block(name, text.count("\n", 0, match.start()) + 1, match.group(2),
-                         textwrap.dedent(match.group(3)), before.strip().startswith(SKIP)))
+                         textwrap.dedent(match.group(3)), before.strip().startswith(SKIP),
+                         before.strip().startswith(DEFAULTS)))
     return out
 
 
@@ -95,6 +101,21 @@ def check_skipped(block: Block) -> None:
                                  f"{exc.msg} (line {exc.lineno})") from exc
 
 
+def check_defaults(block: Block) -> None:
+    """Every value of the block equals its config field's default."""
+    from exatrain.train.config import FIXED_SECTIONS
+
+    for section, values in tomllib.loads(block.code).items():
+        defaults = {f.name: (f.default if f.default is not dataclasses.MISSING
+                             else f.default_factory())
+                    for f in dataclasses.fields(FIXED_SECTIONS[section])}
+        for key, value in values.items():
+            if value != defaults[key]:
+                raise AssertionError(
+                    f"{block.page}:{block.line}: the block of defaults says {section}.{key} = "
+                    f"{value!r}, the code's default is {defaults[key]!r}")
+
+
 def run_page(path: Path, workdir: Path, monkeypatch) -> int:
     """Run the page's python and toml blocks in order in `workdir`; returns how many ran."""
     from exatrain.train.config import load_config
@@ -119,6 +140,8 @@ def run_page(path: Path, workdir: Path, monkeypatch) -> int:
             except Exception as exc:
                 raise AssertionError(f"{where}: the TOML block is not a valid exatrain config: "
                                      f"{type(exc).__name__}: {exc}") from exc
+            if block.defaults:
+                check_defaults(block)
         else:
             first = block.code.split("\n", 1)[0].strip()
             file = re.fullmatch(r"#\s*([\w/.-]+\.py)(,\s*continued)?", first)
@@ -370,6 +393,21 @@ def test_a_changed_output_fails_the_page(tmp_path, capsys, monkeypatch):
     assert _masked(shown) == _masked(fresh)
     monkeypatch.setattr("exatrain.tune.commands._human_bytes", lambda n: f"{n:.0f} B")
     assert _masked(shown) != _masked(command_output(command, capsys))
+
+
+def test_a_block_of_defaults_fails_when_a_default_changes(tmp_path, monkeypatch):
+    from exatrain.train.config import OptimOptions
+
+    page = tmp_path / "page.md"
+    page.write_text("<!-- docs-test: defaults -->\n```toml\n[optim]\nkfac_inverse_every = 10\n```\n")
+    assert blocks_of(page)[0].defaults
+    (tmp_path / "run").mkdir()
+    assert run_page(page, tmp_path / "run", monkeypatch) == 1
+    field = OptimOptions.__dataclass_fields__["kfac_inverse_every"]
+    monkeypatch.setattr(field, "default", 25)       # another engineer changes the default
+    with pytest.raises(AssertionError, match=r"page.md:2: .*optim.kfac_inverse_every = 10, the "
+                                             r"code's default is 25"):
+        run_page(page, tmp_path / "run", monkeypatch)
 
 
 COMPOSE_AXES = {"data": {"data": 2}, "shard": {"shard": 2}, "tensor 1D": {"tensor": 2},
