@@ -42,9 +42,16 @@ def _as_triple(value, name: str) -> tuple[int, int, int]:
 class Plan:
     """Degrees of parallelism per axis; their product is the world size.
 
-    `space` is (d, h, w): a 2D model uses (1, h, w), `space=(2, 2)` means (1, 2, 2).
-    `tensor` is an int for 1D (Megatron) tensor parallelism, or (x, y, z) for the 3D parallel
-    matrix multiply.
+    Attributes:
+        trainer: independent trainers of a population (tournament training).
+        pipe: pipeline stages (model depth).
+        data: full replicas, each on its share of the batch.
+        shard: ranks that split the batch and shard parameters, gradients and optimizer state
+            (ZeRO-1/2/3).
+        space: (d, h, w) blocks of each sample; a 2D model uses (1, h, w), `space=(2, 2)` means
+            (1, 2, 2).
+        tensor: an int for 1D (Megatron, channel/filter) tensor parallelism, or (x, y, z) for
+            the 3D parallel matrix multiply.
     """
 
     trainer: int = 1
