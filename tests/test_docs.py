@@ -501,3 +501,36 @@ def test_the_working_notes_pattern_catches_what_it_should(tmp_path):
     page.write_text("An all-reduce of 1048576 bytes; a `<case>_vs_baseline`; deadbeef; "
                     "`__init__`; `torch._dynamo`; Issue a collective.\n")
     assert working_notes(page) == []
+
+
+# ---------------------------------------------------------------- a run's log, as a page shows it
+LOG_SHAPE = "<!-- docs-test: log shape"
+NUMBER = re.compile(r"-?\d[\d,]*(\.\d+)?(e[-+]?\d+)?( ?(µs|ms|s|B|KiB|MiB|GiB|%))?")
+
+
+def log_shape(text: str) -> list[str]:
+    """The lines of a run's log that a page shows, each with its figures masked: what it names."""
+    return [NUMBER.sub("#", line.strip()) for line in text.splitlines()
+            if line.startswith(("exatrain run:", "step "))]
+
+
+def test_the_first_run_page_shows_the_figures_a_run_logs(cosmo_data, tmp_path):
+    import subprocess
+    import sys
+
+    text = (DOCS / "get-started" / "first-run.md").read_text()
+    shown = next(b.code for b in blocks_of(DOCS / "get-started" / "first-run.md")
+                 if text.splitlines()[b.line - 2].startswith(LOG_SHAPE))
+    run = subprocess.run(
+        [sys.executable, "-m", "exatrain.cli", "run", "--nproc", "2",
+         *[arg for kv in (f"data.path={cosmo_data}", "data.generate=false", "data.size=16",
+                          "model.size=16", "model.conv_layers=4", "model.base_channels=4",
+                          "train.steps=4", "train.log_every=2", "train.eval_every=4")
+           for arg in ("--set", kv)]],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert log_shape(shown) == log_shape(run.stderr), (
+        "docs/get-started/first-run.md shows a log whose lines name other figures than a run "
+        f"prints now; a fresh run printed:\n{run.stderr}")
+    assert log_shape("step 2/4 (50 %, ETA 1.2 s)  loss 0.7  samples/s 85.7") == \
+        ["step #/# (#, ETA #)  loss #  samples/s #"]
