@@ -51,8 +51,8 @@ SUMMARY: tuple[Field, ...] = (
     Field("baseline_<metric>", "", "the same metric for a trivial predictor (predict the mean), "
           "to compare `val_<metric>` with", "when the workload gives one"),
     Field("final_loss", "", "the training loss of the last logged interval (mean over its steps)"),
-    Field("target", "", "the stopping target, e.g. `val_mae <= 0.25`", "observe.target set"),
-    Field("target_reached", "", "whether an evaluation met the target", "observe.target set"),
+    Field("target", "", "the stopping target, e.g. `val_mae <= 0.25`", "train.target set"),
+    Field("target_reached", "", "whether an evaluation met the target", "train.target set"),
     Field("target_reached_step", "", "the step of the first evaluation that met it",
           "the target was reached"),
     Field("time_to_train_s", "s", "seconds from the start of training (staging included) to the "
@@ -73,8 +73,9 @@ SUMMARY: tuple[Field, ...] = (
     # communication
     Field("bytes_per_step", "bytes", "bytes sent per step by this rank, by mesh axis (the "
           "communication ledger), over the last logged interval"),
-    Field("bandwidth_drops", "", "collectives whose bus bandwidth fell below the preflight "
-          "figure: step, axis and operation of each", "observe.bandwidth_check"),
+    Field("bandwidth_drops", "", "bus-bandwidth drops: step, axis and operation of each "
+          "collective that stayed below `observe.bandwidth_drop_fraction` of its axis's median",
+          "observe.bandwidth_watch, more than one rank"),
     # memory
     *_STATE,
     Field("memory_per_rank", "bytes", "every rank's `state_bytes`, `peak_activation_bytes` and "
@@ -156,7 +157,7 @@ METRICS: tuple[Field, ...] = (
     Field("exposed_comm_fraction", "fraction", "exposed_comm_s over the mean step",
           "when measured"),
     Field("busbw_GBps", "GB/s", "bus bandwidth of the last checked collective, by mesh axis",
-          "observe.bandwidth_check"),
+          "observe.bandwidth_watch, more than one rank"),
     Field("mfu", "fraction", "model FLOP utilisation over the interval",
           "the workload counts its FLOPs"),
     Field("peak_mem_bytes", "bytes", "this rank's peak device memory (or resident host memory "
