@@ -9,6 +9,8 @@
 * reference/errors.md (written by hand) gets, in place of its `<!-- user-errors -->` line, every
   subclass of exatrain.errors.UserError with what it means and what to do, from the classes'
   docstrings (errors_reference), so a new error cannot be left out.
+* reference/summary.md: every figure of summary.json and metrics.jsonl, from the tables in
+  exatrain.train.monitor.fields (which the summary printer also formats by).
 
 tests/test_docs.py checks that every field, with a meaning, and every subcommand appears in
 what these return.
@@ -293,7 +295,42 @@ def errors_reference() -> str:
     return "\n".join(parts)
 
 
-GENERATED = {"reference/config.md": config_reference, "reference/cli.md": cli_reference}
+def _field_table(rows) -> str:
+    out = ["| key | unit | meaning | present |", "|---|---|---|---|"]
+    for row in rows:
+        out.append(f"| `{_cell(row.name)}` | {_cell(row.unit)} | {_cell(row.meaning)} | "
+                   f"{_cell(row.when or 'always')} |")
+    return "\n".join(out)
+
+
+def summary_reference() -> str:
+    from exatrain.train.monitor.fields import METRICS, POPULATION, SUMMARY
+
+    return "\n".join([
+        "# Run summary and metrics", "",
+        "Generated from the tables in `exatrain.train.monitor.fields` when the site is built "
+        "(`docs/hooks.py`); `exatrain run` formats its printed summary by the same units, and a "
+        "test fails when a run writes a key that has no row here. A key written `<metric>` "
+        "stands for a family: `val_<metric>` is `val_loss`, `val_mae`, `val_mae_H0`, and so on. "
+        "How to read a run: [See what a run did](../how-to/observe.md).", "",
+        "## summary.json", "",
+        "Written to the run directory at the end of training (by rank 0), returned by "
+        "`et.fit`, and printed by `exatrain run`. Byte figures without *whole job* are this "
+        "rank's (rank 0's); `memory_per_rank` holds every rank's.", "",
+        _field_table(SUMMARY), "",
+        "### Population runs", "",
+        "A run with `plan.trainer > 1` writes a summary of the whole population (each trainer's "
+        "own summary.json is in `RUN_DIR/trainer_KK/`):", "",
+        _field_table(POPULATION), "",
+        "## metrics.jsonl", "",
+        "One JSON object per line: a *training line* every `train.log_every` steps (figures of "
+        "the interval since the last one) and an *evaluation line* every `train.eval_every` "
+        "steps (`step` and the `val_<metric>` figures). The same numbers go to TensorBoard.", "",
+        _field_table(METRICS), ""])
+
+
+GENERATED = {"reference/config.md": config_reference, "reference/cli.md": cli_reference,
+             "reference/summary.md": summary_reference}
 GENERATED_IN_PAGE = {"reference/errors.md": (ERRORS_MARKER, errors_reference)}
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import h5py
 
 
-def exatrain(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+def exatrain(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "exatrain.cli", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def test_data_then_run_then_resume(tmp_path):
@@ -77,3 +77,39 @@ def test_the_parser_builds_only_the_subcommand_it_runs():
     assert _sub(_sub(dp, "bench"), "dp").format_help() == _sub(_sub(full, "bench"), "dp").format_help()
     assert dp.parse_args(["bench", "dp", "--steps", "3"]).steps == 3
     assert "--steps" not in _sub(_sub(dp, "bench"), "zero").format_help()   # not imported
+
+
+SCRIPT = '''
+import argparse
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+import exatrain as et
+
+if __name__ == "__main__":   # loader workers import this file again
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lr", type=float, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    x = torch.randn(32, 4)
+    data = TensorDataset(x, x.sum(1, keepdim=True))
+    et.fit(lambda: nn.Linear(4, 1), data, data, loss=F.mse_loss, optim={"lr": args.lr},
+           train={"steps": args.steps, "batch_size": 8, "eval_every": args.steps},
+           run={"out_dir": "runs", "name": "lr" + str(args.lr).replace(".", "p")})
+'''
+
+
+def test_a_script_gets_the_arguments_after_the_dashes_and_prints_its_summary(tmp_path):
+    (tmp_path / "train.py").write_text(SCRIPT)
+    run = exatrain("run", "train.py", "--nproc", "1", "--", "--lr", "0.05", "--steps", "3",
+                   cwd=tmp_path, timeout=60)
+    assert run.returncode == 0, run.stderr
+    run_dir = next((tmp_path / "runs").iterdir())
+    assert run_dir.name.startswith("lr0p05")                  # the script saw --lr 0.05
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
+    assert "run summary" in run.stderr and "final_loss" in run.stderr
+    assert f"results: {run_dir.relative_to(tmp_path)}" in " ".join(run.stderr.split())
+    refused = exatrain("run", "--", "--lr", "0.05", cwd=tmp_path)
+    assert refused.returncode == 2 and "go to a Python script" in refused.stderr

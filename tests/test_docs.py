@@ -13,6 +13,9 @@ made). Conventions:
 * A Python block whose first line is `# NAME.py` is also saved as NAME.py and run as a script
   (`__name__ == "__main__"`), as the page tells the reader to do; `# NAME.py, continued` appends
   the block to that file (and runs it in the page's namespace).
+* A TOML block preceded by `<!-- docs-test: defaults ... -->` claims every value it sets is the
+  code's default: each is compared with its config field's default (a guide's table of defaults
+  cannot go stale when a default changes).
 * ```console, ```bash and ```text blocks are shell commands and output, and a fence with no
   language is plain text (as in Markdown): not run. Any other language fails the test, so no
   block escapes by its label.
@@ -38,6 +41,7 @@ import pytest
 ROOT = Path(__file__).parents[1]
 DOCS = ROOT / "docs"
 SKIP = "<!-- docs-test: skip"
+DEFAULTS = "<!-- docs-test: defaults"
 FENCE = re.compile(r"^([ \t]*)```([\w+-]*)[^\n]*\n(.*?)^\1```[ \t]*$", re.S | re.M)  # also indented
 RUN = ("python", "toml")                    # run (or, when skipped, compiled / parsed)
 SHOWN = ("console", "bash", "text", "")     # commands and output; "" = a fence with no language
@@ -50,6 +54,7 @@ class Block:
     lang: str
     code: str
     skip: bool
+    defaults: bool = False
 
 
 def blocks_of(path: Path) -> list[Block]:
@@ -59,7 +64,8 @@ def blocks_of(path: Path) -> list[Block]:
         before = text[:match.start()].rstrip("\n").rsplit("\n", 1)[-1]
         name = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
         out.append(Block(name, text.count("\n", 0, match.start()) + 1, match.group(2),
-                         textwrap.dedent(match.group(3)), before.strip().startswith(SKIP)))
+                         textwrap.dedent(match.group(3)), before.strip().startswith(SKIP),
+                         before.strip().startswith(DEFAULTS)))
     return out
 
 
@@ -95,6 +101,21 @@ def check_skipped(block: Block) -> None:
                                  f"{exc.msg} (line {exc.lineno})") from exc
 
 
+def check_defaults(block: Block) -> None:
+    """Every value of the block equals its config field's default."""
+    from exatrain.train.config import FIXED_SECTIONS
+
+    for section, values in tomllib.loads(block.code).items():
+        defaults = {f.name: (f.default if f.default is not dataclasses.MISSING
+                             else f.default_factory())
+                    for f in dataclasses.fields(FIXED_SECTIONS[section])}
+        for key, value in values.items():
+            if value != defaults[key]:
+                raise AssertionError(
+                    f"{block.page}:{block.line}: the block of defaults says {section}.{key} = "
+                    f"{value!r}, the code's default is {defaults[key]!r}")
+
+
 def run_page(path: Path, workdir: Path, monkeypatch) -> int:
     """Run the page's python and toml blocks in order in `workdir`; returns how many ran."""
     from exatrain.train.config import load_config
@@ -119,6 +140,8 @@ def run_page(path: Path, workdir: Path, monkeypatch) -> int:
             except Exception as exc:
                 raise AssertionError(f"{where}: the TOML block is not a valid exatrain config: "
                                      f"{type(exc).__name__}: {exc}") from exc
+            if block.defaults:
+                check_defaults(block)
         else:
             first = block.code.split("\n", 1)[0].strip()
             file = re.fullmatch(r"#\s*([\w/.-]+\.py)(,\s*continued)?", first)
@@ -319,3 +342,195 @@ def test_the_readme_links_into_pages_and_headings_that_exist():
             assert anchor in anchors_of(ROOT / link), (
                 f"README links to {link}#{anchor}, but that page has no such heading; its "
                 f"anchors: {sorted(anchors_of(ROOT / link))}")
+
+
+# ---------------------------------------------------------------- outputs shown in pages
+# A ```text block right after the line `<!-- docs-output: exatrain ARGS -->` is what that command
+# prints; the test runs it and compares, with only the wall-clock durations ("in 0.55 s") masked.
+OUTPUT = re.compile(r"^<!-- docs-output: exatrain (.+?) -->\n```text\n(.*?)^```", re.S | re.M)
+DURATION = re.compile(r"\bin \d+(\.\d+)? (s|ms)\b")
+
+
+def shown_outputs(path: Path) -> list[tuple[str, str]]:
+    return [(m.group(1), m.group(2)) for m in OUTPUT.finditer(path.read_text())]
+
+
+def command_output(command: str, capsys) -> str:
+    import shlex
+
+    from exatrain.cli import main
+
+    capsys.readouterr()
+    assert main(shlex.split(command)) == 0, command
+    return capsys.readouterr().out
+
+
+def _masked(text: str) -> list[str]:
+    return [DURATION.sub("in … s", line.rstrip()) for line in text.strip("\n").splitlines()]
+
+
+SHOWING = [p for p in PAGES if shown_outputs(p)]
+
+
+@pytest.mark.parametrize("path", SHOWING, ids=[str(p.relative_to(ROOT)) for p in SHOWING])
+def test_outputs_shown_in_pages_are_what_the_command_prints(path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    for command, shown in shown_outputs(path):
+        fresh = command_output(command, capsys)
+        assert _masked(shown) == _masked(fresh), (
+            f"{path.relative_to(ROOT)}: `exatrain {command}` now prints (paste it into the "
+            f"page):\n{fresh}")
+
+
+def test_a_changed_output_fails_the_page(tmp_path, capsys, monkeypatch):
+    """What happens when the code changes what it prints: the shown output no longer matches."""
+    command = "plan examples/gpt.toml --world 2 --top 2 --system a100-selene"
+    monkeypatch.chdir(ROOT)
+    fresh = command_output(command, capsys)
+    page = tmp_path / "page.md"
+    page.write_text(f"<!-- docs-output: exatrain {command} -->\n```text\n{fresh}```\n")
+    [(_, shown)] = shown_outputs(page)
+    assert _masked(shown) == _masked(fresh)
+    monkeypatch.setattr("exatrain.tune.commands._human_bytes", lambda n: f"{n:.0f} B")
+    assert _masked(shown) != _masked(command_output(command, capsys))
+
+
+def test_a_block_of_defaults_fails_when_a_default_changes(tmp_path, monkeypatch):
+    from exatrain.train.config import OptimOptions
+
+    page = tmp_path / "page.md"
+    page.write_text("<!-- docs-test: defaults -->\n```toml\n[optim]\nkfac_inverse_every = 10\n```\n")
+    assert blocks_of(page)[0].defaults
+    (tmp_path / "run").mkdir()
+    assert run_page(page, tmp_path / "run", monkeypatch) == 1
+    field = OptimOptions.__dataclass_fields__["kfac_inverse_every"]
+    monkeypatch.setattr(field, "default", 25)       # another engineer changes the default
+    with pytest.raises(AssertionError, match=r"page.md:2: .*optim.kfac_inverse_every = 10, the "
+                                             r"code's default is 25"):
+        run_page(page, tmp_path / "run", monkeypatch)
+
+
+COMPOSE_AXES = {"data": {"data": 2}, "shard": {"shard": 2}, "tensor 1D": {"tensor": 2},
+                "tensor 3D": {"tensor": (1, 1, 2)}, "space": {"space": (1, 1, 2)},
+                "pipe": {"pipe": 2}}
+
+
+def test_the_composition_table_says_what_plan_refuses():
+    from exatrain.plan import Plan, composition_refusal
+
+    text = (DOCS / "concepts" / "plan.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| **")]
+    assert len(rows) == len(COMPOSE_AXES)
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        a = cells[0].strip("*")
+        for b, cell in zip(COMPOSE_AXES, cells[1:]):
+            if cell == "–":
+                continue
+            refusal = composition_refusal(Plan(**COMPOSE_AXES[a], **COMPOSE_AXES[b]))
+            assert cell.startswith("refused") == (refusal is not None), (
+                f"concepts/plan.md says {a} × {b} is '{cell}', plan.composition_refusal says "
+                f"{refusal or 'it composes'}")
+
+
+# public names whose parameters the API page need not describe, and why
+API_UNDESCRIBED_PARAMETERS = {"Mesh": "made by et.init, not by hand",
+                              "Trainer": "driven by et.fit and exatrain run; described in prose"}
+
+
+def test_the_api_page_documents_every_public_name_and_its_parameters():
+    import inspect
+
+    import exatrain as et
+
+    page = (DOCS / "reference" / "api.md").read_text()
+    shown = set(re.findall(r"^::: exatrain\.([\w.]+)", page, re.M))
+    public = {n for n in et.__all__ if not inspect.ismodule(getattr(et, n))}
+    assert public - shown == set(), f"public names missing from reference/api.md: {public - shown}"
+    for name in shown:                                  # only names that exist, none private
+        assert not any(part.startswith("_") for part in name.split(".")), name
+        obj = et
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        doc = inspect.getdoc(obj) or ""
+        if name in API_UNDESCRIBED_PARAMETERS:       # described on the page or by its docstring
+            assert doc or f"`et.{name}(" in page, f"{name}: neither a docstring nor prose"
+            continue
+        assert doc and not doc.startswith(f"{obj.__name__}("), f"{name} has no docstring"
+        if inspect.isclass(obj) and issubclass(obj, Exception):
+            continue
+        params = [p for p in inspect.signature(obj).parameters if p != "self"]
+        missing = [p for p in params if not re.search(rf"\b{p}\b", doc)]
+        assert not missing, f"et.{name}: parameters its docstring does not describe: {missing}"
+    assert "_tensor_3d" not in inspect.signature(et.Plan).parameters
+
+
+# ---------------------------------------------------------------- user pages speak to users
+WORKING_NOTES = re.compile(
+    r"\bthe issue\b|\bissue's\b|\bissue \d+\b|\b(this|previous|last|the next) round\b|"
+    r"\bround's\b|\bbefore this change\b|\bgit archive\b|"
+    r"\b(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b|"     # a commit hash
+    r"`(?!torch\b)[\w.]*[A-Za-z0-9]\._[a-z]\w*", re.I)          # our private name: `Cls._x`
+# pages another engineer is rewriting now; the test fails once they no longer need the entry
+NOTES_EXEMPT = {"docs/how-to/gpu-bench.md": "the bench device comparison is being rewritten"}
+
+
+def working_notes(path: Path) -> list[str]:
+    text = FENCE.sub("", path.read_text())
+    return [m.group(0) for m in WORKING_NOTES.finditer(text)]
+
+
+@pytest.mark.parametrize("path", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_user_pages_hold_no_working_notes(path):
+    page = str(path.relative_to(ROOT))
+    if page.startswith("docs/development/"):
+        return
+    notes = working_notes(path)
+    if page in NOTES_EXEMPT:
+        assert notes, f"{page} holds no working notes now: delete it from NOTES_EXEMPT"
+        return
+    assert not notes, (f"{page} speaks of the project's work, not of the software: {notes}; "
+                       "say what the software does and how to use it")
+
+
+def test_the_working_notes_pattern_catches_what_it_should(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("As the issue asks. Before this round it was 5. Fixed in 1859e44. "
+                    "See `Trainer._rank_indices`.\n\n```text\n0123abc7 in a code block\n```\n")
+    assert working_notes(page) == ["the issue", "this round", "1859e44", "`Trainer._rank_indices"]
+    page.write_text("An all-reduce of 1048576 bytes; a `<case>_vs_baseline`; deadbeef; "
+                    "`__init__`; `torch._dynamo`; Issue a collective.\n")
+    assert working_notes(page) == []
+
+
+# ---------------------------------------------------------------- a run's log, as a page shows it
+LOG_SHAPE = "<!-- docs-test: log shape"
+NUMBER = re.compile(r"-?\d[\d,]*(\.\d+)?(e[-+]?\d+)?( ?(µs|ms|s|B|KiB|MiB|GiB|%))?")
+
+
+def log_shape(text: str) -> list[str]:
+    """The lines of a run's log that a page shows, each with its figures masked: what it names."""
+    return [NUMBER.sub("#", line.strip()) for line in text.splitlines()
+            if line.startswith(("exatrain run:", "step "))]
+
+
+def test_the_first_run_page_shows_the_figures_a_run_logs(cosmo_data, tmp_path):
+    import subprocess
+    import sys
+
+    text = (DOCS / "get-started" / "first-run.md").read_text()
+    shown = next(b.code for b in blocks_of(DOCS / "get-started" / "first-run.md")
+                 if text.splitlines()[b.line - 2].startswith(LOG_SHAPE))
+    run = subprocess.run(
+        [sys.executable, "-m", "exatrain.cli", "run", "--nproc", "2",
+         *[arg for kv in (f"data.path={cosmo_data}", "data.generate=false", "data.size=16",
+                          "model.size=16", "model.conv_layers=4", "model.base_channels=4",
+                          "train.steps=4", "train.log_every=2", "train.eval_every=4")
+           for arg in ("--set", kv)]],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert log_shape(shown) == log_shape(run.stderr), (
+        "docs/get-started/first-run.md shows a log whose lines name other figures than a run "
+        f"prints now; a fresh run printed:\n{run.stderr}")
+    assert log_shape("step 2/4 (50 %, ETA 1.2 s)  loss 0.7  samples/s 85.7") == \
+        ["step #/# (#, ETA #)  loss #  samples/s #"]

@@ -16,18 +16,18 @@ def _run(args) -> int:
 
     if detect() is not None and not args.print_batch_script:
         hold_early_signals()  # one rank of a launched job: a warning while starting is kept
-    from .train.config import load_config
+    from .train.config import ConfigError, load_config
     from .train.run import find_resume_checkpoint, run_job
     from .workloads import get_workload
 
     console = Console(stderr=True)
+    script_args = getattr(args, "script_args", [])
     if args.config and args.config.endswith(".py"):  # a script that calls exatrain.fit
-        from .train.fit import launch, run_script
-        if detect() is not None:
-            run_script(args.config)
-        else:
-            launch(args.config, args.nproc or 1)
-        return 0
+        return _run_script(args, script_args, console)
+    if script_args:
+        raise ConfigError(f"arguments after `--` ({' '.join(script_args)}) go to a Python "
+                          f"script (`exatrain run train.py -- ARGS`), not to a config; set a "
+                          f"config's keys with --set SECTION.KEY=VALUE")
     config_path = args.config
     if args.resume:
         find_resume_checkpoint(args.resume)  # fail now, before any rank starts
@@ -41,6 +41,7 @@ def _run(args) -> int:
         summary = run_job(config, args.resume)
         if launch.rank == 0:
             _draw_timeline(summary.get("run_dir"))
+            _print_summary(console, summary)
         return 0
     nproc = args.nproc or config.run.nproc
     config.plan.resolve(nproc)  # refuse a Plan that does not fit before any rank starts
@@ -55,6 +56,26 @@ def _run(args) -> int:
         summary = run_job(config, args.resume)
     _draw_timeline(summary.get("run_dir"))
     _print_summary(console, summary)
+    return 0
+
+
+def _run_script(args, script_args: list[str], console: Console) -> int:
+    """`exatrain run SCRIPT [--nproc N] [-- ARGS]`: every rank runs the script with ARGS as its
+    sys.argv[1:]; the summary of each et.fit it called is printed as a config run's is."""
+    from .launch import detect
+    from .train.fit import launch, run_script
+
+    rank = detect()
+    if rank is not None:  # under torchrun / srun / ...: this process is one rank
+        summaries = run_script(args.config, script_args)
+        if rank.rank != 0:
+            return 0
+    else:
+        nproc = args.nproc or 1
+        console.print(f"[bold]exatrain run[/]: {args.config} on {nproc} local rank(s)")
+        summaries = launch(args.config, nproc, script_args)[0]
+    for summary in summaries:
+        _print_summary(console, summary)
     return 0
 
 
@@ -167,9 +188,11 @@ def _progress(console: Console, label: str):
 def _print_summary(console: Console, summary: dict) -> None:
     from rich.table import Table
 
-    table = Table(title="run summary", show_header=False)
     from .train.monitor.console import comm_text
-    from .train.monitor.units import human_bytes, human_value
+    from .train.monitor.fields import format_value
+    from .train.monitor.units import human_bytes
+
+    table = Table(title="run summary", show_header=False)
 
     for key, value in summary.items():
         if key == "memory_per_rank":  # a list per rank: its largest figures are what matter
@@ -179,8 +202,8 @@ def _print_summary(console: Console, summary: dict) -> None:
             value = "; ".join(f"step {d['step']}: {d['axis']} ({d['op']})" for d in value) or "none"
         elif key == "bytes_per_step":  # the ledger's bytes per step, by mesh axis
             key, value = "comm/step (bytes_per_step)", comm_text(value, prefix="")
-        else:
-            value = human_value(key, value)
+        else:  # in the unit the field table gives (docs: reference/summary.md)
+            value = format_value(key, value)
         table.add_row(key, str(value))
     console.print(table)
     if summary.get("run_dir"):
@@ -216,7 +239,8 @@ def _bench(args) -> int:
 
 def _run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument("config", nargs="?", help="TOML config file (see examples/), or a Python "
-                                                "script calling exatrain.fit")
+                                                "script calling exatrain.fit; `-- ARGS` at the "
+                                                "end go to the script as its sys.argv[1:]")
     run.add_argument("--nproc", type=int, default=0, help="local ranks to spawn (default: run.nproc)")
     run.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                      help="override a config value; repeatable")
@@ -372,7 +396,11 @@ def main(argv=None) -> int:
     from .launch.local import RankFailed
 
     argv = sys.argv[1:] if argv is None else list(argv)
+    script_args = []
+    if argv[:1] == ["run"] and "--" in argv:  # `exatrain run SCRIPT ... -- ARGS`, as torchrun
+        argv, script_args = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     args = build_parser(argv).parse_args(argv)
+    args.script_args = script_args
     try:
         code = args.func(args)
         import torch.distributed as dist

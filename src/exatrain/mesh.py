@@ -42,7 +42,11 @@ def _dims_of(plan: Plan, name: str) -> tuple[str, ...]:
 
 
 class Mesh:
-    """The live counterpart of a Plan: process group, DeviceMesh, axes with groups, a ledger."""
+    """The live counterpart of a Plan: process group, DeviceMesh, axes with groups, a ledger.
+
+    Made by `et.init(plan)`, not by hand. `mesh.axis("data")` is an axis's group,
+    `mesh.coords` this rank's coordinates, `mesh.ledger` the communication ledger.
+    """
 
     def __init__(self, plan: Plan, device: torch.device, backend: str, device_mesh: DeviceMesh,
                  local_rank: int, keep_group: bool = False):
@@ -185,6 +189,11 @@ def init(plan: Plan, backend: str | None = None, timeout_s: float = 600.0) -> Me
     Open MPI/PMI, or `exatrain run --nproc N`); a plain process is world size 1.
     A Plan whose product is not the world size, or that uses an axis not implemented yet, is
     refused here, before any work starts.
+
+    Args:
+        plan: the Plan; its product must be the job's world size.
+        backend: `"nccl"` or `"gloo"`; default nccl where there is a GPU, else gloo.
+        timeout_s: seconds a collective may wait before the job fails with a timeout.
     """
     launch = detect()
     world = launch.world_size if launch else 1

@@ -13,7 +13,7 @@ The rules for composing axes live here and only here.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 from .errors import UserError
 
@@ -48,9 +48,16 @@ def _as_triple(value, name: str) -> tuple[int, int, int]:
 class Plan:
     """Degrees of parallelism per axis; their product is the world size.
 
-    `space` is (d, h, w): a 2D model uses (1, h, w), `space=(2, 2)` means (1, 2, 2).
-    `tensor` is an int for 1D (Megatron) tensor parallelism, or (x, y, z) for the 3D parallel
-    matrix multiply.
+    Attributes:
+        trainer: independent trainers of a population (tournament training).
+        pipe: pipeline stages (model depth).
+        data: full replicas, each on its share of the batch.
+        shard: ranks that split the batch and shard parameters, gradients and optimizer state
+            (ZeRO-1/2/3).
+        space: (d, h, w) blocks of each sample; a 2D model uses (1, h, w), `space=(2, 2)` means
+            (1, 2, 2).
+        tensor: an int for 1D (Megatron, channel/filter) tensor parallelism, or (x, y, z) for
+            the 3D parallel matrix multiply.
     """
 
     trainer: int = 1
@@ -59,13 +66,11 @@ class Plan:
     shard: int = 1
     space: tuple[int, int, int] = (1, 1, 1)
     tensor: int | tuple[int, int, int] = 1
-    _tensor_3d: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "space", _as_triple(self.space, "space"))
         if not isinstance(self.tensor, int):
             object.__setattr__(self, "tensor", _as_triple(self.tensor, "tensor"))
-            object.__setattr__(self, "_tensor_3d", True)
         for name, degree in self.degrees().items():
             if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
                 raise PlanError(f"Plan.{name} must be a positive integer, got {degree!r}.")
@@ -73,7 +78,8 @@ class Plan:
     # ---------------------------------------------------------------- arithmetic
     @property
     def tensor_3d(self) -> bool:
-        return self._tensor_3d
+        """Whether `tensor` is the (x, y, z) grid of 3D tensor parallelism (an int: 1D)."""
+        return not isinstance(self.tensor, int)
 
     @property
     def tensor_degree(self) -> int:
@@ -144,7 +150,7 @@ class Plan:
         return f"Plan({', '.join(parts)})"
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
     def for_world(cls, world_size: int, **degrees) -> "Plan":

@@ -38,9 +38,17 @@ def _as_tensors(x, y):
 
 
 class HDF5Dataset(Dataset):
-    """(x, y) samples from one HDF5 file or a directory of per-sample files (see module doc)."""
+    """(x, y) samples from one HDF5 file or a directory of per-sample files (see module doc).
 
-    def __init__(self, path, x: str = "x", y: str = "y", transform: Callable | None = None):
+    Args:
+        path: an HDF5 file holding datasets `x` and `y` (first dim: samples), or a directory
+            of one file per sample.
+        x: the name of the inputs' dataset.
+        y: the name of the targets' dataset.
+        transform: applied to each `(x, y)` pair as it is read; None: none.
+    """
+
+    def __init__(self, path: str | Path, x: str = "x", y: str = "y", transform: Callable | None = None):
         self.path, self.x_name, self.y_name, self.transform = Path(path), x, y, transform
         self._handle, self._pid = None, None
         if not self.path.exists():
@@ -93,9 +101,17 @@ class HDF5Dataset(Dataset):
 
 
 class NumpyDataset(Dataset):
-    """(x, y) samples from an .npy pair (`x`, `y` are paths) or an .npz (`x`, `y` are names)."""
+    """(x, y) samples from an .npy pair (`x`, `y` are paths) or an .npz (`x`, `y` are names).
 
-    def __init__(self, x, y=None, transform: Callable | None = None):
+    Args:
+        x: the inputs' .npy path, or an .npz path holding array `x` (inputs).
+        y: with an .npy: the targets' .npy path; with an .npz: the targets' array name
+            (None: `y`).
+        transform: applied to each `(x, y)` pair as it is read; None: none.
+    """
+
+    def __init__(self, x: str | Path, y: str | Path | None = None,
+                 transform: Callable | None = None):
         self.transform = transform
         source = Path(x)
         if not source.exists():

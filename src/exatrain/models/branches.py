@@ -20,7 +20,14 @@ COMBINES = ("sum", "concat")
 
 
 class Branches(nn.ModuleList):
-    def __init__(self, branches, combine: str = "concat"):
+    """Independent branches that read the same input; their outputs are combined.
+
+    Args:
+        branches: the branch modules (any `nn.Module`s).
+        combine: `"concat"` concatenates the outputs along dim 1 (channels), `"sum"` adds them.
+    """
+
+    def __init__(self, branches: list[nn.Module], combine: str = "concat"):
         super().__init__(branches)
         if combine not in COMBINES:
             raise ModelOptionError(

@@ -136,6 +136,25 @@ FIXED_SECTIONS = {"run": RunOptions, "plan": PlanOptions, "train": TrainOptions,
 
 @dataclass
 class Config:
+    """A whole run's configuration: one attribute per section of the TOML file (`config.train.steps`).
+
+    Made by `load_config` (or by `et.fit` from its keyword sections); every key and default is
+    in the [configuration reference](config.md).
+
+    Attributes:
+        run: `[run]`: workload, seed, ranks, output directory.
+        plan: `[plan]`: the Plan's degrees.
+        train: `[train]`: steps, batch, evaluation, checkpoints.
+        optim: `[optim]`: the optimizer and its settings.
+        schedule: `[schedule]`: the learning-rate schedule.
+        parallel: `[parallel]`: how the strategies run (precision, ZeRO stage, ...).
+        population: `[population]`: tournament training.
+        observe: `[observe]`: profiles, trackers, checks.
+        mlperf: `[mlperf]`: MLPerf logging.
+        model: `[model]`: the workload's model options.
+        data: `[data]`: the workload's data options.
+    """
+
     run: RunOptions
     plan: PlanOptions
     train: TrainOptions

@@ -20,14 +20,17 @@ module is made equal on every rank by a broadcast of its parameters and buffers 
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import runpy
 import sys
 from pathlib import Path
+from typing import Callable
 
 import tomli_w
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
 from ..comm import broadcast, broadcast_object
 from ..mesh import init
@@ -38,6 +41,11 @@ from .config import FIXED_SECTIONS, Config, ConfigError, build_section, load_con
 from .monitor.console import TrainConsole
 from .run import make_run_dir, pipeline_example
 from .trainer import Trainer
+
+
+# the summaries of the fit calls of the script that run_script runs (None outside one)
+_script_summaries: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "exatrain_script_summaries", default=None)
 
 
 @dataclasses.dataclass
@@ -78,12 +86,37 @@ def _same_on_every_rank(model: nn.Module, mesh) -> None:
             broadcast(t.data, mesh.world, src=0, tag="control")
 
 
-def fit(model, train_set, val_set, loss, metrics: dict | None = None, *, plan: Plan | None = None,
-        config=None, baselines: dict | None = None, resume: str | None = None,
-        **sections) -> dict:
-    """Train `model` (or a function building it) on `train_set`; evaluate `loss` and `metrics`
-    on `val_set` every train.eval_every steps. Returns the run summary (also in
-    RUN_DIR/summary.json), with `val_loss` and `val_<name>` for every metric."""
+def fit(model: nn.Module | Callable[[], nn.Module], train_set: Dataset, val_set: Dataset,
+        loss: Callable, metrics: dict | None = None, *, plan: Plan | None = None,
+        config: str | Path | Config | None = None, baselines: dict | None = None,
+        resume: str | None = None, **sections: dict) -> dict:
+    """Train `model` on `train_set`, evaluating on `val_set` every `train.eval_every` steps.
+
+    Call it on every rank of the job (a plain process is one rank): start the script with
+    `exatrain run SCRIPT --nproc N`, `torchrun`, `srun`, or `et.launch`. It writes a run
+    directory (config.toml, metrics.jsonl, summary.json, checkpoints/) like `exatrain run`.
+
+    Args:
+        model: an `nn.Module` built the same way on every rank (rank 0's weights are broadcast),
+            or a zero-argument function that builds it, called after seeding with `run.seed`.
+        train_set: a map-style `Dataset` (`__getitem__` and `__len__`) of `(input, target)`.
+        val_set: the same for validation.
+        loss: `loss(output, target)` returning the batch-mean loss.
+        metrics: `{name: metric}`, each a callable `(output, target)` of per-sample values (a
+            `Mean`), an `et.Mean` or an `et.Ratio`; reported as `val_<name>`.
+        plan: the Plan; its product must equal the job's ranks. Default: `plan` section, else
+            data parallelism over all ranks.
+        config: a TOML path or a `Config` to start from; the keyword sections go on top.
+        baselines: figures copied into the summary, e.g. `{"baseline_mae": 0.5}`.
+        resume: a run directory to continue from its latest checkpoint.
+        **sections: configuration sections as dicts, named as in a config file: `run`, `plan`,
+            `train`, `optim`, `schedule`, `parallel`, `population`, `observe`, `mlperf`, e.g.
+            `train={"steps": 200, "batch_size": 8}`; checked as a config file is.
+
+    Returns:
+        The run summary on every rank (also RUN_DIR/summary.json): `val_loss`, `val_<name>` of
+        every metric, `steps`, `samples_per_s`, ... ([Run summary](summary.md)).
+    """
     from ..launch import detect
 
     config = make_config(config, **sections)
@@ -124,15 +157,24 @@ def fit(model, train_set, val_set, loss, metrics: dict | None = None, *, plan: P
         if resume:
             from .run import find_resume_checkpoint
             trainer.resume(find_resume_checkpoint(resume))
-        return trainer.fit()
+        summary = trainer.fit()
+        if _script_summaries.get() is not None:  # for `exatrain run SCRIPT` to print
+            _script_summaries.get().append(summary)
+        return summary
     finally:
         mesh.close()
 
 
-def run_script(path: str, argv: list[str] | None = None):
-    """Run a Python script as `__main__` (what every rank of `exatrain run SCRIPT` does)."""
+def run_script(path: str, argv: list[str] | None = None) -> list[dict]:
+    """Run a Python script as `__main__` with `argv` as its sys.argv[1:] (what every rank of
+    `exatrain run SCRIPT -- ARGS` does); returns the summaries of the et.fit calls it made."""
     sys.argv = [str(path), *(argv or [])]
-    runpy.run_path(str(path), run_name="__main__")
+    token = _script_summaries.set([])
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+        return _script_summaries.get()
+    finally:
+        _script_summaries.reset(token)
 
 
 def launch(fn, nproc: int, args: tuple = ()) -> list:

@@ -96,6 +96,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm import Axis, all_reduce, broadcast
+from ..mesh import Mesh
 from ..parallel.branches import SplitBranches
 from ..parallel.data import unwrap
 from ..parallel.spatial.layers import SpatialConv
@@ -136,6 +137,21 @@ def check_model(module: nn.Module, where: str = "") -> None:
 
 @dataclass(frozen=True)
 class KFACSettings:
+    """K-FAC's settings; the config keys `optim.kfac_*` of the same names.
+
+    Attributes:
+        damping: λ, added to the factors' eigenvalues (Tikhonov damping).
+        factor_decay: ξ of the factors' running average.
+        factor_every: steps between factor updates.
+        inverse_every: steps between eigendecompositions (or inverses).
+        kl_clip: κ of the KL clip of the preconditioned update.
+        grad_worker_fraction: f from 1/W (memory-optimal) to 1 (communication-optimal).
+        inverse: `"eigen"` or `"cholesky"` (damped inverses, for wide factors).
+        factor_positions: a convolution's A from at most this many positions per sample (0: all).
+        max_factor_dim: a factor wider than this is kept diagonal (0: all full).
+        matmul_dtype: `"float32"` or `"bfloat16"` for the factor and preconditioning products.
+    """
+
     damping: float = 0.1
     factor_decay: float = 0.95
     factor_every: int = 1
@@ -273,9 +289,16 @@ class KFAC(torch.optim.Optimizer):
 
         inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         opt = KFAC(model, inner)                 # one process; or KFAC(model, inner, mesh)
+
+    Args:
+        model: the model whose Linear and Conv layers are preconditioned.
+        inner: the first-order optimizer over the model's parameters.
+        mesh: the Mesh to split the work over (its data and space ranks); None on one process.
+        settings: a `KFACSettings`.
+        grad_accum: micro-batches accumulated per step (their factors are averaged).
     """
 
-    def __init__(self, model: nn.Module, inner: torch.optim.Optimizer, mesh=None,
+    def __init__(self, model: nn.Module, inner: torch.optim.Optimizer, mesh: Mesh | None = None,
                  settings: KFACSettings = KFACSettings(), grad_accum: int = 1):
         s = settings
         if not 0 < s.factor_decay < 1 or s.damping <= 0 or s.kl_clip <= 0 \

@@ -216,12 +216,24 @@ def replica_batches(n: int, per_replica: int, replicas: int, replica: int) -> li
 
 
 # ------------------------------------------------------------------ the job
-def predict(run_dir, data=None, out=None, plan: Plan | None = None, *, step: int | None = None,
-            batch_size: int = 0, overrides=(), verbose: bool = True) -> dict:
+def predict(run_dir: str | Path, data: str | Path | None = None, out: str | Path | None = None,
+            plan: Plan | None = None, *, step: int | None = None, batch_size: int = 0,
+            overrides: tuple[str, ...] | list[str] = (), verbose: bool = True) -> dict:
     """Predict with the model of `run_dir` over `data` (default: the run's validation set) and
     write `out` (default RUN_DIR/predictions.h5). Runs on every rank of the job (like `fit`);
     returns the summary on every rank. Without a launcher, a Plan of more than one rank (given,
-    or the run's) has its ranks started here, locally."""
+    or the run's) has its ranks started here, locally.
+
+    Args:
+        run_dir: a finished (or checkpointed) run directory.
+        data: data in a layout the run's workload reads; default: its validation set.
+        out: the output HDF5 file; default RUN_DIR/predictions.h5.
+        plan: the Plan to predict under; default: the run's.
+        step: a checkpoint's step; default: the latest.
+        batch_size: samples per batch; 0: the run's `train.batch_size`.
+        overrides: `"section.key=value"` strings applied to the run's config.
+        verbose: print progress and the summary on rank 0.
+    """
     from ..launch import detect
     from ..mesh import init
 

@@ -23,6 +23,15 @@ import torch
 
 
 class Mean:
+    """A metric that is the mean of per-sample (or per-element) values over the validation set.
+
+    Args:
+        fn: `fn(output, target)` returning the values, e.g. `lambda o, t: (o - t).abs()` for
+            the MAE; a 0-dim result is taken as the batch's mean and weighted by its size, so a
+            loss function is a valid Mean. The sums are added over batches and ranks before
+            dividing, so the result is the mean over the whole set, at any Plan.
+    """
+
     def __init__(self, fn: Callable):
         self.fn = fn
 
@@ -35,6 +44,14 @@ class Mean:
 
 
 class Ratio:
+    """A metric that is a ratio of two sums over the validation set, e.g. IoU.
+
+    Args:
+        fn: `fn(output, target)` returning `(numerator, denominator)` (tensors or numbers),
+            e.g. `(intersection, union)`; the metric is sum(numerators) / sum(denominators)
+            over every batch and rank, not a mean of per-batch ratios.
+    """
+
     def __init__(self, fn: Callable):
         self.fn = fn
 

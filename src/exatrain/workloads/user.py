@@ -46,6 +46,8 @@ class Task:
     `loss(output, target)` returns the batch-mean loss; `metrics` maps names to a callable
     (a Mean of its values), `exatrain.Mean` or `exatrain.Ratio`; they appear as `val_<name>`.
     `val_loss` is always reported. `baselines` are copied into the run summary.
+    `train_set` and `val_set` are map-style Datasets of `(input, target)`; `flops_per_sample`
+    (training FLOPs of one sample, 0 if unknown) turns on `mfu` and `model_flops_per_s`.
     """
     model: nn.Module
     train_set: Dataset
