@@ -109,6 +109,20 @@ SUMMARY: tuple[Field, ...] = (
     Field("loss_scale", "", "the fp16 loss scale at the end", "parallel.precision = \"fp16\""),
     Field("skipped_steps", "", "steps the fp16 loss scaler skipped",
           "parallel.precision = \"fp16\""),
+    Field("launcher", "", "what started the ranks: local (exatrain run), torchrun, slurm, "
+          "flux, lsf or mpirun"),
+    Field("requeues", "", "times the scheduler requeued this job (SLURM_RESTART_COUNT)",
+          "under Slurm"),
+    Field("trackers", "", "each experiment tracker's run id and where it wrote (with `wandb "
+          "sync DIR` for an offline W&B run)", "observe.trackers beyond tensorboard"),
+    Field("compiled_frames", "", "Python frames torch.compile compiled (recompilations count "
+          "again)", "parallel.compile = true"),
+    Field("compiled_graphs", "", "graphs torch.compile handed to its backend: 0 means the step "
+          "ran eager", "parallel.compile = true"),
+    Field("graph_breaks", "", "places where torch.compile split the model's frame and ran "
+          "Python eagerly between graphs", "parallel.compile = true"),
+    Field("graph_break_reasons", "", "the first line of each distinct graph-break reason (at "
+          "most 10)", "parallel.compile = true"),
     Field("checkpoint_saves", "", "checkpoints written"),
     Field("checkpoint_blocked_s", "s", "seconds training waited for checkpoint writes"),
     Field("restarts", "", "times the job was restarted after a rank failed (printed, not in "
@@ -163,6 +177,10 @@ METRICS: tuple[Field, ...] = (
     Field("peak_mem_bytes", "bytes", "this rank's peak device memory (or resident host memory "
           "on a CPU)", "training lines"),
     Field("peak_mem_source", "", "how peak_mem_bytes was measured", "training lines"),
+    Field("compiled_graphs", "", "graphs torch.compile compiled so far (see the summary)",
+          "the first training line, parallel.compile = true"),
+    Field("graph_breaks", "", "graph breaks so far (see the summary)",
+          "the first training line, parallel.compile = true"),
     *_STATE,
     Field("bytes_per_step", "bytes", "bytes sent per step by this rank, by mesh axis",
           "training lines"),
