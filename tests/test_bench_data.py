@@ -41,4 +41,10 @@ def test_bench_data_smoke(tmp_path):
     assert result["cosmoflow128_cores_per_gpu"] == pytest.approx(200.0 / per_core)
     assert result["cosmoflow128_loader_over_model"] > 0
     assert result["loader_over_model_min"] == result["cosmoflow128_loader_over_model"]
+    # the plain DataLoader beside it, with 1 and 2 workers on the same samples
+    assert result["cosmoflow128_dataloader_samples_per_s_w1"] > 0
+    assert result["cosmoflow128_loader_vs_dataloader"] == pytest.approx(min(
+        result[f"cosmoflow128_loader_samples_per_s_w{w}"] /
+        result[f"cosmoflow128_dataloader_samples_per_s_w{w}"] for w in (1, 2)))
+    assert result["loader_vs_dataloader_min"] == result["cosmoflow128_loader_vs_dataloader"]
 

@@ -108,3 +108,22 @@ def test_sharing_a_gpu_without_one_is_refused(monkeypatch):
     monkeypatch.setenv(SHARE_GPU_ENV, "1")
     with pytest.raises(RuntimeError, match="no CUDA device; unset EXATRAIN_SHARE_GPU"):
         init(Plan())
+
+
+def test_profile_reports_host_syncs_compiled_graphs_and_a_table(tmp_path):
+    """--profile on a CPU: exatrain's steps between read points read nothing (0 host syncs per
+    step), compile captured the model whole (graphs, no break), and each path's top-operators
+    table is written beside the JSON. The eager backend: Dynamo's capture is what is checked."""
+    out = tmp_path / "profile.json"
+    args = build_parser().parse_args([
+        "bench", "device", "--sizes", "small", "--workers", "0", "--data-dir", str(tmp_path),
+        "--cases", "gpt_125m", "--warmup", "1", "--steps", "2", "--compile-backend", "eager",
+        "--profile", "--profile-steps", "2", "--json", str(out)])
+    r = run(args)
+    assert r["gpt_125m_exatrain_host_syncs_per_step"] == 0
+    assert r["gpt_125m_exatrain_compiled_graphs"] >= 1 and r["gpt_125m_exatrain_graph_breaks"] == 0
+    for variant in ("exatrain", "baseline"):
+        table = r[f"gpt_125m_{variant}_profile_table"]
+        assert table.startswith(str(tmp_path / "profile-profile-gpt_125m-"))
+        assert "Self CPU" in open(table).read()
+        assert 0 <= r[f"gpt_125m_{variant}_compiled_share"] <= 1

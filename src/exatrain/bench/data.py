@@ -15,6 +15,10 @@ forecaster, GPT, QM9; the GCN trains on one whole graph held in memory, so it ha
                                   decoding is the device's work and not counted. CPU time is
                                   what a loader core spends, so it holds on a loaded machine
                                   where wall-clock rates do not
+  dataloader_samples_per_s_w{1,2} a plain `torch.utils.data.DataLoader` with as many workers over
+                                  the same samples, decoding each batch as it arrives
+  loader_vs_dataloader            exatrain's loader over the plain one, the lower of the two
+                                  worker counts (>= 1: exatrain's input path costs nothing)
   loader_samples_per_s_cold       1 worker, files evicted from the page cache before each pass
                                   (fsync + posix_fadvise(DONTNEED)): what a first epoch reads
   stage_s, stage_bytes_per_s      copying the data set to node-local storage (/dev/shm) from a
@@ -179,6 +183,40 @@ def loader_pass(workload, dataset, micro: int, workers: int, order: list[int]) -
             "cpu_s_per_sample": cpu / (samples + first)}
 
 
+def dataloader_pass(workload, dataset, micro: int, workers: int, order: list[int]) -> dict:
+    """One pass of a plain `torch.utils.data.DataLoader` over `order` with `workers` workers,
+    the batches decoded as they arrive (what a plain training loop does): wall-clock samples/s
+    from the first batch on, as `loader_pass` counts them."""
+    from torch.utils.data import DataLoader
+
+    from ..data.loader import collate
+    loader = DataLoader(dataset, batch_size=micro, sampler=order, num_workers=workers,
+                        collate_fn=collate, prefetch_factor=2 if workers else None)
+    batches = iter(loader)
+    try:
+        x = next(batches)[0]
+        workload.decode_inputs(x)
+        start, samples = time.perf_counter(), 0
+        for batch in batches:
+            workload.decode_inputs(batch[0])
+            samples += len(batch[0])
+        elapsed = time.perf_counter() - start
+    finally:
+        del batches
+    return {"samples_per_s": samples / elapsed}
+
+
+def dataloader_rate(workload, dataset, micro: int, workers: int, samples: int,
+                    repeats: int) -> float:
+    """Median samples/s of `repeats` plain-DataLoader passes after a warm-up pass, over the same
+    samples as `loader_rate`'s warm passes."""
+    n = len(dataset)
+    order = [(i * 7919) % n for i in range(max(samples, 3 * micro))]
+    rates = [dataloader_pass(workload, dataset, micro, workers, order)["samples_per_s"]
+             for _ in range(repeats + 1)]
+    return statistics.median(rates[1:])
+
+
 def loader_rate(workload, dataset, micro: int, workers: int, samples: int, repeats: int,
                 cold_path: Path | None = None) -> dict:
     """The medians of `repeats` passes (`loader_pass`) over the same `samples` samples (at
@@ -262,6 +300,13 @@ def run_case(case: str, args, mesh) -> dict:
         warm[workers] = loader_rate(workload, workload.train_set, micro, workers, args.samples,
                                     args.repeats)
         _add(out, f"w{workers}", warm[workers])
+    ratios = []
+    for workers in (1, 2):  # the plain DataLoader with the same workers on the same samples
+        plain = dataloader_rate(workload, workload.train_set, micro, workers, args.samples,
+                                args.repeats)
+        out[f"dataloader_samples_per_s_w{workers}"] = plain
+        ratios.append(warm[workers]["samples_per_s"] / plain)
+    out["loader_vs_dataloader"] = min(ratios)
     _add(out, "cold", loader_rate(workload, workload.train_set, micro, 1, args.samples,
                                   args.repeats, cold_path=path))
     if args.stage_to:
@@ -338,4 +383,5 @@ def run(args) -> dict:
     finally:
         mesh.close()
     result["loader_over_model_min"] = min(result[f"{c}_loader_over_model"] for c in cases)
+    result["loader_vs_dataloader_min"] = min(result[f"{c}_loader_vs_dataloader"] for c in cases)
     return result

@@ -53,7 +53,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-compile", action="store_true",
                         help="leave torch.compile out of the baseline and exatrain")
     parser.add_argument("--compile-backend", default="inductor",
-                        help="torch.compile backend of the baseline and the levers")
+                        help="torch.compile backend of both paths and the levers")
     parser.add_argument("--workers", type=int, default=-1,
                         help="loader workers of both paths (-1: each path's default)")
     parser.add_argument("--profile", action="store_true",
@@ -149,7 +149,8 @@ def run_case(case, args, data_root: str, device: torch.device, precision: str) -
     sets = {**COMMON, **case.sets, **case.data_sets, "run.workload": case.workload,
             "data.path": data_path(data_root, case), "train.steps": warmup + steps + extra,
             "train.log_every": warmup + steps + extra,
-            "parallel.precision": precision, "parallel.compile": compile, "plan.data": 1,
+            "parallel.precision": precision, "parallel.compile": compile,
+            "parallel.compile_backend": args.compile_backend, "plan.data": 1,
             "run.nproc": 1, "run.backend": "nccl" if device.type == "cuda" else "gloo"}
     if args.workers >= 0:
         sets["train.num_workers"] = args.workers
