@@ -22,6 +22,8 @@ class ParallelOptions:
                                     # blocks), else the model
     channels_last: str = "auto"     # auto | on | off: convolutional models channels-last, weights
                                     # and inputs (auto: with 2D/3D convolutions; parallel/layout.py)
+    cudnn_benchmark: bool = True    # GPU: let cuDNN time its convolution algorithms for each new
+                                    # shape during fit (static shapes repay it; restored after)
     sequence_parallel: bool = False  # 1D tensor parallelism: split norms/dropout over the sequence
     bucket_cap_mb: float = 25.0     # gradient all-reduce bucket size
     # under `data`: search the autograd graph each step for parameters the forward left out

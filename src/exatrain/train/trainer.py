@@ -711,6 +711,9 @@ class Trainer:
         # caller's streams come back when fit returns, so user code never sees them reset
         rng = torch.random.fork_rng(devices=_rng_devices(self.mesh.device))
         rng.__enter__()
+        benchmark = torch.backends.cudnn.benchmark  # process-wide: set for fit, restored after
+        if self.mesh.device.type == "cuda":
+            torch.backends.cudnn.benchmark = self.config.parallel.cudnn_benchmark
         try:
             while self.step < self.total_steps:
                 eval_metrics = self._one_step(batches, pending, stop, watchdog, progress) \
@@ -720,6 +723,7 @@ class Trainer:
             self.checkpoint_writer.wait()
         finally:  # a failed step must not leave a live progress bar or loader workers
             rng.__exit__(None, None, None)
+            torch.backends.cudnn.benchmark = benchmark
             stop.restore()
             watchdog.stop()
             if progress:
