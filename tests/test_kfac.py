@@ -410,7 +410,8 @@ def test_kfac_distributed_step_equals_its_formula():
     """The same step on 2 data ranks (3 samples each), with one grad worker per layer (f = 1/2:
     each preconditioned gradient computed on one rank and broadcast) and with both ranks
     workers (f = 1), equals the float64 reference of the whole batch on every rank, not only
-    the serial run of the same code. Each of the four mutations listed under `test_kfac_step_equals_its_formula` fails here too."""
+    the serial run of the same code. Each of the four mutations listed under
+    `test_kfac_step_equals_its_formula` fails here too."""
     expected = {case: _kfac_expected(case) for case in DISTRIBUTED_CASES}
     ranks = run_ranks(2, _kfac_ranks, {case: kappa for case, (_, kappa) in expected.items()})
     for results in ranks:
