@@ -387,7 +387,7 @@ def test_kfac_step_equals_its_formula(case):
     in the eigen path (`+ lam` → `+ 3 * lam`) and eigenvectors stored transposed
     (`Q.copy_(vecs)` → `Q.copy_(vecs.T)`): every eigen case (eigen-diagonal through G's
     eigenvectors); Cholesky's damping tripled (`sqrt(damping)` → `sqrt(3 * damping)` in
-    `_tikhonov`): every cholesky case; the KL clip dropped (`v = v * nu` → `v = v`): every
+    `_tikhonov`, or `factor + 3 * damping * eye` in `_damped_inverse`): every cholesky case; the KL clip dropped (`v = v * nu` → `v = v`): every
     clipped case (the AdamW one by the gradient it receives)."""
     expected, kappa = _kfac_expected(case)
     _check_step(case, expected, *_kfac_step(case, kappa))
