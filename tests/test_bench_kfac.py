@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from exatrain.bench import kfac
 from exatrain.cli import build_parser
 from harness import run_ranks
@@ -34,7 +36,11 @@ def test_bench_kfac_writes_sane_figures():
         assert result[f"cosmoflow_{o}_step_s"] > 0
         assert len(result[f"cosmoflow_{o}_steps_to_target_per_seed"]) == 2
         assert len(result[f"cosmoflow_{o}_curves"]) == 2
-    assert result["cosmoflow_kfac_step_overhead"] > 0
+    # K-FAC's step (factors and an eigendecomposition every step here) costs well over SGD's:
+    # measured 4.9-72x; a K-FAC that skipped its work would sit near 1
+    assert result["cosmoflow_kfac_step_overhead"] > 1.5
+    assert result["cosmoflow_kfac_step_overhead"] == pytest.approx(
+        result["cosmoflow_kfac_step_s"] / result["cosmoflow_sgd_step_s"])
     assert 0 < result["cosmoflow_kfac_vs_adamw_p_value"] <= 1
     assert result["cosmoflow_kfac_bytes_per_step"] > 0   # the factor all-reduce, every step
     # second-order state: the largest per rank falls from f = 1 to f = 1/2, as the formula says
@@ -44,16 +50,18 @@ def test_bench_kfac_writes_sane_figures():
         assert result[f"second_order_bytes_per_rank_f{f}"] == \
             result[f"second_order_bytes_per_rank_f{f}_formula"]
     # sub-graph part: both layouts near serial, and the branches near the plain data layout
+    # (measured, the same on every run: 1.3e-5 worst entry, 1.8e-8 whole state vs serial;
+    # 7.1e-6 worst between the layouts)
     for layout in ("data", "branches"):
         assert result[f"deepcam_{layout}_step_s"] > 0
-        assert 0 < result[f"deepcam_{layout}_max_rel_err_vs_serial"] < 1e-3
-        assert 0 <= result[f"deepcam_{layout}_state_rel_norm_err_vs_serial"] < 1e-5
+        assert 0 < result[f"deepcam_{layout}_max_rel_err_vs_serial"] < 5e-5
+        assert 0 <= result[f"deepcam_{layout}_state_rel_norm_err_vs_serial"] < 1e-6
         assert result[f"deepcam_{layout}_worst_state_entry"]
     assert result["deepcam_branch_bytes_per_step"] > 0
     between = ("max_rel_err", "rel_err_in_data_worst_entry", "state_rel_norm_err",
                "output_rel_err_step1")
     for figure in between:
-        assert 0 <= result[f"deepcam_branches_vs_data_{figure}"] < 1e-4, figure
+        assert 0 <= result[f"deepcam_branches_vs_data_{figure}"] < 3e-5, figure
     assert result["deepcam_branches_vs_data_rel_err_in_data_worst_entry"] <= \
         result["deepcam_branches_vs_data_max_rel_err"]
 

@@ -11,11 +11,15 @@ checkpoint carries (without them its preconditioned gradient is zero: dropping t
 four steps agree to 2e-5 relative at damping 0.1 (measured 2.3e-6 under data and under space):
 the factor sums are added in another order, and preconditioning amplifies that rounding by up to
 1/damping. Plain K-FAC moves the weights away from plain SGD's by 3.5 (relative) in these four
-steps, so the comparison can fail.
+steps, so the comparison can fail. The serial run is the same code, so one step of a small
+Conv2d + Linear net is also checked against K-FAC's formula solved in float64 apart from the code
+(eigen, Cholesky, diagonal factors, KL clip off and on, SGD and AdamW bases), serially and on 2
+ranks.
 """
 
 from __future__ import annotations
 
+import copy
 import shutil
 from pathlib import Path
 
@@ -242,3 +246,174 @@ def test_damped_inverse_in_float32_and_its_float64_fallback():
     exact = torch.linalg.inv(singular.double() + 1e-10 * torch.eye(2, dtype=torch.float64))
     assert inverse.dtype == torch.float32
     torch.testing.assert_close(inverse.double(), exact, rtol=1e-4, atol=0)
+
+
+# ---------------------------------------------------------------------- K-FAC against its formula
+LR, DAMPING, WEIGHT_DECAY = 0.1, 0.05, 0.01
+
+
+def _kfac_inputs():
+    torch.manual_seed(0)
+    return _SmallNet(), torch.randn(6, 3, 8, 8), torch.randn(6, 2)
+
+
+def _kfac_reference(inverse="eigen", max_factor_dim=0) -> tuple[dict, float]:
+    """One K-FAC step of `_SmallNet` from its definition, in float64, written apart from
+    `train/kfac.py`: per layer the factors A (input patches by F.unfold, a 1 for the bias) and
+    G (per-sample output gradients), each replaced by its diagonal when wider than
+    `max_factor_dim` > 0, and the preconditioned gradient V solved on the Kronecker product,
+
+        eigen     vec(V) = (A ⊗ G + λI)⁻¹ vec(∇)
+        cholesky  vec(V) = ((A + π√λ·I) ⊗ (G + √λ/π·I))⁻¹ vec(∇),  π = sqrt((tr A/a) / (tr G/g))
+
+    (∇ the g × a gradient matrix, bias last, vec column-major) by torch.linalg.solve.
+    Returns {"conv.weight": V's weight part, "conv.bias": ..., ...} and Σ_layers ⟨V, ∇⟩."""
+    model, x, y = _kfac_inputs()
+    m, X, B = model.double(), x.double(), x.shape[0]
+    nn.functional.mse_loss(m(X), y.double()).backward()
+    ones = lambda rows: torch.cat([rows, torch.ones(rows.shape[0], 1, dtype=rows.dtype)], 1)
+    patches = nn.functional.unfold(X, 3, padding=1, stride=2).transpose(1, 2).reshape(-1, 27)
+    conv_g = (m.features.grad * (m.features > 0) * B).permute(0, 2, 3, 1).reshape(-1, 4)
+    rows = {"conv": (ones(patches), conv_g),
+            "head": (ones(m.features.detach().flatten(1)), m.logits.grad * B)}
+    lam, out, vg = DAMPING, {}, 0.0
+    eye = lambda n: torch.eye(n, dtype=torch.float64)
+    for name, (a_rows, g_rows) in rows.items():
+        layer = getattr(m, name)
+        A, G = a_rows.T @ a_rows / a_rows.shape[0], g_rows.T @ g_rows / B
+        if max_factor_dim:
+            A = A.diag().diag() if A.shape[0] > max_factor_dim else A
+            G = G.diag().diag() if G.shape[0] > max_factor_dim else G
+        grad = torch.cat([layer.weight.grad.reshape(layer.weight.shape[0], -1),
+                          layer.bias.grad[:, None]], 1)
+        a, g = A.shape[0], G.shape[0]
+        if inverse == "eigen":
+            K = torch.kron(A, G) + lam * eye(a * g)
+        else:
+            pi = ((A.trace() / a) / (G.trace() / g)).sqrt()
+            K = torch.kron(A + pi * lam ** 0.5 * eye(a), G + lam ** 0.5 / pi * eye(g))
+        V = torch.linalg.solve(K, grad.T.reshape(-1)).reshape(a, g).T   # vec⁻¹, column-major
+        vg += float((V * grad).sum())
+        out[f"{name}.weight"] = V[:, :-1].reshape(layer.weight.shape)
+        out[f"{name}.bias"] = V[:, -1]
+    return out, vg
+
+
+KFAC_CASES = {   # name: (inverse, max_factor_dim, KL clip scale ν (None: clip off), base)
+    "eigen": ("eigen", 0, None, "sgd"),
+    "eigen-clipped": ("eigen", 0, 0.3, "sgd"),
+    "cholesky": ("cholesky", 0, None, "sgd"),
+    "cholesky-clipped": ("cholesky", 0, 0.3, "sgd"),
+    # wider than 20 kept diagonal: the conv's A (28 wide) and the head's A (65)
+    "eigen-diagonal": ("eigen", 20, None, "sgd"),
+    "cholesky-diagonal": ("cholesky", 20, None, "sgd"),
+    "eigen-adamw": ("eigen", 0, None, "adamw"),
+    "eigen-clipped-adamw": ("eigen", 0, 0.3, "adamw"),
+}
+
+
+def _kfac_expected(case: str) -> tuple[dict, float]:
+    """The reference ν·V of `case`, and the κ given to the code under test: 1e30 with the clip
+    off (ν = 1), else κ = ν²·η²·Σ⟨V, ∇⟩, so that the clip's formula
+    ν = min(1, sqrt(κ / (η² Σ⟨V, ∇⟩))) scales the step by the case's ν."""
+    inverse, dim, nu, _ = KFAC_CASES[case]
+    V, vg = _kfac_reference(inverse, dim)
+    assert vg > 0
+    if nu is None:
+        return V, 1e30
+    kappa = nu * nu * LR * LR * vg
+    assert abs(min(1.0, (kappa / (LR * LR * vg)) ** 0.5) - nu) < 1e-12
+    return {k: nu * v for k, v in V.items()}, kappa
+
+
+def _kfac_step(case: str, kappa: float, rank: int = 0, world: int = 1, mesh=None,
+               fraction: float = 1.0):
+    """One step of the code under test on this rank's share of the batch (the data-parallel
+    gradient: the mean of the ranks' gradients); returns (weights before, the gradients K-FAC
+    hands its base optimizer, weights after)."""
+    inverse, dim, _, base = KFAC_CASES[case]
+    model, x, y = _kfac_inputs()
+    share = x.shape[0] // world
+    x, y = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
+    settings = KFACSettings(damping=DAMPING, kl_clip=kappa, inverse=inverse, max_factor_dim=dim,
+                            grad_worker_fraction=fraction)
+    inner = (torch.optim.SGD(model.parameters(), lr=LR) if base == "sgd" else
+             torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY))
+    opt = KFACOptimizer(model, inner, mesh, settings=settings)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    nn.functional.mse_loss(model(x), y).backward()
+    if world > 1:
+        import torch.distributed as dist
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+    handed, step = {}, inner.step
+
+    def spy(*args, **kwargs):
+        handed.update({k: v.grad.detach().clone() for k, v in model.named_parameters()})
+        return step(*args, **kwargs)
+    inner.step = spy
+    opt.step()
+    opt.close()
+    return before, handed, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _check_step(case: str, expected: dict, before: dict, handed: dict, after: dict) -> None:
+    """The gradient handed to the base optimizer is the reference ν·V, and the weights move by
+    the base optimizer's first step of it: SGD (no momentum) −η·ν·V; AdamW
+    −η·wd·w − η·ν·V / (|ν·V| + ε) (after one step m̂ = g and v̂ = g²)."""
+    base = KFAC_CASES[case][3]
+    for key, want in expected.items():
+        scale = float(want.abs().max())
+        torch.testing.assert_close(handed[key].double(), want, rtol=1e-4, atol=1e-4 * scale,
+                                   msg=lambda m: f"{case} {key}: {m}")
+        w = before[key].double()
+        step = (-LR * want if base == "sgd"
+                else -LR * WEIGHT_DECAY * w - LR * want / (want.abs() + 1e-8))
+        atol = 1e-4 * (LR * scale if base == "sgd" else LR)
+        torch.testing.assert_close(after[key].double() - w, step, rtol=1e-4, atol=atol,
+                                   msg=lambda m: f"{case} {key}: {m}")
+
+
+@pytest.mark.parametrize("case", list(KFAC_CASES))
+def test_kfac_step_equals_its_formula(case):
+    """One step of `_SmallNet` (Conv2d + Linear) moves the weights by −η·ν·(A ⊗ G + λI)⁻¹ vec(∇),
+    solved in float64 apart from the code (`_kfac_reference`), with the KL clip off (ν = 1)
+    and on (κ set so that the clip's formula gives ν = 0.3), for eigen and Cholesky inverses,
+    diagonal factors, and an AdamW base (there the reference is the gradient AdamW receives,
+    ν·V, and AdamW's first step of it: `_check_step`).
+
+    Mutations of `train/kfac.py` run by hand (then reverted) and failing here: damping tripled
+    in the eigen path (`+ lam` → `+ 3 * lam`) and eigenvectors stored transposed
+    (`Q.copy_(vecs)` → `Q.copy_(vecs.T)`): every eigen case (eigen-diagonal through G's
+    eigenvectors); Cholesky's damping tripled (`sqrt(damping)` → `sqrt(3 * damping)` in
+    `_tikhonov`, or `factor + 3 * damping * eye` in `_damped_inverse`): every cholesky case; the KL clip dropped (`v = v * nu` → `v = v`): every
+    clipped case (the AdamW one by the gradient it receives)."""
+    expected, kappa = _kfac_expected(case)
+    _check_step(case, expected, *_kfac_step(case, kappa))
+
+
+DISTRIBUTED_CASES = ("eigen-clipped", "cholesky", "eigen-diagonal", "eigen-clipped-adamw")
+
+
+def _kfac_ranks(kappas: dict) -> dict:
+    import exatrain as et
+    mesh = et.init(Plan(data=2))
+    try:
+        return {(case, f): _kfac_step(case, kappa, mesh.rank, 2, mesh, f)
+                for case, kappa in kappas.items() for f in (0.5, 1.0)}
+    finally:
+        mesh.close()
+
+
+def test_kfac_distributed_step_equals_its_formula():
+    """The same step on 2 data ranks (3 samples each), with one grad worker per layer (f = 1/2:
+    each preconditioned gradient computed on one rank and broadcast) and with both ranks
+    workers (f = 1), equals the float64 reference of the whole batch on every rank, not only
+    the serial run of the same code. Each of the four mutations listed under
+    `test_kfac_step_equals_its_formula` fails here too."""
+    expected = {case: _kfac_expected(case) for case in DISTRIBUTED_CASES}
+    ranks = run_ranks(2, _kfac_ranks, {case: kappa for case, (_, kappa) in expected.items()})
+    for results in ranks:
+        for (case, fraction), (before, handed, after) in results.items():
+            _check_step(case, expected[case][0], before, handed, after)

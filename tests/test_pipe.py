@@ -40,18 +40,23 @@ def _fit(config) -> dict:
         return {"losses": [l for h in trainer.history if "step_losses" in h for l in h["step_losses"]],
                 "state": {k: v.detach().clone() for k, v in unwrap(trainer.model).state_dict().items()},
                 "summary": summary, "history": trainer.history,
-                "pipe_bytes": mesh.ledger.bytes_by_axis().get("pipe", 0)}
+                "pipe_bytes": mesh.ledger.bytes_by_axis().get("pipe", 0),
+                "stage": mesh.axis("pipe").rank}
     finally:
         mesh.close()
 
 
 def _check(ranks: list[dict], serial: dict, tol: float = 1e-5) -> None:
-    state = {}
+    state, held = {}, {}   # held: stage -> its layers' names (the same on its data replicas)
     for r in ranks:
         assert rel_err(torch.tensor(r["losses"]), torch.tensor(serial["losses"])) <= tol
         assert r["summary"]["val_loss"] == pytest.approx(serial["summary"]["val_loss"], rel=tol)
-        assert not state.keys() & r["state"].keys() or len(ranks) > 2  # stages hold disjoint layers
+        assert held.setdefault(r["stage"], r["state"].keys()) == r["state"].keys()
         state.update(r["state"])
+    assert len(held) > 1, held.keys()
+    for a in held:   # stages hold disjoint layers, at every world size
+        for b in held:
+            assert a == b or not held[a] & held[b], (a, b, sorted(held[a] & held[b]))
     assert state.keys() == serial["state"].keys()  # the serial names, every layer once
     for key, value in serial["state"].items():
         assert rel_err(state[key], value) <= tol, key

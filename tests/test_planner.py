@@ -100,15 +100,19 @@ def test_tuner_finds_the_best_of_an_enumerated_set_within_a_third():
     assert primed.trials_to_best <= found.trials_to_best
 
 
-def test_published_megatron_runs_are_predicted():
-    """Korthikanti et al. 2022: 8 iteration times (Table 5) and 8 memory figures (Figure 1)."""
+def test_published_megatron_runs_fitted_and_held_out():
+    """Korthikanti et al. 2022: 8 iteration times (Table 5) and 8 memory figures (Figure 1).
+    a100-selene's matmul efficiency was fitted to these 8 times, so their in-sample error says
+    only that the fit holds; the prediction is leave-one-out (fit on 7, predict the 8th, for
+    each: measured 10.8 %). The memory model has nothing fitted to the runs (measured 7.7 %)."""
     from exatrain.bench.planner import published_cases, published_figures
     cases = published_cases()
     assert len(cases) == 12 and all(c["predicted_s"] > 0 for c in cases)
     figures = published_figures(cases)
     assert figures["published_memory_cases"] == 8
     # the issue-22 bar: the published figures stay within their recorded error (9.5 %, 7.7 %)
-    assert figures["published_step_time_mape"] < 10.0
+    assert figures["published_step_time_mape"] < 10.0           # in-sample: the fit
+    assert figures["published_step_time_mape_loo"] < 12.0       # held out: the prediction
     assert figures["published_memory_mape"] < 8.0
 
 

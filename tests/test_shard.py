@@ -108,6 +108,16 @@ def run_variants(corpus, out_dir, variants: dict) -> dict:
     return results
 
 
+MIXED_STATE_TOLERANCE = {"bf16": 3e-4, "fp16": 3e-5}
+
+
+def state_norm_err(a: dict, b: dict) -> float:
+    """‖a − b‖ / ‖b‖ over every entry of two state dicts."""
+    assert a.keys() == b.keys()
+    diff = sum(float(((a[k].double() - b[k].double()) ** 2).sum()) for k in b)
+    return (diff / sum(float((b[k].double() ** 2).sum()) for k in b)) ** 0.5
+
+
 def check_variants(corpus, tmp_path, variants: dict, fresh: bool = False) -> dict:
     """Run `variants` on 4 ranks and hold each to its serial counterpart; returns rank results."""
     out = tmp_path / "runs"
@@ -140,6 +150,14 @@ def check_variants(corpus, tmp_path, variants: dict, fresh: bool = False) -> dic
                                torch.tensor(same["losses"])) <= 2e-3, where
                 assert rel_err(torch.tensor(result["losses"]),
                                torch.tensor(ref["losses"])) <= 1e-2, where
+                # the weights, as a whole (‖Δ‖ / ‖serial‖ over every entry) against the same
+                # precision serially: measured 1.5e-4 (bf16), 1.7e-5 (fp16). fp16's bound is
+                # below its serial run's distance from fp32 (4.3e-5); bf16's own rounding
+                # reaches as far as fp32 (1.3e-4), so this bounds its error but cannot tell
+                # bf16 from fp32 (FSDP2's param_dtype dropped in shard.py still passes: checked)
+                bound = MIXED_STATE_TOLERANCE[precision]
+                err = state_norm_err(result["state"], same["state"])
+                assert err <= bound, (where, err, bound)
         # model state per rank at the optimizer step against the ZeRO formula
         s = ranks[0][name]["summary"]
         shard = 2 if "plan.shard=2" in overrides else 4

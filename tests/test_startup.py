@@ -14,13 +14,19 @@ heavy module fails here: import it where it is used.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
-from exatrain.observe.startup import measure_import, summarise
+from exatrain.observe.startup import PROBE, _marks, measure_import, summarise
 
 # opens beyond torch's, 11-12 % above what was measured on 2026-11-25 (see above)
 CEILING_BEYOND_TORCH = 280       # measured 250 (the issue's target: <= 1168 / 3 = 389)
 CEILING_RUN_PARSER = 280         # measured 252; the parser built whole: 302
+# and a floor: an audit hook that counted nothing (or torch's opens only) would pass the ceilings
+FLOOR_BEYOND_TORCH = 100
+FLOOR_TORCH = 500                # measured 1,052
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +43,8 @@ def _assert_light(figures: dict, stage: str, what: str, ceiling: int, fix: str) 
                     else f"{stage}_opens_beyond_torch"]
     assert opens <= ceiling, (f"{what} opens {opens} files beyond torch's (ceiling {ceiling}): "
                               f"a new eager import? {fix}")
+    assert opens >= FLOOR_BEYOND_TORCH and figures["torch_opens"] >= FLOOR_TORCH, \
+        f"the probe counted {opens} opens beyond torch's {figures['torch_opens']}: is it counting?"
 
 
 def test_import_exatrain_opens_few_files_beyond_torch(figures):
@@ -50,3 +58,21 @@ def test_the_run_parser_imports_neither_the_planner_nor_the_benchmarks(figures):
     _assert_light(figures, "run_parser", "import exatrain.cli with `exatrain run`'s parser",
                   CEILING_RUN_PARSER, "add that subcommand's arguments lazily (cli.COMMANDS); "
                   "`python -X importtime -c 'import exatrain.cli'` shows which")
+
+
+def test_the_probe_sees_a_deliberately_heavy_import():
+    """The same probe with `import torch.distributed.checkpoint` planted after `import exatrain`
+    fails both checks of `_assert_light`: the module is named, and the opens pass the ceiling."""
+    planted = PROBE.replace("import exatrain\n",
+                            "import exatrain\nimport torch.distributed.checkpoint\n")
+    assert planted != PROBE
+    proc = subprocess.Popen([sys.executable, "-c", planted], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    heavy = summarise(_marks(proc, 300))
+    assert "torch.distributed.checkpoint" in heavy["heavy_modules_at_import"].split(",")
+    assert heavy["exatrain_opens_beyond_torch"] > CEILING_BEYOND_TORCH
+    with pytest.raises(AssertionError, match="now imports"):
+        _assert_light(heavy, "import", "import exatrain", CEILING_BEYOND_TORCH, "")
+    heavy["heavy_modules_at_import"] = "none"   # the count alone catches it too
+    with pytest.raises(AssertionError, match="a new eager import"):
+        _assert_light(heavy, "import", "import exatrain", CEILING_BEYOND_TORCH, "")

@@ -177,8 +177,16 @@ def results():
 
 
 def test_every_conv_kind_equals_serial(results):
+    layers = {f"{kind}.{side}.{k}" for kind in KINDS for side in ("filter", "channel")
+              for k in ("out", "dx", "dW", "db")}
     for per_rank in results:
+        assert len(per_rank) == 2   # both grids
         for plan, r in per_rank.items():
+            # every entry there to compare: each kind both ways, and the trained models' state
+            assert layers <= r["errs"].keys(), (plan, sorted(layers - r["errs"].keys()))
+            for model in ("cnn2", "cnn3", "transposed"):
+                assert any(k.startswith(f"{model}.") and k.endswith(".weight")
+                           for k in r["errs"]), (plan, model)
             bad = {k: v for k, v in r["errs"].items() if v > TOL}
             assert not bad, (plan, bad)
 
