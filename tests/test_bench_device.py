@@ -115,6 +115,7 @@ def test_profile_reports_host_syncs_compiled_graphs_and_a_table(tmp_path):
     step), compile captured the model whole (graphs, no break), and each path's top-operators
     table is written beside the JSON. The eager backend: Dynamo's capture is what is checked."""
     out = tmp_path / "profile.json"
+    torch._dynamo.reset()  # graphs an earlier test compiled for the same model would be reused
     args = build_parser().parse_args([
         "bench", "device", "--sizes", "small", "--workers", "0", "--data-dir", str(tmp_path),
         "--cases", "gpt_125m", "--warmup", "1", "--steps", "2", "--compile-backend", "eager",

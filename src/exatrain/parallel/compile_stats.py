@@ -6,7 +6,8 @@ another graph, and a frame it cannot trace at all runs wholly eager. A run with
 (`torch._dynamo.utils.counters`, process-wide; the difference over the run is taken):
 
   compiled_frames   Python frames Dynamo compiled (each recompilation counts again)
-  compiled_graphs   FX graphs handed to the backend
+  compiled_graphs   FX graphs handed to the backend (an earlier run in the same process that
+                    compiled the same model leaves nothing new to compile: 0 then)
   graph_breaks      breaks, with `graph_break_reasons`: the first line of each distinct reason
 
 so that a step that fell back to eager can never pass unseen (the summary and the first log

@@ -117,8 +117,9 @@ SUMMARY: tuple[Field, ...] = (
           "sync DIR` for an offline W&B run)", "observe.trackers beyond tensorboard"),
     Field("compiled_frames", "", "Python frames torch.compile compiled (recompilations count "
           "again)", "parallel.compile = true"),
-    Field("compiled_graphs", "", "graphs torch.compile handed to its backend: 0 means the step "
-          "ran eager", "parallel.compile = true"),
+    Field("compiled_graphs", "", "graphs torch.compile handed to its backend during this run: 0 "
+          "means the step ran eager, unless an earlier run in the same process compiled the "
+          "same model", "parallel.compile = true"),
     Field("graph_breaks", "", "places where torch.compile split the model's frame and ran "
           "Python eagerly between graphs", "parallel.compile = true"),
     Field("graph_break_reasons", "", "the first line of each distinct graph-break reason (at "
