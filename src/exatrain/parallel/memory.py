@@ -167,9 +167,8 @@ def apply_checkpointing_and_compile(model: nn.Module, options, whole_model: bool
     """Checkpoint every block of `model` and compile each block, or (`whole_model`) the model
     once, in place; returns `model`."""
     blocks = find_blocks(model)
-    if not blocks and whole_model and options.activation_checkpointing == "none":
-        blocks = []  # nothing to checkpoint: the model itself is compiled below
-    elif not blocks:
+    # a model without blocks can still be compiled whole, with nothing to checkpoint
+    if not blocks and not (whole_model and options.activation_checkpointing == "none"):
         raise ParallelizeError(
             f"{type(model).__name__} has no blocks to checkpoint or compile: it has neither an "
             "nn.ModuleList nor children with parameters. Set parallel.activation_checkpointing="

@@ -690,6 +690,21 @@ class Trainer:
         self._finished = reached or stopping
         return eval_metrics
 
+    @contextlib.contextmanager
+    def _process_settings(self):
+        """Process-wide state the steps change, given back when they end: the global random
+        generators (each step seeds them, so dropout masks replay on resume; the caller's
+        streams return, so user code never sees them reset) and, on a GPU, cuDNN's autotuning
+        (`parallel.cudnn_benchmark`)."""
+        benchmark = torch.backends.cudnn.benchmark
+        with torch.random.fork_rng(devices=_rng_devices(self.mesh.device)):
+            if self.mesh.device.type == "cuda":
+                torch.backends.cudnn.benchmark = self.config.parallel.cudnn_benchmark
+            try:
+                yield
+            finally:
+                torch.backends.cudnn.benchmark = benchmark
+
     def fit(self) -> dict:
         # the second step: the first one also allocates what persists (communication buckets,
         # FSDP2's lazy initialisation), which is not activation memory
@@ -707,23 +722,15 @@ class Trainer:
         stop = StopOnSignal().install()
         watchdog = Watchdog(self.mesh.ledger, self.mesh.rank, self.run_dir,
                             self.config.run.timeout_s).start(self.mesh.world_size)
-        # the steps seed the global generators (dropout masks replayable on resume); the
-        # caller's streams come back when fit returns, so user code never sees them reset
-        rng = torch.random.fork_rng(devices=_rng_devices(self.mesh.device))
-        rng.__enter__()
-        benchmark = torch.backends.cudnn.benchmark  # process-wide: set for fit, restored after
-        if self.mesh.device.type == "cuda":
-            torch.backends.cudnn.benchmark = self.config.parallel.cudnn_benchmark
         try:
-            while self.step < self.total_steps:
-                eval_metrics = self._one_step(batches, pending, stop, watchdog, progress) \
-                    or eval_metrics
-                if self._finished:
-                    break
+            with self._process_settings():
+                while self.step < self.total_steps:
+                    eval_metrics = self._one_step(batches, pending, stop, watchdog, progress) \
+                        or eval_metrics
+                    if self._finished:
+                        break
             self.checkpoint_writer.wait()
         finally:  # a failed step must not leave a live progress bar or loader workers
-            rng.__exit__(None, None, None)
-            torch.backends.cudnn.benchmark = benchmark
             stop.restore()
             watchdog.stop()
             if progress:
