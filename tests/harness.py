@@ -12,8 +12,10 @@ pool is torn down and rebuilt, and `RankFailed` is raised with the failing rank'
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import os
 import queue
+import signal
 import time
 import traceback
 
@@ -28,6 +30,8 @@ def _worker(rank: int, world_size: int, tasks, results) -> None:
     from exatrain.launch.host_memory import keep_freed_host_memory
 
     _torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    # a rank that misses its deadline prints every thread's stack before it is killed
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     keep_freed_host_memory()  # as `exatrain run` sets up each rank (run.host_memory = "keep")
     while True:
         task = tasks.get()
@@ -85,6 +89,8 @@ class _Pool:
             except queue.Empty:
                 dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in out]
                 if failed or dead or time.monotonic() >= deadline:
+                    if not failed and not dead:
+                        self.dump_stacks()
                     self.close()
                     if not failed:
                         what = f"rank {dead[0]} died" if dead else \
@@ -100,6 +106,13 @@ class _Pool:
             failure.original = exc
             raise failure
         return [out[r][1] for r in range(self.world_size)]
+
+    def dump_stacks(self) -> None:
+        """Every rank's threads' stacks on its stderr: where a stuck rank waits."""
+        for p in self.procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGUSR1)
+        time.sleep(1.0)
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
@@ -139,6 +152,8 @@ def run_ranks(world_size: int, fn, *args, timeout_s: float = 300.0, fresh: bool 
     `fresh=True` starts new rank processes first: for a launch that must not inherit what earlier
     tests left in torch's process-wide caches (see the caller).
     """
+    # a device run with little time caps every case's wait (the stacks then say where it hung)
+    timeout_s = min(timeout_s, float(os.environ.get("EXATRAIN_TEST_RANK_TIMEOUT_S", timeout_s)))
     if fresh and world_size in _pools:
         _pools.pop(world_size).close()
     pool = _pools.get(world_size)

@@ -54,3 +54,22 @@ def test_compile_captures_the_whole_model(workload, tmp_path, one_thread):
     assert summary["graph_breaks"] == 0, summary["graph_break_reasons"]
     first = next(h for h in trainer.history if "loss" in h)
     assert first["compiled_graphs"] == summary["compiled_graphs"] and first["graph_breaks"] == 0
+
+
+def test_auto_scope_compiles_repeated_blocks_one_by_one_and_other_models_whole():
+    """A model that repeats one block compiles block by block (one block's compile time, the
+    graph reused), a CNN whole (fusions across layers), anything under FSDP2 block by block."""
+    from torch import nn
+
+    from exatrain.parallel.memory import auto_compile_scope
+
+    class Tower(nn.Module):  # written as users write them: a list of equal layers
+        def __init__(self, widths):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths, widths[1:]))
+
+    assert auto_compile_scope(Tower([8, 8, 8, 8]), fsdp=False) == "blocks"
+    assert auto_compile_scope(Tower([8, 16, 8]), fsdp=False) == "model"   # not one block repeated
+    cnn = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3))
+    assert auto_compile_scope(cnn, fsdp=False) == "model"
+    assert auto_compile_scope(cnn, fsdp=True) == "blocks"

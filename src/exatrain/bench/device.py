@@ -36,6 +36,7 @@ import copy
 import gc
 import statistics
 import tempfile
+import time
 
 import torch
 
@@ -124,6 +125,13 @@ def _progress(case: str, variant: str, figures: dict) -> None:
           f"{figures['data_wait_fraction']:.1%}", file=sys.stderr, flush=True)
 
 
+def _phase(case: str, what: str, since: float) -> None:
+    """A line per phase before the first timed path (data, model), so a cut run says where."""
+    import sys
+    print(f"bench device: {case}: {what} after {time.perf_counter() - since:.1f} s",
+          file=sys.stderr, flush=True)
+
+
 def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -156,13 +164,16 @@ def run_case(case, args, data_root: str, device: torch.device, precision: str) -
         sets["train.num_workers"] = args.workers
     config = load_config(None, [f"{k}={_toml(v)}" for k, v in sets.items()])
     module = get_workload(case.workload)
+    started = time.perf_counter()
     module.prepare(config)
+    _phase(case.name, "data ready", started)
     batch, optim = config.train.batch_size, config.optim
     mesh = init(Plan(data=1), backend=None if config.run.backend == "auto" else config.run.backend)
     try:
         torch.manual_seed(config.run.seed)
         workload = module.build(config, mesh)
         plain_model = copy.deepcopy(workload.model)  # the weights both paths start from
+        _phase(case.name, "model built", started)
         flops, tokens = workload.flops_per_sample, workload.tokens_per_sample
         loss_fn, decode = plain_loss(case, workload), workload.decode
         train_set = workload.train_set

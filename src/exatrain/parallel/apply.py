@@ -128,9 +128,9 @@ def checkpoint_and_compile_step(model, mesh, options, layout):
     if options.activation_checkpointing == "none" and not options.compile:
         return model
     scope = options.compile_scope
-    if scope == "auto":  # FSDP2 puts its hooks on blocks, which compile must leave outside
-        fsdp = mesh.plan.shard > 1 and options.zero_stage == 3
-        scope = "blocks" if fsdp else "model"
+    if scope == "auto":
+        scope = _strategy("memory").auto_compile_scope(
+            model, fsdp=mesh.plan.shard > 1 and options.zero_stage == 3)
     return _strategy("memory").apply_checkpointing_and_compile(model, options,
                                                               whole_model=scope == "model")
 

@@ -27,6 +27,7 @@ group hold partial gradients of the same samples, which must be summed, so repli
 degree only.
 """
 
+import inspect
 import re
 
 import torch
@@ -96,6 +97,14 @@ class ReplicatedModule(DistributedDataParallel):
         return [order[int(i)] for i in found.group(1).split() if int(i) < len(order)]
 
 
+# torch 2.13 renamed DDP's per-forward buffer broadcast `forward_sync_buffers` (buffers are still
+# synced once at construction) and deprecated `broadcast_buffers`; the GPU clusters' torch 2.11
+# knows only the old name, whose False also skips the sync at construction, which is harmless
+# here since False is passed only where buffers start equal on every member.
+_BUFFER_SYNC_ARG = ("forward_sync_buffers" if "forward_sync_buffers" in
+                    inspect.signature(DistributedDataParallel.__init__).parameters else "broadcast_buffers")
+
+
 def data_parallel(model: nn.Module, axis: Axis, replicas: "int | None" = None,
                   bucket_cap_mb: float = 25.0, device: "torch.device | None" = None,
                   broadcast_buffers: bool = True,
@@ -115,7 +124,7 @@ def data_parallel(model: nn.Module, axis: Axis, replicas: "int | None" = None,
         process_group=axis.group,
         bucket_cap_mb=bucket_cap_mb,
         gradient_as_bucket_view=True,  # no extra copy of each gradient into the bucket
-        forward_sync_buffers=broadcast_buffers,  # still synced once, at construction
+        **{_BUFFER_SYNC_ARG: broadcast_buffers},
         find_unused_parameters=find_unused_parameters,
     )
     ddp.register_comm_hook(_HookState(axis, replicas or axis.size), _ledger_allreduce_hook)

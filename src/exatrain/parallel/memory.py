@@ -34,15 +34,19 @@ so the module tree and its parameter names do not change, one of two ways
 (`parallel.compile_scope`):
 
   model   the whole model (or pipeline stage) as one frame: every layer, whatever the model's
-          structure, runs in compiled code, and the fusions span layers (the default, except
-          under FSDP2). Collectives inside (global BatchNorm, halo exchanges, tensor-parallel
+          structure, runs in compiled code, and the fusions span layers (the default for models
+          without repeated blocks: CNNs such as CosmoFlow's and DeepCAM's). Collectives inside (global BatchNorm, halo exchanges, tensor-parallel
           layers) break the graph there; the breaks are counted and reported
           (`parallel.compile_stats`), never silent.
   blocks  each block: blocks of equal shape reuse one compiled graph (parameters are graph
           inputs), and the hooks FSDP2 later puts on a block are skipped by the compiler and run
           eagerly (ZeRO-3 with compiled blocks matched serial training to 1e-7 on 2 CPU ranks,
           checked by hand). What lies outside every block (a model without a ModuleList keeps
-          only its children with parameters as blocks) stays eager.
+          only its children with parameters as blocks) stays eager. The default under FSDP2,
+          and for models built of repeated blocks (transformers): the compile time is that of
+          one block, not of the whole depth (a 24-layer GPT compiled whole took 27 s before
+          its first step on a 2-core CPU, block by block 4.5 s; on an H100 the whole 1.3b
+          model did not reach its first step in two minutes).
 """
 
 from __future__ import annotations
@@ -86,6 +90,23 @@ def find_blocks(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
         found = [(model, n, c) for n, c in model.named_children()
                  if any(True for _ in c.parameters())]
     return found
+
+
+def auto_compile_scope(model: nn.Module, fsdp: bool) -> str:
+    """`parallel.compile_scope = "auto"`: "blocks" under FSDP2 (its hooks sit on blocks, which
+    compile must leave outside) or where some ModuleList repeats one block (same class, same
+    parameter shapes), else "model"."""
+    if fsdp:
+        return "blocks"
+
+    def signature(block: nn.Module):
+        return type(block), tuple((n, tuple(p.shape)) for n, p in block.named_parameters())
+
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 1:
+            if len({signature(block) for block in module}) == 1:
+                return "blocks"
+    return "model"
 
 
 def _selective_policy(ctx, op, *args, **kwargs):
@@ -199,4 +220,4 @@ def compile_in_place(module: nn.Module, backend: str) -> nn.Module:
     return module
 
 
-__all__ = ["apply_checkpointing_and_compile", "checkpoint_block", "compile_in_place", "find_blocks"]
+__all__ = ["apply_checkpointing_and_compile", "auto_compile_scope", "checkpoint_block", "compile_in_place", "find_blocks"]
