@@ -97,3 +97,22 @@ def test_rank_sum_p_value_of_many_seeds_by_the_normal_approximation():
     exact = kfac.rank_sum_p_value(x, y)
     approximate = kfac.rank_sum_p_value(x, y, exact_splits=0)
     assert exact != approximate and abs(exact - approximate) < 0.01, (exact, approximate)
+
+
+def test_bench_without_arguments_runs_the_config_defaults_beside_a_tuned_adamw(tmp_path):
+    """What a user gets: K-FAC and AdamW exactly at the config's defaults (only the name
+    differs), the tuned AdamW at its own lr, 3 seeds, the default job's steps, stopped at the
+    target."""
+    from exatrain.train.config import load_config
+
+    argv = ["bench", "kfac"]
+    args = build_parser(argv).parse_args(argv)
+    assert (args.seeds, args.optimizers, args.stop_at_target) == (3, "kfac,adamw,adamw_tuned", True)
+    default = load_config(None).optim
+    for optimizer, name, lr in (("kfac", "kfac", default.lr), ("adamw", "adamw", default.lr),
+                                ("adamw_tuned", "adamw", args.lr_adamw_tuned)):
+        optim = kfac._config(tmp_path, "cosmoflow", optimizer, args, 2000, 32).optim
+        assert vars(optim) == {**vars(default), "name": name, "lr": lr}, optimizer
+    given = build_parser(argv).parse_args(argv + ["--kfac-damping", "0.1", "--lr-kfac", "0.02"])
+    optim = kfac._config(tmp_path, "cosmoflow", "kfac", given, 2000, 32).optim
+    assert (optim.kfac_damping, optim.lr, optim.kfac_inverse) == (0.1, 0.02, default.kfac_inverse)

@@ -1,9 +1,13 @@
-"""`exatrain bench kfac`: K-FAC against AdamW and SGD, and sub-graph parallelism against data.
+"""`exatrain bench kfac`: K-FAC against AdamW (and SGD), and sub-graph parallelism against data.
 
-Part 1, optimizers (2 ranks, Plan(data=2), the same global batch, seed and data for all three):
-on the CosmoFlow job (the default job's model and data at `--size`, 32 = the default job) and on
-a residual 3D CNN on the same data, each of `kfac`, `adamw`, `sgd` trains `--steps` steps with an
-evaluation every `--eval-every`. Figures per workload W and optimizer O:
+Part 1, optimizers (2 ranks, Plan(data=2), the same global batch, seeds and data for all): on the
+CosmoFlow job (the default job's model and data at `--size`, 32 = the default job) and on a
+residual 3D CNN on the same data, each optimizer of `--optimizers` trains up to `--steps` steps
+(2,000, the default job's) with an evaluation every `--eval-every`, stopping at the target. With
+no arguments they are what a user gets: `kfac` and `adamw` at the config's defaults (K-FAC's
+defaults are its best measured recipe), and `adamw_tuned`, AdamW at its tuned `--lr-adamw-tuned`;
+`sgd` on request. An `--lr-*` or `--kfac-*` option given replaces that default. Figures per
+workload W and optimizer O:
 
   W_O_steps_to_target     first evaluated step with val_mae ≤ 0.5 × baseline_mae (the MAE of
                           predicting the training mean; `--target-fraction`), None if not
@@ -18,11 +22,15 @@ evaluation every `--eval-every`. Figures per workload W and optimizer O:
                           them. `--stop-at-target` ends a run there (the schedule still spans
                           `--steps`).
   W_O_step_s              median step time
-  W_kfac_step_overhead    K-FAC step time / the first-order (SGD) step time
-  W_kfac_vs_adamw_seconds K-FAC's seconds to target / AdamW's (< 1: K-FAC faster)
+  W_kfac_step_overhead    K-FAC step time / the first-order (SGD) step time, with sgd run
+  W_kfac_vs_adamw_seconds K-FAC's seconds to target / AdamW's (< 1: K-FAC faster);
+                          W_kfac_vs_adamw_tuned_seconds the same against the tuned AdamW
   W_kfac_vs_adamw_p_value with `--seeds N`: the exact two-sided rank-sum (Mann-Whitney) p-value
                           of the two optimizers' seconds to target per seed (small: the
-                          difference is more than the spread between seeds)
+                          difference is more than the spread between seeds); also _tuned
+  W_kfac_step_over_adamw  K-FAC's step time / AdamW's (also _tuned)
+  W_kfac_reached_every_seed  whether every K-FAC run reached the target; `kfac_settings` the
+                          optim.kfac_* values it ran with
   W_kfac_bytes_per_step   the K-FAC collectives the ledger counted, per step
 
 and `second_order_bytes_per_rank_f<f>`: the largest K-FAC state any rank holds, for every
@@ -46,6 +54,7 @@ from the branches. The two layouts are also compared with each other, rank by ra
 
 from __future__ import annotations
 
+import argparse
 import math
 import statistics
 import tempfile
@@ -59,37 +68,45 @@ from torch import nn
 
 
 def add_arguments(parser) -> None:
+    """With no arguments the bench runs what a user gets: the default job (CosmoFlow 32³, 4,608
+    samples, global batch 8 on 2 ranks, 2,000 steps, each run stopped at the target), every
+    optimizer at the config's defaults, beside AdamW at its tuned learning rate, 3 seeds. Each
+    K-FAC option below, when given, replaces that key's default for the run."""
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--target-fraction", type=float, default=0.5,
-                        help="target: val_mae ≤ this × baseline_mae")
+                        help="target val_mae = this x the predict-the-mean baseline")
     parser.add_argument("--batch", type=int, default=8, help="global batch (both ranks)")
-    parser.add_argument("--samples", type=int, default=1024, help="CosmoFlow samples to write")
-    parser.add_argument("--lr-adamw", type=float, default=1e-3, help="the default job's lr")
-    parser.add_argument("--lr-sgd", type=float, default=0.02)
-    parser.add_argument("--lr-kfac", type=float, default=0.02)
-    parser.add_argument("--kfac-factor-every", type=int, default=5)
-    parser.add_argument("--kfac-inverse-every", type=int, default=25)
-    parser.add_argument("--kfac-damping", type=float, default=0.1)
-    parser.add_argument("--kfac-kl-clip", type=float, default=1e-3)
-    parser.add_argument("--kfac-inverse", default="eigen", help="eigen or cholesky")
-    parser.add_argument("--kfac-base", default="sgd", help="sgd or adamw: K-FAC's update")
-    parser.add_argument("--kfac-factor-positions", type=int, default=0,
-                        help="a conv's A from this many positions per sample (0: all)")
-    parser.add_argument("--kfac-grad-worker-fraction", type=float, default=1.0)
+    parser.add_argument("--samples", type=int, default=4608, help="CosmoFlow samples to write")
+    parser.add_argument("--lr-adamw", type=float, default=None,
+                        help="AdamW's lr (default: optim.lr's default)")
+    parser.add_argument("--lr-adamw-tuned", type=float, default=2e-4,
+                        help="the lr of `adamw_tuned`: AdamW's fastest on the default job")
+    parser.add_argument("--lr-sgd", type=float, default=None)
+    parser.add_argument("--lr-kfac", type=float, default=None)
+    parser.add_argument("--kfac-factor-every", type=int, default=None)
+    parser.add_argument("--kfac-inverse-every", type=int, default=None)
+    parser.add_argument("--kfac-damping", type=float, default=None)
+    parser.add_argument("--kfac-kl-clip", type=float, default=None)
+    parser.add_argument("--kfac-inverse", default=None, help="eigen or cholesky")
+    parser.add_argument("--kfac-base", default=None, help="sgd or adamw: K-FAC's update")
+    parser.add_argument("--kfac-factor-positions", type=int, default=None,
+                        help="a conv's A from at most this many positions per sample (0: all)")
+    parser.add_argument("--kfac-grad-worker-fraction", type=float, default=None)
     parser.add_argument("--workloads", default="cosmoflow,resnet")
-    parser.add_argument("--optimizers", default="kfac,adamw,sgd",
-                        help="which to train (K-FAC's ratios need kfac and adamw / sgd)")
+    parser.add_argument("--optimizers", default="kfac,adamw,adamw_tuned",
+                        help="which to train: kfac, adamw, sgd, adamw_tuned (AdamW at "
+                             "--lr-adamw-tuned); K-FAC's ratios need kfac and the other")
     parser.add_argument("--deepcam-size", type=int, default=64)
     parser.add_argument("--deepcam-width", type=int, default=16)
     parser.add_argument("--deepcam-steps", type=int, default=10)
     parser.add_argument("--parts", default="optim,memory,branches")
-    parser.add_argument("--stop-at-target", action="store_true",
+    parser.add_argument("--stop-at-target", action=argparse.BooleanOptionalAction, default=True,
                         help="end each run at its first evaluation that reaches the target "
                              "(train.target; the schedule still spans --steps)")
     parser.add_argument("--data-dir", default="",
                         help="CosmoFlow files to reuse (written there if missing); default: a "
                              "temporary directory")
-    parser.add_argument("--seeds", type=int, default=1,
+    parser.add_argument("--seeds", type=int, default=3,
                         help="runs per optimizer (run.seed 0..N-1: init and sample order); "
                              "the median run's steps and seconds to target are reported")
     parser.add_argument("--first-seed", type=int, default=0,
@@ -246,21 +263,33 @@ def _deepcam_rank(size: int, width: int, steps: int, warmup: int, batch: int) ->
 
 
 # ---------------------------------------------------------------------- the bench
+# K-FAC's command-line options (`--kfac-damping` ...): each replaces its `optim.*` key when given
+KFAC_OPTIONS = ("kfac_factor_every", "kfac_inverse_every", "kfac_damping", "kfac_kl_clip",
+                "kfac_inverse", "kfac_base", "kfac_factor_positions", "kfac_grad_worker_fraction")
+
+
+def _optimizer_keys(optimizer: str, args) -> list[str]:
+    """`optim.*` overrides of one optimizer's runs: its name, its lr where one was given (else the
+    config's default), K-FAC's options where given."""
+    name = "adamw" if optimizer == "adamw_tuned" else optimizer
+    lr = {"adamw": args.lr_adamw, "adamw_tuned": args.lr_adamw_tuned, "sgd": args.lr_sgd,
+          "kfac": args.lr_kfac}[optimizer]
+    keys = [f"optim.name='{name}'"] + ([f"optim.lr={lr!r}"] if lr is not None else [])
+    for option in KFAC_OPTIONS:
+        value = getattr(args, option)
+        if value is not None:
+            keys.append(f"optim.{option}={value!r}")
+    return keys
+
+
 def _config(work: Path, workload: str, optimizer: str, args, steps: int, size: int,
             data: Path | None = None, target: float | None = None, more: list[str] = ()):
     from ..train.config import load_config
 
     data = data or work / "data"
-    lr = {"adamw": args.lr_adamw, "sgd": args.lr_sgd, "kfac": args.lr_kfac}[optimizer]
     common = [f"train.steps={steps}", f"train.eval_every={args.eval_every}",
               f"train.log_every={args.eval_every}", f"train.batch_size={args.batch}",
-              "plan.data=2", f"optim.name='{optimizer}'", f"optim.lr={lr}",
-              f"optim.kfac_factor_every={args.kfac_factor_every}",
-              f"optim.kfac_inverse_every={args.kfac_inverse_every}",
-              f"optim.kfac_damping={args.kfac_damping}", f"optim.kfac_kl_clip={args.kfac_kl_clip}",
-              f"optim.kfac_inverse='{args.kfac_inverse}'", f"optim.kfac_base='{args.kfac_base}'",
-              f"optim.kfac_factor_positions={args.kfac_factor_positions}",
-              f"optim.kfac_grad_worker_fraction={args.kfac_grad_worker_fraction}",
+              "plan.data=2", *_optimizer_keys(optimizer, args),
               f"run.out_dir={work / 'runs'}", f"run.name={workload}-{optimizer}", "run.seed=0",
               "run.backend=gloo" if not torch.cuda.is_available() else "run.backend=auto"]
     if workload == "cosmoflow":
@@ -281,7 +310,7 @@ def _baseline_mae(data: Path) -> float:
                                      CosmoFlowDataset(f"{data}/val.h5"))
 
 
-NAMES = {"kfac": "K-FAC", "adamw": "AdamW", "sgd": "SGD"}
+NAMES = {"kfac": "K-FAC", "adamw": "AdamW", "sgd": "SGD", "adamw_tuned": "AdamW (tuned lr)"}
 
 
 def plot_to_target(result: dict, path) -> Path:
@@ -422,7 +451,7 @@ def run(args, launch=None) -> dict:
     from ..launch import spawn
 
     launch = launch or spawn
-    size, steps = args.size or 32, args.steps or 600
+    size, steps = args.size or 32, args.steps or 2000
     parts = set(args.parts.split(","))
     result: dict = {"ranks": 2, "global_batch": args.batch, "size": size, "max_steps": steps,
                     "device": "cuda" if torch.cuda.is_available() else "cpu"}
@@ -438,9 +467,10 @@ def run(args, launch=None) -> dict:
             seeds = range(args.first_seed, args.first_seed + args.seeds)
             for workload in args.workloads.split(","):
                 # seed by seed, every optimizer in turn: a drifting machine slows all alike
-                per_seed = [{o: launch(_train_rank, 2, args=(_config(
-                                 work, workload, o, args, steps, size, data, stop,
-                                 [f"run.seed={seed}"]),))[0]
+                configs = {(o, seed): _config(work, workload, o, args, steps, size, data, stop,
+                                              [f"run.seed={seed}"])
+                           for seed in seeds for o in args.optimizers.split(",")}
+                per_seed = [{o: launch(_train_rank, 2, args=(configs[o, seed],))[0]
                              for o in args.optimizers.split(",")} for seed in seeds]
                 runs = {o: [r[o] for r in per_seed] for o in per_seed[0]}
                 result[f"{workload}_target_val_mae"] = target
@@ -449,10 +479,12 @@ def run(args, launch=None) -> dict:
                     step, seconds = _median_reached(reached)
                     result[f"{workload}_{o}_steps_to_target"] = step
                     result[f"{workload}_{o}_seconds_to_target"] = seconds
-                    result[f"{workload}_{o}_lr"] = {"adamw": args.lr_adamw, "sgd": args.lr_sgd,
-                                                    "kfac": args.lr_kfac}[o]
-                    if o == "kfac":
-                        result["kfac_base"] = args.kfac_base
+                    optim = configs[o, seeds[0]].optim
+                    result[f"{workload}_{o}_lr"] = optim.lr
+                    if o == "kfac":   # the settings it ran with, defaults included
+                        result["kfac_base"] = optim.kfac_base
+                        result["kfac_settings"] = {k: getattr(optim, k) for k in vars(optim)
+                                                   if k.startswith("kfac_")}
                     result[f"{workload}_{o}_step_s"] = statistics.median(r["step_s"] for r in rs)
                     result[f"{workload}_{o}_best_val_mae"] = statistics.median(
                         min(m for _, _, m in r["curve"]) for r in rs)
@@ -467,15 +499,20 @@ def run(args, launch=None) -> dict:
                 if "sgd" in runs:
                     result[f"{workload}_kfac_step_overhead"] = (result[f"{workload}_kfac_step_s"]
                                                                 / result[f"{workload}_sgd_step_s"])
-                if "adamw" in runs:
-                    a, k = (result[f"{workload}_{o}_seconds_to_target"] for o in ("adamw", "kfac"))
-                    result[f"{workload}_kfac_vs_adamw_seconds"] = k / a if a and k else None
+                for other in ("adamw", "adamw_tuned"):
+                    if other not in runs:
+                        continue
+                    a, k = (result[f"{workload}_{o}_seconds_to_target"] for o in (other, "kfac"))
+                    result[f"{workload}_kfac_vs_{other}_seconds"] = k / a if a and k else None
                     if len(seeds) > 1:   # could the seeds' spread alone give that ratio?
-                        result[f"{workload}_kfac_vs_adamw_p_value"] = rank_sum_p_value(
+                        result[f"{workload}_kfac_vs_{other}_p_value"] = rank_sum_p_value(
                             *(result[f"{workload}_{o}_seconds_to_target_per_seed"]
-                              for o in ("kfac", "adamw")))
-                    result[f"{workload}_kfac_step_over_adamw"] = (result[f"{workload}_kfac_step_s"]
-                                                                  / result[f"{workload}_adamw_step_s"])
+                              for o in ("kfac", other)))
+                    result[f"{workload}_kfac_step_over_{other}"] = (
+                        result[f"{workload}_kfac_step_s"] / result[f"{workload}_{other}_step_s"])
+                result[f"{workload}_kfac_reached_every_seed"] = all(
+                    s is not None for s, _ in (_to_target(r["curve"], target)
+                                               for r in runs["kfac"]))
             if args.plot:
                 plot_to_target(result, args.plot)
         if "memory" in parts:
