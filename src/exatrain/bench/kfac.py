@@ -310,7 +310,7 @@ def _baseline_mae(data: Path) -> float:
                                      CosmoFlowDataset(f"{data}/val.h5"))
 
 
-NAMES = {"kfac": "K-FAC", "adamw": "AdamW", "sgd": "SGD", "adamw_tuned": "AdamW (tuned lr)"}
+NAMES = {"kfac": "K-FAC", "adamw": "AdamW", "sgd": "SGD", "adamw_tuned": "AdamW\n(tuned lr)"}
 
 
 def plot_to_target(result: dict, path) -> Path:
@@ -334,7 +334,7 @@ def plot_to_target(result: dict, path) -> Path:
                       if k.startswith(f"{w}_") and k.endswith("_curves")]
         for color, o in zip(colors, optimizers):
             seconds = result[f"{w}_{o}_seconds_to_target"]
-            name = NAMES.get(o, o)
+            name = NAMES.get(o, o).replace("\n", " ")
             if o == "kfac" and "kfac_base" in result:
                 name += f" on {NAMES.get(result['kfac_base'], result['kfac_base'])}"
             if f"{w}_{o}_lr" in result:
@@ -352,8 +352,9 @@ def plot_to_target(result: dict, path) -> Path:
         ax.plot([], [], "o", color="0.6", ms=5, mec="black", mew=0.5,
                 label="a run's first evaluation at the target")
         ax.axhline(target, ls="--", color="0.3", lw=1)
-        ax.annotate(f"target {target:.3f} (0.5 × baseline)", (0, target), textcoords="offset points",
-                    xytext=(4, -11), fontsize=7, color="0.3")
+        ax.annotate(f"target {target:.3f} (0.5 × baseline)", (0.01, target),
+                    xycoords=("axes fraction", "data"), textcoords="offset points",
+                    xytext=(2, -11), fontsize=7, color="0.3")
         ax.set_xlabel("training seconds (evaluations excluded)")
         ax.set_ylabel("validation MAE")
         ax.set_title(f"{w}: {result.get('ranks', 2)} ranks, global batch {result['global_batch']}",
@@ -386,12 +387,14 @@ def _plot_spread(ax, result: dict, w: str, optimizers: list, colors: list) -> No
     ax.set_xlim(-0.6, len(optimizers) - 0.4)
     ax.set_ylim(0, top * 1.05)
     ax.set_ylabel("seconds to the target, per seed")
-    p = result.get(f"{w}_kfac_vs_adamw_p_value")
-    ratio = result.get(f"{w}_kfac_vs_adamw_seconds")
-    title = "bar: the median run"
-    if ratio:
-        title = f"K-FAC / AdamW seconds\n{ratio:.2f}" + (f" (p = {p:.2f})" if p is not None else "")
-    ax.set_title(title, fontsize=9)
+    lines = []
+    for other in ("adamw", "adamw_tuned"):
+        ratio, p = (result.get(f"{w}_kfac_vs_{other}_{k}") for k in ("seconds", "p_value"))
+        if ratio:
+            short = {"adamw": "AdamW", "adamw_tuned": "tuned AdamW"}[other]
+            lines.append(f"K-FAC / {short}: {ratio:.2f}" + (f", p {p:.2f}" if p is not None else ""))
+    title = "\n".join(lines) or "bar: the median run"
+    ax.set_title(title, fontsize=8)
     ax.grid(alpha=0.3, axis="y")
 
 
