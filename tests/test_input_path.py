@@ -60,6 +60,33 @@ def test_loader_order_is_the_samplers_across_epochs(workers, depth):
     assert all(len(b) == 2 for b in got)
 
 
+def test_prefetch_thread_runs_torch_on_one_core_and_leaves_the_training_threads_alone():
+    """A side thread that ran a parallel op keeps its OpenMP team while it lives, and slowed every
+    op of the training thread 2.4x on 2 cores: the prefetch thread decodes on one core, and the
+    training thread keeps its own count."""
+    seen = []
+
+    def decode(x):
+        seen.append(torch.get_num_threads())
+        return x * 2
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        sampler = EpochSampler(_epoch_indices, steps_per_epoch=5, start_step=0)
+        source = run_loader(IndexSet(40), sampler, batch_size=2, workers=0,
+                            device=torch.device("cpu"), seed=0)
+        batches = Prefetcher(source, torch.device("cpu"), decode=decode, depth=2)
+        try:
+            x, _ = next(batches)
+        finally:
+            batches.close()
+        assert torch.get_num_threads() == 2 and seen and set(seen) == {1}
+        assert x.flatten().tolist() == [2 * i for i in _epoch_indices(0, 0)[:2]]
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_prefetcher_raises_the_loaders_error_on_the_training_thread():
     class Broken(IndexSet):
         def __getitem__(self, i):

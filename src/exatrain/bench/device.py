@@ -62,6 +62,9 @@ def add_arguments(parser) -> None:
                              "ones: top kernels (a table beside the JSON), host syncs per step, "
                              "the share of compiled code")
     parser.add_argument("--profile-steps", type=int, default=3, help="steps each profile covers")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        help="section.key=value for exatrain's path (repeatable): a setting's "
+                             "effect, side by side with the same baseline")
     parser.add_argument("--data-dir", default="",
                         help="where the data sets are written once and reused (default: a "
                              "temporary directory)")
@@ -162,7 +165,8 @@ def run_case(case, args, data_root: str, device: torch.device, precision: str) -
             "run.nproc": 1, "run.backend": "nccl" if device.type == "cuda" else "gloo"}
     if args.workers >= 0:
         sets["train.num_workers"] = args.workers
-    config = load_config(None, [f"{k}={_toml(v)}" for k, v in sets.items()])
+    config = load_config(None, [f"{k}={_toml(v)}" for k, v in sets.items()]
+                         + list(getattr(args, "overrides", [])))
     module = get_workload(case.workload)
     started = time.perf_counter()
     module.prepare(config)
