@@ -428,3 +428,35 @@ def test_trainer_batches_are_todays_order_across_an_epoch_and_a_resume(tiny_conf
                         tiny_config("train.steps=2", "train.num_workers=2"), fresh=True)
     assert result["workers"] == 2  # read in worker processes
     assert torch.equal(result["got"], result["expected"])
+
+
+class _CollectsGarbage(Dataset):
+    """A data set whose worker runs the garbage collector, as any allocation there may."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        import gc
+        gc.collect()
+        return torch.tensor([i])
+
+
+def test_forked_workers_leave_the_parents_garbage_alone(tmp_path):
+    """A process group left in a reference cycle is garbage the parent has not collected yet; a
+    forked worker's collector destroyed it and hung for ever in gloo's destructor (seen in the
+    suite: an in-process run after earlier runs). The loader's workers start with it frozen."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+
+    class Cycle:
+        pass
+
+    garbage = Cycle()
+    garbage.me, garbage.group = garbage, dist.new_group([0])
+    del garbage
+    dist.destroy_process_group()
+    batches = run_loader(_CollectsGarbage(), range(8), 2, 1, torch.device("cpu"), 0, timeout_s=20)
+    assert next(batches).tolist() == [[0], [1]]   # without the freeze: LoaderTimeout after 20 s

@@ -23,6 +23,7 @@ would see without it.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import multiprocessing
 import os
@@ -365,9 +366,30 @@ def run_loader(dataset, sampler: Sampler, batch_size: int, workers: int, device:
                         # its own generator: starting the loader must not draw from the global
                         # RNG, or dropout after a resume would differ
                         generator=torch.Generator().manual_seed(seed))
+    with _no_inherited_garbage(workers):
+        iterator = iter(loader)   # starts the workers
     if workers > 0 and timeout_s > 0:
-        return _BoundedWait(iter(loader), workers, timeout_s)
-    return iter(loader)
+        return _BoundedWait(iterator, workers, timeout_s)
+    return iterator
+
+
+@contextlib.contextmanager
+def _no_inherited_garbage(workers: int):
+    """Forked workers must not collect the parent's garbage. A process group left in a reference
+    cycle (a run that ended, an earlier `init`) is garbage the parent has not collected yet; a
+    forked worker's collector destroyed it, and gloo's destructor waited for threads that do not
+    exist in the child: the worker hung for ever. So the parent collects first and freezes what
+    is left (the collector of a child never examines frozen objects; also spares copy-on-write
+    of every object's header), and unfreezes once the workers started."""
+    if workers == 0 or multiprocessing.get_context().get_start_method() != "fork":
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class LoaderTimeout(UserError, RuntimeError):
