@@ -366,7 +366,7 @@ def run_loader(dataset, sampler: Sampler, batch_size: int, workers: int, device:
                         # its own generator: starting the loader must not draw from the global
                         # RNG, or dropout after a resume would differ
                         generator=torch.Generator().manual_seed(seed))
-    with _no_inherited_garbage(workers):
+    with no_inherited_garbage(workers):
         iterator = iter(loader)   # starts the workers
     if workers > 0 and timeout_s > 0:
         return _BoundedWait(iterator, workers, timeout_s)
@@ -374,7 +374,7 @@ def run_loader(dataset, sampler: Sampler, batch_size: int, workers: int, device:
 
 
 @contextlib.contextmanager
-def _no_inherited_garbage(workers: int):
+def no_inherited_garbage(workers: int):
     """Forked workers must not collect the parent's garbage. A process group left in a reference
     cycle (a run that ended, an earlier `init`) is garbage the parent has not collected yet; a
     forked worker's collector destroyed it, and gloo's destructor waited for threads that do not

@@ -262,7 +262,7 @@ def _predict_on(mesh, config: Config, run_dir: Path, path: Path, data, out: Path
                 batch_size: int, verbose: bool) -> dict:
     """predict() on this rank of a live mesh."""
     from ..comm import all_gather_object, broadcast_object
-    from ..data.loader import collate
+    from ..data.loader import collate, no_inherited_garbage
     from ..data.arrays import HDF5Dataset
     from ..parallel import parallelize
     from ..parallel.data import unwrap
@@ -313,8 +313,10 @@ def _predict_on(mesh, config: Config, run_dir: Path, path: Path, data, out: Path
     ids = [str(i) for i in base.sample_ids()] if hasattr(base, "sample_ids") \
         else [str(i) for i in range(n)]
     batches = replica_batches(n, per_replica, replica_axis.size, replica_axis.rank)
-    loader = torch.utils.data.DataLoader(data_set, batch_sampler=batches, collate_fn=collate,
-                                         num_workers=max(0, config.train.num_workers))
+    workers = max(0, config.train.num_workers)
+    with no_inherited_garbage(workers):   # starts the workers
+        loader = iter(torch.utils.data.DataLoader(data_set, batch_sampler=batches,
+                                                  collate_fn=collate, num_workers=workers))
     failure = None
     start = time.perf_counter()
     try:

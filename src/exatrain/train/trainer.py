@@ -48,7 +48,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ..comm import all_gather_object, all_reduce, broadcast_object
-from ..data.loader import EpochSampler, Prefetcher, collate, loader_workers, run_loader
+from ..data.loader import (EpochSampler, Prefetcher, collate, loader_workers, no_inherited_garbage,
+                           run_loader)
 from ..mesh import Mesh
 from ..parallel.data import unwrap
 from ..parallel.gradnorm import clip_grad_norm_
@@ -436,8 +437,10 @@ class Trainer:
         indices += indices[:1] * (-(-len(val) // self.replicas) - valid)
         sums: dict[str, torch.Tensor] = {}
         seen = 0
-        for batch in DataLoader(val, batch_size=self.micro, sampler=indices,
-                                num_workers=self.num_workers, collate_fn=collate):
+        with no_inherited_garbage(self.num_workers):   # starts the workers
+            batches = iter(DataLoader(val, batch_size=self.micro, sampler=indices,
+                                      num_workers=self.num_workers, collate_fn=collate))
+        for batch in batches:
             x, y = self._to_device(batch)
             if isinstance(model, PipelineModel):
                 output = model.eval_batch(x)  # on the last stage's rank only
