@@ -242,14 +242,11 @@ def _side_thread_intra_op() -> None:
 
 
 class Prefetcher:
-    """Batches of `source` on `device`, `depth` batches ahead, decoded by `decode(x)` there: on a
-    GPU by the prefetch thread (copy and decode overlap the step), on a CPU by the training
-    thread as it takes the batch (with all of its cores; the prefetch thread runs on one).
+    """Batches of `source` on `device`, `depth` batches ahead, decoded by `decode(x)` there.
 
     Items of `source` are `(x, y)` pairs (or any nest of tensors: then only `x = batch[0]` is
-    decoded). `wait_s` accumulates the seconds `next()` blocked (on a CPU, decoding included);
-    `bytes` the bytes delivered (as read, before decoding); `take()` returns and resets both,
-    once per step.
+    decoded). `wait_s` accumulates the seconds `next()` blocked; `bytes` the bytes delivered (as
+    read, before decoding); `take()` returns and resets both, once per step.
     """
 
     def __init__(self, source: Iterator, device: torch.device, decode: Callable | None = None,
@@ -269,19 +266,14 @@ class Prefetcher:
             self._thread.start()
 
     # ------------------------------------------------------------------ producer
-    def _decoded(self, batch):
-        if self.decode is not None and isinstance(batch, (list, tuple)) and batch:
-            batch = type(batch)((self.decode(batch[0]), *batch[1:]))
-        return batch
-
-    def _ready(self, batch, stream=None, decode: bool = True):
+    def _ready(self, batch, stream=None):
         """One host batch -> (device batch, its bytes, the event that marks it ready)."""
         size = batch_bytes(batch)
         context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with context:
             batch = _to_device(batch, self.device)
-            if decode:
-                batch = self._decoded(batch)
+            if self.decode is not None and isinstance(batch, (list, tuple)) and batch:
+                batch = type(batch)((self.decode(batch[0]), *batch[1:]))
             event = None
             if stream is not None:
                 event = torch.cuda.Event()
@@ -294,9 +286,7 @@ class Prefetcher:
         _side_thread_intra_op()
         try:
             for batch in self.source:
-                # on a CPU the training thread decodes, on all its cores (here: one, see
-                # _side_thread_intra_op); on a GPU the copy and decode overlap the step
-                if not self._put(self._ready(batch, self._stream, decode=self.cuda)):
+                if not self._put(self._ready(batch, self._stream)):
                     return
             self._put(_END)
         except BaseException as exc:  # handed to the training thread, raised at its next()
@@ -330,8 +320,6 @@ class Prefetcher:
             if isinstance(item, _Failed):
                 raise item.exc
             batch, size, event = item
-            if not self.cuda:
-                batch = self._decoded(batch)
             if event is not None:
                 # the training stream waits for the copy on the device; the host does not (a
                 # copy still running shows in the step's device time, not in wait_s)

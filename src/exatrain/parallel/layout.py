@@ -5,8 +5,8 @@ tensors (NHWC, NDHWC). A model whose weights and inputs are laid out NCHW makes 
 layer convert its input and output (`nchwToNhwcKernel` and back on a GPU) and run BatchNorm's
 NCHW kernels. `parallel.channels_last` ("auto": on for any model with 2D or 3D convolutions)
 converts the weights of every module once (`to_channels_last`) and the Trainer's input path
-hands the model channels-last batches (`input_memory_format`: each batch is converted as it is
-decoded, by the prefetch thread on a GPU). The logical shapes do not change, so the model
+hands the model channels-last batches (`input_memory_format`: the prefetch thread converts each
+batch as it decodes it, off the training thread). The logical shapes do not change, so the model
 computes the same function: only which order the elements lie in memory.
 
 Left as they are under `space` and `tensor` (the spatial and channel/filter layers split and
