@@ -392,7 +392,8 @@ def _plot_spread(ax, result: dict, w: str, optimizers: list, colors: list) -> No
         ratio, p = (result.get(f"{w}_kfac_vs_{other}_{k}") for k in ("seconds", "p_value"))
         if ratio:
             short = {"adamw": "AdamW", "adamw_tuned": "tuned AdamW"}[other]
-            lines.append(f"K-FAC / {short}: {ratio:.2f}" + (f", p {p:.2f}" if p is not None else ""))
+            lines.append(f"K-FAC / {short}: {ratio:.2f}"
+                         + (f", p {p:.2f}" if p is not None else ""))
     title = "\n".join(lines) or "bar: the median run"
     ax.set_title(title, fontsize=8)
     ax.grid(alpha=0.3, axis="y")

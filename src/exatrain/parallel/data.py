@@ -101,8 +101,9 @@ class ReplicatedModule(DistributedDataParallel):
 # synced once at construction) and deprecated `broadcast_buffers`; the GPU clusters' torch 2.11
 # knows only the old name, whose False also skips the sync at construction, which is harmless
 # here since False is passed only where buffers start equal on every member.
-_BUFFER_SYNC_ARG = ("forward_sync_buffers" if "forward_sync_buffers" in
-                    inspect.signature(DistributedDataParallel.__init__).parameters else "broadcast_buffers")
+_DDP_ARGS = inspect.signature(DistributedDataParallel.__init__).parameters
+_BUFFER_SYNC_ARG = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_ARGS \
+    else "broadcast_buffers"
 
 
 def data_parallel(model: nn.Module, axis: Axis, replicas: "int | None" = None,

@@ -35,8 +35,9 @@ so the module tree and its parameter names do not change, one of two ways
 
   model   the whole model (or pipeline stage) as one frame: every layer, whatever the model's
           structure, runs in compiled code, and the fusions span layers (the default for models
-          without repeated blocks: CNNs such as CosmoFlow's and DeepCAM's). Collectives inside (global BatchNorm, halo exchanges, tensor-parallel
-          layers) break the graph there; the breaks are counted and reported
+          without repeated blocks: CNNs such as CosmoFlow's and DeepCAM's). Collectives
+          inside (global BatchNorm, halo exchanges, tensor-parallel layers) break the graph
+          there; the breaks are counted and reported
           (`parallel.compile_stats`), never silent.
   blocks  each block: blocks of equal shape reuse one compiled graph (parameters are graph
           inputs), and the hooks FSDP2 later puts on a block are skipped by the compiler and run
@@ -220,4 +221,5 @@ def compile_in_place(module: nn.Module, backend: str) -> nn.Module:
     return module
 
 
-__all__ = ["apply_checkpointing_and_compile", "auto_compile_scope", "checkpoint_block", "compile_in_place", "find_blocks"]
+__all__ = ["apply_checkpointing_and_compile", "auto_compile_scope", "checkpoint_block",
+           "compile_in_place", "find_blocks"]
