@@ -57,7 +57,7 @@ def test_compile_captures_the_whole_model(workload, tmp_path, one_thread):
 
 
 def test_auto_scope_compiles_repeated_blocks_one_by_one_and_other_models_whole():
-    """A model that repeats one block compiles block by block (one block's compile time, the
+    """A model that repeats one block 4 times or more compiles block by block (one block's compile time, the
     graph reused), a CNN whole (fusions across layers), anything under FSDP2 block by block."""
     from torch import nn
 
@@ -68,8 +68,9 @@ def test_auto_scope_compiles_repeated_blocks_one_by_one_and_other_models_whole()
             super().__init__()
             self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths, widths[1:]))
 
-    assert auto_compile_scope(Tower([8, 8, 8, 8]), fsdp=False) == "blocks"
+    assert auto_compile_scope(Tower([8, 8, 8, 8, 8]), fsdp=False) == "blocks"  # 4 equal layers
     assert auto_compile_scope(Tower([8, 16, 8]), fsdp=False) == "model"   # not one block repeated
+    assert auto_compile_scope(Tower([8, 8, 8, 8]), fsdp=False) == "model"  # 3: compiled whole
     cnn = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3))
     assert auto_compile_scope(cnn, fsdp=False) == "model"
     assert auto_compile_scope(cnn, fsdp=True) == "blocks"

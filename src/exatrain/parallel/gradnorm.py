@@ -32,21 +32,52 @@ def _is_dtensor(t) -> bool:
     return type(t).__name__ == "DTensor"
 
 
-def _sum_of_squares(grads: list, device: torch.device) -> torch.Tensor:
-    """Σ‖g‖² of plain gradient tensors, in float64 on `device`: one foreach norm per device and
-    dtype (a handful of kernels, however many parameters), no host read."""
-    total = torch.zeros((), dtype=torch.float64, device=device)
+def _norms(grads: list) -> list[torch.Tensor]:
+    """The 2-norms of plain gradient tensors, stacked per (device, dtype) group, in float32 or
+    wider: one foreach norm per group (a handful of kernels, however many parameters)."""
     groups: dict = {}
     for g in grads:
-        groups.setdefault((g.device, g.dtype), []).append(g.detach())
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    out = []
     for (_, dtype), group in groups.items():
         # half-precision gradients: norms in float32 (a float16 norm overflows at 65504)
         wide = None if dtype in (torch.float32, torch.float64) else torch.float32
-        norms = torch.stack(torch._foreach_norm(group, 2, dtype=wide)).double()
-        total = total + norms.pow(2).sum().to(device)
+        out.append(torch.stack(torch._foreach_norm(group, 2, dtype=wide)))
+    return out
+
+
+def _sum_of_squares(grads: list, device: torch.device) -> torch.Tensor:
+    """Σ‖g‖² of plain gradient tensors, in float64 on `device`; no host read."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for norms in _norms(grads):
+        total = total + norms.double().pow(2).sum().to(device)
     return total
 
 
+def _by_axes(parameters) -> tuple[list, dict, dict]:
+    """One pass over the parameters: those with a gradient; DTensor gradients and plain ones,
+    each grouped by the names of their `exatrain_norm_axes` as (axes, gradients). The insertion
+    order follows the parameters, which every rank lists alike, so the all-reduces match; every
+    parameter takes part, with or without a gradient on this rank, so which all-reduces run does
+    not depend on what one rank happened to use."""
+    params, dtensor, plain = [], {}, {}
+    for p in parameters:
+        g = p.grad
+        if g is not None:
+            params.append(p)
+        axes = getattr(p, "exatrain_norm_axes", ())
+        key = tuple(axis.name for axis in axes) if axes else ()  # an Axis is not hashable
+        if _is_dtensor(p) or (g is not None and _is_dtensor(g)):
+            if g is not None:
+                dtensor.setdefault(key, (axes, []))[1].append(g)
+            continue
+        grads = plain.setdefault(key, (axes, []))[1]
+        if g is not None:
+            grads.append(g)
+    return params, dtensor, plain
+
+
+@torch.no_grad()
 def clip_grad_norm_(parameters, max_norm: float = math.inf, across=None) -> torch.Tensor:
     """Scale gradients so their global 2-norm is at most `max_norm`; return the norm before.
 
@@ -55,11 +86,7 @@ def clip_grad_norm_(parameters, max_norm: float = math.inf, across=None) -> torc
     waits for the host. A non-finite norm leaves the gradients non-finite (the caller skips the
     step on it). `across`: an Axis whose members hold disjoint parameters (pipeline stages), or
     None."""
-    # Every parameter takes part, with or without a gradient on this rank: which all-reduces run
-    # must not depend on what one rank happened to use, or the ranks would stop matching.
-    everything = list(parameters)
-    params = [p for p in everything if p.grad is not None]
-    dtensor = [p for p in params if _is_dtensor(p.grad)]
+    params, dtensor_groups, by_axes = _by_axes(parameters)
     # collectives need tensors where the backend lives: the GPU under NCCL, even when gradients
     # are offloaded to the CPU
     nccl = dist.is_initialized() and dist.get_backend() == "nccl"
@@ -69,14 +96,14 @@ def clip_grad_norm_(parameters, max_norm: float = math.inf, across=None) -> torc
         device = params[0].grad.device  # one process: where the gradients are
     else:
         device = torch.device("cpu")
+    if not dtensor_groups and across is None and list(by_axes) == [()]:
+        norms = _norms(by_axes[()][1])
+        if len(norms) == 1:  # the usual case: three kernels, nothing to sum or reduce
+            return _clip(params, torch.linalg.vector_norm(norms[0], dtype=torch.float64)
+                         .to(device), max_norm, device)
     total_sq = torch.zeros((), dtype=torch.float64, device=device)
-    # DTensor gradients grouped by the exatrain axes their parameter is split over besides the
-    # DTensor's own mesh (FSDP2 over a tensor-parallel layer: shard mesh + tensor axes)
-    dtensor_groups: dict[tuple[str, ...], tuple[tuple, list]] = {}
-    for p in dtensor:
-        axes = tuple(getattr(p, "exatrain_norm_axes", ()))
-        key = tuple(axis.name for axis in axes)
-        dtensor_groups.setdefault(key, (axes, []))[1].append(p.grad)
+    # DTensor gradients: torch's norm over the DTensor's mesh, then over the exatrain axes the
+    # parameter is split over besides (FSDP2 over a tensor-parallel layer: shard + tensor axes)
     for axes, grads in dtensor_groups.values():
         norm = torch.nn.utils.get_total_norm(grads)
         norm = norm.full_tensor() if _is_dtensor(norm) else norm
@@ -84,17 +111,6 @@ def clip_grad_norm_(parameters, max_norm: float = math.inf, across=None) -> torc
         for axis in axes:
             all_reduce(sq, axis, tag="metric")
         total_sq += sq
-    # keyed by axis names (an Axis holds its group and ledger and is not hashable); the insertion
-    # order follows the parameters, which every rank lists alike, so the all-reduces match
-    by_axes: dict[tuple[str, ...], tuple[tuple, list]] = {}
-    for p in everything:
-        if _is_dtensor(p) or (p.grad is not None and _is_dtensor(p.grad)):
-            continue
-        axes = tuple(getattr(p, "exatrain_norm_axes", ()))
-        key = tuple(axis.name for axis in axes)
-        grads = by_axes.setdefault(key, (axes, []))[1]
-        if p.grad is not None:
-            grads.append(p.grad)
     for axes, grads in by_axes.values():
         sq = _sum_of_squares(grads, device)
         for axis in axes:
@@ -102,17 +118,20 @@ def clip_grad_norm_(parameters, max_norm: float = math.inf, across=None) -> torc
         total_sq += sq
     if across is not None:
         all_reduce(total_sq, across, tag="metric")
-    total = total_sq.sqrt()
+    return _clip(params, total_sq.sqrt(), max_norm, device)
+
+
+def _clip(params: list, total: torch.Tensor, max_norm: float, device) -> torch.Tensor:
+    """Multiply the gradients by min(1, max_norm / total) on the device; return `total`."""
     if math.isfinite(max_norm) and params:
         factor = (max_norm / (total + 1e-6)).clamp(max=1.0)
         plain = [p.grad for p in params if not _is_dtensor(p.grad)]
         by_device: dict = {}
         for g in plain:
             by_device.setdefault((g.device, g.dtype), []).append(g)
-        with torch.no_grad():
-            for (gdevice, dtype), group in by_device.items():
-                torch._foreach_mul_(group, factor.to(device=gdevice, dtype=dtype))
-            for p in params:
-                if _is_dtensor(p.grad):
-                    p.grad.mul_(factor.to(dtype=p.grad.dtype).item())
+        for (gdevice, dtype), group in by_device.items():
+            torch._foreach_mul_(group, factor.to(device=gdevice, dtype=dtype))
+        for p in params:
+            if _is_dtensor(p.grad):
+                p.grad.mul_(factor.to(dtype=p.grad.dtype).item())
     return total

@@ -19,7 +19,7 @@ class ParallelOptions:
     compile_backend: str = "inductor"  # torch.compile's backend (eager, aot_eager: debugging)
     compile_scope: str = "auto"     # model | blocks | auto: the whole model (stage) as one frame,
                                     # or each block; auto = blocks under FSDP2 (its hooks sit on
-                                    # blocks) and for repeated blocks (transformers), else model
+                                    # blocks) and for 4+ repeated blocks (transformers), else model
     channels_last: str = "auto"     # auto | on | off: convolutional models channels-last, weights
                                     # and inputs (auto: with 2D/3D convolutions; parallel/layout.py)
     cudnn_benchmark: bool = True    # GPU: let cuDNN time its convolution algorithms for each new

@@ -73,16 +73,15 @@ class PendingSteps:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self.clock = StepClock(self.device)
-        self._rows: list[torch.Tensor] = []
+        self._rows: list[tuple] = []
 
     def __len__(self) -> int:
         return len(self._rows)
 
     def add(self, loss: torch.Tensor, grad_norm: torch.Tensor, found_inf: torch.Tensor) -> None:
-        """One step's loss, gradient norm and verdict (0-d tensors; nothing is read)."""
-        self._rows.append(torch.stack([torch.as_tensor(v, device=self.device).detach()
-                                       .to(torch.float64).reshape(())
-                                       for v in (loss, grad_norm, found_inf)]))
+        """One step's loss, gradient norm and verdict (0-d tensors, kept as they are: nothing is
+        read, and nothing is launched until the read point stacks them)."""
+        self._rows.append((loss, grad_norm, found_inf))
 
     def read(self, data_axis, replicas: int) -> StepValues:
         """The steps' values on the host: losses averaged over `data_axis` (collective)."""
@@ -90,10 +89,12 @@ class PendingSteps:
         rows, self._rows = self._rows, []
         if not rows:
             return StepValues([], [], [], times)
-        block = torch.stack(rows)                       # n × (loss, norm, found_inf)
-        losses = block[:, 0].contiguous()
+        # one stack per column (loss, norm, found_inf), each column in one dtype: 6 kernels
+        losses, norms, found = (torch.stack([torch.as_tensor(row[k], device=self.device)
+                                             .detach().reshape(()) for row in rows])
+                                .to(torch.float64) for k in range(3))
         all_reduce(losses, data_axis, tag="metric")     # NCCL reduces only GPU tensors: on device
-        block = torch.cat([losses / replicas, block[:, 1], block[:, 2]]).cpu().view(3, -1)
+        block = torch.cat([losses / replicas, norms, found]).cpu().view(3, -1)
         return StepValues(block[0].tolist(), block[1].tolist(),
                           [bool(v) for v in block[2].tolist()], times)
 
