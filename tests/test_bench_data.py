@@ -43,8 +43,9 @@ def test_bench_data_smoke(tmp_path):
     assert result["loader_over_model_min"] == result["cosmoflow128_loader_over_model"]
     # the plain DataLoader beside it, with 1 and 2 workers on the same samples
     assert result["cosmoflow128_dataloader_samples_per_s_w1"] > 0
-    assert result["cosmoflow128_loader_vs_dataloader"] == pytest.approx(min(
-        result[f"cosmoflow128_loader_samples_per_s_w{w}"] /
-        result[f"cosmoflow128_dataloader_samples_per_s_w{w}"] for w in (1, 2)))
+    # the paired ratios (each a median of passes in turn), and the lower of the two
+    paired = [result[f"cosmoflow128_loader_vs_dataloader_w{w}"] for w in (1, 2)]
+    assert all(r > 0 for r in paired)
+    assert result["cosmoflow128_loader_vs_dataloader"] == min(paired)
     assert result["loader_vs_dataloader_min"] == result["cosmoflow128_loader_vs_dataloader"]
 

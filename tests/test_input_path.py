@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
+
 import pytest
 import torch
 from torch import nn
@@ -60,29 +62,38 @@ def test_loader_order_is_the_samplers_across_epochs(workers, depth):
     assert all(len(b) == 2 for b in got)
 
 
-def test_prefetch_thread_runs_torch_on_one_core_and_leaves_the_training_threads_alone():
+@pytest.mark.parametrize("training_threads", [2, 1])
+def test_prefetch_thread_runs_torch_on_one_core_and_leaves_the_training_threads_alone(
+        training_threads):
     """A side thread that ran a parallel op keeps its OpenMP team while it lives, and slowed every
-    op of the training thread 2.4x on 2 cores: the prefetch thread decodes on one core, and the
-    training thread keeps its own count."""
-    seen = []
+    op of the training thread 2.4x on 2 cores: the prefetch thread runs torch on one core, and
+    the training thread keeps its own count. On a CPU a training thread with several cores
+    decodes itself (with all of them); one with a single core leaves the decode to the prefetch
+    thread, where it overlaps the step."""
+    threads = {"source": [], "decode": []}
+
+    def source():
+        for i in range(4):
+            threads["source"].append(torch.get_num_threads())
+            yield torch.full((2, 3), float(i)) * 1, torch.zeros(2)
 
     def decode(x):
-        seen.append(torch.get_num_threads())
+        threads["decode"].append((threading.current_thread().name, torch.get_num_threads()))
         return x * 2
 
     before = torch.get_num_threads()
-    torch.set_num_threads(2)
+    torch.set_num_threads(training_threads)
     try:
-        sampler = EpochSampler(_epoch_indices, steps_per_epoch=5, start_step=0)
-        source = run_loader(IndexSet(40), sampler, batch_size=2, workers=0,
-                            device=torch.device("cpu"), seed=0)
-        batches = Prefetcher(source, torch.device("cpu"), decode=decode, depth=2)
+        batches = Prefetcher(source(), torch.device("cpu"), decode=decode, depth=2)
         try:
             x, _ = next(batches)
         finally:
             batches.close()
-        assert torch.get_num_threads() == 2 and seen and set(seen) == {1}
-        assert x.flatten().tolist() == [2 * i for i in _epoch_indices(0, 0)[:2]]
+        assert torch.get_num_threads() == training_threads
+        assert set(threads["source"]) == {1}
+        decoder = ("MainThread", 2) if training_threads == 2 else ("exatrain-prefetch", 1)
+        assert threads["decode"][0] == decoder
+        assert x.tolist() == [[0.0] * 3] * 2
     finally:
         torch.set_num_threads(before)
 

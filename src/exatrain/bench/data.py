@@ -17,8 +17,9 @@ forecaster, GPT, QM9; the GCN trains on one whole graph held in memory, so it ha
                                   where wall-clock rates do not
   dataloader_samples_per_s_w{1,2} a plain `torch.utils.data.DataLoader` with as many workers over
                                   the same samples, decoding each batch as it arrives
-  loader_vs_dataloader            exatrain's loader over the plain one, the lower of the two
-                                  worker counts (>= 1: exatrain's input path costs nothing)
+  loader_vs_dataloader_w{1,2}     exatrain's loader over the plain one: the median of --repeats
+                                  paired ratios (a pass of each in turn, the first alternating)
+  loader_vs_dataloader            the lower of the two (>= 1: exatrain's input path costs nothing)
   loader_samples_per_s_cold       1 worker, files evicted from the page cache before each pass
                                   (fsync + posix_fadvise(DONTNEED)): what a first epoch reads
   stage_s, stage_bytes_per_s      copying the data set to node-local storage (/dev/shm) from a
@@ -206,15 +207,26 @@ def dataloader_pass(workload, dataset, micro: int, workers: int, order: list[int
     return {"samples_per_s": samples / elapsed}
 
 
-def dataloader_rate(workload, dataset, micro: int, workers: int, samples: int,
-                    repeats: int) -> float:
-    """Median samples/s of `repeats` plain-DataLoader passes after a warm-up pass, over the same
-    samples as `loader_rate`'s warm passes."""
+def paired_rates(workload, dataset, micro: int, workers: int, samples: int,
+                 repeats: int) -> tuple[float, float]:
+    """The plain DataLoader's median samples/s, and the median of `repeats` paired ratios
+    exatrain's loader / the plain one: a pass of each in turn over the same samples, the first
+    in turn alternating, so that a machine whose speed drifts slows both alike."""
     n = len(dataset)
     order = [(i * 7919) % n for i in range(max(samples, 3 * micro))]
-    rates = [dataloader_pass(workload, dataset, micro, workers, order)["samples_per_s"]
-             for _ in range(repeats + 1)]
-    return statistics.median(rates[1:])
+    dataloader_pass(workload, dataset, micro, workers, order)  # warm-up of both
+    loader_pass(workload, dataset, micro, workers, order)
+    plain, ratios = [], []
+    for attempt in range(repeats):
+        if attempt % 2:
+            theirs = dataloader_pass(workload, dataset, micro, workers, order)["samples_per_s"]
+            ours = loader_pass(workload, dataset, micro, workers, order)["samples_per_s"]
+        else:
+            ours = loader_pass(workload, dataset, micro, workers, order)["samples_per_s"]
+            theirs = dataloader_pass(workload, dataset, micro, workers, order)["samples_per_s"]
+        plain.append(theirs)
+        ratios.append(ours / theirs)
+    return statistics.median(plain), statistics.median(ratios)
 
 
 def loader_rate(workload, dataset, micro: int, workers: int, samples: int, repeats: int,
@@ -302,10 +314,11 @@ def run_case(case: str, args, mesh) -> dict:
         _add(out, f"w{workers}", warm[workers])
     ratios = []
     for workers in (1, 2):  # the plain DataLoader with the same workers on the same samples
-        plain = dataloader_rate(workload, workload.train_set, micro, workers, args.samples,
-                                args.repeats)
+        plain, paired = paired_rates(workload, workload.train_set, micro, workers, args.samples,
+                                     args.repeats)
         out[f"dataloader_samples_per_s_w{workers}"] = plain
-        ratios.append(warm[workers]["samples_per_s"] / plain)
+        out[f"loader_vs_dataloader_w{workers}"] = paired
+        ratios.append(paired)
     out["loader_vs_dataloader"] = min(ratios)
     _add(out, "cold", loader_rate(workload, workload.train_set, micro, 1, args.samples,
                                   args.repeats, cold_path=path))

@@ -16,7 +16,10 @@ Full sizes (one 80 GB GPU):
               which the case printed nothing, the two compiles most of the rest)
   gpt_125m    the "125m" preset (block 2048, vocab 50304), batch 8
   gpt_1b      the "1.3b" preset, batch 4
-Small sizes: the same models shrunk until the whole bench runs on a CPU in seconds.
+Small sizes: the same models shrunk until the whole bench runs on a CPU in seconds, on data sets
+of at least a dozen batches an epoch (the Trainer shuffles at every epoch's start, the baseline
+draws its whole order before its loop: a data set of one batch would charge exatrain a shuffle
+every step).
 
 Every case runs without dropout (the Trainer reseeds dropout per step; the baseline cannot
 replay that, and the two paths must agree), at a constant learning rate with no warm-up.
@@ -65,21 +68,21 @@ def _cases(size: str) -> list[Case]:
         "model.conv_layers": 5, "model.batchnorm": False, "model.channels_last": True,
         "train.batch_size": 2 if small else 16},
         MLPERF_COSMOFLOW,
-        {"data.size": cosmo["size"], "data.samples": 12 if small else 48})
+        {"data.size": cosmo["size"], "data.samples": 40 if small else 48})
     h, w = (32, 48) if small else (384, 576)
     deepcam = Case("deepcam", "deepcam", {
         "model.width": 4 if small else 32, "model.dropout": 0.0,
         "train.batch_size": 2 if small else 8},
         MLPERF_DEEPCAM,
-        {"data.height": h, "data.width": w, "data.channels": 16, "data.samples": 10 if small else 48})
+        {"data.height": h, "data.width": w, "data.channels": 16, "data.samples": 40 if small else 48})
     gh, gw = (16, 32) if small else (360, 720)
     vit = Case("vit", "vit", {
         "model.patch_size": 8, "model.embed_dim": 16 if small else 384,
         "model.depth": 1 if small else 12, "model.num_heads": 2 if small else 8,
         "train.batch_size": 2 if small else 8},
         NERSC_VIT,
-        {"data.height": gh, "data.width": gw, "data.trajectories": 2 if small else 3,
-         "data.steps": 4 if small else 8})
+        {"data.height": gh, "data.width": gw, "data.trajectories": 4 if small else 3,
+         "data.steps": 12 if small else 8})
     gpt_small = {"model.vocab_size": 256, "model.block_size": 32, "model.n_layer": 1,
                  "model.n_head": 2, "model.n_embd": 16}
     gpt_125m = Case("gpt_125m", "gpt", {

@@ -34,8 +34,12 @@ def nvtx_range(name: str):
 
 @contextlib.contextmanager
 def named_range(name: str):
-    """A range that the torch profiler and (on GPUs) Nsight Systems both show."""
-    with torch.profiler.record_function(name), nvtx_range(name):
+    """A range that the torch profiler and (on GPUs) Nsight Systems both show. The profiler's
+    range only while a torch profiler records (it costs about 6 µs a range on a CPU, a step
+    opens several); the NVTX range always, for Nsight Systems, which torch cannot see."""
+    recording = torch.autograd.profiler._is_profiler_enabled
+    with (torch.profiler.record_function(name) if recording else contextlib.nullcontext()), \
+            nvtx_range(name):
         yield
 
 

@@ -244,9 +244,17 @@ def _side_thread_intra_op() -> None:
 class Prefetcher:
     """Batches of `source` on `device`, `depth` batches ahead, decoded by `decode(x)` there.
 
+    Who decodes: on a GPU the prefetch thread (the copy and the decode overlap the step). On a
+    CPU, the training thread as it takes the batch when it runs torch on several cores
+    (`torch.get_num_threads() > 1`, an in-process run: it decodes with all of them, as a plain
+    loop does, where the prefetch thread would decode on one core beside them: CosmoFlow 128³'s
+    loader ran at 0.86x a plain DataLoader so), else the prefetch thread (a rank of a launched
+    job has one core: there the decode fills the rank's waits for its peers' collectives).
+
     Items of `source` are `(x, y)` pairs (or any nest of tensors: then only `x = batch[0]` is
-    decoded). `wait_s` accumulates the seconds `next()` blocked; `bytes` the bytes delivered (as
-    read, before decoding); `take()` returns and resets both, once per step.
+    decoded). `wait_s` accumulates the seconds `next()` blocked (a decode on the training thread
+    included); `bytes` the bytes delivered (as read, before decoding); `take()` returns and
+    resets both, once per step.
     """
 
     def __init__(self, source: Iterator, device: torch.device, decode: Callable | None = None,
@@ -255,6 +263,7 @@ class Prefetcher:
             raise ValueError(f"prefetch depth {depth} must be >= 0 (0 = load on the training thread)")
         self.source, self.device, self.decode, self.depth = source, device, decode, depth
         self.cuda = device.type == "cuda"
+        self.decode_on_take = not self.cuda and torch.get_num_threads() > 1
         self.wait_s, self.bytes = 0.0, 0
         self._stop = threading.Event()
         self._queue: queue.Queue | None = None
@@ -266,14 +275,19 @@ class Prefetcher:
             self._thread.start()
 
     # ------------------------------------------------------------------ producer
-    def _ready(self, batch, stream=None):
+    def _decoded(self, batch):
+        if self.decode is not None and isinstance(batch, (list, tuple)) and batch:
+            batch = type(batch)((self.decode(batch[0]), *batch[1:]))
+        return batch
+
+    def _ready(self, batch, stream=None, decode: bool = True):
         """One host batch -> (device batch, its bytes, the event that marks it ready)."""
         size = batch_bytes(batch)
         context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with context:
             batch = _to_device(batch, self.device)
-            if self.decode is not None and isinstance(batch, (list, tuple)) and batch:
-                batch = type(batch)((self.decode(batch[0]), *batch[1:]))
+            if decode:
+                batch = self._decoded(batch)
             event = None
             if stream is not None:
                 event = torch.cuda.Event()
@@ -286,7 +300,8 @@ class Prefetcher:
         _side_thread_intra_op()
         try:
             for batch in self.source:
-                if not self._put(self._ready(batch, self._stream)):
+                if not self._put(self._ready(batch, self._stream,
+                                             decode=not self.decode_on_take)):
                     return
             self._put(_END)
         except BaseException as exc:  # handed to the training thread, raised at its next()
@@ -320,6 +335,8 @@ class Prefetcher:
             if isinstance(item, _Failed):
                 raise item.exc
             batch, size, event = item
+            if self.decode_on_take:
+                batch = self._decoded(batch)
             if event is not None:
                 # the training stream waits for the copy on the device; the host does not (a
                 # copy still running shows in the step's device time, not in wait_s)

@@ -1,0 +1,53 @@
+"""The global gradient norm on one process: equal to torch's, and clipping as torch clips, in the
+usual one-group case (three kernels) and with gradients of several dtypes (a sum of groups)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from exatrain.parallel.gradnorm import clip_grad_norm_
+
+
+def _params(dtypes) -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(0)
+    params = []
+    for i, dtype in enumerate(dtypes):
+        p = torch.nn.Parameter(torch.randn(3 + i, 5, generator=generator).to(dtype))
+        p.grad = torch.randn(p.shape, generator=generator).to(dtype) * (i + 1)
+        params.append(p)
+    params.append(torch.nn.Parameter(torch.ones(2)))  # no gradient: takes no part in the norm
+    return params
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32,) * 4,
+                                    (torch.float32, torch.bfloat16, torch.float32, torch.float16)])
+def test_norm_and_clipping_equal_torchs(dtypes):
+    ours, theirs = _params(dtypes), _params(dtypes)
+    expected = torch.nn.utils.get_total_norm(
+        [p.grad.float() for p in theirs if p.grad is not None]).double()
+    norm = clip_grad_norm_(ours)  # no clipping: the norm only, gradients untouched
+    assert norm.dtype == torch.float64 and norm.shape == ()
+    assert norm.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours, theirs) if a.grad is not None)
+
+    # torch's formula, grad * min(1, max_norm / (norm + 1e-6)), with the exact norm (torch's own
+    # clip_grad_norm_ sums low-precision groups' norms in their dtype: a coarser norm)
+    clip_grad_norm_(ours, max_norm=1.0)
+    factor = min(1.0, 1.0 / (expected.item() + 1e-6))
+    for a, b in zip(ours, theirs):
+        if a.grad is not None:
+            exact = (b.grad.double() * factor).to(b.dtype)
+            low = a.dtype != torch.float32
+            torch.testing.assert_close(a.grad, exact, rtol=1e-2 if low else 1e-6,
+                                       atol=1e-2 if low else 1e-7)
+
+
+def test_a_non_finite_gradient_gives_a_non_finite_norm():
+    params = _params((torch.float32,) * 3)
+    params[1].grad[0, 0] = math.inf
+    assert not torch.isfinite(clip_grad_norm_(params))
+    params[1].grad[0, 0] = math.nan
+    assert torch.isnan(clip_grad_norm_(params, max_norm=1.0))
