@@ -53,7 +53,9 @@ def test_compile_captures_the_whole_model(workload, tmp_path, one_thread):
     assert summary["compiled_graphs"] >= 1, summary
     assert summary["graph_breaks"] == 0, summary["graph_break_reasons"]
     first = next(h for h in trainer.history if "loss" in h)
-    assert first["compiled_graphs"] == summary["compiled_graphs"] and first["graph_breaks"] == 0
+    # the run's later graphs (evaluation's: eval mode, no autograd) add to the first report's
+    assert summary["compiled_graphs"] >= first["compiled_graphs"] >= 1
+    assert first["graph_breaks"] == 0
 
 
 def test_auto_scope_compiles_repeated_blocks_one_by_one_and_other_models_whole():
@@ -74,3 +76,35 @@ def test_auto_scope_compiles_repeated_blocks_one_by_one_and_other_models_whole()
     cnn = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3))
     assert auto_compile_scope(cnn, fsdp=False) == "model"
     assert auto_compile_scope(cnn, fsdp=True) == "blocks"
+
+
+def test_the_cpu_memory_tracker_leaves_compile_at_work():
+    """The CPU peak tracker is a TorchDispatchMode; active under a compiled frame, it made Dynamo
+    skip that frame's code for good, so every later variant of the forward (evaluation's, a new
+    batch shape) ran eager without a word. The tracked step runs eager instead."""
+    from torch import nn
+    from torch._dynamo.utils import counters
+
+    from exatrain.parallel.memory import compile_in_place
+    from exatrain.train.monitor.memory import StepPeak
+
+    class Net(nn.Module):  # a class of this test's own: its forward was never compiled before
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    net = compile_in_place(Net(), "eager")
+    x = torch.randn(3, 4)
+    net(x).sum().backward()
+    peak = StepPeak(torch.device("cpu"))
+    with peak.track():
+        net(x).sum().backward()
+    assert peak.bytes > 0
+    before = counters["frames"]["total"]
+    net.eval()
+    with torch.no_grad():
+        net(x)
+    assert counters["frames"]["total"] == before + 1  # evaluation's variant was compiled

@@ -22,7 +22,9 @@ what was allocated when the step began (parameters, optimizer state, persistent 
          space and FSDP2's unsharded parameters, which it re-materialises by resizing storage
          in place (they are parameters, not activations; `state_bytes` counts them if alive).
          The tracker slows the step it watches, so the Trainer tracks one step per `fit` (the
-         second: the first also allocates persistent buffers and initialises FSDP2).
+         second: the first also allocates persistent buffers and initialises FSDP2). That step
+         runs eager under `parallel.compile` (a dispatch mode under a compiled frame would make
+         the compiler give up on that code for good), so its figure is eager's activations.
   Both figures are dominated by activations (what autograd saves for backward, and what
   checkpointing recomputes); they also include gradients that backward allocates anew and
   transient communication buffers.
@@ -32,6 +34,8 @@ what was allocated when the step began (parameters, optimizer state, persistent 
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import weakref
 from contextlib import contextmanager
 
@@ -177,9 +181,20 @@ class StepPeak:
             self.bytes = torch.cuda.max_memory_allocated(self.device) - base
         else:
             tracker = _StorageTracker()
-            with tracker:
+            with _eager(), tracker:
                 yield self
             self.bytes = tracker.peak
+
+
+def _eager():
+    """The tracked step runs eager. A TorchDispatchMode active under a compiled frame makes
+    Dynamo skip that frame's code for good: every later variant of the model's forward (the
+    evaluation's, a new batch shape, another model of the same class) then ran eager, silently,
+    while the compile report still counted the first graph. Without Dynamo loaded nothing is
+    compiled, and nothing is imported here."""
+    if "torch._dynamo" not in sys.modules:
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager")
 
 
 __all__ = ["StepPeak", "state_bytes", "zero_state_formula"]
