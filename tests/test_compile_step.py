@@ -59,8 +59,9 @@ def test_compile_captures_the_whole_model(workload, tmp_path, one_thread):
 
 
 def test_auto_scope_compiles_repeated_blocks_one_by_one_and_other_models_whole():
-    """A model that repeats one block 4 times or more compiles block by block (one block's compile time, the
-    graph reused), a CNN whole (fusions across layers), anything under FSDP2 block by block."""
+    """A model that repeats one block 4 times or more compiles block by block (one block's
+    compile time, the graph reused), a CNN whole (fusions across layers), anything under FSDP2
+    block by block."""
     from torch import nn
 
     from exatrain.parallel.memory import auto_compile_scope

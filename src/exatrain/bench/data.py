@@ -208,25 +208,28 @@ def dataloader_pass(workload, dataset, micro: int, workers: int, order: list[int
 
 
 def paired_rates(workload, dataset, micro: int, workers: int, samples: int,
-                 repeats: int) -> tuple[float, float]:
-    """The plain DataLoader's median samples/s, and the median of `repeats` paired ratios
-    exatrain's loader / the plain one: a pass of each in turn over the same samples, the first
-    in turn alternating, so that a machine whose speed drifts slows both alike."""
+                 repeats: int) -> tuple[dict, float, float]:
+    """exatrain's loader and a plain DataLoader with `workers` workers, a pass of each in turn
+    over the same samples (the first in turn alternating, so that a machine whose speed drifts
+    slows both alike), `repeats` pairs after a warm-up pair: the medians of the loader's passes
+    (as `loader_rate` gives them), the plain loader's median samples/s, and the median of the
+    paired ratios exatrain / plain."""
     n = len(dataset)
     order = [(i * 7919) % n for i in range(max(samples, 3 * micro))]
     dataloader_pass(workload, dataset, micro, workers, order)  # warm-up of both
     loader_pass(workload, dataset, micro, workers, order)
-    plain, ratios = [], []
+    ours, plain, ratios = [], [], []
     for attempt in range(repeats):
         if attempt % 2:
             theirs = dataloader_pass(workload, dataset, micro, workers, order)["samples_per_s"]
-            ours = loader_pass(workload, dataset, micro, workers, order)["samples_per_s"]
+            ours.append(loader_pass(workload, dataset, micro, workers, order))
         else:
-            ours = loader_pass(workload, dataset, micro, workers, order)["samples_per_s"]
+            ours.append(loader_pass(workload, dataset, micro, workers, order))
             theirs = dataloader_pass(workload, dataset, micro, workers, order)["samples_per_s"]
         plain.append(theirs)
-        ratios.append(ours / theirs)
-    return statistics.median(plain), statistics.median(ratios)
+        ratios.append(ours[-1]["samples_per_s"] / theirs)
+    figures = {key: statistics.median(p[key] for p in ours) for key in ours[0]}
+    return figures, statistics.median(plain), statistics.median(ratios)
 
 
 def loader_rate(workload, dataset, micro: int, workers: int, samples: int, repeats: int,
@@ -307,15 +310,13 @@ def run_case(case: str, args, mesh) -> dict:
     micro = micro_batch_size(config, 2)  # a rank's batch in the 2-rank default job
     path = Path(config.data.path)
     out: dict = {"micro_batch": micro}
-    warm = {}
-    for workers in (0, 1, 2):
-        warm[workers] = loader_rate(workload, workload.train_set, micro, workers, args.samples,
-                                    args.repeats)
-        _add(out, f"w{workers}", warm[workers])
+    warm = {0: loader_rate(workload, workload.train_set, micro, 0, args.samples, args.repeats)}
+    _add(out, "w0", warm[0])
     ratios = []
-    for workers in (1, 2):  # the plain DataLoader with the same workers on the same samples
-        plain, paired = paired_rates(workload, workload.train_set, micro, workers, args.samples,
-                                     args.repeats)
+    for workers in (1, 2):  # beside the plain DataLoader with the same workers, passes in turn
+        warm[workers], plain, paired = paired_rates(workload, workload.train_set, micro, workers,
+                                                    args.samples, args.repeats)
+        _add(out, f"w{workers}", warm[workers])
         out[f"dataloader_samples_per_s_w{workers}"] = plain
         out[f"loader_vs_dataloader_w{workers}"] = paired
         ratios.append(paired)

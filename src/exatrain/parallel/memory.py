@@ -45,9 +45,9 @@ so the module tree and its parameter names do not change, one of two ways
           checked by hand). What lies outside every block (a model without a ModuleList keeps
           only its children with parameters as blocks) stays eager. The default under FSDP2,
           and for models built of 4 or more repeated blocks (transformers): the compile time
-          is that of one block, not of the whole depth (a 24-layer GPT compiled whole took 27 s before
-          its first step on a 2-core CPU, block by block 4.5 s; on an H100 the whole 1.3b
-          model did not reach its first step in two minutes).
+          is that of one block, not of the whole depth (a 24-layer GPT compiled whole took 27 s
+          before its first step on a 2-core CPU, block by block 4.5 s; on an H100 the whole
+          1.3b model did not reach its first step in two minutes).
 """
 
 from __future__ import annotations
