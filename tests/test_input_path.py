@@ -98,6 +98,64 @@ def test_prefetch_thread_runs_torch_on_one_core_and_leaves_the_training_threads_
         torch.set_num_threads(before)
 
 
+class MixedFields(Dataset):
+    """Sample i: (float32 [3, 2], int64 scalar, uint8 [5]) - fields of three dtypes and sizes."""
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return (torch.full((3, 2), i + 0.5), torch.tensor(-i),
+                torch.arange(5, dtype=torch.uint8) + i)
+
+
+def test_workers_hand_over_each_batch_in_one_buffer_with_default_collates_values():
+    """In a worker, `collate` stacks a batch's fields into views of one shared buffer (one hand-over
+    instead of one per field); the batches equal PyTorch's default_collate's, dtype for dtype,
+    and samples of another form (dicts, numbers) are collated by PyTorch's."""
+    from torch.utils.data import DataLoader, default_collate
+
+    from exatrain.data.loader import collate, packed
+    data = MixedFields()
+    loader = DataLoader(data, batch_size=4, num_workers=1, collate_fn=collate)
+    for index, batch in enumerate(loader):
+        expected = default_collate([data[i] for i in range(4 * index, 4 * index + 4)])
+        assert type(batch) is list and len(batch) == 3
+        for got, want in zip(batch, expected):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+    samples = [data[i] for i in range(3)]
+    fields = packed(samples)
+    assert len({f.untyped_storage().data_ptr() for f in fields}) == 1
+    assert all(f.data_ptr() % 64 == 0 for f in fields)   # each field on its own cache line
+    assert packed([{"x": torch.ones(2)}]) is None and packed([(1.0, 2.0)]) is None
+    assert packed([(torch.ones(2),), (torch.ones(3),)]) is None  # ragged: PyTorch's error
+    assert packed([(torch.ones(2),), (torch.ones(2), torch.ones(2))]) is None
+
+
+@pytest.mark.parametrize("workers,decode", [(0, None), (1, None), (1, lambda x: x * 2)])
+def test_a_cpu_loader_with_workers_and_nothing_to_decode_has_no_prefetch_thread(workers, decode):
+    """On a CPU, worker processes are the prefetch: with nothing to decode no thread moves batches
+    from their queue to another. Without workers the thread reads ahead; with a decode on the
+    training thread it takes the next batch over meanwhile."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        sampler = EpochSampler(lambda e, s: list(range(s * 2, 12)), steps_per_epoch=6,
+                               start_step=0)
+        source = run_loader(IndexSet(12), sampler, 2, workers, torch.device("cpu"), 0)
+        batches = Prefetcher(source, torch.device("cpu"), decode=decode, depth=2,
+                             workers=workers)
+        try:
+            got = [next(batches)[0].flatten().tolist() for _ in range(6)]
+        finally:
+            batches.close()
+        assert (batches._thread is None) == (workers > 0 and decode is None)
+        scale = 1 if decode is None else 2
+        assert got == [[scale * i, scale * (i + 1)] for i in range(0, 12, 2)]
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_prefetcher_raises_the_loaders_error_on_the_training_thread():
     class Broken(IndexSet):
         def __getitem__(self, i):

@@ -16,7 +16,9 @@ forecaster, GPT, QM9; the GCN trains on one whole graph held in memory, so it ha
                                   what a loader core spends, so it holds on a loaded machine
                                   where wall-clock rates do not
   dataloader_samples_per_s_w{1,2} a plain `torch.utils.data.DataLoader` with as many workers over
-                                  the same samples, decoding each batch as it arrives
+                                  the same samples, decoding each batch as it arrives; PyTorch's
+                                  default collate (exatrain's where the data set reads whole
+                                  batches, which PyTorch's cannot take)
   loader_vs_dataloader_w{1,2}     exatrain's loader over the plain one: the median of --repeats
                                   paired ratios (a pass of each in turn, the first alternating)
   loader_vs_dataloader            the lower of the two (>= 1: exatrain's input path costs nothing)
@@ -62,6 +64,7 @@ from pathlib import Path
 
 import torch
 
+MIN_PASS_S = 0.5  # the shortest paired pass (bench data's loader beside a plain DataLoader)
 GPU_RATE = 200.0  # CosmoFlow 128³ samples/s per H100 in NVIDIA's MLPerf HPC v3.0 submission
 
 # (workload, config overrides) for each case: the examples' models, smaller data sets
@@ -167,7 +170,8 @@ def loader_pass(workload, dataset, micro: int, workers: int, order: list[int]) -
     from ..data.loader import Prefetcher, run_loader
     before = _children_cpu_s()
     source = _TimedSource(run_loader(dataset, order, micro, workers, torch.device("cpu"), seed=0))
-    feed = Prefetcher(source, torch.device("cpu"), decode=workload.decode, depth=2)
+    feed = Prefetcher(source, torch.device("cpu"), decode=workload.decode, depth=2,
+                      workers=workers)
     try:
         next(feed)
         first = micro
@@ -190,9 +194,9 @@ def dataloader_pass(workload, dataset, micro: int, workers: int, order: list[int
     from the first batch on, as `loader_pass` counts them."""
     from torch.utils.data import DataLoader
 
-    from ..data.loader import collate
+    from ..data.loader import plain_collate
     loader = DataLoader(dataset, batch_size=micro, sampler=order, num_workers=workers,
-                        collate_fn=collate, prefetch_factor=2 if workers else None)
+                        collate_fn=plain_collate(dataset), prefetch_factor=2 if workers else None)
     batches = iter(loader)
     try:
         x = next(batches)[0]
@@ -211,13 +215,17 @@ def paired_rates(workload, dataset, micro: int, workers: int, samples: int,
                  repeats: int) -> tuple[dict, float, float]:
     """exatrain's loader and a plain DataLoader with `workers` workers, a pass of each in turn
     over the same samples (the first in turn alternating, so that a machine whose speed drifts
-    slows both alike), `repeats` pairs after a warm-up pair: the medians of the loader's passes
+    slows both alike), `repeats` pairs after a warm-up pair, each pass `samples` samples or
+    `MIN_PASS_S` seconds' worth at the warm-up's rate, whichever is more: the medians of the loader's passes
     (as `loader_rate` gives them), the plain loader's median samples/s, and the median of the
     paired ratios exatrain / plain."""
     n = len(dataset)
     order = [(i * 7919) % n for i in range(max(samples, 3 * micro))]
     dataloader_pass(workload, dataset, micro, workers, order)  # warm-up of both
-    loader_pass(workload, dataset, micro, workers, order)
+    rate = loader_pass(workload, dataset, micro, workers, order)["samples_per_s"]
+    # a pass long enough to time: QM9's 512 samples took 15 ms, and its ratios spread +-10 %
+    count = max(len(order), int(rate * MIN_PASS_S))
+    order = [(i * 7919) % n for i in range(count)]
     ours, plain, ratios = [], [], []
     for attempt in range(repeats):
         if attempt % 2:

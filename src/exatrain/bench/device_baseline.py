@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ..data.loader import collate
+from ..data.loader import plain_collate
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp8": torch.bfloat16}
@@ -185,7 +185,8 @@ def train_plain(model: nn.Module, dataset, loss_fn, decode, levers: Levers, devi
         attention = contextlib.nullcontext
     loader = DataLoader(dataset, batch_sampler=sample_batches(len(dataset), batch,
                                                               warmup + steps + extra, seed),
-                        num_workers=workers, pin_memory=cuda, collate_fn=collate,
+                        num_workers=workers, pin_memory=cuda,
+                        collate_fn=plain_collate(dataset),
                         persistent_workers=False, prefetch_factor=2 if workers else None)
     benchmark = torch.backends.cudnn.benchmark
     torch.backends.cudnn.benchmark = levers.cudnn_benchmark

@@ -275,7 +275,8 @@ class Trainer:
         source = run_loader(self.workload.train_set, sampler, self.micro, self.num_workers,
                             self.mesh.device, seed=start_step // self.steps_per_epoch,
                             timeout_s=self.config.run.timeout_s)
-        return Prefetcher(source, self.mesh.device, decode=self._decode(), depth=t.prefetch)
+        return Prefetcher(source, self.mesh.device, decode=self._decode(), depth=t.prefetch,
+                          workers=self.num_workers)
 
     def _decode(self):
         """The workload's decode on the device, then the layout the model takes (layout.py)."""
