@@ -1,5 +1,6 @@
 """The global gradient norm on one process: equal to torch's, and clipping as torch clips, in the
-usual one-group case (three kernels) and with gradients of several dtypes (a sum of groups)."""
+usual one-group case (three kernels) and with gradients of several dtypes (a sum of groups); the
+finiteness check that stands in for the norm where nothing else needs it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import math
 import pytest
 import torch
 
-from exatrain.parallel.gradnorm import clip_grad_norm_
+from exatrain.parallel.gradnorm import clip_grad_norm_, decided_locally, found_nonfinite
 
 
 def _params(dtypes) -> list[torch.nn.Parameter]:
@@ -51,3 +52,27 @@ def test_a_non_finite_gradient_gives_a_non_finite_norm():
     assert not torch.isfinite(clip_grad_norm_(params))
     params[1].grad[0, 0] = math.nan
     assert torch.isnan(clip_grad_norm_(params, max_norm=1.0))
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32,) * 3,
+                                    (torch.float32, torch.bfloat16, torch.float16)])
+@pytest.mark.parametrize("bad", [None, math.inf, -math.inf, math.nan])
+def test_the_finiteness_check_flags_any_inf_or_nan_and_leaves_the_gradients_alone(dtypes, bad):
+    params = _params(dtypes)
+    if bad is not None:
+        params[2].grad[1, 3] = bad
+    before = [p.grad.clone() for p in params if p.grad is not None]
+    flag = found_nonfinite(params)
+    assert flag.dtype == torch.float32 and flag.shape == ()
+    assert flag.item() == (0.0 if bad is None else 1.0)
+    for after, was in zip((p.grad for p in params if p.grad is not None), before):
+        torch.testing.assert_close(after, was, rtol=0, atol=0, equal_nan=True)
+    assert found_nonfinite([torch.nn.Parameter(torch.ones(2))]) is None  # no gradient at all
+
+
+def test_only_whole_local_gradients_decide_finiteness_on_their_own():
+    params = _params((torch.float32,) * 2)
+    assert decided_locally(params)
+    assert not decided_locally(params, across=object())  # pipeline stages: disjoint parameters
+    params[0].exatrain_norm_axes = (object(),)           # split over an axis: a slice here
+    assert not decided_locally(params)

@@ -121,6 +121,41 @@ def clip_grad_norm_(parameters, max_norm: float = math.inf, across=None) -> torc
     return _clip(params, total_sq.sqrt(), max_norm, device)
 
 
+def decided_locally(parameters, across=None) -> bool:
+    """Whether this rank's gradients alone say whether every rank's are finite: each parameter's
+    whole gradient is here and, after the data-parallel all-reduce, the same on every rank (no
+    `exatrain_norm_axes`, no DTensor, no `across`). Where it holds, `found_nonfinite` can stand
+    in for the global norm's verdict; it holds for a run's whole life (the layout is fixed)."""
+    return across is None and not any(getattr(p, "exatrain_norm_axes", ()) or _is_dtensor(p)
+                                      for p in parameters)
+
+
+@torch.no_grad()
+def found_nonfinite(parameters) -> torch.Tensor | None:
+    """1.0 (a 0-d float32 tensor where the gradients are) if any gradient holds an inf or a NaN,
+    else 0.0; None without gradients. GradScaler's fused check
+    (`torch._amp_foreach_non_finite_check_and_unscale_`, here unscaling by one, which leaves
+    every value as it was), one call per device and dtype. Local: see `decided_locally`.
+
+    Why not the norm: where nothing needs the norm (no clipping), its finiteness is all the step
+    uses, and on a CPU, whose foreach norm runs tensor by tensor, the check costs a fifth as much
+    (40 small gradients: 8 against 37 µs; a tiny model's step is ~1 ms). On a GPU the norm is one
+    fused kernel that only reads, so the Trainer keeps it there."""
+    groups: dict = {}
+    for p in parameters:
+        if p.grad is not None:
+            groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+    flags = []
+    for (device, _), grads in groups.items():
+        flag = torch.zeros((), dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            grads, flag, torch.ones((), dtype=torch.float32, device=device))
+        flags.append(flag)
+    if len(flags) > 1:
+        return torch.stack([f.to(flags[0].device) for f in flags]).amax()
+    return flags[0] if flags else None
+
+
 def _clip(params: list, total: torch.Tensor, max_norm: float, device) -> torch.Tensor:
     """Multiply the gradients by min(1, max_norm / total) on the device; return `total`."""
     if math.isfinite(max_norm) and params:

@@ -165,10 +165,10 @@ class DynamicLossScaler:
         verdict already read), then returns whether the optimizer should step and refuses a scale
         below `min_scale` at once."""
         host = isinstance(found_inf, bool)
-        flag = torch.tensor(0.0 if found_inf else 1.0, device=self.device) if host else \
-            found_inf.to(device=self.device, dtype=torch.float32)
         if not self.enabled:
             return found_inf if host else None
+        flag = torch.tensor(0.0 if found_inf else 1.0, device=self.device) if host else \
+            found_inf.to(device=self.device, dtype=torch.float32)
         torch._amp_update_scale_(self._scale, self._good, flag, self.growth_factor,
                                  self.backoff_factor, self.growth_interval)
         self._skipped.add_(flag)

@@ -52,7 +52,7 @@ from ..data.loader import (EpochSampler, Prefetcher, collate, loader_workers, no
                            run_loader)
 from ..mesh import Mesh
 from ..parallel.data import unwrap
-from ..parallel.gradnorm import clip_grad_norm_
+from ..parallel.gradnorm import clip_grad_norm_, decided_locally, found_nonfinite
 from ..parallel.compile_stats import CompileCounter
 from ..parallel.layout import channels_last_input, input_memory_format
 from ..parallel.pipe.model import PipelineModel
@@ -186,6 +186,10 @@ class Trainer:
                 config.optim), config.train.grad_accum)
         # what clipping and unscaling act on: the tensors the optimizer steps (ZeRO-1/2: shards)
         self.opt_params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        # a CPU step that clips nothing and defers its verdict needs no norm, only finiteness:
+        # a fused check stands in for it where this rank's gradients decide (gradnorm)
+        self._finiteness_only = mesh.device.type == "cpu" and decided_locally(
+            self.opt_params, getattr(model, "norm_axis", None))
         self.precision = Precision(config.parallel.precision, mesh.device)
         if self.precision.mixed:
             keep_norms_fp32(model)
@@ -314,7 +318,8 @@ class Trainer:
 
     def _train_step(self, batches, measure: bool = False) -> tuple[torch.Tensor, float]:
         """One optimizer step. Returns this rank's loss as a device tensor and the lr; leaves the
-        global gradient norm and the non-finite verdict in `last_grad_norm`, `last_found_inf`.
+        global gradient norm (None where nothing needed it) and the non-finite verdict in
+        `last_grad_norm`, `last_found_inf`.
 
         With `defers_verdict` nothing is read from the device: a non-finite step is skipped by
         the optimizer itself (`found_inf`, as `torch.amp.GradScaler` has fused optimizers do) and
@@ -337,10 +342,16 @@ class Trainer:
         self.scaler.unscale_(self.opt_params)
         # The gradient norm is global (the same on every rank), so every rank reaches the same
         # verdict on finiteness without another collective.
-        max_norm = t.clip_grad_norm if t.clip_grad_norm > 0 else math.inf
-        grad_norm = clip_grad_norm_(self.opt_params, max_norm,
-                                    across=getattr(self.model, "norm_axis", None))
-        found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)
+        if self._finiteness_only and t.clip_grad_norm <= 0 and self.defers_verdict:
+            grad_norm = None  # not computed: nothing uses it (see found_nonfinite)
+            found_inf = found_nonfinite(self.opt_params)
+            if found_inf is None:  # no gradients at all
+                found_inf = torch.zeros((), device=self.mesh.device)
+        else:
+            max_norm = t.clip_grad_norm if t.clip_grad_norm > 0 else math.inf
+            grad_norm = clip_grad_norm_(self.opt_params, max_norm,
+                                        across=getattr(self.model, "norm_axis", None))
+            found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)
         self.last_grad_norm, self.last_found_inf = grad_norm, found_inf
         if self.defers_verdict:
             skip = found_inf
@@ -382,10 +393,11 @@ class Trainer:
             self.last_state_bytes = state_bytes(self.model, self.optimizer)
         return self.scaler.update(finite)
 
-    def _nonfinite_error(self, step: int, loss: float, norm: float) -> "NonFiniteLoss":
+    def _nonfinite_error(self, step: int, loss: float, norm: float | None) -> "NonFiniteLoss":
         last = checkpoint.latest(self.run_dir) if self.run_dir else None
+        what = f"gradient norm {norm}" if norm is not None else "a gradient"
         return NonFiniteLoss(
-            f"step {step}: loss {loss} / gradient norm {norm} is not finite on rank "
+            f"step {step}: loss {loss} / {what} is not finite on rank "
             f"{self.mesh.rank}. The optimizer skipped it"
             + (f" and every step after it up to step {self.step}" if step < self.step else "")
             + "; " + (f"the last good checkpoint is {last}. " if last

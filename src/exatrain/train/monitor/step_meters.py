@@ -17,6 +17,7 @@ since the last read point).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -62,7 +63,7 @@ class StepClock:
 class StepValues:
     """Host values of the steps since the last read point, in step order."""
     losses: list[float]        # mean over the data replicas
-    grad_norms: list[float]    # the global norm (the same on every rank)
+    grad_norms: list           # the global norm (the same on every rank); None: not computed
     nonfinite: list[bool]      # the step's gradients were not finite (the same on every rank)
     times: list[float]         # seconds
 
@@ -78,9 +79,10 @@ class PendingSteps:
     def __len__(self) -> int:
         return len(self._rows)
 
-    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor, found_inf: torch.Tensor) -> None:
-        """One step's loss, gradient norm and verdict (0-d tensors, kept as they are: nothing is
-        read, and nothing is launched until the read point stacks them)."""
+    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor | None,
+            found_inf: torch.Tensor) -> None:
+        """One step's loss, gradient norm (None: not computed) and verdict (0-d tensors, kept as
+        they are: nothing is read, and nothing is launched until the read point stacks them)."""
         self._rows.append((loss, grad_norm, found_inf))
 
     def read(self, data_axis, replicas: int) -> StepValues:
@@ -89,13 +91,17 @@ class PendingSteps:
         rows, self._rows = self._rows, []
         if not rows:
             return StepValues([], [], [], times)
+        computed = [row[1] is not None for row in rows]
+        rows = [(loss, norm if norm is not None else math.nan, found)
+                for loss, norm, found in rows]
         # one stack per column (loss, norm, found_inf), each column in one dtype: 6 kernels
         losses, norms, found = (torch.stack([torch.as_tensor(row[k], device=self.device)
                                              .detach().reshape(()) for row in rows])
                                 .to(torch.float64) for k in range(3))
         all_reduce(losses, data_axis, tag="metric")     # NCCL reduces only GPU tensors: on device
         block = torch.cat([losses / replicas, norms, found]).cpu().view(3, -1)
-        return StepValues(block[0].tolist(), block[1].tolist(),
+        return StepValues(block[0].tolist(),
+                          [n if c else None for n, c in zip(block[1].tolist(), computed)],
                           [bool(v) for v in block[2].tolist()], times)
 
 
