@@ -2,8 +2,9 @@
 # Every figure of issue 27 on a machine with one GPU (H100 or H200), in three parts that each fit
 # one device call of at most 10 minutes (about 25 of a session's 30 device minutes in all):
 #
-#   bash scripts/gpu-figures.sh step        # 0. the step's figures in one ~6-minute call: CosmoFlow,
-#                                           #    DeepCAM, GPT 125m with --profile, then a table
+#   bash scripts/gpu-figures.sh step        # 0. the step's figures in one ~7-minute call: CosmoFlow,
+#                                           #    DeepCAM, GPT 125m with --profile, GPT 125m with
+#                                           #    parallel.cuda_graphs, then a table
 #   bash scripts/gpu-figures.sh bench       # 1. baseline vs exatrain, all five workloads
 #   bash scripts/gpu-figures.sh levers      # 2. each lever on its own (gpt_125m, cosmoflow, vit)
 #   bash scripts/gpu-figures.sh multirank   # 3. distributed-equals-serial, ranks sharing the GPU
@@ -56,7 +57,7 @@ keys = ("vs_baseline", "exatrain_samples_per_s", "baseline_samples_per_s",
 for path in sorted(glob.glob(f"{sys.argv[1]}/bench-*.json")):
     d = json.load(open(path))
     for case in d["cases"].split(","):
-        print(case, {k: (round(d[f"{case}_{k}"], 4) if isinstance(d.get(f"{case}_{k}"), float)
+        print(path.rsplit("/", 1)[-1].removesuffix(".json"), {k: (round(d[f"{case}_{k}"], 4) if isinstance(d.get(f"{case}_{k}"), float)
                          else d.get(f"{case}_{k}")) for k in keys})
 PY
 }
@@ -67,6 +68,13 @@ step)   # the step's figures, each path profiled after its timed steps
         c=${pair%%:*}
         step "bench-$c" "${pair#*:}" python -m exatrain.cli bench device --sizes "$SIZES" --cases "$c" \
             --warmup 3 --steps 12 --profile --data-dir "$DATA" --json "$OUT/bench-$c.json"
+    done
+    # exatrain's step as CUDA graphs (parallel.cuda_graphs), beside the same baseline
+    for pair in ${GRAPHS:-gpt_125m:90}; do
+        c=${pair%%:*}
+        step "bench-$c-graphs" "${pair#*:}" python -m exatrain.cli bench device --sizes "$SIZES" \
+            --cases "$c" --warmup 3 --steps 12 --set parallel.cuda_graphs=true \
+            --data-dir "$DATA" --json "$OUT/bench-$c-graphs.json"
     done
     table | tee "$OUT/table.txt"
     # the device tool brings back at most 8 files: logs and profile tables travel as one archive

@@ -109,3 +109,35 @@ def test_the_cpu_memory_tracker_leaves_compile_at_work():
     with torch.no_grad():
         net(x)
     assert counters["frames"]["total"] == before + 1  # evaluation's variant was compiled
+
+
+def test_cuda_graphs_are_refused_on_a_cpu_before_any_work(tmp_path, one_thread):
+    """A run asking for CUDA graphs on a CPU stops at parallelize, naming the device and the fix."""
+    from exatrain.errors import ParallelizeError
+    config = load_config(None, ["run.workload='gpt'", *COMMON, *WORKLOADS["gpt"],
+                                "parallel.cuda_graphs=true", f"data.path='{tmp_path}/data'",
+                                f"run.out_dir='{tmp_path}/runs'"])
+    with pytest.raises(ParallelizeError, match=r"needs a GPU; this run's device is 'cpu'.*"
+                                               r"parallel.cuda_graphs=false"):
+        setup(config)
+
+
+@pytest.mark.parametrize("case,expected", [
+    ({}, None),
+    ({"compile": False}, r"set parallel.compile=true as well"),
+    ({"pipe": 2}, r"pipeline schedules.*plan.pipe=1"),
+    ({"shard": 2}, r"FSDP2.*zero_stage=2"),
+    ({"optimizer": "kfac"}, r"optim.name='kfac'.*adamw or sgd"),
+])
+def test_cuda_graphs_are_refused_where_a_graph_cannot_hold_the_step(case, expected):
+    """On a GPU: refused without compile, under pipe schedules, FSDP2 and K-FAC; each message
+    names the setting to change."""
+    import re
+
+    from exatrain.parallel.options import ParallelOptions, cuda_graphs_refusal
+    from exatrain.plan import Plan
+    options = ParallelOptions(compile=case.get("compile", True), cuda_graphs=True)
+    plan = Plan(pipe=case.get("pipe", 1), shard=case.get("shard", 1))
+    refusal = cuda_graphs_refusal(plan, options, "cuda", case.get("optimizer", "adamw"))
+    assert (refusal is None) if expected is None else re.search(expected, refusal), refusal
+    assert cuda_graphs_refusal(plan, ParallelOptions(), "cpu") is None  # off: nothing to refuse

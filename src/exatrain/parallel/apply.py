@@ -49,9 +49,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..errors import ParallelizeError
 from ..mesh import Mesh
 from .data import data_parallel, replicate_for_pipeline
-from .options import ParallelOptions
+from .options import ParallelOptions, cuda_graphs_refusal
 
 
 def _strategy(name: str):
@@ -188,6 +189,9 @@ def parallelize(model: nn.Module, mesh: Mesh, options=None, example=None) -> nn.
     if options is None:
         options = ParallelOptions()
     plan = mesh.plan
+    refusal = cuda_graphs_refusal(plan, options, mesh.device.type)
+    if refusal:
+        raise ParallelizeError(refusal)
     if plan.tensor_degree > 1 and _strategy("graph").has_graph_convs(model):  # 3D GCN (Plexus)
         return _strategy("graph").parallelize_graph(model, mesh, options)
     if plan.pipe > 1:  # split into stages; each of this rank's stages goes through the steps

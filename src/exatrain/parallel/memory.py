@@ -206,24 +206,28 @@ def apply_checkpointing_and_compile(model: nn.Module, options, whole_model: bool
         from .precision import keep_norms_fp32
         keep_norms_fp32(model)
     mode = options.activation_checkpointing
+    graphs = getattr(options, "cuda_graphs", False)
     for parent, name, block in blocks:
         if mode != "none":
             block = checkpoint_block(block, mode, keep_running_stats=not options.compile)
             parent.register_module(name, block)
         if options.compile and not whole_model:
-            compile_in_place(block, options.compile_backend)
+            compile_in_place(block, options.compile_backend, graphs)
     if options.compile and whole_model:
-        compile_in_place(model, options.compile_backend)
+        compile_in_place(model, options.compile_backend, graphs)
     return model
 
 
-def compile_in_place(module: nn.Module, backend: str) -> nn.Module:
+def compile_in_place(module: nn.Module, backend: str, cuda_graphs: bool = False) -> nn.Module:
     """`module`'s forward as compiled code; the module, its hooks and its state-dict keys stay.
+    `cuda_graphs`: torch.compile's "reduce-overhead" mode, whose compiled code records CUDA
+    graphs and replays them (cudagraph trees; the step marks each new iteration, see Trainer).
 
     Not `nn.Module.compile()`: that compiles `Module._call_impl`, a frame in Dynamo's skip list,
     so a module of torch's own classes (`nn.Sequential`, say) ran eager, silently. The forward
     of the instance is what Dynamo traces here, whatever class it belongs to."""
-    module.forward = torch.compile(module.forward, backend=backend)
+    mode = "reduce-overhead" if cuda_graphs else None
+    module.forward = torch.compile(module.forward, backend=backend, mode=mode)
     return module
 
 

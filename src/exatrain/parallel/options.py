@@ -17,6 +17,8 @@ class ParallelOptions:
     activation_checkpointing: str = "none"  # none | full | selective
     compile: bool = False           # torch.compile the model (see parallel/memory.py)
     compile_backend: str = "inductor"  # torch.compile's backend (eager, aot_eager: debugging)
+    cuda_graphs: bool = False       # GPU, with compile: the compiled code replays as CUDA graphs
+                                    # (torch.compile mode "reduce-overhead"), no launch per kernel
     compile_scope: str = "auto"     # model | blocks | auto: the whole model (stage) as one frame,
                                     # or each block; auto = blocks under FSDP2 (its hooks sit on
                                     # blocks) and for 4+ repeated blocks (transformers), else model
@@ -54,6 +56,39 @@ class ParallelOptions:
 
 LOOPED_SCHEDULES = ("interleaved", "zero_bubble")  # several stages per rank
 BATCHNORM_MODES = ("global", "replica")
+
+
+def cuda_graphs_refusal(plan, options, device_type: str, optimizer: str = "") -> str | None:
+    """Why `parallel.cuda_graphs` cannot run here (with the fix); None when it can or is off.
+
+    A CUDA graph replays the kernels it recorded on the memory it recorded them with: it needs a
+    GPU, code that torch.compile captured, and nothing outside the graph that launches work of
+    its own in the middle of a region or keeps a region's outputs past the next replay. Refused:
+    a CPU; compile off; pipeline schedules (stages exchange activations with point-to-point
+    sends between regions, micro-batch after micro-batch); FSDP2 (its hooks gather and free
+    weights around every block); K-FAC (its hooks keep every layer's inputs and output
+    gradients for the step's preconditioner, which the next replay overwrites)."""
+    if not getattr(options, "cuda_graphs", False):
+        return None
+    fix = "Set parallel.cuda_graphs=false"
+    if device_type != "cuda":
+        return (f"parallel.cuda_graphs needs a GPU; this run's device is {device_type!r}, where "
+                f"there is no graph to replay. {fix} (parallel.compile alone works here).")
+    if not options.compile:
+        return ("parallel.cuda_graphs replays compiled code: set parallel.compile=true as well, "
+                f"or {fix.lower()[0]}{fix[1:]}.")
+    if plan.pipe > 1:
+        return (f"{plan}: parallel.cuda_graphs does not run pipeline schedules (stages exchange "
+                f"activations between the graphs, micro-batch after micro-batch). {fix}, or set "
+                "plan.pipe=1.")
+    if plan.shard > 1 and options.zero_stage == 3:
+        return (f"{plan}: parallel.cuda_graphs does not run under FSDP2 (zero_stage=3: its hooks "
+                f"gather and free the weights around every block). {fix}, or use "
+                "parallel.zero_stage=2 (or 1).")
+    if optimizer == "kfac":
+        return ("parallel.cuda_graphs does not run with optim.name='kfac' (its hooks keep each "
+                f"layer's inputs, which the next replay overwrites). {fix}, or use adamw or sgd.")
+    return None
 
 
 def zero_stage_refusal(plan, zero_stage: int, pipe_schedule: str) -> str | None:

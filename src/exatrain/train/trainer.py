@@ -54,6 +54,7 @@ from ..mesh import Mesh
 from ..parallel.data import unwrap
 from ..parallel.gradnorm import clip_grad_norm_, decided_locally, found_nonfinite
 from ..parallel.compile_stats import CompileCounter
+from ..parallel.options import cuda_graphs_refusal
 from ..parallel.layout import channels_last_input, input_memory_format
 from ..parallel.pipe.model import PipelineModel
 from ..parallel.shard import build_optimizer_for
@@ -184,6 +185,13 @@ class Trainer:
         if config.optim.name == "kfac":  # preconditioning in front of the first-order update
             self.optimizer = kfac.KFAC(model, self.optimizer, mesh, kfac.KFACSettings.from_options(
                 config.optim), config.train.grad_accum)
+        refusal = cuda_graphs_refusal(mesh.plan, config.parallel, mesh.device.type, config.optim.name)
+        if refusal:
+            raise ConfigError(refusal)
+        # each forward begins a new iteration of the CUDA graphs (parallel.cuda_graphs): the
+        # previous one's outputs may then be overwritten, which the step has consumed by then
+        self._new_graph_iteration = (torch.compiler.cudagraph_mark_step_begin
+                                     if config.parallel.cuda_graphs else lambda: None)
         # what clipping and unscaling act on: the tensors the optimizer steps (ZeRO-1/2: shards)
         self.opt_params = [p for g in self.optimizer.param_groups for p in g["params"]]
         # a CPU step that clips nothing and defers its verdict needs no norm, only finiteness:
@@ -308,6 +316,7 @@ class Trainer:
             x, y = next(batches)
             sync = micro == accum - 1 or not hasattr(self.model, "no_sync")
             with (self.model.no_sync() if not sync else contextlib.nullcontext()):
+                self._new_graph_iteration()
                 with self.precision.autocast(), self.observer.phase("forward"):
                     output = self.model(x)
                 loss = self.workload.loss_fn(output.float(), y) / accum  # fp32 loss
@@ -461,6 +470,7 @@ class Trainer:
             if isinstance(model, PipelineModel):
                 output = model.eval_batch(x)  # on the last stage's rank only
             else:
+                self._new_graph_iteration()
                 with self.precision.autocast():
                     output = model(x)
             keep = max(0, min(len(y), valid - seen))
