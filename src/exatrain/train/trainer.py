@@ -319,7 +319,9 @@ class Trainer:
                 self._new_graph_iteration()
                 with self.precision.autocast(), self.observer.phase("forward"):
                     output = self.model(x)
-                loss = self.workload.loss_fn(output.float(), y) / accum  # fp32 loss
+                loss = self.workload.loss_fn(output.float(), y)  # fp32 loss
+                if accum > 1:  # (a division by one would cost a kernel and a backward node)
+                    loss = loss / accum
                 with self.observer.phase("backward"):
                     self.scaler.scale_loss(loss).backward()
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
