@@ -57,8 +57,10 @@ keys = ("vs_baseline", "exatrain_samples_per_s", "baseline_samples_per_s",
 for path in sorted(glob.glob(f"{sys.argv[1]}/bench-*.json")):
     d = json.load(open(path))
     for case in d["cases"].split(","):
-        print(path.rsplit("/", 1)[-1].removesuffix(".json"), {k: (round(d[f"{case}_{k}"], 4) if isinstance(d.get(f"{case}_{k}"), float)
-                         else d.get(f"{case}_{k}")) for k in keys})
+        name = path.rsplit("/", 1)[-1].removesuffix(".json")   # bench-gpt_125m-graphs, ...
+        row = {k: d.get(f"{case}_{k}") for k in keys}
+        print(f"{name}:{case}", {k: round(v, 4) if isinstance(v, float) else v
+                                 for k, v in row.items()})
 PY
 }
 

@@ -216,9 +216,9 @@ def paired_rates(workload, dataset, micro: int, workers: int, samples: int,
     """exatrain's loader and a plain DataLoader with `workers` workers, a pass of each in turn
     over the same samples (the first in turn alternating, so that a machine whose speed drifts
     slows both alike), `repeats` pairs after a warm-up pair, each pass `samples` samples or
-    `MIN_PASS_S` seconds' worth at the warm-up's rate, whichever is more: the medians of the loader's passes
-    (as `loader_rate` gives them), the plain loader's median samples/s, and the median of the
-    paired ratios exatrain / plain."""
+    `MIN_PASS_S` seconds' worth at the warm-up's rate, whichever is more: the medians of the
+    loader's passes (as `loader_rate` gives them), the plain loader's median samples/s, and the
+    median of the paired ratios exatrain / plain."""
     n = len(dataset)
     order = [(i * 7919) % n for i in range(max(samples, 3 * micro))]
     dataloader_pass(workload, dataset, micro, workers, order)  # warm-up of both

@@ -253,8 +253,9 @@ def run_case(case, args, data_root: str, device: torch.device, precision: str) -
         results = {name: figures(_pooled(runs), precision) for name, runs in done.items()}
         ratios = [b["step_s_median"] / e["step_s_median"]
                   for e, b in zip(done["exatrain"], done["baseline"])]
-        if notes(baseline, device, plain_model):
-            results["baseline"]["note"] = notes(baseline, device, plain_model)
+        note = notes(baseline, device, plain_model)
+        if note:
+            results["baseline"]["note"] = note
         runs = _variants(args.levers)
         for name, levers in runs.items():
             refused = refusal(levers, device, plain_model)

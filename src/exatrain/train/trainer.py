@@ -185,7 +185,8 @@ class Trainer:
         if config.optim.name == "kfac":  # preconditioning in front of the first-order update
             self.optimizer = kfac.KFAC(model, self.optimizer, mesh, kfac.KFACSettings.from_options(
                 config.optim), config.train.grad_accum)
-        refusal = cuda_graphs_refusal(mesh.plan, config.parallel, mesh.device.type, config.optim.name)
+        refusal = cuda_graphs_refusal(mesh.plan, config.parallel, mesh.device.type,
+                                      config.optim.name)
         if refusal:
             raise ConfigError(refusal)
         # each forward begins a new iteration of the CUDA graphs (parallel.cuda_graphs): the
@@ -196,8 +197,9 @@ class Trainer:
         self.opt_params = [p for g in self.optimizer.param_groups for p in g["params"]]
         # a CPU step that clips nothing and defers its verdict needs no norm, only finiteness:
         # a fused check stands in for it where this rank's gradients decide (gradnorm)
-        self._finiteness_only = mesh.device.type == "cpu" and decided_locally(
-            self.opt_params, getattr(model, "norm_axis", None))
+        self._finiteness_only = (mesh.device.type == "cpu" and t.clip_grad_norm <= 0
+                                 and self.defers_verdict and decided_locally(
+                                     self.opt_params, getattr(model, "norm_axis", None)))
         self.precision = Precision(config.parallel.precision, mesh.device)
         if self.precision.mixed:
             keep_norms_fp32(model)
@@ -353,7 +355,7 @@ class Trainer:
         self.scaler.unscale_(self.opt_params)
         # The gradient norm is global (the same on every rank), so every rank reaches the same
         # verdict on finiteness without another collective.
-        if self._finiteness_only and t.clip_grad_norm <= 0 and self.defers_verdict:
+        if self._finiteness_only:
             grad_norm = None  # not computed: nothing uses it (see found_nonfinite)
             found_inf = found_nonfinite(self.opt_params)
             if found_inf is None:  # no gradients at all
