@@ -196,10 +196,12 @@ class Trainer:
         # what clipping and unscaling act on: the tensors the optimizer steps (ZeRO-1/2: shards)
         self.opt_params = [p for g in self.optimizer.param_groups for p in g["params"]]
         # a CPU step that clips nothing and defers its verdict needs no norm, only finiteness:
-        # a fused check stands in for it where this rank's gradients decide (gradnorm)
+        # a fused check stands in for it where this rank's gradients decide (gradnorm). Whether
+        # the verdict is deferred is asked at each step: a subclass (the population's trainer)
+        # decides it from state it sets after this constructor.
         self._finiteness_only = (mesh.device.type == "cpu" and t.clip_grad_norm <= 0
-                                 and self.defers_verdict and decided_locally(
-                                     self.opt_params, getattr(model, "norm_axis", None)))
+                                 and decided_locally(self.opt_params,
+                                                     getattr(model, "norm_axis", None)))
         self.precision = Precision(config.parallel.precision, mesh.device)
         if self.precision.mixed:
             keep_norms_fp32(model)
@@ -355,7 +357,7 @@ class Trainer:
         self.scaler.unscale_(self.opt_params)
         # The gradient norm is global (the same on every rank), so every rank reaches the same
         # verdict on finiteness without another collective.
-        if self._finiteness_only:
+        if self._finiteness_only and self.defers_verdict:
             grad_norm = None  # not computed: nothing uses it (see found_nonfinite)
             found_inf = found_nonfinite(self.opt_params)
             if found_inf is None:  # no gradients at all
