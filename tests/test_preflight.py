@@ -15,6 +15,11 @@ from exatrain.observe.preflight_checks import check_ranks
 from harness import run_ranks
 
 TINY = PreflightOptions(sizes=[4096], iters=3, warmup=1, link_bytes=2**14)
+# the slow-rank test judges link rounds: 16 KiB exchanges (~0.1 ms) were within the scheduling
+# jitter of 4 ranks on 2 busy cores, and once a partner of the slowed rank lost a second round
+# to it (CI, 2026-11-27); 1 MiB exchanges are 10x longer than that jitter and still 20x shorter
+# than the injected 20 ms
+LINKS = PreflightOptions(sizes=[4096], iters=5, warmup=1, link_bytes=2**20)
 
 
 def slowed_preflight(config, options, slow: str):
@@ -90,7 +95,7 @@ def test_inject_spec_is_checked():
 
 def test_preflight_names_the_slowed_rank_and_only_it(tiny_config):
     config = tiny_config()
-    reports = run_ranks(4, slowed_preflight, config, TINY, "2:0.02")
+    reports = run_ranks(4, slowed_preflight, config, LINKS, "2:0.02")
     report = reports[0]
     assert all(r == report for r in reports)  # every rank returns the same verdict (exit code)
     assert [r["rank"] for r in report["slow_ranks"]] == [2]
