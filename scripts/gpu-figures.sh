@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Every figure of issue 27 on a machine with one GPU (H100 or H200), in three parts that each fit
-# one device call of at most 10 minutes (about 25 of a session's 30 device minutes in all):
+# The GPU figures on a machine with one GPU (H100 or H200), in parts that each fit one device
+# call of at most 10 minutes. `--dry-run` after the part prints its steps and time limits:
 #
+#   bash scripts/gpu-figures.sh once        # the one call for a 15-minute lease: GPU binding,
+#                                           #    GPT 125m (+ CUDA graphs beside it), ViT, DeepCAM
+#                                           #    (their data written on the CPU cores meanwhile),
+#                                           #    then one case of each axis on CUDA tensors
 #   bash scripts/gpu-figures.sh step        # 0. the step's figures in one ~7-minute call: CosmoFlow,
 #                                           #    DeepCAM, GPT 125m with --profile, GPT 125m with
 #                                           #    parallel.cuda_graphs, then a table
@@ -23,6 +27,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PART="${1:-bench}"
+DRY=$([[ "${2:-}" == "--dry-run" ]] && echo 1 || echo 0)
 OUT="${OUT:-gpu-figures}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
@@ -35,6 +40,11 @@ left() { echo $(( BUDGET - SECONDS )); }
 step() {  # step NAME LIMIT_S CMD...: run with the smaller of LIMIT_S and what is left; record it
     local name=$1 limit=$2; shift 2
     (( limit > $(left) - 15 )) && limit=$(( $(left) - 15 ))   # a cut step gets 15 s to exit
+    if (( DRY )); then   # what the part would run, and the time each step may take
+        DRY_TOTAL=$(( ${DRY_TOTAL:-0} + limit )); SECONDS=$DRY_TOTAL
+        echo "$PART $name: up to ${limit}s (by ${DRY_TOTAL}s of ${BUDGET}s): $*"
+        return
+    fi
     if (( limit < 20 )); then   # the part's budget is a hard limit: the device call ends after it
         echo "$PART $name: skipped, ${SECONDS}s of ${BUDGET}s used" | tee -a "$OUT/summary.txt"
         return
@@ -43,7 +53,7 @@ step() {  # step NAME LIMIT_S CMD...: run with the smaller of LIMIT_S and what i
     echo "$PART $name: exit $? after ${SECONDS}s" | tee -a "$OUT/summary.txt"
 }
 
-{ nvidia-smi; python -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"; } \
+(( DRY )) || { nvidia-smi; python -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"; } \
     > "$OUT/device.txt" 2>&1
 
 table() {  # the figures that say whether the step is fast, one line per case
@@ -53,7 +63,8 @@ keys = ("vs_baseline", "exatrain_samples_per_s", "baseline_samples_per_s",
         "exatrain_data_wait_fraction", "exatrain_host_syncs_per_step",
         "baseline_host_syncs_per_step", "exatrain_compiled_graphs", "exatrain_graph_breaks",
         "exatrain_compiled_share", "baseline_compiled_share", "loss_max_rel_diff",
-        "exatrain_mfu_peak")
+        "exatrain_mfu_peak", "exatrain_peak_memory_bytes", "exatrain_step_s_median",
+        "alt_vs_exatrain", "alt_samples_per_s")
 for path in sorted(glob.glob(f"{sys.argv[1]}/bench-*.json")):
     d = json.load(open(path))
     for case in d["cases"].split(","):
@@ -64,7 +75,34 @@ for path in sorted(glob.glob(f"{sys.argv[1]}/bench-*.json")):
 PY
 }
 
+bench_case() {  # bench_case NAME LIMIT_S [bench args]: one case, baseline and exatrain
+    local c=$1 limit=$2; shift 2
+    step "bench-$c" "$limit" python -m exatrain.cli bench device --sizes "$SIZES" --cases "$c" \
+        --warmup 3 --steps 12 --data-dir "$DATA" --json "$OUT/bench-$c.json" "$@"
+}
+
 case "$PART" in
+once)  # one call: the figures never taken on a GPU first, cheapest data first
+    if (( ! DRY )); then  # ViT's and DeepCAM's data on the CPU cores while GPT trains
+        python -m exatrain.cli bench device --sizes "$SIZES" --cases vit,deepcam --prepare-only \
+            --data-dir "$DATA" > "$OUT/prepare.log" 2>&1 &
+    fi
+    step binding 60 python -m pytest -q -p no:cacheprovider tests/test_gpu_binding.py
+    bench_case gpt_125m 220 --alt-set parallel.cuda_graphs=true
+    (( DRY )) || wait
+    bench_case vit 130
+    bench_case deepcam 90
+    # one distributed-equals-serial case per axis, ranks sharing the GPU over gloo
+    step multirank 150 env EXATRAIN_SHARE_GPU=1 EXATRAIN_TEST_RANK_TIMEOUT_S="${RANK_TIMEOUT_S:-40}" \
+        python -m pytest -q -p no:cacheprovider -rf --durations=0 \
+        tests/test_data_parallel.py::test_data_parallel_equals_serial \
+        tests/test_shard.py::test_zero_stages_equal_serial \
+        tests/test_spatial_training.py::test_cosmoflow_space_times_data_equals_serial \
+        tests/test_pipe.py::test_sequential_cnn_every_schedule_equals_serial \
+        tests/test_tensor_training.py::test_tensor_plans_train_like_serial
+    (( DRY )) && exit 0
+    table | tee "$OUT/table.txt"
+    (cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log) ;;
 step)   # the step's figures, each path profiled after its timed steps
     for pair in ${CASES:-cosmoflow:150 deepcam:90 gpt_125m:90}; do
         c=${pair%%:*}
@@ -105,6 +143,6 @@ multirank)  # the distributed-equals-serial cases of every axis, ranks sharing t
         grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/multirank-${pair%%:*}.log" \
             | cut -c1-300 >> "$OUT/summary.txt"
     done ;;
-*) echo "usage: $0 step|bench|levers|multirank" >&2; exit 2 ;;
+*) echo "usage: $0 once|step|bench|levers|multirank [--dry-run]" >&2; exit 2 ;;
 esac
 cat "$OUT/summary.txt"

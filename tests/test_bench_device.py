@@ -132,3 +132,21 @@ def test_profile_reports_host_syncs_compiled_graphs_and_a_table(tmp_path):
         assert table.startswith(str(tmp_path / "profile-profile-gpt_125m-"))
         assert "Self CPU" in open(table).read()
         assert 0 <= r[f"gpt_125m_{variant}_compiled_share"] <= 1
+
+
+def test_an_alt_variant_trains_the_same_batches_with_its_own_settings(tmp_path):
+    result = bench(tmp_path, "--cases", "gpt_125m", "--warmup", "1", "--steps", "2", "--rounds",
+                   "1", "--alt-set", "train.clip_grad_norm=1e-3")
+    ours, alt = result["gpt_125m_exatrain_losses"], result["gpt_125m_alt_losses"]
+    assert alt[0] == pytest.approx(ours[0], rel=1e-6)  # same weights, same first batch
+    assert alt[-1] != pytest.approx(ours[-1], rel=1e-6)  # its own setting took effect: clipped
+    assert result["gpt_125m_alt_settings"] == ["train.clip_grad_norm=1e-3"]
+    assert result["gpt_125m_alt_vs_exatrain"] == pytest.approx(
+        result["gpt_125m_exatrain_step_s_median"] / result["gpt_125m_alt_step_s_median"])
+
+
+def test_a_refused_alt_variant_keeps_the_cases_figures(tmp_path):
+    result = bench(tmp_path, "--cases", "gpt_125m", "--warmup", "1", "--steps", "1", "--rounds",
+                   "1", "--alt-set", "parallel.cuda_graphs=true")
+    assert "needs a GPU" in result["gpt_125m_alt_refused"]
+    assert result["gpt_125m_vs_baseline"] > 0 and "gpt_125m_alt_vs_exatrain" not in result

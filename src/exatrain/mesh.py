@@ -5,7 +5,10 @@ space_h, space_w, and tensor (1D) or tensor_x, tensor_y, tensor_z (3D). Ranks ar
 row-major, so the innermost (most talkative) axes get neighbouring ranks: on a node with G GPUs,
 the first G ranks of any innermost group share the node.
 
-Backend: NCCL with one GPU per local rank when CUDA is present, gloo otherwise. With
+Backend: NCCL with one GPU per local rank when CUDA is present, gloo otherwise. A rank uses
+the GPU at local_rank mod the number it sees (all of the node's, or only its own as `srun
+--gpus-per-task 1` binds them), and two ranks on one physical GPU are refused by name
+(`launch/gpus.py`). With
 EXATRAIN_SHARE_GPU=1 the local ranks share the node's GPU(s) over gloo instead (rank r on GPU
 r mod G): a check of multi-rank code with CUDA tensors on a machine with one GPU, where NCCL
 refuses two ranks per device (scripts/gpu-figures.sh).
@@ -24,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from .comm import Axis, Ledger
 from .comm.inject import SlowLinks
 from .launch.env import LaunchError, detect
+from .launch.gpus import gpu_index, refuse_shared_gpus
 from .launch.local import free_port
 from .plan import Plan
 
@@ -208,17 +212,10 @@ def init(plan: Plan, backend: str | None = None, timeout_s: float = 600.0) -> Me
             f"rank {launch.rank if launch else 0}: {SHARE_GPU_ENV}=1 puts every rank's tensors "
             f"on a shared GPU, but this machine has no CUDA device; unset {SHARE_GPU_ENV} to "
             "run on the CPU.")
-    if backend == "nccl":
-        local_ranks = launch.local_world_size if launch else 1
-        if local_ranks > torch.cuda.device_count():
-            raise LaunchError(
-                f"rank {launch.rank if launch else 0}: {local_ranks} ranks on this node but "
-                f"{torch.cuda.device_count()} GPU(s); NCCL needs one GPU per rank. Start at most "
-                f"{torch.cuda.device_count()} ranks per node, or set run.backend='gloo' (CPU).")
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    elif share:  # gloo between ranks whose tensors live on the GPU(s)
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    cuda = backend == "nccl" or share
+    if cuda:  # the GPU this rank sees at local_rank mod visible: all of the node's, or its own
+        index = gpu_index(local_rank, torch.cuda.device_count(), launch.rank if launch else 0)
+        device = torch.device("cuda", index)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
@@ -228,9 +225,17 @@ def init(plan: Plan, backend: str | None = None, timeout_s: float = 600.0) -> Me
             init_method = "env://"
         else:
             init_method = f"tcp://127.0.0.1:{free_port()}"
-        dist.init_process_group(backend, init_method=init_method,
-                                rank=launch.rank if launch else 0, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s),
+        rank = launch.rank if launch else 0
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store, rank, world = next(dist.rendezvous(init_method, rank, world, timeout=timeout))
+        store.set_timeout(timeout)
+        if backend == "nccl" and world > 1:  # NCCL fails on a shared GPU far from the cause
+            uuid = str(torch.cuda.get_device_properties(device).uuid)
+            refuse_shared_gpus(store, rank, world, uuid, device.index,
+                               os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        # the prefix init_process_group gives a store it rendezvoused itself
+        dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank,
+                                world_size=world, timeout=timeout,
                                 device_id=device if backend == "nccl" else None)
     device_mesh = init_device_mesh(device.type, tuple(plan.degrees().values()),
                                    mesh_dim_names=tuple(plan.degrees()))

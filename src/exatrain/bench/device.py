@@ -9,6 +9,8 @@ ViT forecaster, GPT at the 125m and at the 1.3b shape; `bench.device_cases`), in
   exatrain   `exatrain run`'s Trainer on the same config, one process (no run directory:
              nothing is checkpointed), at exatrain's own defaults plus parallel.precision and
              parallel.compile as the baseline's
+  alt        (--alt-set key=value) exatrain's path once more with other settings (CUDA graphs,
+             say), beside the same baseline and exatrain: `<case>_alt_vs_exatrain`
   levers     (--levers all) the plain loop with one lever at a time: bf16, fp16, compile,
              cuda_graphs, foreach, fused, sdpa, fp8; and `plain` with none. A lever the device
              cannot pull is refused with the reason (`<case>_<lever>_refused`).
@@ -72,10 +74,17 @@ def add_arguments(parser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         help="section.key=value for exatrain's path (repeatable): a setting's "
                              "effect, side by side with the same baseline")
+    parser.add_argument("--alt-set", dest="alt_sets", action="append", default=[],
+                        help="section.key=value (repeatable): exatrain's path once more with "
+                             "these settings on top of --set, as variant `alt`, beside the "
+                             "same baseline and exatrain (`<case>_alt_vs_exatrain`)")
     parser.add_argument("--rounds", type=int, default=0,
                         help="baseline and exatrain run this many times each, alternately, on "
                              "the same data (0: 3 at --sizes small, 1 at full); vs_baseline is "
                              "the median of the rounds' ratios")
+    parser.add_argument("--prepare-only", action="store_true",
+                        help="write the chosen cases' data sets into --data-dir and stop (on a "
+                             "GPU machine: while another case trains)")
     parser.add_argument("--data-dir", default="",
                         help="where the data sets are written once and reused (default: a "
                              "temporary directory)")
@@ -163,6 +172,24 @@ def _free(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def _config(case, args, data_root: str, device: torch.device, precision: str):
+    """The case's `exatrain run` config (and its override list, for variants of it)."""
+    from ..train.config import load_config
+    from .device_cases import COMMON, data_path
+    warmup, steps = args.warmup, args.steps or (50 if args.sizes == "small" else 20)
+    extra = args.profile_steps if args.profile else 0
+    sets = {**COMMON, **case.sets, **case.data_sets, "run.workload": case.workload,
+            "data.path": data_path(data_root, case), "train.steps": warmup + steps + extra,
+            "train.log_every": warmup + steps + extra,
+            "parallel.precision": precision, "parallel.compile": not args.no_compile,
+            "parallel.compile_backend": args.compile_backend, "plan.data": 1,
+            "run.nproc": 1, "run.backend": "nccl" if device.type == "cuda" else "gloo"}
+    if args.workers >= 0:
+        sets["train.num_workers"] = args.workers
+    overrides = [f"{k}={_toml(v)}" for k, v in sets.items()] + list(getattr(args, "overrides", []))
+    return load_config(None, overrides), overrides
+
+
 def run_case(case, args, data_root: str, device: torch.device, precision: str) -> dict:
     """Baseline, exatrain and the levers of one case; returns its flat figures."""
     from ..mesh import init
@@ -171,23 +198,16 @@ def run_case(case, args, data_root: str, device: torch.device, precision: str) -
     from ..train.config import load_config
     from ..workloads import get_workload
     from .device_baseline import best_practice, default_workers, notes, refusal, train_plain
-    from .device_cases import COMMON, data_path, plain_loss
+    from .device_cases import plain_loss
     from .device_peaks import datasheet_peak_flops
     from .device_profile import Window, write_table
 
     warmup, steps = args.warmup, args.steps or (50 if args.sizes == "small" else 20)
     compile = not args.no_compile
     extra = args.profile_steps if args.profile else 0
-    sets = {**COMMON, **case.sets, **case.data_sets, "run.workload": case.workload,
-            "data.path": data_path(data_root, case), "train.steps": warmup + steps + extra,
-            "train.log_every": warmup + steps + extra,
-            "parallel.precision": precision, "parallel.compile": compile,
-            "parallel.compile_backend": args.compile_backend, "plan.data": 1,
-            "run.nproc": 1, "run.backend": "nccl" if device.type == "cuda" else "gloo"}
-    if args.workers >= 0:
-        sets["train.num_workers"] = args.workers
-    config = load_config(None, [f"{k}={_toml(v)}" for k, v in sets.items()]
-                         + list(getattr(args, "overrides", [])))
+    config, overrides = _config(case, args, data_root, device, precision)
+    alt_sets = list(getattr(args, "alt_sets", []))
+    alt_config = load_config(None, overrides + alt_sets) if alt_sets else None
     module = get_workload(case.workload)
     started = time.perf_counter()
     module.prepare(config)
@@ -253,6 +273,15 @@ def run_case(case, args, data_root: str, device: torch.device, precision: str) -
         results = {name: figures(_pooled(runs), precision) for name, runs in done.items()}
         ratios = [b["step_s_median"] / e["step_s_median"]
                   for e, b in zip(done["exatrain"], done["baseline"])]
+        if alt_config is not None:  # the same initial weights and batches, other settings
+            torch.manual_seed(config.run.seed)
+            try:
+                alt = _exatrain(alt_config, mesh, module.build(alt_config, mesh), warmup, steps)
+                results["alt"] = {**figures(alt, precision), "settings": alt_sets}
+                _progress(case.name, "alt", results["alt"])
+            except Exception as e:  # noqa: BLE001 - a refused variant keeps the case's figures
+                results["alt"] = {"settings": alt_sets, "refused": f"{type(e).__name__}: {e}"}
+            _free(device)
         note = notes(baseline, device, plain_model)
         if note:
             results["baseline"]["note"] = note
@@ -284,6 +313,9 @@ def run_case(case, args, data_root: str, device: torch.device, precision: str) -
     base, ours = results["baseline"], results["exatrain"]
     out[f"{case.name}_vs_baseline"] = statistics.median(ratios)
     out[f"{case.name}_vs_baseline_rounds"] = ratios
+    if "step_s_median" in results.get("alt", {}):
+        out[f"{case.name}_alt_vs_exatrain"] = (ours["step_s_median"]
+                                              / results["alt"]["step_s_median"])
     out[f"{case.name}_loss_max_rel_diff"] = max(
         abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours["losses"], base["losses"]))
     plain = results.get("plain")
@@ -319,6 +351,7 @@ def _toml(value) -> str:
 
 
 def run(args) -> dict:
+    from ..workloads import get_workload
     from .device_cases import cases
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     precision = args.precision if args.precision != "auto" else \
@@ -335,6 +368,15 @@ def run(args) -> dict:
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "sizes": args.sizes, "precision": precision, "compile": not args.no_compile,
               "torch": torch.__version__, "cases": ",".join(c.name for c in chosen)}
+    if getattr(args, "prepare_only", False):
+        if not args.data_dir:
+            raise ValueError("--prepare-only writes the data sets for a later run: give --data-dir.")
+        for case in chosen:
+            started = time.perf_counter()
+            config, _ = _config(case, args, args.data_dir, device, precision)
+            get_workload(case.workload).prepare(config)
+            _phase(case.name, "data ready", started)
+        return {**result, "prepared": result["cases"]}
     with tempfile.TemporaryDirectory(prefix="exatrain-bench-device-") as tmp:
         for case in chosen:
             result.update(run_case(case, args, args.data_dir or tmp, device, precision))
