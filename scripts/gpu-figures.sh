@@ -2,7 +2,8 @@
 # The GPU figures on a machine with one GPU (H100 or H200), in parts that each fit one device
 # call of at most 10 minutes. `--dry-run` after the part prints its steps and time limits:
 #
-#   bash scripts/gpu-figures.sh once        # the one call for a 15-minute lease: GPU binding,
+#   bash scripts/gpu-figures.sh once        # one call for a 15-minute lease (device timeout_s at
+#                                           #    least BUDGET_S + 60): GPU binding,
 #                                           #    GPT 125m (+ CUDA graphs beside it), ViT, DeepCAM
 #                                           #    (their data written on the CPU cores meanwhile),
 #                                           #    then one case of each axis on CUDA tensors
@@ -53,11 +54,20 @@ step() {  # step NAME LIMIT_S CMD...: run with the smaller of LIMIT_S and what i
     echo "$PART $name: exit $? after ${SECONDS}s" | tee -a "$OUT/summary.txt"
 }
 
-(( DRY )) || { nvidia-smi; python -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"; } \
+# Nothing here may outlast BUDGET_S: a device call cut at its limit brings back nothing at all
+# (a whole 10-minute call was lost so, with no log to say which wait ran on). Every step
+# runs under `timeout`; a watchdog stops the part at the budget, and the table and the archive
+# are written on every exit.
+if (( ! DRY )) && [[ -d .whl ]]; then   # wheels carried to a machine that cannot download
+    timeout 60 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --upgrade --target /tmp/exatrain-site .whl/*.whl \
+        && export PYTHONPATH="/tmp/exatrain-site:$PYTHONPATH"
+fi
+(( DRY )) || { timeout 30 nvidia-smi; timeout 60 python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"; } \
     > "$OUT/device.txt" 2>&1
 
 table() {  # the figures that say whether the step is fast, one line per case
-    python - "$OUT" <<'PY'
+    python3 - "$OUT" <<'PY'
 import glob, json, sys
 keys = ("vs_baseline", "exatrain_samples_per_s", "baseline_samples_per_s",
         "exatrain_data_wait_fraction", "exatrain_host_syncs_per_step",
@@ -77,58 +87,70 @@ PY
 
 bench_case() {  # bench_case NAME LIMIT_S [bench args]: one case, baseline and exatrain
     local c=$1 limit=$2; shift 2
-    step "bench-$c" "$limit" python -m exatrain.cli bench device --sizes "$SIZES" --cases "$c" \
+    step "bench-$c" "$limit" python3 -m exatrain.cli bench device --sizes "$SIZES" --cases "$c" \
         --warmup 3 --steps 12 --data-dir "$DATA" --json "$OUT/bench-$c.json" "$@"
 }
+
+finish() {  # on every exit, also after the watchdog: the table, one archive of the logs
+    trap - EXIT TERM
+    kill "$WATCHDOG" 2>/dev/null
+    (( DRY )) && return
+    table > "$OUT/table.txt" 2>&1
+    # the device tool brings back at most 8 files: logs and profile tables travel as one archive
+    (cd "$OUT" && ls ./*.log >/dev/null 2>&1 && tar czf logs.tgz ./*.log \
+        $(ls ./*-profile-*.txt 2>/dev/null) && rm -f ./*.log ./*-profile-*.txt)
+    cat "$OUT/table.txt" "$OUT/summary.txt" 2>/dev/null
+}
+trap finish EXIT
+trap 'echo "$PART: stopped by the watchdog at ${SECONDS}s of ${BUDGET}s" >> "$OUT/summary.txt"; kill $(jobs -p) 2>/dev/null; exit 124' TERM
+WATCHDOG=0
+if (( ! DRY )); then
+    ( sleep $(( BUDGET + 5 )); kill -TERM $$ 2>/dev/null ) & WATCHDOG=$!
+fi
 
 case "$PART" in
 once)  # one call: the figures never taken on a GPU first, cheapest data first
     if (( ! DRY )); then  # ViT's and DeepCAM's data on the CPU cores while GPT trains
-        python -m exatrain.cli bench device --sizes "$SIZES" --cases vit,deepcam --prepare-only \
+        timeout -k 10 240 python3 -m exatrain.cli bench device --sizes "$SIZES" --cases vit,deepcam --prepare-only \
             --data-dir "$DATA" > "$OUT/prepare.log" 2>&1 &
     fi
-    step binding 60 python -m pytest -q -p no:cacheprovider tests/test_gpu_binding.py
+    step binding 60 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_binding.py
     bench_case gpt_125m 220 --alt-set parallel.cuda_graphs=true
     (( DRY )) || wait
     bench_case vit 130
     bench_case deepcam 90
     # one distributed-equals-serial case per axis, ranks sharing the GPU over gloo
     step multirank 150 env EXATRAIN_SHARE_GPU=1 EXATRAIN_TEST_RANK_TIMEOUT_S="${RANK_TIMEOUT_S:-40}" \
-        python -m pytest -q -p no:cacheprovider -rf --durations=0 \
+        python3 -m pytest -q -p no:cacheprovider -rf --durations=0 \
         tests/test_data_parallel.py::test_data_parallel_equals_serial \
         tests/test_shard.py::test_zero_stages_equal_serial \
         tests/test_spatial_training.py::test_cosmoflow_space_times_data_equals_serial \
         tests/test_pipe.py::test_sequential_cnn_every_schedule_equals_serial \
         tests/test_tensor_training.py::test_tensor_plans_train_like_serial
-    (( DRY )) && exit 0
-    table | tee "$OUT/table.txt"
-    (cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log) ;;
+    ;;
 step)   # the step's figures, each path profiled after its timed steps
     for pair in ${CASES:-cosmoflow:150 deepcam:90 gpt_125m:90}; do
         c=${pair%%:*}
-        step "bench-$c" "${pair#*:}" python -m exatrain.cli bench device --sizes "$SIZES" --cases "$c" \
+        step "bench-$c" "${pair#*:}" python3 -m exatrain.cli bench device --sizes "$SIZES" --cases "$c" \
             --warmup 3 --steps 12 --profile --data-dir "$DATA" --json "$OUT/bench-$c.json"
     done
     # exatrain's step as CUDA graphs (parallel.cuda_graphs), beside the same baseline
     for pair in ${GRAPHS:-gpt_125m:90}; do
         c=${pair%%:*}
-        step "bench-$c-graphs" "${pair#*:}" python -m exatrain.cli bench device --sizes "$SIZES" \
+        step "bench-$c-graphs" "${pair#*:}" python3 -m exatrain.cli bench device --sizes "$SIZES" \
             --cases "$c" --warmup 3 --steps 12 --set parallel.cuda_graphs=true \
             --data-dir "$DATA" --json "$OUT/bench-$c-graphs.json"
     done
-    table | tee "$OUT/table.txt"
-    # the device tool brings back at most 8 files: logs and profile tables travel as one archive
-    (cd "$OUT" && tar czf logs.tgz ./*.log $(ls ./*-profile-*.txt 2>/dev/null) \
-        && rm -f ./*.log ./*-profile-*.txt) ;;
+    ;;
 bench)  # baseline and exatrain per workload, the two with the issue's targets first
     for pair in ${CASES:-cosmoflow:180 gpt_1b:200 gpt_125m:120 deepcam:120 vit:120}; do
         c=${pair%%:*}
-        step "bench-$c" "${pair#*:}" python -m exatrain.cli bench device --sizes "$SIZES" --cases "$c" \
+        step "bench-$c" "${pair#*:}" python3 -m exatrain.cli bench device --sizes "$SIZES" --cases "$c" \
             --warmup 3 --steps 12 --data-dir "$DATA" --json "$OUT/bench-$c.json"
     done ;;
 levers)  # plain and each lever alone (compile and CUDA graphs compile once more each)
     for c in gpt_125m cosmoflow vit; do
-        step "levers-$c" 180 python -m exatrain.cli bench device --sizes "$SIZES" --cases "$c" \
+        step "levers-$c" 180 python3 -m exatrain.cli bench device --sizes "$SIZES" --cases "$c" \
             --levers all --warmup 3 --steps 10 --data-dir "$DATA" --json "$OUT/levers-$c.json"
     done ;;
 multirank)  # the distributed-equals-serial cases of every axis, ranks sharing the one GPU
@@ -139,10 +161,9 @@ multirank)  # the distributed-equals-serial cases of every axis, ranks sharing t
         # a case stuck longer than RANK_TIMEOUT_S fails with every rank's stacks in its log
         step "multirank-${pair%%:*}" 80 env EXATRAIN_SHARE_GPU=1 \
             EXATRAIN_TEST_RANK_TIMEOUT_S="${RANK_TIMEOUT_S:-45}" \
-            python -m pytest -q -p no:cacheprovider -rf "${pair#*:}"
+            python3 -m pytest -q -p no:cacheprovider -rf "${pair#*:}"
         grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/multirank-${pair%%:*}.log" \
             | cut -c1-300 >> "$OUT/summary.txt"
     done ;;
 *) echo "usage: $0 once|step|bench|levers|multirank [--dry-run]" >&2; exit 2 ;;
 esac
-cat "$OUT/summary.txt"
