@@ -75,6 +75,10 @@ def cases(nd: int, parts: int) -> dict:
             _conv(nd, 4, 4, 3, padding=1), nn.ReLU(),
             (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)[nd - 1](1),
             nn.Flatten(), nn.Linear(4, 3)),
+        "global_maxpool_head": lambda: nn.Sequential(
+            _conv(nd, 4, 4, 3, padding=1), nn.ReLU(),
+            (nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)[nd - 1](1),
+            nn.Flatten(), nn.Linear(4, 3)),
         # blocks shrink below the split: the deep layers gather and run replicated
         "deep_stack_gathers_early": lambda: nn.Sequential(
             *[m for i in range(3) for m in (_conv(nd, 4, 4, 3, padding=1),

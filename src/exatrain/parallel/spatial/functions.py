@@ -5,6 +5,7 @@ ledger's payload convention (per rank). S is the number of spatial ranks of one 
 batch and channels, `block` the local spatial extent, C the channels of a norm layer.
 
   GatherBlocks     blocks -> whole tensor on every spatial rank      all-gather, S × block bytes
+                   (tag "gather"; "output" for a whole-sample model's output)
                    backward: own block's slice (no communication)
   SplitBlocks      whole tensor -> own block (no communication)
                    backward: all-gather of the block gradients, S × block bytes (tag "gather";
@@ -59,18 +60,21 @@ def gather_blocks_(x: torch.Tensor, axis: Axis, parts: tuple[int, ...],
 class GatherBlocks(torch.autograd.Function):
     """Spatial blocks -> the whole tensor on every spatial rank; backward keeps the own block.
 
-    Communication: one all-gather over the space axis, S × block bytes per rank; none backward.
+    Communication: one all-gather over the space axis, S × block bytes per rank, under `tag`
+    ("gather"; "output" where a model on whole samples hands its split output back whole);
+    none backward.
     """
 
     @staticmethod
-    def forward(ctx, x, axis: Axis, parts: tuple[int, ...], coords: tuple[int, ...]):
+    def forward(ctx, x, axis: Axis, parts: tuple[int, ...], coords: tuple[int, ...],
+                tag: str = "gather"):
         ctx.parts, ctx.coords = parts, coords
-        return gather_blocks_(x, axis, parts)
+        return gather_blocks_(x, axis, parts, tag)
 
     @staticmethod
     def backward(ctx, grad):
         own = grad[_block_slices(grad.shape, ctx.parts, ctx.coords)]
-        return own.contiguous(), None, None, None
+        return own.contiguous(), None, None, None, None
 
 
 class SplitBlocks(torch.autograd.Function):

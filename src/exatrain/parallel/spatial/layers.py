@@ -37,6 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import torch.distributed as dist
+
+from ...comm import all_reduce
 from ...comm.halo import Halo, SplitDim, halo_exchange
 from ..batchnorm import BatchNormStats, take_over_batchnorm, update_running_stats
 from .functions import shared_mask, sum_over_axis
@@ -678,3 +681,41 @@ class SpatialGlobalAvgPool(SpatialLayer):
         out = sum_over_axis(local, rt.space, tag="pool")
         rt.gathered = True
         return out
+
+
+class SpatialGlobalMaxPool(SpatialLayer):
+    """AdaptiveMaxPoolNd(1): each block's maximum, then the maximum over `space`.
+
+    The serial pool passes its gradient to one element, the volume's maximum; here exactly one
+    spatial rank passes it on, the lowest one whose block holds the maximum (ties between blocks
+    are not found in float data but after a ReLU at 0, where the ReLU stops the gradient anyway).
+    Every rank returns the global maximum, so the layers after it run replicated.
+    Communication: two all-reduces over `space` of N × C elements (MAX of the values, MIN of the
+    rank that holds each), 2 × N × C × s bytes per rank (tag "pool"); none backward.
+    """
+
+    def __init__(self, pool: nn.Module, name: str, runtime, may_gather: bool = False):
+        super().__init__(pool, name, runtime, may_gather)
+        if pool.return_indices:
+            raise SpatialSplitError(
+                f"{type(pool).__name__} '{name}' has return_indices=True: the indices would be "
+                f"positions in this rank's block, not in the sample. Use return_indices=False "
+                f"under a space split, or space=(1, 1, 1).")
+
+    def forward(self, x):
+        rt = self.runtime
+        k = x.dim() - 2
+        pool = (F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d)[k - 1]
+        mode, _ = self.enter(x)
+        if mode == "replicated":
+            return pool(x, 1)
+        rt.layout(k, self)
+        local = pool(x, 1)                    # its gradient goes to the block's first maximum
+        best = local.detach().clone()
+        all_reduce(best, rt.space, op=dist.ReduceOp.MAX, tag="pool")
+        holds = local.detach() == best
+        holder = torch.where(holds, float(rt.space.rank), float(rt.space.size)).to(local.dtype)
+        all_reduce(holder, rt.space, op=dist.ReduceOp.MIN, tag="pool")
+        rt.gathered = True
+        # the value is the global maximum everywhere; only the holder's is differentiable
+        return torch.where(holder == rt.space.rank, local, best)
