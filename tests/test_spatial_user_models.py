@@ -180,3 +180,69 @@ def test_unet_under_space_2x2_and_data_times_space_trains_as_one_process(tmp_pat
     for name, plan in cases:
         check(name, plan, _serial(name, tmp_path / "serial"),
               [rank[f"{name} {plan}"] for rank in runs])
+
+
+class MeanInForward(nn.Module):
+    """A global pool written in forward: under space it would see only the rank's block."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(2, 3, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(x).mean(dim=(2, 3, 4))
+
+
+def _refusals() -> dict:
+    """Under space=(1, 1, 2): what a reduction written in forward and an odd volume raise."""
+    from exatrain.mesh import init
+    from exatrain.parallel import parallelize
+    from exatrain.plan import Plan
+
+    mesh = init(Plan(space=(1, 1, 2)))
+    out = {}
+    try:
+        for name, model, shape in (("mean", MeanInForward(), (2, 2, 8, 8, 8)),
+                                   ("odd", UNet3D(norm=False), (2, 2, 8, 8, 9)),
+                                   ("pool", UNet3D(norm=False), (2, 2, 8, 8, 10))):
+            try:
+                parallelize(model, mesh, whole_samples=True)(torch.randn(shape))
+                out[name] = ""
+            except Exception as exc:  # noqa: BLE001 - the message is the result
+                out[name] = f"{type(exc).__name__}: {exc}"
+    finally:
+        mesh.close()
+    return out
+
+
+def _pipe_refusal() -> str:
+    from exatrain.mesh import init
+    from exatrain.parallel import parallelize
+    from exatrain.plan import Plan
+
+    mesh = init(Plan(pipe=2, space=(1, 1, 2)))
+    try:
+        parallelize(UNet3D(), mesh, whole_samples=True, example=torch.randn(2, 2, 8, 8, 8))
+        return ""
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        mesh.close()
+
+
+def test_what_cannot_equal_one_process_is_refused_by_name():
+    for found in run_ranks(2, _refusals):
+        # the reduction written in forward: named, with the module that replaces it
+        assert "SpatialSplitError" in found["mean"], found["mean"]
+        for words in ("MeanInForward's output [2, 3]", "x.mean(dim=...)",
+                      "nn.AdaptiveAvgPool3d(1)", "space=(1, 1, 1)"):
+            assert words in found["mean"], (words, found["mean"])
+        # a volume the split does not divide: the size, the degree and the sizes that work
+        for words in ("9 long along w", "space_w=2", "use one of [1, 3, 9]"):
+            assert words in found["odd"], (words, found["odd"])
+        # blocks of 5 that MaxPool3d(2) cannot pool without crossing them: the layer, the fix
+        for words in ("MaxPool3d 'down'", "cannot be split 2 ways along w", "space=(1, 1, 1)"):
+            assert words in found["pool"], (words, found["pool"])
+    for found in run_ranks(4, _pipe_refusal):
+        assert "ParallelizeError" in found and "pipe and space together" in found, found
+        assert "SpatialBlocks" in found, found

@@ -114,6 +114,7 @@ class SpatialRuntime:
     def __init__(self, mesh: Mesh, overlap: bool, batchnorm_axes: tuple[str, ...] = ("data",)):
         plan = mesh.plan
         self.input_dims: int | None = None  # spatial dims of the whole input (whole_samples)
+        self.first_layer: SpatialLayer | None = None  # the first distributed layer, for messages
         self.parts = tuple(plan.space)
         self.coords = tuple(mesh.coords[f"space_{a}"] for a in "dhw")
         _, h, w = self.parts
@@ -209,7 +210,8 @@ class SpatialRuntime:
         k = x.dim() - 2
         if k < 1:  # (N, F) side inputs: not spatial, the same on every rank
             return x
-        parts, coords, _ = self.layout(k, None)
+        # a plan that splits dims the input lacks is refused naming the layer it would meet
+        parts, coords, _ = self.layout(k, self.first_layer)
         block_slices(tuple(x.shape[2:]), (1,) * (3 - k) + tuple(parts),
                      (0,) * (3 - k) + tuple(coords))  # divisibility, with the sizes that work
         self.input_dims = k if self.input_dims is None else max(self.input_dims, k)
@@ -423,6 +425,7 @@ def parallelize_spatial(model: nn.Module, mesh: Mesh, overlap: bool | None = Non
                         split_output=segmentation and not whole_samples)
     root.register_forward_pre_hook(rt.begin)
     if whole_samples:
+        rt.first_layer = next((m for m in root.modules() if isinstance(m, SpatialLayer)), None)
         root.register_forward_pre_hook(rt.cut_input, with_kwargs=True)
         root.register_forward_hook(rt.whole_output)
     root.spatial_runtime = rt
