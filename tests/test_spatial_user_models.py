@@ -4,7 +4,8 @@ TensorDataset, the user's own loss), against the same model trained by `et.fit` 
   unet        a 3D U-Net: Conv3d 3³ padding 1, BatchNorm3d, ReLU, MaxPool3d(2), nearest
               Upsample(2), a skip torch.cat over channels, a 1×1×1 per-voxel head; F.mse_loss on
               per-voxel targets (issue 46: the loss, the BatchNorm statistics and the halos at
-              the seams all differed, because each rank took the whole sample for its block)
+              the seams all differed, because each rank took the whole sample for its block);
+              the same with GroupNorm(2, C) (per-sample statistics over the whole volume)
   encoder     the same encoder with a global-pooling head (AdaptiveAvgPool3d(1), Flatten,
               Linear) and a per-sample target, with and without BatchNorm (AdaptiveMaxPool(1)
               is checked layer by layer in test_spatial_layers: a max's gradient jumps between
@@ -42,11 +43,12 @@ STEPS = 4
 
 
 class UNet3D(nn.Module):
-    def __init__(self, channels: int = 4, norm: bool = True):
+    def __init__(self, channels: int = 4, norm: str = "batch"):
         super().__init__()
         def block(cin, cout):
-            return nn.Sequential(nn.Conv3d(cin, cout, 3, padding=1),
-                                 nn.BatchNorm3d(cout) if norm else nn.Identity(), nn.ReLU())
+            layer = {"batch": lambda: nn.BatchNorm3d(cout), "group": lambda: nn.GroupNorm(2, cout),
+                     "": nn.Identity}[norm]()
+            return nn.Sequential(nn.Conv3d(cin, cout, 3, padding=1), layer, nn.ReLU())
         c = channels
         self.enc = block(2, c)
         self.down = nn.MaxPool3d(2)
@@ -86,7 +88,8 @@ class CNN2D(nn.Module):
         return self.body(x)
 
 
-MODELS = {"unet": lambda: UNet3D(), "unet_plain": lambda: UNet3D(norm=False),
+MODELS = {"unet": lambda: UNet3D(), "unet_plain": lambda: UNet3D(norm=""),
+          "unet_group": lambda: UNet3D(norm="group"),
           "encoder": lambda: Encoder3D(), "encoder_plain": lambda: Encoder3D(norm=False),
           "cnn2d": CNN2D}
 
@@ -159,7 +162,8 @@ def _serial(name: str, out_dir: Path) -> dict:
     return fit(name, {}, str(out_dir))
 
 
-CASES_2 = [("unet", {"space": (1, 1, 2)}), ("encoder", {"space": (1, 1, 2)}),
+CASES_2 = [("unet", {"space": (1, 1, 2)}), ("unet_group", {"space": (1, 1, 2)}),
+           ("encoder", {"space": (1, 1, 2)}),
            ("encoder_plain", {"space": (1, 2, 1)}), ("cnn2d", {"space": (1, 2, 1)})]
 
 
@@ -203,8 +207,8 @@ def _refusals() -> dict:
     out = {}
     try:
         for name, model, shape in (("mean", MeanInForward(), (2, 2, 8, 8, 8)),
-                                   ("odd", UNet3D(norm=False), (2, 2, 8, 8, 9)),
-                                   ("pool", UNet3D(norm=False), (2, 2, 8, 8, 10))):
+                                   ("odd", UNet3D(norm=""), (2, 2, 8, 8, 9)),
+                                   ("pool", UNet3D(norm=""), (2, 2, 8, 8, 10))):
             try:
                 parallelize(model, mesh, whole_samples=True)(torch.randn(shape))
                 out[name] = ""

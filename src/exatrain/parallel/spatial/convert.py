@@ -13,7 +13,8 @@ hyperslab, or `split_input` cuts it from a whole sample), laid out row-major ove
 Layers, in the model's registration order (which must be its execution order):
 
   split region       from the input up to the first nn.Flatten / AdaptiveAvgPool(1): convolutions
-                     (halo exchange), pooling, BatchNorm (statistics over data × space), pointwise
+                     (halo exchange), pooling, BatchNorm (statistics over data × space),
+                     GroupNorm and InstanceNorm (per sample, over space), pointwise
                      activations, dropout, nearest upsampling, transposed convolutions. Anything
                      else there is refused with an error naming the layer.
   transition         nn.Flatten gathers the blocks (all-gather); AdaptiveAvgPool(1) and
@@ -73,8 +74,9 @@ from torch.utils.data import Dataset
 from ...mesh import Mesh
 from .functions import GatherBlocks, ScaleGrad, SplitBlocks
 from .layers import (SpatialBatchNorm, SpatialConv, SpatialConvTranspose, SpatialDropout,
-                     SpatialFlatten, SpatialGlobalAvgPool, SpatialGlobalMaxPool, SpatialLayer,
-                     SpatialPool, SpatialSplitError, SpatialUpsample)
+                     SpatialFlatten, SpatialGlobalAvgPool, SpatialGlobalMaxPool,
+                     SpatialGroupNorm, SpatialLayer, SpatialPool, SpatialSplitError,
+                     SpatialUpsample)
 
 __all__ = ["parallelize_spatial", "SpatialSplitError", "SpatialBlocks", "block_region", "block_slices",
            "block_shape", "split_input", "gather_output", "describe_spatial", "DEFAULT_OVERLAP",
@@ -93,6 +95,8 @@ _CONVERT: dict[type, type] = {
                                 nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)},
     **{t: SpatialBatchNorm for t in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d,
                                      nn.SyncBatchNorm)},
+    **{t: SpatialGroupNorm for t in (nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d,
+                                     nn.InstanceNorm3d)},
     **{t: SpatialUpsample for t in (nn.Upsample, nn.UpsamplingNearest2d)},
     **{t: SpatialDropout for t in (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)},
     nn.Flatten: SpatialFlatten,
@@ -103,6 +107,7 @@ _POINTWISE = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU
               nn.Mish, nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.Sigmoid, nn.Tanh,
               nn.Softplus, nn.Softsign, nn.Tanhshrink, nn.LogSigmoid, nn.Identity, nn.Threshold)
 SUPPORTED = ("Conv1d/2d/3d, ConvTranspose1d/2d/3d, MaxPool/AvgPool1d/2d/3d, BatchNorm1d/2d/3d, "
+             "GroupNorm, InstanceNorm1d/2d/3d (without running statistics), "
              "nearest Upsample, Dropout/Dropout1d/2d/3d, Softmax/LogSoftmax over channels, "
              "pointwise activations, Identity; nn.Flatten and AdaptiveAvgPool(1) / "
              "AdaptiveMaxPool(1) end the split")

@@ -12,6 +12,7 @@ batch and channels, `block` the local spatial extent, C the channels of a norm l
                    "output" at a segmentation model's output after a tensor switch: the whole
                    output gradient, N × C_out × V_out × s bytes)
   SumOverAxis      forward all-reduce (sum), backward identity       all-reduce, tensor bytes
+  AllReduceSum     forward all-reduce (sum), backward all-reduce     2 × tensor bytes (norms)
   shared_mask      a dropout mask drawn on one rank and broadcast, mask bytes
 
 Why the gather's backward needs no communication: the layers after a gather run redundantly on
@@ -113,6 +114,27 @@ class SumOverAxis(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        return grad, None, None
+
+
+class AllReduceSum(torch.autograd.Function):
+    """Sum of per-rank partial values, on every rank, where every rank's block then uses the sum
+    (the statistics of a norm over the whole sample): backward sums the gradients too, since the
+    sum's gradient is the total of every block's use of it.
+    Communication: one all-reduce of the tensor forward and one backward (tensor bytes each).
+    """
+
+    @staticmethod
+    def forward(ctx, x, axis: Axis, tag: str = "norm"):
+        ctx.axis, ctx.tag = axis, tag
+        out = x.clone()
+        all_reduce(out, axis, tag=tag)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        all_reduce(grad, ctx.axis, tag=ctx.tag)
         return grad, None, None
 
 

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from ...comm import all_reduce
 from ...comm.halo import Halo, SplitDim, halo_exchange
 from ..batchnorm import BatchNormStats, take_over_batchnorm, update_running_stats
-from .functions import shared_mask, sum_over_axis
+from .functions import AllReduceSum, shared_mask, sum_over_axis
 from ...errors import ParallelizeError
 
 GATHER = "gather"  # a layer plan meaning: gather the blocks and run replicated
@@ -616,6 +616,66 @@ class SpatialBatchNorm(SpatialLayer):
         if self.training and self.track_running_stats:
             update_running_stats(self, mean, var, count)
         return y
+
+
+class SpatialGroupNorm(SpatialLayer):
+    """GroupNorm and InstanceNorm1d/2d/3d with each sample's statistics over its whole domain.
+
+    Split: per sample and group, the block's sum and sum of squares in float64, summed over
+    `space` (`AllReduceSum`: every block's output uses them, so their gradients are summed
+    back), then mean = S1 / M, var = S2 / M - mean² (M: the group's elements in the whole
+    sample, biased as torch's) and y = (x - mean) / sqrt(var + eps) · weight + bias on the
+    block. Replicated (after a gather): the plain op.
+    Communication: one all-reduce of 2 × N × G float64 forward and one backward, 16 N G bytes
+    each per rank (tag "norm"; G = channels for InstanceNorm).
+    InstanceNorm with track_running_stats=True is refused: its running statistics would need
+    the same sums kept per channel; use track_running_stats=False (torch's default).
+    """
+
+    is_norm_layer = True  # computes in fp32 under mixed precision, as torch's norms (precision.py)
+
+    def __init__(self, norm: nn.Module, name: str, runtime, may_gather: bool = False):
+        super().__init__(norm, name, runtime, may_gather)
+        if isinstance(norm, nn.GroupNorm):
+            self.groups, self.num_channels = norm.num_groups, norm.num_channels
+        else:
+            if norm.track_running_stats:
+                raise SpatialSplitError(
+                    f"{type(norm).__name__} '{name}' has track_running_stats=True; under a "
+                    f"space split exatrain keeps no running statistics for instance norms. Use "
+                    f"track_running_stats=False (the default: evaluation then normalises each "
+                    f"sample by its own statistics too), or space=(1, 1, 1).")
+            self.groups = self.num_channels = norm.num_features
+        self.eps = norm.eps
+        self.weight, self.bias = norm.weight, norm.bias  # None without affine, as in torch
+
+    def describe(self) -> str:
+        return f"{self.num_channels} channels in {self.groups} groups"
+
+    def forward(self, x):
+        rt = self.runtime
+        mode, _ = self.enter(x)
+        if mode == GATHER:
+            x = rt.gather(x)
+        if mode != "split":
+            return self.replicated_forward(x)
+        n, c = x.shape[:2]
+        xg = x.reshape(n, self.groups, -1)
+        sums = torch.stack([xg.sum(-1, dtype=torch.float64),
+                            (xg * xg).sum(-1, dtype=torch.float64)])
+        sums = AllReduceSum.apply(sums, rt.space, "norm")
+        count = xg.shape[-1] * rt.size  # equal blocks
+        mean = sums[0] / count
+        var = (sums[1] / count - mean * mean).clamp_min(0.0)
+        rstd = torch.rsqrt(var + self.eps)
+        y = ((xg - mean.to(x.dtype)[..., None]) * rstd.to(x.dtype)[..., None]).reshape(x.shape)
+        if self.weight is not None:
+            shape = (1, c) + (1,) * (x.dim() - 2)
+            y = y * self.weight.view(shape) + self.bias.view(shape)
+        return y
+
+    def replicated_forward(self, x):
+        return F.group_norm(x, self.groups, self.weight, self.bias, self.eps)
 
 
 # --------------------------------------------------------------------------- dropout
