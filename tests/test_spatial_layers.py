@@ -63,6 +63,12 @@ def cases(nd: int, parts: int) -> dict:
         "avgpool_k3": lambda: _avgpool(nd, 3, stride=1, padding=1),
         "avgpool_k2": lambda: _avgpool(nd, 2),
         "batchnorm": lambda: _bn(nd, 4),
+        "groupnorm": lambda: nn.GroupNorm(2, 4),
+        "instancenorm_affine": lambda: (nn.InstanceNorm1d, nn.InstanceNorm2d,
+                                        nn.InstanceNorm3d)[nd - 1](4, affine=True),
+        "conv_instancenorm": lambda: nn.Sequential(  # (a bias before a norm gets no gradient)
+            _conv(nd, 4, 4, 3, padding=1, bias=False),
+            (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)[nd - 1](4), nn.ReLU()),
         "convtranspose_k2_stride2": lambda: _convt(nd, 4, 4, 2, stride=2),
         "convtranspose_k3_stride2": lambda: _convt(nd, 4, 4, 3, stride=2, padding=1, output_padding=1),
         "upsample_nearest": lambda: nn.Upsample(scale_factor=2, mode="nearest"),
@@ -74,6 +80,10 @@ def cases(nd: int, parts: int) -> dict:
         "global_avgpool_head": lambda: nn.Sequential(
             _conv(nd, 4, 4, 3, padding=1), nn.ReLU(),
             (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)[nd - 1](1),
+            nn.Flatten(), nn.Linear(4, 3)),
+        "global_maxpool_head": lambda: nn.Sequential(
+            _conv(nd, 4, 4, 3, padding=1), nn.ReLU(),
+            (nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)[nd - 1](1),
             nn.Flatten(), nn.Linear(4, 3)),
         # blocks shrink below the split: the deep layers gather and run replicated
         "deep_stack_gathers_early": lambda: nn.Sequential(
@@ -192,7 +202,7 @@ def _error_messages(mesh) -> dict:
     out = {}
     try:
         parallelize_spatial(nn.Sequential(OrderedDict(
-            conv=nn.Conv2d(3, 4, 3, padding=1), norm=nn.GroupNorm(2, 4),
+            conv=nn.Conv2d(3, 4, 3, padding=1), norm=nn.LayerNorm(16),
             out=nn.Conv2d(4, 4, 3, padding=1))), mesh)
     except SpatialSplitError as err:
         out["unsupported"] = str(err)
@@ -252,7 +262,7 @@ def test_layers_two_ranks():
     # halo bytes: exactly the elements read and not owned (dilation 2: two rows), fwd + bwd
     assert res["_halo"]["counted"] == res["_halo"]["analytic"] > 0
     errors = res["_errors"]
-    assert "'norm' (GroupNorm)" in errors["unsupported"] and "Replace it" in errors["unsupported"]
+    assert "'norm' (LayerNorm)" in errors["unsupported"] and "Replace it" in errors["unsupported"]
     assert "'dense' (Linear)" in errors["dense"] and "nn.Flatten" in errors["dense"]
     # stride 2, no padding on 16 pixels: 7 outputs do not split in two; the message says so
     assert "Conv2d 'down.conv'" in errors["geometry"] and "output length 7" in errors["geometry"]

@@ -28,22 +28,32 @@ def _readme_code() -> str:
                 if block.startswith("# train_unet.py\n"))
 
 
-def test_the_unet_tutorial_runs_as_written_on_one_rank_and_on_data_2(tmp_path):
-    (tmp_path / "train_unet.py").write_text(_readme_code())
+def test_the_unet_tutorial_runs_as_written_on_one_rank_on_data_2_and_on_space_2(tmp_path):
+    code = _readme_code()
+    (tmp_path / "train_unet.py").write_text(code)
+    # the same script with a Plan that splits each volume in two along w (issue 46: the user's
+    # U-Net under space trained differently from one process, and nothing warned)
+    fit_end = 'run={"out_dir": "runs", "name": "unet"})'
+    assert fit_end in code
+    (tmp_path / "train_unet_space.py").write_text(
+        code.replace(fit_end, fit_end[:-1] + ", plan=et.Plan(space=(1, 1, 2)))"))
     runs = {}
     for name, command in {"serial": [sys.executable, "train_unet.py"],
                           "data2": [sys.executable, "-m", "exatrain.cli", "run", "train_unet.py",
-                                    "--nproc", "2"]}.items():
+                                    "--nproc", "2"],
+                          "space2": [sys.executable, "-m", "exatrain.cli", "run",
+                                     "train_unet_space.py", "--nproc", "2"]}.items():
         done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         run_dir = max((tmp_path / "runs").iterdir(), key=lambda p: p.stat().st_mtime)
         runs[name] = json.loads((run_dir / "summary.json").read_text())
         assert (run_dir / "config.toml").is_file() and (run_dir / "checkpoints").is_dir()
-    serial, data2 = runs["serial"], runs["data2"]
-    assert serial["world_size"] == 1 and data2["world_size"] == 2
+    serial, data2, space2 = runs["serial"], runs["data2"], runs["space2"]
+    assert serial["world_size"] == 1 and data2["world_size"] == space2["world_size"] == 2
     assert serial["val_iou"] > 0.5 and serial["val_accuracy"] > 0.9   # it learned
-    for key in ("val_loss", "val_iou", "val_accuracy", "final_loss"):  # data parallel = serial
+    for key in ("val_loss", "val_iou", "val_accuracy", "final_loss"):  # parallel = serial
         assert data2[key] == pytest.approx(serial[key], rel=1e-4), key
+        assert space2[key] == pytest.approx(serial[key], rel=1e-4), key
 
 
 def test_metrics_are_ratios_of_sums_over_batches():

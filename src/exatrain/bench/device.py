@@ -118,7 +118,8 @@ def _exatrain(config, mesh, workload, warmup: int, steps: int, window=None) -> d
     `window` profiles the steps after the timed ones."""
     from ..parallel import parallelize
     from ..train.trainer import Trainer
-    model = parallelize(workload.model, mesh, config.parallel)
+    model = parallelize(workload.model, mesh, config.parallel,
+                        whole_samples=not workload.input_blocks)
     workload.model = model
     trainer = Trainer(mesh, workload, config, model, run_dir=None)
     if window is not None:

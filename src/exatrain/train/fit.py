@@ -149,8 +149,11 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_set: Dataset, val_set:
         run_dir = Path(broadcast_object(str(run_dir) if run_dir else None, mesh.world))
         # under pipe, trace and size the stages on one per-replica batch of the training set;
         # under space × tensor, place the channel/filter switch from its shape (train.run.setup)
+        # a user's data set holds whole samples: under space the parallel model cuts them into
+        # blocks and hands back whole outputs, so the user's loss and metrics are the serial ones
         parallel_model = parallelize(workload.model, mesh, config.parallel,
-                                     example=pipeline_example(workload, config, mesh.plan))
+                                     example=pipeline_example(workload, config, mesh.plan),
+                                     whole_samples=not workload.input_blocks)
         workload.model = parallel_model
         trainer = Trainer(mesh, workload, config, parallel_model, run_dir=run_dir,
                           console=TrainConsole() if mesh.rank == 0 else None)

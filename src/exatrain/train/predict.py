@@ -296,7 +296,8 @@ def _predict_on(mesh, config: Config, run_dir: Path, path: Path, data, out: Path
         data_name = str(data)
     if len(data_set) == 0:
         raise PredictError(f"--data {data_name}: the data set has no samples.")
-    model = parallelize(workload.model, mesh, config.parallel)
+    model = parallelize(workload.model, mesh, config.parallel,
+                        whole_samples=not workload.input_blocks)
     state = checkpoint.load_model(path, model)
     model = unwrap(model)
     model.eval()

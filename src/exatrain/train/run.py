@@ -73,15 +73,18 @@ def find_resume_checkpoint(run_dir: str | Path) -> Path:
 
 def pipeline_example(workload, config: Config, plan) -> "torch.Tensor | None":
     """One per-replica batch of inputs, from which `pipe` traces the model and sizes its stages
-    (under space: this rank's blocks). Under space × tensor without pipe: the whole samples'
-    batch as a shape on the meta device (read from one sample), from which the channel/filter
-    switch point is placed by the byte rule of parallel/tensor/switch.py, as the planner does."""
+    (under space: this rank's blocks, where the data set reads blocks). Under space × tensor
+    without pipe: the whole samples' batch as a shape on the meta device (read from one sample),
+    from which the channel/filter switch point is placed by the byte rule of
+    parallel/tensor/switch.py, as the planner does."""
     per_replica = config.train.batch_size // (plan.data * plan.shard)
     if plan.pipe == 1:
         if plan.space_degree == 1 or plan.tensor_degree == 1 or plan.tensor_3d:
             return None
         block = workload.decode_inputs(workload.train_set[0][0].unsqueeze(0)).shape[1:]
         parts = tuple(plan.space)[4 - len(block):]          # the blocks' (d, h, w) split
+        if not workload.input_blocks:                       # the data set holds whole samples
+            parts = (1,) * len(parts)
         whole = (block[0], *(n * p for n, p in zip(block[1:], parts)))
         return torch.empty((per_replica, *whole), device="meta")
     return workload.decode_inputs(torch.stack([workload.train_set[i][0] for i in range(per_replica)]))
@@ -169,7 +172,8 @@ def setup(config: Config, resume_dir: str | None = None) -> tuple:
             from .checkpoints.export import load_initial_weights
             load_initial_weights(workload.model, config.run.init_from)
         model = parallelize(workload.model, mesh, config.parallel,
-                            example=pipeline_example(workload, config, mesh.plan))
+                            example=pipeline_example(workload, config, mesh.plan),
+                            whole_samples=not workload.input_blocks)
         workload.model = model  # drop the plain model: under tensor plans it is the full size
         console = TrainConsole() if mesh.rank == 0 else None
         trainer = Trainer(mesh, workload, config, model, run_dir=run_dir, console=console)

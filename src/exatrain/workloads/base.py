@@ -43,6 +43,11 @@ class Workload:
     # the device, batch by batch (data.loader.Prefetcher); it returns floating inputs unchanged,
     # so applying it to an already decoded batch is harmless. None: inputs arrive decoded.
     decode: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Under `space`: do the data sets deliver this rank's block of each sample (SpatialBlocks),
+    # with the loss and metrics written for split outputs (the built-in CosmoFlow, DeepCAM)?
+    # False: they deliver whole samples, and the parallel model cuts them into blocks and hands
+    # back whole outputs, so the loss and metrics are the serial ones (a user's Task).
+    input_blocks: bool = False
 
     def decode_inputs(self, x: torch.Tensor) -> torch.Tensor:
         """`x` as the model takes it (decoded on x's device when the data set delivers raw)."""

@@ -225,6 +225,7 @@ def build(config, mesh) -> Workload:
     baseline = predict_mean_baseline_per_target(train_set, val_set)
     return Workload(model=model, train_set=train_set, val_set=val_set, loss_fn=F.mse_loss,
                     metric_sums=metric_sums, finalize=finalize, decode=decode,
+                    input_blocks=region is not None,
                     baselines={"baseline_mae": float(baseline.mean()),
                                **{f"baseline_mae_{name}": float(b)
                                   for name, b in zip(PARAM_NAMES, baseline)}},

@@ -210,4 +210,5 @@ def build(config, mesh) -> Workload:
     return Workload(model=model, train_set=train_set, val_set=val_set,
                     loss_fn=segmentation_loss(weights, mesh), metric_sums=metric_sums,
                     finalize=finalize, baselines=baselines, metric_axes=("data", "space"),
-                    flops_per_sample=flops, decode=decode)
+                    flops_per_sample=flops, decode=decode,
+                    input_blocks=mesh.plan.space_degree > 1)

@@ -13,12 +13,13 @@ hyperslab, or `split_input` cuts it from a whole sample), laid out row-major ove
 Layers, in the model's registration order (which must be its execution order):
 
   split region       from the input up to the first nn.Flatten / AdaptiveAvgPool(1): convolutions
-                     (halo exchange), pooling, BatchNorm (statistics over data × space), pointwise
+                     (halo exchange), pooling, BatchNorm (statistics over data × space),
+                     GroupNorm and InstanceNorm (per sample, over space), pointwise
                      activations, dropout, nearest upsampling, transposed convolutions. Anything
                      else there is refused with an error naming the layer.
-  transition         nn.Flatten gathers the blocks (all-gather); AdaptiveAvgPool(1) reduces them
-                     (all-reduce); so does the first channel/filter-parallel convolution under
-                     Plan(space=..., tensor=...) (a gather before it: parallel/tensor/switch.py).
+  transition         nn.Flatten gathers the blocks (all-gather); AdaptiveAvgPool(1) and
+                     AdaptiveMaxPool(1) reduce them (all-reduce); so does the first
+                     channel/filter-parallel convolution under Plan(space=..., tensor=...) (a gather before it: parallel/tensor/switch.py).
                      A layer of an nn.Sequential whose blocks became too small to split gathers
                      early, if the model has such a transition anyway.
   replicated region  everything after: runs on identical whole tensors on every spatial rank.
@@ -35,6 +36,20 @@ fed to a layer after it) cannot meet the whole tensors there: where the block te
 layer after the switch as it is, it is refused, naming the switch and the layer, with the fix
 (move parallel.chanfilt_from to a convolution after the join). Where it first goes through a
 function (torch.cat of the skip itself, a slice), only torch's size mismatch says so.
+
+Whole samples (`whole_samples=True`: a user's own model and data set, `et.fit`). The model takes
+whole samples and returns whole outputs, as on one process, so the user's loss and metrics see
+exactly what they would serially, whatever they reduce over (a per-voxel mean, a weighted or
+Dice loss, a per-sample loss after a global pool). Before the forward, every tensor argument
+(N, C, *spatial) is cut into this rank's block (a slice: no communication); after it, an output
+that is still split (no nn.Flatten / global pool ran) is all-gathered over `space` (tag
+"output", N × C_out × V_out × s bytes per rank: the whole output, V_out its volume, s bytes per
+element); its backward keeps the own block's slice of the loss gradient, which every spatial rank
+computes identically from the same whole output and target. An output that lost spatial dims
+without such a module (x.mean(dim=(2, 3, 4)) or x.flatten(1) written in forward: a reduction
+that saw only the block) is refused, naming the module to use instead. Without it (the built-in
+workloads, which read blocks with `SpatialBlocks`), the input is this rank's block and a split
+output stays split.
 
 Gradients. `parallel.apply` wraps the result in data parallelism over `data+space` that SUMS over
 the spatial ranks of a sample and averages over data replicas. A split layer's weight gradient on
@@ -59,8 +74,9 @@ from torch.utils.data import Dataset
 from ...mesh import Mesh
 from .functions import GatherBlocks, ScaleGrad, SplitBlocks
 from .layers import (SpatialBatchNorm, SpatialConv, SpatialConvTranspose, SpatialDropout,
-                             SpatialFlatten, SpatialGlobalAvgPool, SpatialLayer, SpatialPool,
-                             SpatialSplitError, SpatialUpsample)
+                     SpatialFlatten, SpatialGlobalAvgPool, SpatialGlobalMaxPool,
+                     SpatialGroupNorm, SpatialLayer, SpatialPool, SpatialSplitError,
+                     SpatialUpsample)
 
 __all__ = ["parallelize_spatial", "SpatialSplitError", "SpatialBlocks", "block_region", "block_slices",
            "block_shape", "split_input", "gather_output", "describe_spatial", "DEFAULT_OVERLAP",
@@ -79,17 +95,22 @@ _CONVERT: dict[type, type] = {
                                 nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)},
     **{t: SpatialBatchNorm for t in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d,
                                      nn.SyncBatchNorm)},
+    **{t: SpatialGroupNorm for t in (nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d,
+                                     nn.InstanceNorm3d)},
     **{t: SpatialUpsample for t in (nn.Upsample, nn.UpsamplingNearest2d)},
     **{t: SpatialDropout for t in (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)},
     nn.Flatten: SpatialFlatten,
 }
-_GLOBAL_POOLS = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)
+_AVG_POOLS = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)
+_GLOBAL_POOLS = _AVG_POOLS + (nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)
 _POINTWISE = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
               nn.Mish, nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.Sigmoid, nn.Tanh,
               nn.Softplus, nn.Softsign, nn.Tanhshrink, nn.LogSigmoid, nn.Identity, nn.Threshold)
 SUPPORTED = ("Conv1d/2d/3d, ConvTranspose1d/2d/3d, MaxPool/AvgPool1d/2d/3d, BatchNorm1d/2d/3d, "
+             "GroupNorm, InstanceNorm1d/2d/3d (without running statistics), "
              "nearest Upsample, Dropout/Dropout1d/2d/3d, Softmax/LogSoftmax over channels, "
-             "pointwise activations, Identity; nn.Flatten and AdaptiveAvgPool(1) end the split")
+             "pointwise activations, Identity; nn.Flatten and AdaptiveAvgPool(1) / "
+             "AdaptiveMaxPool(1) end the split")
 
 
 class SpatialRuntime:
@@ -97,6 +118,8 @@ class SpatialRuntime:
 
     def __init__(self, mesh: Mesh, overlap: bool, batchnorm_axes: tuple[str, ...] = ("data",)):
         plan = mesh.plan
+        self.input_dims: int | None = None  # spatial dims of the whole input (whole_samples)
+        self.first_layer: SpatialLayer | None = None  # the first distributed layer, for messages
         self.parts = tuple(plan.space)
         self.coords = tuple(mesh.coords[f"space_{a}"] for a in "dhw")
         _, h, w = self.parts
@@ -176,10 +199,48 @@ class SpatialRuntime:
                     f"space_{a}={p} does not divide into the blocks its targets are cut in.")
         return SplitBlocks.apply(y, self.space, parts, coords, "output")
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
+    def gather(self, x: torch.Tensor, tag: str = "gather") -> torch.Tensor:
         parts, coords, _ = self.layout(x.dim() - 2, None)
         self.gathered = True
-        return GatherBlocks.apply(x, self.space, parts, coords)
+        return GatherBlocks.apply(x, self.space, parts, coords, tag)
+
+    # ---------------------------------------------------------------- whole samples in and out
+    def cut_input(self, _module, args, kwargs):
+        """Forward pre-hook of the root (whole_samples): every tensor argument (N, C, *spatial)
+        becomes this rank's block; no communication (module doc, "Whole samples")."""
+        self.input_dims = None
+        return _map_tensors(args, self._cut), _map_tensors(kwargs, self._cut)
+
+    def _cut(self, x: torch.Tensor) -> torch.Tensor:
+        k = x.dim() - 2
+        if k < 1:  # (N, F) side inputs: not spatial, the same on every rank
+            return x
+        # a plan that splits dims the input lacks is refused naming the layer it would meet
+        parts, coords, _ = self.layout(k, self.first_layer)
+        block_slices(tuple(x.shape[2:]), (1,) * (3 - k) + tuple(parts),
+                     (0,) * (3 - k) + tuple(coords))  # divisibility, with the sizes that work
+        self.input_dims = k if self.input_dims is None else max(self.input_dims, k)
+        return SplitBlocks.apply(x, self.space, parts, coords)
+
+    def whole_output(self, module, _args, out):
+        """Forward hook of the root (whole_samples): the output as whole tensors on every rank
+        (an all-gather over `space`, tag "output") unless a transition already made it whole."""
+        if self.gathered or self.input_dims is None:
+            return out
+        return _map_tensors(out, partial(self._gather_output, type(module).__name__))
+
+    def _gather_output(self, model: str, y: torch.Tensor) -> torch.Tensor:
+        if y.dim() - 2 != self.input_dims:
+            raise SpatialSplitError(
+                f"{model}'s output {list(y.shape)} has {max(y.dim() - 2, 0)} spatial dims and "
+                f"its input {self.input_dims}, but no nn.Flatten, AdaptiveAvgPool(1) or "
+                f"AdaptiveMaxPool(1) module ran: a reduction over the spatial dims written in "
+                f"forward (x.mean(dim=...), x.flatten(1), F.adaptive_avg_pool3d(x, 1), x.amax) "
+                f"sees only this rank's block under space={self.parts}, so it would differ from "
+                f"one process. Use the module instead (self.pool = nn.AdaptiveAvgPool3d(1), "
+                f"nn.Flatten(1)), which exatrain reduces over the whole sample; or use "
+                f"space=(1, 1, 1).")
+        return self.gather(y, tag="output")
 
     def layout(self, k: int, layer) -> tuple[tuple, tuple, tuple]:
         """(parts, coords, position strides) of the last k spatial dims, for a k-D layer."""
@@ -255,10 +316,12 @@ def _convert(name: str, module: nn.Module, rt: SpatialRuntime, may_gather: bool,
     if isinstance(module, _GLOBAL_POOLS):
         size = module.output_size
         if all(s == 1 for s in (size if isinstance(size, tuple) else (size,))):
-            return SpatialGlobalAvgPool(module, name, rt, may_gather)
+            kind = SpatialGlobalAvgPool if isinstance(module, _AVG_POOLS) else SpatialGlobalMaxPool
+            return kind(module, name, rt, may_gather)
         if split_region:
             raise _unsupported(name, module, f"output_size={size} is not a global pool; only "
-                                             "AdaptiveAvgPool with output size 1 is supported")
+                                             "AdaptiveAvgPool/AdaptiveMaxPool with output size 1 "
+                                             "are supported")
         return module
     if not split_region or kind in _POINTWISE:
         return module
@@ -297,13 +360,16 @@ def _install_switch(model: nn.Module, leaves: list, transition: int, rt: Spatial
 
 def parallelize_spatial(model: nn.Module, mesh: Mesh, overlap: bool | None = None,
                         split_input: bool = True,
-                        batchnorm_axes: tuple[str, ...] = ("data",), copy: bool = True) -> nn.Module:
+                        batchnorm_axes: tuple[str, ...] = ("data",), copy: bool = True,
+                        whole_samples: bool = False) -> nn.Module:
     """A copy of `model` whose layers work on this rank's spatial blocks (see the module doc).
 
     Raises SpatialSplitError naming the first layer that cannot run under the split. Kernel,
     stride and split combinations are checked at the first forward (they need the input size).
     `split_input=False`: `model` is a pipeline stage after the transition (its input is whole and
     the same on every spatial rank): nothing is converted, all of it runs replicated.
+    `whole_samples=True`: the model takes whole samples and returns whole outputs (module doc,
+    "Whole samples"); False: it takes this rank's blocks and a split output stays split.
     """
     if mesh.plan.space_degree == 1:
         return model
@@ -359,9 +425,14 @@ def parallelize_spatial(model: nn.Module, mesh: Mesh, overlap: bool | None = Non
                 parent_name, _, key = name.rpartition(".")
                 setattr(by_name.get(parent_name, model) if parent_name else model, key, new)
     if switch:  # on the converted layers: a replaced layer does not keep its hooks
+        # on whole samples the targets are whole too: the whole output stays whole
         _install_switch(root, [(n, done[id(m)]) for n, m in leaves], transition, rt,
-                        split_output=segmentation)
+                        split_output=segmentation and not whole_samples)
     root.register_forward_pre_hook(rt.begin)
+    if whole_samples:
+        rt.first_layer = next((m for m in root.modules() if isinstance(m, SpatialLayer)), None)
+        root.register_forward_pre_hook(rt.cut_input, with_kwargs=True)
+        root.register_forward_hook(rt.whole_output)
     root.spatial_runtime = rt
     return root
 

@@ -5,12 +5,14 @@ ledger's payload convention (per rank). S is the number of spatial ranks of one 
 batch and channels, `block` the local spatial extent, C the channels of a norm layer.
 
   GatherBlocks     blocks -> whole tensor on every spatial rank      all-gather, S × block bytes
+                   (tag "gather"; "output" for a whole-sample model's output)
                    backward: own block's slice (no communication)
   SplitBlocks      whole tensor -> own block (no communication)
                    backward: all-gather of the block gradients, S × block bytes (tag "gather";
                    "output" at a segmentation model's output after a tensor switch: the whole
                    output gradient, N × C_out × V_out × s bytes)
   SumOverAxis      forward all-reduce (sum), backward identity       all-reduce, tensor bytes
+  AllReduceSum     forward all-reduce (sum), backward all-reduce     2 × tensor bytes (norms)
   shared_mask      a dropout mask drawn on one rank and broadcast, mask bytes
 
 Why the gather's backward needs no communication: the layers after a gather run redundantly on
@@ -59,18 +61,21 @@ def gather_blocks_(x: torch.Tensor, axis: Axis, parts: tuple[int, ...],
 class GatherBlocks(torch.autograd.Function):
     """Spatial blocks -> the whole tensor on every spatial rank; backward keeps the own block.
 
-    Communication: one all-gather over the space axis, S × block bytes per rank; none backward.
+    Communication: one all-gather over the space axis, S × block bytes per rank, under `tag`
+    ("gather"; "output" where a model on whole samples hands its split output back whole);
+    none backward.
     """
 
     @staticmethod
-    def forward(ctx, x, axis: Axis, parts: tuple[int, ...], coords: tuple[int, ...]):
+    def forward(ctx, x, axis: Axis, parts: tuple[int, ...], coords: tuple[int, ...],
+                tag: str = "gather"):
         ctx.parts, ctx.coords = parts, coords
-        return gather_blocks_(x, axis, parts)
+        return gather_blocks_(x, axis, parts, tag)
 
     @staticmethod
     def backward(ctx, grad):
         own = grad[_block_slices(grad.shape, ctx.parts, ctx.coords)]
-        return own.contiguous(), None, None, None
+        return own.contiguous(), None, None, None, None
 
 
 class SplitBlocks(torch.autograd.Function):
@@ -109,6 +114,27 @@ class SumOverAxis(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        return grad, None, None
+
+
+class AllReduceSum(torch.autograd.Function):
+    """Sum of per-rank partial values, on every rank, where every rank's block then uses the sum
+    (the statistics of a norm over the whole sample): backward sums the gradients too, since the
+    sum's gradient is the total of every block's use of it.
+    Communication: one all-reduce of the tensor forward and one backward (tensor bytes each).
+    """
+
+    @staticmethod
+    def forward(ctx, x, axis: Axis, tag: str = "norm"):
+        ctx.axis, ctx.tag = axis, tag
+        out = x.clone()
+        all_reduce(out, axis, tag=tag)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        all_reduce(grad, ctx.axis, tag=ctx.tag)
         return grad, None, None
 
 

@@ -37,9 +37,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import torch.distributed as dist
+
+from ...comm import all_reduce
 from ...comm.halo import Halo, SplitDim, halo_exchange
 from ..batchnorm import BatchNormStats, take_over_batchnorm, update_running_stats
-from .functions import shared_mask, sum_over_axis
+from .functions import AllReduceSum, shared_mask, sum_over_axis
 from ...errors import ParallelizeError
 
 GATHER = "gather"  # a layer plan meaning: gather the blocks and run replicated
@@ -615,6 +618,66 @@ class SpatialBatchNorm(SpatialLayer):
         return y
 
 
+class SpatialGroupNorm(SpatialLayer):
+    """GroupNorm and InstanceNorm1d/2d/3d with each sample's statistics over its whole domain.
+
+    Split: per sample and group, the block's sum and sum of squares in float64, summed over
+    `space` (`AllReduceSum`: every block's output uses them, so their gradients are summed
+    back), then mean = S1 / M, var = S2 / M - mean² (M: the group's elements in the whole
+    sample, biased as torch's) and y = (x - mean) / sqrt(var + eps) · weight + bias on the
+    block. Replicated (after a gather): the plain op.
+    Communication: one all-reduce of 2 × N × G float64 forward and one backward, 16 N G bytes
+    each per rank (tag "norm"; G = channels for InstanceNorm).
+    InstanceNorm with track_running_stats=True is refused: its running statistics would need
+    the same sums kept per channel; use track_running_stats=False (torch's default).
+    """
+
+    is_norm_layer = True  # computes in fp32 under mixed precision, as torch's norms (precision.py)
+
+    def __init__(self, norm: nn.Module, name: str, runtime, may_gather: bool = False):
+        super().__init__(norm, name, runtime, may_gather)
+        if isinstance(norm, nn.GroupNorm):
+            self.groups, self.num_channels = norm.num_groups, norm.num_channels
+        else:
+            if norm.track_running_stats:
+                raise SpatialSplitError(
+                    f"{type(norm).__name__} '{name}' has track_running_stats=True; under a "
+                    f"space split exatrain keeps no running statistics for instance norms. Use "
+                    f"track_running_stats=False (the default: evaluation then normalises each "
+                    f"sample by its own statistics too), or space=(1, 1, 1).")
+            self.groups = self.num_channels = norm.num_features
+        self.eps = norm.eps
+        self.weight, self.bias = norm.weight, norm.bias  # None without affine, as in torch
+
+    def describe(self) -> str:
+        return f"{self.num_channels} channels in {self.groups} groups"
+
+    def forward(self, x):
+        rt = self.runtime
+        mode, _ = self.enter(x)
+        if mode == GATHER:
+            x = rt.gather(x)
+        if mode != "split":
+            return self.replicated_forward(x)
+        n, c = x.shape[:2]
+        xg = x.reshape(n, self.groups, -1)
+        sums = torch.stack([xg.sum(-1, dtype=torch.float64),
+                            (xg * xg).sum(-1, dtype=torch.float64)])
+        sums = AllReduceSum.apply(sums, rt.space, "norm")
+        count = xg.shape[-1] * rt.size  # equal blocks
+        mean = sums[0] / count
+        var = (sums[1] / count - mean * mean).clamp_min(0.0)
+        rstd = torch.rsqrt(var + self.eps)
+        y = ((xg - mean.to(x.dtype)[..., None]) * rstd.to(x.dtype)[..., None]).reshape(x.shape)
+        if self.weight is not None:
+            shape = (1, c) + (1,) * (x.dim() - 2)
+            y = y * self.weight.view(shape) + self.bias.view(shape)
+        return y
+
+    def replicated_forward(self, x):
+        return F.group_norm(x, self.groups, self.weight, self.bias, self.eps)
+
+
 # --------------------------------------------------------------------------- dropout
 class SpatialDropout(SpatialLayer):
     """Dropout under a space split.
@@ -678,3 +741,41 @@ class SpatialGlobalAvgPool(SpatialLayer):
         out = sum_over_axis(local, rt.space, tag="pool")
         rt.gathered = True
         return out
+
+
+class SpatialGlobalMaxPool(SpatialLayer):
+    """AdaptiveMaxPoolNd(1): each block's maximum, then the maximum over `space`.
+
+    The serial pool passes its gradient to one element, the volume's maximum; here exactly one
+    spatial rank passes it on, the lowest one whose block holds the maximum (ties between blocks
+    are not found in float data but after a ReLU at 0, where the ReLU stops the gradient anyway).
+    Every rank returns the global maximum, so the layers after it run replicated.
+    Communication: two all-reduces over `space` of N × C elements (MAX of the values, MIN of the
+    rank that holds each), 2 × N × C × s bytes per rank (tag "pool"); none backward.
+    """
+
+    def __init__(self, pool: nn.Module, name: str, runtime, may_gather: bool = False):
+        super().__init__(pool, name, runtime, may_gather)
+        if pool.return_indices:
+            raise SpatialSplitError(
+                f"{type(pool).__name__} '{name}' has return_indices=True: the indices would be "
+                f"positions in this rank's block, not in the sample. Use return_indices=False "
+                f"under a space split, or space=(1, 1, 1).")
+
+    def forward(self, x):
+        rt = self.runtime
+        k = x.dim() - 2
+        pool = (F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d)[k - 1]
+        mode, _ = self.enter(x)
+        if mode == "replicated":
+            return pool(x, 1)
+        rt.layout(k, self)
+        local = pool(x, 1)                    # its gradient goes to the block's first maximum
+        best = local.detach().clone()
+        all_reduce(best, rt.space, op=dist.ReduceOp.MAX, tag="pool")
+        holds = local.detach() == best
+        holder = torch.where(holds, float(rt.space.rank), float(rt.space.size)).to(local.dtype)
+        all_reduce(holder, rt.space, op=dist.ReduceOp.MIN, tag="pool")
+        rt.gathered = True
+        # the value is the global maximum everywhere; only the holder's is differentiable
+        return torch.where(holder == rt.space.rank, local, best)
