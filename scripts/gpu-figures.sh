@@ -7,6 +7,8 @@
 #                                           #    GPT 125m (+ CUDA graphs beside it), ViT, DeepCAM
 #                                           #    (their data written on the CPU cores meanwhile),
 #                                           #    then one case of each axis on CUDA tensors
+#   bash scripts/gpu-figures.sh fp8         # GPT 1.3b: bf16 beside float8 Linears (torchao carried
+#                                           #    as a wheel in .whl/, installed by this script)
 #   bash scripts/gpu-figures.sh step        # 0. the step's figures in one ~7-minute call: CosmoFlow,
 #                                           #    DeepCAM, GPT 125m with --profile, GPT 125m with
 #                                           #    parallel.cuda_graphs, then a table
@@ -128,6 +130,9 @@ once)  # one call: the figures never taken on a GPU first, cheapest data first
         tests/test_pipe.py::test_sequential_cnn_every_schedule_equals_serial \
         tests/test_tensor_training.py::test_tensor_plans_train_like_serial
     ;;
+fp8)  # GPT 1.3b in bf16 and with float8 Linears, 200 steps each: tokens/s and the two loss
+      # curves (carry torchao: pip download --no-deps torchao==0.18.0 -d .whl, see the header)
+    bench_case gpt_1b 420 --steps 200 --alt-set 'parallel.precision="fp8"' ;;
 step)   # the step's figures, each path profiled after its timed steps
     for pair in ${CASES:-cosmoflow:150 deepcam:90 gpt_125m:90}; do
         c=${pair%%:*}
@@ -165,5 +170,5 @@ multirank)  # the distributed-equals-serial cases of every axis, ranks sharing t
         grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/multirank-${pair%%:*}.log" \
             | cut -c1-300 >> "$OUT/summary.txt"
     done ;;
-*) echo "usage: $0 once|step|bench|levers|multirank [--dry-run]" >&2; exit 2 ;;
+*) echo "usage: $0 once|fp8|step|bench|levers|multirank [--dry-run]" >&2; exit 2 ;;
 esac

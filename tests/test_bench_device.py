@@ -88,7 +88,7 @@ def test_every_lever_runs_or_is_refused_on_cpu(tmp_path):
 def test_refusals_name_the_device_and_the_fix():
     cpu = torch.device("cpu")
     assert device_baseline.refusal(device_baseline.LEVERS["cuda_graphs"], cpu) is not None
-    assert "this is cpu" in device_baseline.refusal(device_baseline.LEVERS["fp8"], cpu)
+    assert "device is 'cpu'" in device_baseline.refusal(device_baseline.LEVERS["fp8"], cpu)
     for name in ("bf16", "fp16", "compile", "foreach", "fused", "sdpa"):
         assert device_baseline.refusal(device_baseline.LEVERS[name], cpu) is None, name
     with pytest.raises(ValueError, match="unknown warp"):

@@ -58,7 +58,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--levers", default="none",
                         help="'all', 'none' or a comma-separated list of levers to measure one "
                              "at a time (bf16,fp16,compile,cuda_graphs,foreach,fused,sdpa,fp8)")
-    parser.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
+    parser.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16", "fp8"),
+                        default="auto",
                         help="of the baseline and exatrain (auto: bf16 on a GPU, fp32 on a CPU)")
     parser.add_argument("--no-compile", action="store_true",
                         help="leave torch.compile out of the baseline and exatrain")

@@ -91,19 +91,8 @@ def refusal(levers: Levers, device: torch.device, model: nn.Module | None = None
     if levers.precision == "bf16" and cuda and not torch.cuda.is_bf16_supported():
         return "bf16 needs a GPU with bf16 support (Ampere or newer); use the fp16 lever."
     if levers.precision == "fp8":
-        if not cuda or torch.cuda.get_device_capability(device) < (8, 9):
-            where = device.type if not cuda else \
-                f"{torch.cuda.get_device_name(device)} (sm_{''.join(map(str, torch.cuda.get_device_capability(device)))})"
-            return (f"float8 training needs a GPU of compute capability 8.9 or newer (Ada, "
-                    f"Hopper); this is {where}: the fp8 lever is refused.")
-        try:
-            import torchao.float8  # noqa: F401
-        except ImportError:
-            return ("float8 training needs torchao (`pip install torchao`; on an offline device "
-                    "machine carry its wheel): the fp8 lever is refused.")
-        if model is not None and not any(isinstance(m, nn.Linear) and m.in_features % 16 == 0
-                                         and m.out_features % 16 == 0 for m in model.modules()):
-            return "the model has no Linear layer with both sizes divisible by 16: fp8 has nothing to do."
+        from ..parallel.float8 import float8_refusal
+        return float8_refusal(device, model)
     return None
 
 
@@ -164,11 +153,9 @@ def train_plain(model: nn.Module, dataset, loss_fn, decode, levers: Levers, devi
     if levers.channels_last:
         for p in model.parameters():
             p.data = _channels_last(p.data)
-    if levers.precision == "fp8":
-        from torchao.float8 import convert_to_float8_training
-        convert_to_float8_training(
-            model, module_filter_fn=lambda m, _: isinstance(m, nn.Linear)
-            and m.in_features % 16 == 0 and m.out_features % 16 == 0)
+    if levers.precision == "fp8":  # the same layers as exatrain's parallel.precision='fp8'
+        from ..parallel.float8 import convert_linears
+        convert_linears(model)
     optimizer = _optimizer(model.parameters(), levers, optim)
     forward, opt_step = model, optimizer.step
     if levers.compile or levers.cuda_graphs:

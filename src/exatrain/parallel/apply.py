@@ -126,6 +126,15 @@ def layout_step(model, mesh, options, layout):
     return to_channels_last(model)
 
 
+def float8_step(model, mesh, options, layout):
+    """fp8 precision: torchao's float8 Linears (parallel/float8.py), before compile sees them."""
+    if options.precision != "fp8":
+        return model
+    from .float8 import convert_linears
+    convert_linears(model)
+    return model
+
+
 def checkpoint_and_compile_step(model, mesh, options, layout):
     if options.activation_checkpointing == "none" and not options.compile:
         return model
@@ -160,7 +169,7 @@ def data_step(model, mesh, options, layout):
                          find_unused_parameters=options.find_unused_parameters)
 
 
-STEPS = (tensor_step, space_step, branches_step, batchnorm_step, layout_step,
+STEPS = (tensor_step, space_step, branches_step, batchnorm_step, layout_step, float8_step,
          checkpoint_and_compile_step, shard_step, data_step)
 
 
@@ -197,6 +206,9 @@ def parallelize(model: nn.Module, mesh: Mesh, options=None, example=None,
         options = ParallelOptions()
     plan = mesh.plan
     refusal = cuda_graphs_refusal(plan, options, mesh.device.type)
+    if options.precision == "fp8" and not refusal:
+        from .float8 import float8_refusal
+        refusal = float8_refusal(mesh.device, model, plan.tensor_degree)
     if refusal:
         raise ParallelizeError(refusal)
     if whole_samples and plan.space_degree > 1 and plan.pipe > 1:

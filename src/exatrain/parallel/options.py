@@ -13,7 +13,7 @@ class ParallelOptions:
     """How strategies are applied beyond the Plan's degrees (see exatrain.parallel.apply)."""
     zero_stage: int = 3             # with plan.shard > 1: 1, 2 or 3 (3 = FSDP)
     offload: bool = False           # CPU offload of sharded parameters and optimizer state
-    precision: str = "fp32"         # fp32 | bf16 | fp16 (fp32 master weights and reductions)
+    precision: str = "fp32"         # fp32 | bf16 | fp16 | fp8 (fp32 master weights, reductions)
     activation_checkpointing: str = "none"  # none | full | selective
     compile: bool = False           # torch.compile the model (see parallel/memory.py)
     compile_backend: str = "inductor"  # torch.compile's backend (eager, aot_eager: debugging)

@@ -1,6 +1,7 @@
 """Mixed precision: bf16/fp16 compute, fp32 master weights and reductions, fp16 loss scaling.
 
-`parallel.precision` = fp32 | bf16 | fp16. In bf16 and fp16:
+`parallel.precision` = fp32 | bf16 | fp16 | fp8 (fp8: bf16 as below, with the Linear layers'
+matrix products in float8; `parallel/float8.py`). In bf16 and fp16:
 
   master weights   stay fp32: the optimizer steps fp32 parameters (ZeRO-1/2 and plain data
                    parallelism: the model's own parameters; ZeRO-3: FSDP2's fp32 shards, with the
@@ -33,7 +34,8 @@ from torch import nn
 
 from ..errors import ConfigError
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "fp8": torch.bfloat16}  # fp8: float8 Linears (parallel/float8.py), the rest in bf16
 
 # Module types whose forward runs in fp32 under mixed precision (all norm layers).
 NORM_TYPES: tuple[type, ...] = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase,

@@ -287,7 +287,7 @@ def validate(config: Config) -> None:
                "schedule.lr_scaling": (s.lr_scaling, ("none", "linear", "sqrt")),
                "run.backend": (config.run.backend, ("auto", "gloo", "nccl")),
                "run.host_memory": (config.run.host_memory, ("keep", "return")),
-               "parallel.precision": (config.parallel.precision, ("fp32", "bf16", "fp16")),
+               "parallel.precision": (config.parallel.precision, ("fp32", "bf16", "fp16", "fp8")),
                "parallel.activation_checkpointing": (config.parallel.activation_checkpointing,
                                                      ("none", "full", "selective")),
                "parallel.batchnorm": (config.parallel.batchnorm, BATCHNORM_MODES),
