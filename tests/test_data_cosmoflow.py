@@ -197,3 +197,66 @@ def test_interrupted_write_leaves_no_file(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         write_cosmoflow(tmp_path, samples=8, size=8, seed=0, progress=stop)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("sample, workers", [(3, 0), (30, 1)], ids=["statistics", "worker"])
+def test_a_negative_count_is_named_at_its_source_with_nothing_printed_before(
+        sample, workers, cosmo_data, tmp_path, capfd):
+    """`exatrain run` on CosmoFlow files with one negative count (an int16 overflow, say): one
+    line naming the file and the sample, exit 2, and no numpy warning or NonFiniteLoss first.
+    Sample 3 is read for the standardisation statistics at build time; sample 30 only in
+    training, by a loader worker: the fd-level capture sees the worker's stderr too, and the
+    DataLoader's re-raise must not put the worker's traceback into the line."""
+    import shutil
+    import warnings
+
+    from exatrain.cli import main
+
+    for name in ("train.h5", "val.h5"):
+        shutil.copy(cosmo_data / name, tmp_path / name)
+    with h5py.File(tmp_path / "train.h5", "r+") as f:
+        f["x"][sample, 2, 3, 4, 1] = -7
+    args = ["model.size=16", "model.conv_layers=4", "model.base_channels=4", "data.size=16",
+            "data.generate=false", "train.batch_size=8", "train.steps=6", "train.eval_every=0",
+            f"train.num_workers={workers}", f"data.path={tmp_path}", f"run.out_dir={tmp_path}/runs"]
+    capfd.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code = main(["run", "--nproc", "1", *[a for v in args for a in ("--set", v)]])
+    err = capfd.readouterr().err
+    assert code == 2, err[-3000:]
+    assert not caught, [str(w.message) for w in caught]
+    # the job's banner, then the refusal: nothing between (no RuntimeWarning, no NonFiniteLoss)
+    banner, *rest = [line for line in err.splitlines() if line.strip()]
+    assert banner == "exatrain run: cosmoflow on 1 local rank(s)", err[-3000:]
+    assert len(rest) == 1 and rest[0].startswith("exatrain: DataError: "), err[-3000:]
+    assert f"{tmp_path / 'train.h5'} (sample {sample}): 1 negative particle counts" in rest[0]
+    assert "-7 at (d, h, w, channel) = (2, 3, 4, 1)" in rest[0]
+    assert "exatrain data cosmoflow --out DIR" in rest[0]
+
+
+def test_a_negative_count_is_found_in_every_layout_and_block(tmp_path):
+    from exatrain.errors import DataError
+
+    counts = np.ones((4, 4, 4, 4), np.int16)
+    counts[3, 1, 2, 0] = -1
+    mdir, ndir = tmp_path / "mlperf", tmp_path / "numpy"
+    mdir.mkdir()
+    ndir.mkdir()
+    _write_mlperf(mdir / "a.h5", np.ones_like(counts), [0, 0, 0, 0])
+    _write_mlperf(mdir / "b.h5", counts, [0, 0, 0, 0])
+    np.save(ndir / "a_data.npy", np.ones_like(counts))
+    np.save(ndir / "a_label.npy", np.zeros(4, np.float32))
+    np.save(ndir / "b_data.npy", counts)
+    np.save(ndir / "b_label.npy", np.zeros(4, np.float32))
+    for ds, file in ((CosmoFlowDataset(mdir), mdir / "b.h5"),
+                     (CosmoFlowDataset(ndir), ndir / "b_data.npy")):
+        ds[0]
+        for raw in (False, True):
+            ds.raw = raw
+            with pytest.raises(DataError, match=rf"{file} \(sample 1\).*\(3, 1, 2, 0\)"):
+                ds[1]
+        # a spatial block: the voxel is named in the whole sample's coordinates
+        with pytest.raises(DataError, match=r"\(3, 1, 2, 0\)"):
+            ds.read(1, (slice(2, 4), slice(None), slice(None)))
+        ds.read(1, (slice(0, 2), slice(None), slice(None)))   # a block without it reads

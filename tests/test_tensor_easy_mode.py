@@ -340,7 +340,8 @@ def test_heads_are_judged_by_running_the_forward_not_by_its_source():
     qkv = ["query", "key", "value"]
     assert runs_on_local_heads(BranchAttention(), 2, qkv, "proj") is None
     check_forward("attn", BranchAttention(), 2, "tensor", qkv, "proj")   # accepted
-    with pytest.raises(ValueError, match=r"'attn' \(BranchAttention\).*c // self.n_head.*meta"):
+    with pytest.raises(ValueError,
+                       match=r"'attn' \(BranchAttention\).*c // self.n_head.*share of the heads, it fails"):
         check_forward("attn", BranchAttention(legacy_reshape=True), 2, "tensor", qkv, "proj")
     with pytest.raises(ValueError, match=r"C // self.n_head.*self.head_dim"):
         check_forward("attn", NanoOriginal(), 2, "tensor", ["q", "k", "v"], "c_proj")

@@ -116,6 +116,21 @@ if __name__ == "__main__":
            run={"out_dir": "runs"})
 '''
 
+MODEL_INPUT_SCRIPT = '''
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+import exatrain as et
+
+if __name__ == "__main__":
+    x = torch.rand(8, 16, 16, 16, 4)      # cubes as CosmoFlow files store them: channels last
+    data = TensorDataset(x, torch.rand(8, 4))
+    et.fit(et.models.CosmoFlow(size=16, base_channels=4, conv_layers=4), data, data,
+           loss=F.mse_loss, train={"steps": 1, "batch_size": 4, "num_workers": 0},
+           run={"out_dir": "runs"})
+'''
+
 TINY_COSMO = ["model.size=16", "model.conv_layers=4", "model.base_channels=4", "data.size=16",
               "data.generate=false", "train.batch_size=8", "train.steps=1", "train.eval_every=0",
               "train.num_workers=0"]
@@ -199,6 +214,10 @@ CASES = {
                       ["0.5 s (run.timeout_s)", "train.num_workers=0"]),
     "MissingFileError": (lambda t, u, c: ["run", "--nproc", "1", *c(f"data.path={t}/nothing")],
                          ["{tmp}/nothing", "exatrain data cosmoflow --out DIR"]),
+    "ModelInputError": (lambda t, u, c: ["run", str(_script(t, MODEL_INPUT_SCRIPT)), "--nproc",
+                                         "1"],
+                        ["CosmoFlow expects input (B, 4, 16, 16, 16), got (4, 16, 16, 16, 4)",
+                         "x.permute(0, 4, 1, 2, 3)"]),
     "ModelOptionError": (lambda t, u, c: ["run", "--nproc", "1",
                                           *c("model.conv_layers=5")],
                          ["size=16", "divisible by 2^5"]),
@@ -227,12 +246,12 @@ CASES = {
 }
 ENV = {"InjectError": {"EXATRAIN_INJECT_FAULTS": "boom"},
        "LaunchError": {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": ""}}
-SPAWNED = {"PipeSplitError", "SpatialSplitError", "TensorSplitError", "UnusedParameterError"}
+SPAWNED = {"ModelInputError", "PipeSplitError", "SpatialSplitError", "TensorSplitError", "UnusedParameterError"}
 
 
-def _script(tmp_path):
-    (tmp_path / "pipe4.py").write_text(PIPE_SCRIPT)
-    return tmp_path / "pipe4.py"
+def _script(tmp_path, text=PIPE_SCRIPT):
+    (tmp_path / "script.py").write_text(text)
+    return tmp_path / "script.py"
 
 
 def _hooks():
@@ -285,6 +304,44 @@ def test_a_user_error_is_one_line_naming_the_value_and_the_fix(name, user, cosmo
     code = main(args)
     refused(code, capsys.readouterr().err, name, [t.replace("{tmp}", str(tmp_path)) for t in texts],
             ranks=name in SPAWNED)
+
+
+def test_a_kfac_layer_that_ran_no_forward_is_one_line(user, tmp_path, capsys):
+    """K-FAC preconditions every trained Linear; one the forward never uses (`spare`) stops the
+    first step, before any collective, naming the layer, the rank and the fixes."""
+    capsys.readouterr()
+    code = main(["run", "--nproc", "2", *user("unused", "plan.data=2", "optim.name='kfac'")])
+    refused(code, capsys.readouterr().err, "UnusedParameterError",
+            ["K-FAC: layer 'spare' (Linear) ran no forward in step 0",
+             "requires_grad_(False)", "optim.name='adamw'"], ranks=True)
+
+
+def test_a_halo_wider_than_a_block_is_a_spatial_split_error():
+    """The exchange plan itself refuses a halo that a neighbour's block cannot supply (the
+    layers refuse the same geometry earlier, naming the layer; a direct user of comm.halo
+    gets this), naming the rank, the block and the fix."""
+    import exatrain as et
+    from exatrain.comm import Axis, Ledger
+    from exatrain.comm.halo import Halo, SplitDim
+
+    space = Axis("space", 4, 1, None, Ledger())
+    # blocks of 2 along dim 2, a kernel-7 window: halos of 3 on each side
+    wide = SplitDim(2, 4, 1, 1, (0, 3, 3, 3), (3, 3, 3, 0))
+    with pytest.raises(et.SpatialSplitError) as caught:
+        Halo(space, [wide], (1, 1, 2, 8))
+    text = str(caught.value)
+    assert isinstance(caught.value, et.UserError)
+    assert "rank 1 of 'space'" in text and "block is 2 wide" in text
+    assert "at most 2 parts (plan.space)" in text and "larger input" in text
+
+
+def test_every_user_error_is_exported_for_scripts_to_catch():
+    import exatrain as et
+
+    for cls in _hooks().user_errors():
+        assert getattr(et, cls.__name__, None) is cls and cls.__name__ in et.__all__, cls
+    assert issubclass(et.ModelInputError, et.UserError)
+    assert issubclass(et.ModelInputError, ValueError)   # callers that catch ValueError still do
 
 
 def test_a_staging_directory_too_small_is_one_line_from_the_real_command(cosmo_data, tmp_path):

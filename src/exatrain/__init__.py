@@ -7,17 +7,38 @@
 """
 
 from . import data, models
+# every error of the user's making, to catch as one class (et.UserError) or by its kind
+from .comm.inject import InjectError
+from .data.graph import GraphFileError
+from .data.loader import LoaderTimeout
+from .data.stage import StagingError
+from .errors import (ArgumentError, DataError, MissingFileError, ModelInputError,
+                     ModelOptionError, ParallelizeError, SpatialSplitError, TensorSplitError,
+                     UserError)
+from .launch.env import LaunchError
 from .mesh import Mesh, init
 from .models.branches import Branches
 from .parallel import parallelize
 from .plan import Plan, PlanError
 from .train import Config, ConfigError, NonFiniteLoss, Trainer, load_config
+from .parallel.data import UnusedParameterError
+from .parallel.pipe.split import PipeSplitError
+from .train.checkpoints.checkpoint import CheckpointError
+from .train.checkpoints.export import InitFromError
 from .train.fit import fit, launch
 from .train.kfac import KFAC, KFACSettings
-from .train.predict import predict
+from .train.predict import PredictError, predict
+from .train.run import ResumeError
 from .workloads.metrics import Mean, Ratio
 from .workloads.user import Task
 
 __version__ = "0.1.0"
-__all__ = ["Branches", "Config", "ConfigError", "KFAC", "KFACSettings", "Mean", "Mesh", "NonFiniteLoss", "Plan", "PlanError", "Ratio",
-           "Task", "Trainer", "fit", "data", "init", "launch", "load_config", "models", "parallelize", "predict"]
+__all__ = ["Branches", "Config", "KFAC", "KFACSettings", "Mean", "Mesh", "Plan", "Ratio", "Task",
+           "Trainer", "fit", "data", "init", "launch", "load_config", "models", "parallelize",
+           "predict",
+           # errors of the user's making (exatrain.errors): the base, then each kind
+           "UserError", "ArgumentError", "CheckpointError", "ConfigError", "DataError",
+           "GraphFileError", "InitFromError", "InjectError", "LaunchError", "LoaderTimeout",
+           "MissingFileError", "ModelInputError", "ModelOptionError", "NonFiniteLoss",
+           "ParallelizeError", "PipeSplitError", "PlanError", "PredictError", "ResumeError",
+           "SpatialSplitError", "StagingError", "TensorSplitError", "UnusedParameterError"]

@@ -3,8 +3,9 @@
 Every error of the user's making derives from `UserError`: a config value, a Plan, a data set,
 a staging directory, a resume, a checkpoint, a launcher environment, a refusal of `parallelize`,
 a loader timeout, `predict`, `model.init_from`. The CLI sorts failures by type alone: a
-`UserError` is printed as one line and exits 2; anything else -- a `ValueError` from a model's
-forward, a bug in exatrain -- is internal: the CLI says so and keeps the traceback (printed, and
+`UserError` is printed as one line and exits 2 (a built-in model's check of its input raises
+`ModelInputError`); anything else -- a `ValueError` from the user's own model's forward, a bug in
+exatrain -- is internal: the CLI says so and keeps the traceback (printed, and
 in the run directory's `error_rank<R>.log`).
 
 `UserError` is a mixin: an error that callers catch as a `ValueError` or `FileNotFoundError`
@@ -66,12 +67,32 @@ class ModelOptionError(UserError, ValueError):
     """
 
 
+class ModelInputError(UserError, ValueError):
+    """A batch that a built-in model (or its loss) cannot take: a shape, a number of channels or
+    a length other than the ones the model was built for.
+
+    What to do: the message names what the model expects and what it got; make the data match
+    (the `data.*` keys, or your data set's samples), or build the model for the data (the
+    `model.*` keys).
+    """
+
+
 class ParallelizeError(UserError, ValueError):
     """`parallelize` cannot lay this model out under the Plan: a layer or option that the
     strategy refuses.
 
     What to do: the message names the module and the degree that would work; change the Plan
     (`plan.*`) or the `parallel.*` option it names.
+    """
+
+
+class SpatialSplitError(ParallelizeError):
+    """A layer cannot be split over `plan.space` as asked: a spatial size the split does not
+    divide, a kernel, stride or padding the halo exchange cannot serve, or a halo wider than a
+    rank's block.
+
+    What to do: use a `plan.space` that divides the sizes the message names, or a sample size
+    (`data.*`, `model.size`) that the split divides.
     """
 
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import SpatialSplitError
 from .collectives import Axis, exchange
 
 
@@ -64,7 +65,8 @@ class Halo:
     """The exchange plan of one layer, for one rank and one block shape.
 
     `block_shape` is the full local tensor shape; `dims` the split dims with their halo widths.
-    Raises ValueError if a halo is wider than a neighbour's block (only nearest neighbours talk).
+    Raises SpatialSplitError if a halo is wider than a neighbour's block (only nearest
+    neighbours talk), naming the rank, the widths and the fix.
     """
 
     def __init__(self, axis: Axis, dims: list[SplitDim], block_shape: tuple[int, ...],
@@ -86,8 +88,15 @@ class Halo:
             need_down = sd.right[c - 1] if c > 0 else 0
             if (c > 0 and hl > b) or (c + 1 < sd.parts and hr > b) or center <= 0 \
                     or need_up > b or need_down > b:
-                raise ValueError(f"halo wider than a block along dim {sd.dim}: block {b}, "
-                                 f"widths below/above {lo}/{hi}")
+                wide = max(hl, hr, need_up, need_down, cl + cr + 1)
+                parts = [q for q in range(1, sd.parts + 1) if b * sd.parts // q >= wide]
+                raise SpatialSplitError(
+                    f"rank {axis.rank} of {axis.name!r} (block {c} of {sd.parts} along tensor "
+                    f"dim {sd.dim}): its block is {b} wide, too narrow for the layer's halo "
+                    f"(its widths below/above {lo}/{hi}, its neighbours' {need_down}/{need_up}; "
+                    f"only nearest neighbours exchange, so every block must be at least {wide} "
+                    f"wide). Split that dim into at most {max(parts or [1])} parts "
+                    f"(plan.space), or use a larger input.")
             self.cropped |= cl > 0 or cr > 0
             center_src[sd.dim] = slice(cl, b - cr)
             center_dst[sd.dim] = slice(hl, hl + center)

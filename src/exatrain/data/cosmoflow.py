@@ -250,6 +250,9 @@ class CosmoFlowDataset(Dataset):
     integer dtype (channels last, no transform, no copy into float32: half the bytes of float32
     for int16, and no loader time spent on arithmetic); `CountsDecoder` then decodes whole
     batches on the device. ``transform`` is ignored while ``raw`` is set.
+
+    Each sample is checked as it is read: negative counts (which log1p makes non-finite) and
+    targets that are not 4 finite values are a ``DataError`` naming the file and the sample.
     """
 
     def __init__(self, path, transform: str | Callable | None = "log1p"):
@@ -355,7 +358,8 @@ class CosmoFlowDataset(Dataset):
                     raise DataError(f"{file} (sample {index}): shape {cube.shape} differs "
                                     f"from the data set's {self.sample_shape}")
                 raw, y = cube[sel], np.load(_label_file(file))
-                raw = np.asarray(raw) if out is None else np.copyto(out, raw) or out
+                # a copy: read now, and writable (torch warns of a tensor on a read-only map)
+                raw = np.array(raw) if out is None else np.copyto(out, raw) or out
             elif self.layout == "exatrain":
                 f = self._file()
                 raw, y = _read_hdf5(f["x"], (index, *sel), out), f["y"][index]
@@ -371,6 +375,8 @@ class CosmoFlowDataset(Dataset):
         y = np.asarray(y, dtype=np.float32).reshape(-1)
         if y.shape != (4,) or not np.all(np.isfinite(y)):
             raise DataError(f"{file} (sample {index}): targets must be 4 finite values, got {y}")
+        if raw.dtype.kind == "i" and raw.size and raw.min() < 0:
+            raise _negative_counts(raw, file, index, region, self.sample_shape)
         if self.raw:  # torch has no uint16/uint32 arithmetic on every device: widen those
             raw = raw if raw.dtype in _TORCH_INTS else raw.astype(np.int32)
             return torch.from_numpy(np.ascontiguousarray(raw)), torch.from_numpy(y)
@@ -427,6 +433,24 @@ class CosmoFlowDataset(Dataset):
                 f"{self.files[0 if self.layout == 'exatrain' else bad]} (sample {bad}): "
                 f"targets must be 4 finite values")
         return y
+
+
+def _negative_counts(raw: np.ndarray, file, index: int, region, shape) -> DataError:
+    """The refusal of a block with negative counts, naming where the first one lies.
+
+    Particle counts are never negative; log1p makes -inf or NaN of -1 and below (numpy warns,
+    torch is silent), and the run would stop many steps later at a non-finite loss that names no file.
+    A negative count is most often an overflow: counts above 32767 written as int16 wrap round."""
+    bad = raw < 0
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    start = [s.indices(n)[0] for s, n in zip(region, shape[:3])] + [0]  # a block's origin
+    voxel = tuple(w + o for w, o in zip(where, start))
+    return DataError(
+        f"{file} (sample {index}): {int(bad.sum())} negative particle counts, the first "
+        f"{int(raw[where])} at (d, h, w, channel) = {voxel}; counts must be >= 0 (log1p of a "
+        f"negative count is not finite). Regenerate the data set (exatrain data cosmoflow "
+        f"--out DIR), or convert it again with a dtype that holds the largest count (int16 "
+        f"wraps counts above 32767 round to negative ones).")
 
 
 _TORCH_INTS = (np.dtype(np.int16), np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.uint8),

@@ -450,8 +450,8 @@ def run_loader(dataset, sampler: Sampler, batch_size: int, workers: int, device:
                         generator=torch.Generator().manual_seed(seed))
     with no_inherited_garbage(workers):
         iterator = iter(loader)   # starts the workers
-    if workers > 0 and timeout_s > 0:
-        return _BoundedWait(iterator, workers, timeout_s)
+    if workers > 0:
+        return _WorkerBatches(iterator, workers, timeout_s)
     return iterator
 
 
@@ -483,8 +483,14 @@ class LoaderTimeout(UserError, RuntimeError):
     """
 
 
-class _BoundedWait:
-    """A DataLoader iterator whose timeout error names the setting and the fixes."""
+class _WorkerBatches:
+    """A DataLoader iterator over worker processes whose errors read as if the data set had been
+    read in this process: a timeout names the setting and the fixes (`LoaderTimeout`), and a
+    `UserError` a worker raised (a `DataError` naming file and sample) keeps its message alone.
+    DataLoader re-raises a worker's exception as a new one of its class whose message is the
+    worker's whole traceback ("Caught DataError in DataLoader worker process 0. Original
+    Traceback ..."); a user is told what is wrong with their data in one line, as without
+    workers, and the worker's traceback stays in the error's __cause__."""
 
     def __init__(self, batches: Iterator, workers: int, timeout_s: float):
         self.batches, self.workers, self.timeout_s = batches, workers, timeout_s
@@ -495,8 +501,11 @@ class _BoundedWait:
     def __next__(self):
         try:
             return next(self.batches)
+        except UserError as exc:
+            raise _as_raised_in_worker(exc) from exc
         except RuntimeError as exc:
-            if "timed out" not in str(exc):   # DataLoader's own timeout has no type of its own
+            # DataLoader's own timeout has no type of its own
+            if self.timeout_s <= 0 or "timed out" not in str(exc):
                 raise
             raise LoaderTimeout(
                 f"the input loader's {self.workers} worker process(es) delivered no batch in "
@@ -508,3 +517,17 @@ class _BoundedWait:
 
     def _shutdown_workers(self) -> None:   # what Prefetcher.close calls on a DataLoader iterator
         self.batches._shutdown_workers()
+
+
+def _as_raised_in_worker(exc: UserError) -> UserError:
+    """The error a worker raised, with its own message: the last line of the traceback that
+    DataLoader put in `exc`'s message (`module.Class: message`); `exc` itself when its message
+    is not such a traceback."""
+    text, cls = str(exc), type(exc)
+    marker = f"{cls.__module__}.{cls.__qualname__}: "
+    if not text.startswith("Caught ") or marker not in text:
+        return exc
+    try:
+        return cls(text.rsplit(marker, 1)[1].rstrip("\n"))
+    except TypeError:   # a subclass whose constructor takes more than the message
+        return exc

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..errors import ModelOptionError
+from ..errors import ModelInputError, ModelOptionError
 
 
 class CosmoFlow(nn.Module):
@@ -59,6 +59,7 @@ class CosmoFlow(nn.Module):
         )
         self.output_scale = 1.2
         self.channels_last = channels_last
+        self.in_channels, self.size = in_channels, size
         for module in self.modules():
             if isinstance(module, (nn.Conv3d, nn.Linear)):
                 nn.init.xavier_uniform_(module.weight)
@@ -66,6 +67,17 @@ class CosmoFlow(nn.Module):
                     nn.init.zeros_(module.bias)
 
     def forward(self, x):
-        if self.channels_last and x.dim() == 5:
+        # channels and rank only: under a `space` split this forward sees a rank's block, so
+        # the cube's edge is checked against the data at build time (workloads.cosmoflow)
+        if x.dim() != 5 or x.shape[1] != self.in_channels:
+            fix = (f"feed channels-first cubes: x.permute(0, 4, 1, 2, 3) turns these (B, S, S, "
+                   f"S, {self.in_channels}) ones around" if x.dim() == 5 and
+                   x.shape[-1] == self.in_channels else
+                   f"feed (B, C, S, S, S) cubes of {self.in_channels} channels, or build the "
+                   f"model with in_channels=C for data of C channels")
+            raise ModelInputError(
+                f"CosmoFlow expects input (B, {self.in_channels}, {self.size}, {self.size}, "
+                f"{self.size}), got {tuple(x.shape)}: {fix}")
+        if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last_3d)
         return self.head(self.features(x)) * self.output_scale

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .branches import Branches
-from ..errors import DataError, ModelOptionError
+from ..errors import DataError, ModelInputError, ModelOptionError
 
 __all__ = [
     "DeepCAM",
@@ -176,14 +176,16 @@ class DeepCAM(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Per-pixel logits ``(B, num_classes, H, W)`` for input ``(B, C, H, W)``."""
         if x.dim() != 4 or x.shape[1] != self.in_channels:
-            raise ValueError(
-                f"DeepCAM expects input (B, {self.in_channels}, H, W), got {tuple(x.shape)}"
+            raise ModelInputError(
+                f"DeepCAM expects input (B, {self.in_channels}, H, W), got {tuple(x.shape)}: "
+                f"build it with in_channels={x.shape[1] if x.dim() == 4 else 'C'} for these data, "
+                f"or feed {self.in_channels}-channel images (B, C, H, W)"
             )
         h, w = x.shape[-2:]
         if h % self.output_stride or w % self.output_stride:
-            raise ValueError(
+            raise ModelInputError(
                 f"DeepCAM needs H and W divisible by its output stride {self.output_stride}, "
-                f"got {h}x{w}"
+                f"got {h}x{w}: crop or pad the images to multiples of {self.output_stride}"
             )
         x = self.stem(x)
         low = self.enc1(x)

@@ -23,7 +23,7 @@ import warnings
 import torch
 from torch import nn
 
-from ..errors import ModelOptionError
+from ..errors import ModelInputError, ModelOptionError
 
 
 def normalized_adjacency(edge_index: torch.Tensor, num_nodes: int) -> torch.Tensor:
@@ -173,8 +173,9 @@ class GCN(nn.Module):
         if x.dim() == 3:
             return torch.stack([self.forward(graph) for graph in x])
         if x.shape[0] != self.num_nodes:
-            raise ValueError(f"the features have {x.shape[0]} rows but the graph has "
-                             f"{self.num_nodes} nodes.")
+            raise ModelInputError(f"the features have {x.shape[0]} rows but the graph has "
+                                  f"{self.num_nodes} nodes: pass one row of features per node "
+                                  f"of the graph the model was built on.")
         adjacency = self.operator(x.device)
         h = x
         for i, conv in enumerate(self.convs):

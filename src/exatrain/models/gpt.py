@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ModelOptionError
+from ..errors import ModelInputError, ModelOptionError
 
 __all__ = [
     "GPTConfig",
@@ -339,11 +339,14 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Map token ids ``(B, T)`` (int64, ``T <= block_size``) to logits ``(B, T, vocab_size)``."""
         if idx.dim() != 2:
-            raise ValueError(f"GPT expects token ids of shape (B, T), got {tuple(idx.shape)}")
+            raise ModelInputError(f"GPT expects token ids of shape (B, T), got "
+                                  f"{tuple(idx.shape)}: feed each sample as a 1-D sequence")
         T = idx.size(1)
         if T > self.config.block_size:
-            raise ValueError(
-                f"sequence length {T} exceeds block_size={self.config.block_size}"
+            raise ModelInputError(
+                f"sequence length {T} exceeds block_size={self.config.block_size}: build the "
+                f"model with block_size >= {T} (model.block_size={T}), or feed sequences of at "
+                f"most {self.config.block_size} tokens"
             )
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
@@ -390,8 +393,9 @@ def gpt_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -1
             ``ignore_index`` are excluded from the mean.
     """
     if logits.shape[:-1] != targets.shape:
-        raise ValueError(
-            f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree on (B, T)"
+        raise ModelInputError(
+            f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree on (B, T): "
+            f"give each sample as many target tokens as input tokens"
         )
     # Upcast so bf16/fp16 logits do not lose precision in the log-softmax.
     return F.cross_entropy(

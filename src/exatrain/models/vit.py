@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ModelOptionError
+from ..errors import ModelInputError, ModelOptionError
 
 __all__ = [
     "ViTForecaster",
@@ -53,7 +53,9 @@ def patchify(x: torch.Tensor, patch_size: int) -> torch.Tensor:
     B, C, H, W = x.shape
     p = patch_size
     if H % p or W % p:
-        raise ValueError(f"image {H}x{W} is not divisible by patch size {p}")
+        raise ModelInputError(f"image {H}x{W} is not divisible by patch size {p}: crop or pad "
+                              f"the images to multiples of {p}, or choose a patch size that "
+                              f"divides both")
     x = x.reshape(B, C, H // p, p, W // p, p)
     x = x.permute(0, 2, 4, 3, 5, 1)  # B, Hp, Wp, pi, pj, C
     return x.reshape(B, (H // p) * (W // p), p * p * C)
@@ -65,7 +67,7 @@ def unpatchify(tokens: torch.Tensor, patch_size: int, height: int, width: int) -
     p = patch_size
     hp, wp = height // p, width // p
     if hp * wp != N or F_ % (p * p):
-        raise ValueError(
+        raise ModelInputError(
             f"cannot unpatchify {tuple(tokens.shape)} to {height}x{width} with patch {p}"
         )
     C = F_ // (p * p)
@@ -209,9 +211,10 @@ class ViTForecaster(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tuple(x.shape[-3:]) != (self.in_channels, *self.img_size):
-            raise ValueError(
+            raise ModelInputError(
                 f"expected input (B, {self.in_channels}, {self.img_size[0]}, "
-                f"{self.img_size[1]}), got {tuple(x.shape)}"
+                f"{self.img_size[1]}), got {tuple(x.shape)}: build the model with the data's "
+                f"img_size and in_channels, or feed images of that shape"
             )
         z = self.pos_drop(self.patch_embed(self.patchify(x)) + self.pos_embed)
         for block in self.blocks:
@@ -227,8 +230,9 @@ def relative_l2_loss(pred: torch.Tensor, target: torch.Tensor, eps: float = 1e-1
     ``eps`` guards an all-zero target.
     """
     if pred.shape != target.shape:
-        raise ValueError(
-            f"shape mismatch: pred {tuple(pred.shape)} vs target {tuple(target.shape)}"
+        raise ModelInputError(
+            f"shape mismatch: pred {tuple(pred.shape)} vs target {tuple(target.shape)}: give "
+            f"each sample a target of the model output's shape"
         )
     diff = (pred - target).flatten(1).norm(dim=1)
     ref = target.flatten(1).norm(dim=1).clamp_min(eps)

@@ -52,8 +52,9 @@ def _ledger_allreduce_hook(state: _HookState, bucket) -> torch.futures.Future[to
 
 
 class UnusedParameterError(UserError, RuntimeError):
-    """A parameter that requires a gradient got none in the last step under data parallelism:
-    the model's forward does not use it.
+    """A parameter that requires a gradient got none in the last step under data parallelism, or
+    a layer that K-FAC preconditions ran no forward or backward in a step: the model's forward
+    does not use it.
 
     What to do: the message names the parameters; use them, freeze them
     (`requires_grad_(False)`), or remove them from the model.

@@ -100,7 +100,7 @@ from torch import nn
 from ..comm import Axis, all_reduce, broadcast
 from ..mesh import Mesh
 from ..parallel.branches import SplitBranches
-from ..parallel.data import unwrap
+from ..parallel.data import UnusedParameterError, unwrap
 from ..parallel.spatial.layers import SpatialConv
 from ..errors import ConfigError
 
@@ -347,6 +347,7 @@ class KFAC(torch.optim.Optimizer):
         self.defaults = inner.defaults
         module = unwrap(model)
         where = f"rank {mesh.rank}: " if mesh is not None else ""
+        self.where = where   # names the rank in a refusal at a step
         if mesh is not None:
             check_plan(mesh.plan, where)
         check_model(module, where)   # before any collective: every rank refuses alike
@@ -570,8 +571,15 @@ class KFAC(torch.optim.Optimizer):
         parts = []
         for l in self.layers:
             if l.A_sum is None or l.G_sum is None:
-                raise RuntimeError(f"K-FAC: layer '{l.name}' ran no forward/backward this step; "
-                                   "every preconditioned layer must be used in every step.")
+                # before the factors' all-reduce: every rank runs the same model, so all of them
+                # refuse here alike, and none waits in a collective for the others
+                raise UnusedParameterError(
+                    f"{self.where}K-FAC: layer '{l.name}' ({type(l.module).__name__}) ran no "
+                    f"{'forward' if l.A_sum is None else 'backward'} in step {self.steps}, but "
+                    f"K-FAC preconditions every Linear and convolution the optimizer trains from "
+                    f"statistics of each step's forward and backward. Use the layer in every "
+                    f"step, freeze it (requires_grad_(False)) or remove it from the model, or "
+                    f"train with optim.name='adamw' or 'sgd'.")
             parts += [l.A_sum.flatten(), l.G_sum.flatten(),
                       torch.tensor([l.a_count, l.g_count], device=l.A_sum.device)]
         flat = torch.cat(parts).to(self.device)

@@ -43,18 +43,9 @@ from ...comm import all_reduce
 from ...comm.halo import Halo, SplitDim, halo_exchange
 from ..batchnorm import BatchNormStats, take_over_batchnorm, update_running_stats
 from .functions import AllReduceSum, shared_mask, sum_over_axis
-from ...errors import ParallelizeError
+from ...errors import SpatialSplitError
 
 GATHER = "gather"  # a layer plan meaning: gather the blocks and run replicated
-
-
-class SpatialSplitError(ParallelizeError):
-    """A layer cannot be split over `plan.space` as asked: a spatial size the split does not
-    divide, or a kernel, stride or padding the halo exchange cannot serve.
-
-    What to do: use a `plan.space` that divides the sizes the message names, or a sample size
-    (`data.*`, `model.size`) that the split divides.
-    """
 
 
 # --------------------------------------------------------------------------- geometry
