@@ -225,6 +225,9 @@ class Trainer:
         self.history: list[dict] = []
         self.input_bytes = 0  # training input delivered to this rank's device (data.loader)
         self.stage_figures: dict = {}  # set by train.run when the data set was staged
+        # set by train.run: what started the ranks and how often they were started again
+        # (launcher, requeues, restarts), in summary.json and the trackers' summary alike
+        self.job_figures: dict = {}
         # the ranks that write a checkpoint together: the job, or one trainer of a population
         self.checkpoint_group = mesh.group
         self.observer = StepObserver(self)  # exposed comm, ranges, profile, TensorBoard, MLPerf
@@ -809,6 +812,7 @@ class Trainer:
             summary.update(self.stage_figures)
             if "time_to_train_s" in summary:
                 summary["time_to_train_s"] += self.stage_figures["stage_s"]
+        summary.update(self.job_figures)
         if self.is_main and self.run_dir:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         self.observer.finished(summary)  # W&B, MLflow: the summary, pictures, logs; the end

@@ -126,12 +126,11 @@ SUMMARY: tuple[Field, ...] = (
           "most 10)", "parallel.compile = true"),
     Field("checkpoint_saves", "", "checkpoints written"),
     Field("checkpoint_blocked_s", "s", "seconds training waited for checkpoint writes"),
-    Field("restarts", "", "times the job was restarted after a rank failed (printed, not in "
-          "summary.json)", "exatrain run --max-restarts or nproc > 1"),
-    Field("restart_history", "", "per restart: the last step logged before the failure and the "
-          "step resumed from (printed, not in summary.json)",
+    Field("restarts", "", "times the job was restarted after a rank failed",
           "exatrain run --max-restarts or nproc > 1"),
-    Field("lost_steps", "", "steps trained again after restarts (printed, not in summary.json)",
+    Field("restart_history", "", "per restart: the last step logged before the failure, the "
+          "step resumed from and the failure", "exatrain run --max-restarts or nproc > 1"),
+    Field("lost_steps", "", "steps trained again after restarts",
           "exatrain run --max-restarts or nproc > 1"),
 )
 
