@@ -462,6 +462,14 @@ def run_population(config: Config, resume_dir: str | None = None,
     trainer.job_figures = job_figures or {}
     try:
         mesh.barrier()  # every trainer starts its clock (elapsed_s) at the same moment
-        return finish(mesh, trainer, trainer.fit())
+        fit = trainer.fit()
+        summary = finish(mesh, trainer, fit)
+    except BaseException as exc:
+        # every trainer's tracked run: a trainer that trained well fails with its job (it
+        # raises here too, at the next exchange with a trainer that failed)
+        trainer.observer.finished(None, exc)
+        raise
     finally:
         mesh.close()
+    trainer.observer.finished(fit)  # this trainer's own summary (RUN_DIR/trainer_KK)
+    return summary

@@ -200,9 +200,11 @@ def run_job(config: Config, resume_dir: str | None = None,
     mesh, trainer = setup(config, resume_dir)
     trainer.job_figures = figures
     try:
-        return trainer.fit()
+        summary = trainer.fit()
+        trainer.observer.finished(summary)  # W&B, MLflow: the summary, pictures, logs; the end
+        return summary
     except BaseException as exc:
-        trainer.observer.finished(None, ok=False)  # a tracked run that failed says so
+        trainer.observer.finished(None, exc)  # a tracked run that failed says so
         record_failure(trainer, exc)
         cleanup_failed_start(trainer, resumed=resume_dir is not None)
         raise

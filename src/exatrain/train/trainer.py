@@ -215,6 +215,7 @@ class Trainer:
         self.last_state_bytes: dict = {}
         self.nonfinite_skipped = 0       # steps skipped under train.on_nonfinite = "skip"
         self.stopped_by_signal = False
+        self.stop_signum: int | None = None  # the signal, when this rank received it itself
         self.faults = FaultInjector(mesh.rank, self.run_dir)
         self.checkpoint_writer = checkpoint.Writer(config.train.checkpoint_async)
         if config.train.on_bad_sample == "skip":
@@ -723,7 +724,7 @@ class Trainer:
             with watchdog.paused():  # file system time; the backend's timeout still holds
                 self._save()
         if stopping:
-            self.stopped_by_signal = True
+            self.stopped_by_signal, self.stop_signum = True, stop.signum
             stop.announce(self)
         self._finished = reached or stopping
         return eval_metrics
@@ -815,7 +816,8 @@ class Trainer:
         summary.update(self.job_figures)
         if self.is_main and self.run_dir:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        self.observer.finished(summary)  # W&B, MLflow: the summary, pictures, logs; the end
+        # the tracked runs (W&B, MLflow) end with the job, which may still fail after this fit
+        # (a population's final exchange): its owner calls observer.finished
         return summary
 
 

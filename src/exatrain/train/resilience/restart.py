@@ -91,6 +91,7 @@ def supervise(run_job, config, nproc: int, resume_dir: str | None, max_restarts:
             restarts = len(history)
             if exc.diagnosis or restarts >= max_restarts or \
                     is_user_error(getattr(exc, "original", None)):
+                _end_tracked_runs(run_dir)
                 if run_dir.is_dir() and not resume_dir and checkpoint.latest(run_dir) is None \
                         and not (run_dir / "metrics.jsonl").exists() and exc.diagnosis is None:
                     shutil.rmtree(run_dir, ignore_errors=True)  # failed before its first step
@@ -105,6 +106,14 @@ def supervise(run_job, config, nproc: int, resume_dir: str | None, max_restarts:
                 (run_dir / "metrics.jsonl").unlink()  # starting over: its lines are written again
             report(f"exatrain: {str(exc).splitlines()[0]}; restart {restarts} of {max_restarts} "
                    f"from {last or 'the beginning'}")
+
+
+def _end_tracked_runs(run_dir: Path) -> None:
+    """The job failed for good: its tracked runs that no rank ended (a rank killed, or stopped
+    by the launcher while it waited for the one that failed) are marked failed too."""
+    if any(run_dir.glob("trackers.json")) or any(run_dir.glob("trainer_*/trackers.json")):
+        from ..monitor.trackers import Outcome, end_open_runs
+        end_open_runs(run_dir, Outcome("FAILED", 1))
 
 
 def _last_logged_step(run_dir: Path) -> int:
