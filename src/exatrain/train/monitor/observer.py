@@ -154,7 +154,7 @@ class StepObserver:
             record["busbw_GBps"] = {a: f["busbw"] / 1e9 for a, f in self.bandwidth.last.items()}
         flops = self.trainer.workload.flops_per_sample
         if flops and "samples_per_s" in record and "mfu" not in record:
-            record["mfu"] = flops * record["samples_per_s"] / self.trainer.peak_matmul_flops / \
+            record["mfu"] = flops * record["samples_per_s"] / self.trainer.peak.flops / \
                 self.trainer.mesh.world_size
 
     def written(self, record: dict) -> None:
