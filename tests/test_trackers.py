@@ -267,3 +267,62 @@ def test_a_population_tracks_one_run_per_trainer_grouped(cosmo_data, tmp_path):
     assert sorted(r.data.tags["exatrain.trainer"] for r in runs) == ["0", "1"]
     for r in runs:
         assert [m.step for m in client.get_metric_history(r.info.run_id, "loss")] == [1, 2]
+
+
+def _ends(run_dir: Path) -> list[tuple[int, bool]]:
+    """(exit code, marked preempting) of each W&B run under `run_dir`, as its last segment (an
+    offline run's `.wandb` log) records them in W&B's own records."""
+    from exatrain.train.monitor.trackers import read_wandb_log
+    last: dict[str, Path] = {}
+    for log in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
+        last[log.name] = log
+    out = []
+    for log in last.values():
+        records = read_wandb_log(log)
+        kinds = [r.WhichOneof("record_type") for r in records]
+        (code,) = [r.exit.exit_code for r in records if r.WhichOneof("record_type") == "exit"]
+        out.append((code, "preempting" in kinds))
+    return out
+
+
+def test_a_failed_population_marks_every_trainers_run_failed(cosmo_data, tmp_path):
+    """`exatrain run`'s supervisor, as a user's job runs: trainer 1 diverges (an infinite
+    learning rate; no tournaments, so it stops the job) and marks its runs failed itself;
+    trainer 0, which trained well, is stopped by the launcher while it waits for trainer 1 at
+    the final exchange, and the supervisor marks its runs. Both MLflow runs read back FAILED,
+    both W&B runs end with exit code 1."""
+    from mlflow.tracking import MlflowClient
+
+    from exatrain.launch.local import RankFailed
+    from exatrain.train.resilience.restart import supervise
+    config = load_config(None, _overrides(cosmo_data, tmp_path / "runs", TRACKED,
+                                          "train.steps=3", "train.eval_every=3",
+                                          "train.checkpoint_every=0", "mlperf.enabled=false",
+                                          "plan.trainer=2", 'population.strategy="none"',
+                                          "population.lr=[0.003, inf]", "train.num_workers=0"))
+    with pytest.raises(RankFailed, match="NonFiniteLoss"):
+        supervise(run_job, config, 2, None, 0, report=lambda _: None)
+    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert sorted((r.info.run_name, r.info.status) for r in runs) == \
+        [("trainer_00", "FAILED"), ("trainer_01", "FAILED")]
+    (job,) = (tmp_path / "runs").glob("cosmoflow-*")
+    for trainer in ("trainer_00", "trainer_01"):
+        assert _ends(job / trainer) == [(1, False)], trainer
+
+
+def test_a_stop_by_signal_marks_the_runs_killed_and_preempting(cosmo_data, tmp_path,
+                                                                monkeypatch):
+    """SIGTERM (a scheduler's warning) as step 2 starts: the run checkpoints and stops; MLflow
+    reads KILLED, W&B was told it is preempted and ended with exit code 128 + SIGTERM."""
+    import signal
+
+    from mlflow.tracking import MlflowClient
+    monkeypatch.setenv("EXATRAIN_INJECT_FAULTS", "term@0:2")
+    config = load_config(None, _overrides(cosmo_data, tmp_path / "runs", TRACKED,
+                                          "mlperf.enabled=false"))
+    summary = run_job(config)
+    assert summary["stopped_by_signal"] and summary["steps"] == 2
+    info = summary["trackers"]["mlflow"]
+    assert MlflowClient(info["tracking_uri"]).get_run(info["run_id"]).info.status == "KILLED"
+    assert _ends(Path(summary["run_dir"])) == [(128 + signal.SIGTERM, True)]

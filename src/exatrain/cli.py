@@ -188,23 +188,11 @@ def _progress(console: Console, label: str):
 def _print_summary(console: Console, summary: dict) -> None:
     from rich.table import Table
 
-    from .train.monitor.console import comm_text
-    from .train.monitor.fields import format_value
-    from .train.monitor.units import human_bytes
+    from .train.monitor.console import summary_rows
 
     table = Table(title="run summary", show_header=False)
-
-    for key, value in summary.items():
-        if key == "memory_per_rank":  # a list per rank: its largest figures are what matter
-            value = "max over ranks: state " + human_bytes(max(r["state_bytes"] or 0 for r in value)) \
-                + ", peak " + human_bytes(max(r["peak_mem_bytes"] or 0 for r in value))
-        elif key == "bandwidth_drops":  # see docs/how-to/preflight.md
-            value = "; ".join(f"step {d['step']}: {d['axis']} ({d['op']})" for d in value) or "none"
-        elif key == "bytes_per_step":  # the ledger's bytes per step, by mesh axis
-            key, value = "comm/step (bytes_per_step)", comm_text(value, prefix="")
-        else:  # in the unit the field table gives (docs: reference/summary.md)
-            value = format_value(key, value)
-        table.add_row(key, str(value))
+    for key, value in summary_rows(summary):  # docs: reference/summary.md
+        table.add_row(key, value)
     console.print(table)
     if summary.get("run_dir"):
         from pathlib import Path

@@ -449,16 +449,28 @@ def finish(mesh, trainer: PopulationTrainer, fit: dict) -> dict:
     if options.strategy == "none":
         hours = max([r["wall_s"] for r in reached] or [summary["wall_s"]]) / 3600
         summary.update(models_reached_target=len(reached), models_per_hour=len(reached) / hours)
+    summary.update(trainer.job_figures)
     if mesh.rank == 0:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
 
-def run_population(config: Config, resume_dir: str | None = None) -> dict:
-    """Train a population per `config` on this rank; returns the population summary."""
+def run_population(config: Config, resume_dir: str | None = None,
+                   job_figures: dict | None = None) -> dict:
+    """Train a population per `config` on this rank; returns the population summary.
+    `job_figures`: how the ranks were started (`run.job_figures`), in every summary."""
     mesh, trainer = setup_population(config, resume_dir)
+    trainer.job_figures = job_figures or {}
     try:
         mesh.barrier()  # every trainer starts its clock (elapsed_s) at the same moment
-        return finish(mesh, trainer, trainer.fit())
+        fit = trainer.fit()
+        summary = finish(mesh, trainer, fit)
+    except BaseException as exc:
+        # every trainer's tracked run: a trainer that trained well fails with its job (it
+        # raises here too, at the next exchange with a trainer that failed)
+        trainer.observer.finished(None, exc)
+        raise
     finally:
         mesh.close()
+    trainer.observer.finished(fit)  # this trainer's own summary (RUN_DIR/trainer_KK)
+    return summary

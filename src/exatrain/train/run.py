@@ -7,7 +7,6 @@ from its last complete checkpoint whenever the ranks start again.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -194,21 +193,22 @@ def setup(config: Config, resume_dir: str | None = None) -> tuple:
         raise
 
 
-def run_job(config: Config, resume_dir: str | None = None) -> dict:
-    """Train per `config` on this rank; returns the run summary."""
+def run_job(config: Config, resume_dir: str | None = None,
+            restart_history: list[dict] | None = None) -> dict:
+    """Train per `config` on this rank; returns the run summary. `restart_history`: given by
+    `exatrain run`'s supervisor (`resilience.restart.supervise`), the restarts before this start."""
+    figures = job_figures(restart_history)
     if config.plan.trainer > 1:
         from .population import run_population
-        return run_population(config, resume_dir)
-    from ..launch import detect
-    from ..launch.local import SPAWNED_ENV
-
-    launch = detect()  # before init, which exports torchrun's variables for torch.distributed
-    launcher = "local" if launch is None or os.environ.get(SPAWNED_ENV) else launch.source
+        return run_population(config, resume_dir, figures)
     mesh, trainer = setup(config, resume_dir)
+    trainer.job_figures = figures
     try:
-        return _launch_figures(trainer, trainer.fit(), launcher)
+        summary = trainer.fit()
+        trainer.observer.finished(summary)  # W&B, MLflow: the summary, pictures, logs; the end
+        return summary
     except BaseException as exc:
-        trainer.observer.finished(None, ok=False)  # a tracked run that failed says so
+        trainer.observer.finished(None, exc)  # a tracked run that failed says so
         record_failure(trainer, exc)
         cleanup_failed_start(trainer, resumed=resume_dir is not None)
         raise
@@ -216,14 +216,22 @@ def run_job(config: Config, resume_dir: str | None = None) -> dict:
         mesh.close()
 
 
-def _launch_figures(trainer, summary: dict, launcher: str) -> dict:
-    """`launcher`: which launcher started the ranks (launch.detect; "local" when none, as for
-    `exatrain run --nproc N`'s own ranks); under Slurm also `requeues`: how often the scheduler
-    requeued this job (SLURM_RESTART_COUNT; the batch script of `--print-batch-script slurm`
-    requeues on the wall-time warning)."""
-    summary["launcher"] = launcher
+def job_figures(restart_history: list[dict] | None) -> dict:
+    """The summary's figures of how the ranks were started: `launcher` (launch.detect; "local"
+    when none, as for `exatrain run --nproc N`'s own ranks); under Slurm `requeues`, how often
+    the scheduler requeued this job (SLURM_RESTART_COUNT; the batch script of
+    `--print-batch-script slurm` requeues on the wall-time warning); under `exatrain run`'s
+    supervisor `restarts`, `restart_history` and `lost_steps` (steps trained again)."""
+    from ..launch import detect
+    from ..launch.local import SPAWNED_ENV
+
+    launch = detect()  # before init, which exports torchrun's variables for torch.distributed
+    out = {"launcher": "local" if launch is None or os.environ.get(SPAWNED_ENV)
+           else launch.source}
     if "SLURM_JOB_ID" in os.environ:
-        summary["requeues"] = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-    if trainer.is_main and trainer.run_dir and (trainer.run_dir / "summary.json").is_file():
-        (trainer.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    return summary
+        out["requeues"] = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    if restart_history is not None:
+        out.update(restarts=len(restart_history), restart_history=restart_history,
+                   lost_steps=sum(h["failed_after_step"] - h["resumed_from_step"]
+                                  for h in restart_history))
+    return out

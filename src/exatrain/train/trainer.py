@@ -62,6 +62,7 @@ from ..workloads.base import Workload
 from .checkpoints import checkpoint
 from . import kfac
 from .config import Config, ConfigError, micro_batch_size
+from .monitor.cpu_peak import Peak, cpu_peak
 from .monitor.memory import StepPeak, state_bytes
 from .monitor.observer import StepObserver
 from .monitor.step_meters import PendingSteps
@@ -215,6 +216,7 @@ class Trainer:
         self.last_state_bytes: dict = {}
         self.nonfinite_skipped = 0       # steps skipped under train.on_nonfinite = "skip"
         self.stopped_by_signal = False
+        self.stop_signum: int | None = None  # the signal, when this rank received it itself
         self.faults = FaultInjector(mesh.rank, self.run_dir)
         self.checkpoint_writer = checkpoint.Writer(config.train.checkpoint_async)
         if config.train.on_bad_sample == "skip":
@@ -225,6 +227,9 @@ class Trainer:
         self.history: list[dict] = []
         self.input_bytes = 0  # training input delivered to this rank's device (data.loader)
         self.stage_figures: dict = {}  # set by train.run when the data set was staged
+        # set by train.run: what started the ranks and how often they were started again
+        # (launcher, requeues, restarts), in summary.json and the trackers' summary alike
+        self.job_figures: dict = {}
         # the ranks that write a checkpoint together: the job, or one trainer of a population
         self.checkpoint_group = mesh.group
         self.observer = StepObserver(self)  # exposed comm, ranges, profile, TensorBoard, MLPerf
@@ -557,21 +562,34 @@ class Trainer:
         return out
 
     @functools.cached_property
-    def peak_matmul_flops(self) -> float:
-        """This device's measured matmul FLOP/s in the step's dtype (MFU's denominator), measured
-        once per run: the live log and the summary share it."""
+    def matmul_flops_measured(self) -> float:
+        """This device's measured matmul FLOP/s in the step's dtype, measured once per run."""
         return measured_matmul_flops(self.mesh.device, self.precision.dtype)
 
+    @functools.cached_property
+    def peak(self) -> Peak:
+        """MFU's denominator, once per run (the live log and the summary share it): on a CPU the
+        processor's peak (`monitor.cpu_peak`), elsewhere, or where the CPU does not say enough,
+        the measured matmul rate."""
+        if self.mesh.device.type == "cpu":
+            peak = cpu_peak(self.precision.dtype)
+            if peak is not None:
+                return peak
+        return Peak(self.matmul_flops_measured, "the measured matmul rate "
+                    "(matmul_flops_per_s_measured): no peak is known for this device")
+
     def _throughput(self, samples_per_s: float) -> dict:
-        """Tokens/s, model FLOP/s and MFU against this device's measured matmul rate."""
+        """Tokens/s, model FLOP/s, MFU against this device's peak and the measured matmul rate
+        beside it."""
         out = {}
         if self.tokens_per_sample:
             out["tokens_per_s"] = samples_per_s * self.tokens_per_sample
         if self.workload.flops_per_sample and math.isfinite(samples_per_s):
             per_rank = self.workload.flops_per_sample * samples_per_s / self.mesh.world_size
-            peak = self.peak_matmul_flops
             out.update(model_flops_per_s=per_rank * self.mesh.world_size,
-                       matmul_flops_per_s_measured=peak, mfu=per_rank / peak)
+                       peak_flops_per_s=self.peak.flops, peak_flops_source=self.peak.source,
+                       mfu=per_rank / self.peak.flops,
+                       matmul_flops_per_s_measured=self.matmul_flops_measured)
         return out
 
     def _input_figures(self, step_times: list, waits: list, sizes: list) -> dict:
@@ -720,7 +738,7 @@ class Trainer:
             with watchdog.paused():  # file system time; the backend's timeout still holds
                 self._save()
         if stopping:
-            self.stopped_by_signal = True
+            self.stopped_by_signal, self.stop_signum = True, stop.signum
             stop.announce(self)
         self._finished = reached or stopping
         return eval_metrics
@@ -809,9 +827,11 @@ class Trainer:
             summary.update(self.stage_figures)
             if "time_to_train_s" in summary:
                 summary["time_to_train_s"] += self.stage_figures["stage_s"]
+        summary.update(self.job_figures)
         if self.is_main and self.run_dir:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        self.observer.finished(summary)  # W&B, MLflow: the summary, pictures, logs; the end
+        # the tracked runs (W&B, MLflow) end with the job, which may still fail after this fit
+        # (a population's final exchange): its owner calls observer.finished
         return summary
 
 

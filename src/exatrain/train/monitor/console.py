@@ -21,6 +21,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
 
 from ...plan import AXIS_ORDER
+from .fields import format_value
 from .units import human_bytes, human_seconds, human_value
 
 
@@ -45,6 +46,30 @@ def comm_text(bytes_per_step: dict, prefix: str = "comm/step ") -> str:
     mesh axis, as the communication ledger counts them."""
     return prefix + (", ".join(f"{axis_label(a)} {human_bytes(b)}"
                                for a, b in bytes_per_step.items()) or "-")
+
+
+def summary_rows(summary: dict) -> list[tuple[str, str]]:
+    """The run summary as the console prints it: one row per key of summary.json, named by that
+    key (so a figure read on the console is found in the file by the same name), its value in
+    the unit its row of `fields` gives; lists and tables in words."""
+    rows = []
+    for key, value in summary.items():
+        if key == "memory_per_rank":  # a list per rank: its largest figures are what matter
+            value = "max over ranks: state " \
+                + human_bytes(max(r["state_bytes"] or 0 for r in value)) \
+                + ", peak " + human_bytes(max(r["peak_mem_bytes"] or 0 for r in value))
+        elif key == "bandwidth_drops":  # see docs/how-to/preflight.md
+            value = "; ".join(f"step {d['step']}: {d['axis']} ({d['op']})" for d in value) \
+                or "none"
+        elif key == "bytes_per_step":  # the ledger's bytes per step, by mesh axis
+            value = comm_text(value, prefix="")
+        elif key == "restart_history":
+            value = "; ".join(f"failed after step {h['failed_after_step']}, resumed from step "
+                              f"{h['resumed_from_step']}" for h in value) or "none"
+        else:
+            value = format_value(key, value)
+        rows.append((key, str(value)))
+    return rows
 
 
 def _fmt(record: dict) -> str:

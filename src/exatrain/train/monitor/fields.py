@@ -65,10 +65,17 @@ SUMMARY: tuple[Field, ...] = (
           "sequence workloads"),
     Field("model_flops_per_s", "FLOP/s", "the model's training FLOP/s, whole job",
           "the workload counts its FLOPs"),
-    Field("matmul_flops_per_s_measured", "FLOP/s", "this device's measured matmul rate in the "
-          "step's dtype (MFU's denominator)", "the workload counts its FLOPs"),
-    Field("mfu", "fraction", "model FLOP utilisation: model FLOP/s per rank over the measured "
-          "matmul rate", "the workload counts its FLOPs"),
+    Field("peak_flops_per_s", "FLOP/s", "this rank's peak FLOP/s in the step's dtype, MFU's "
+          "denominator: on a CPU cores × clock × FLOPs per cycle of its instruction set "
+          "(`peak_flops_source` says where each came from); elsewhere the measured matmul rate",
+          "the workload counts its FLOPs"),
+    Field("peak_flops_source", "", "how `peak_flops_per_s` was worked out, each factor with "
+          "its source and assumption", "the workload counts its FLOPs"),
+    Field("mfu", "fraction", "model FLOP utilisation: model FLOP/s per rank over "
+          "`peak_flops_per_s`", "the workload counts its FLOPs"),
+    Field("matmul_flops_per_s_measured", "FLOP/s", "the rate a square matmul in the step's "
+          "dtype reaches on this rank (what it sustains, beside the peak)",
+          "the workload counts its FLOPs"),
     Field("wall_s", "s", "seconds of the training loop, evaluations and checkpoints included"),
     # communication
     Field("bytes_per_step", "bytes", "bytes sent per step by this rank, by mesh axis (the "
@@ -126,12 +133,11 @@ SUMMARY: tuple[Field, ...] = (
           "most 10)", "parallel.compile = true"),
     Field("checkpoint_saves", "", "checkpoints written"),
     Field("checkpoint_blocked_s", "s", "seconds training waited for checkpoint writes"),
-    Field("restarts", "", "times the job was restarted after a rank failed (printed, not in "
-          "summary.json)", "exatrain run --max-restarts or nproc > 1"),
-    Field("restart_history", "", "per restart: the last step logged before the failure and the "
-          "step resumed from (printed, not in summary.json)",
+    Field("restarts", "", "times the job was restarted after a rank failed",
           "exatrain run --max-restarts or nproc > 1"),
-    Field("lost_steps", "", "steps trained again after restarts (printed, not in summary.json)",
+    Field("restart_history", "", "per restart: the last step logged before the failure, the "
+          "step resumed from and the failure", "exatrain run --max-restarts or nproc > 1"),
+    Field("lost_steps", "", "steps trained again after restarts",
           "exatrain run --max-restarts or nproc > 1"),
 )
 
@@ -173,7 +179,8 @@ METRICS: tuple[Field, ...] = (
           "when measured"),
     Field("busbw_GBps", "GB/s", "bus bandwidth of the last checked collective, by mesh axis",
           "observe.bandwidth_watch, more than one rank"),
-    Field("mfu", "fraction", "model FLOP utilisation over the interval",
+    Field("mfu", "fraction", "model FLOP utilisation over the interval (over the summary's "
+          "`peak_flops_per_s`)",
           "the workload counts its FLOPs"),
     Field("peak_mem_bytes", "bytes", "this rank's peak device memory (or resident host memory "
           "on a CPU)", "training lines"),

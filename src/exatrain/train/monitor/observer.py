@@ -154,7 +154,7 @@ class StepObserver:
             record["busbw_GBps"] = {a: f["busbw"] / 1e9 for a, f in self.bandwidth.last.items()}
         flops = self.trainer.workload.flops_per_sample
         if flops and "samples_per_s" in record and "mfu" not in record:
-            record["mfu"] = flops * record["samples_per_s"] / self.trainer.peak_matmul_flops / \
+            record["mfu"] = flops * record["samples_per_s"] / self.trainer.peak.flops / \
                 self.trainer.mesh.world_size
 
     def written(self, record: dict) -> None:
@@ -219,11 +219,14 @@ class StepObserver:
                 "peak_mem_bytes": peak_memory_bytes(t.mesh.device)[0]}
         return all_gather_object(mine, t.mesh.world)
 
-    def finished(self, summary: dict | None, ok: bool = True) -> None:
-        """The run's end (summary.json written; None, ok=False: it failed): the trackers get the
-        summary and the run's pictures and logs, and finish their runs."""
+    def finished(self, summary: dict | None, failure: BaseException | None = None) -> None:
+        """The job's end, called by its owner (run_job, the population's run, et.fit): with its
+        summary once summary.json is written, or with the exception it failed of. The trackers
+        get the summary and the run's pictures and logs, and end their runs as finished, failed
+        or killed (`trackers.outcome`)."""
         if self.trackers:
-            self.trackers.finish(summary, ok)
+            from .trackers import outcome
+            self.trackers.finish(summary, outcome(summary, failure, self.trainer.stop_signum))
             self.trackers = None
 
     def close(self) -> None:

@@ -31,6 +31,7 @@ the config is read (`check_trackers`), naming the extra to install.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import os
@@ -38,6 +39,7 @@ import queue
 import random
 import re
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -126,6 +128,32 @@ def scalar_summary(summary: dict) -> dict:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """How a tracked run ended, as each tracker records it: MLflow's run status (FINISHED,
+    FAILED, KILLED), W&B's exit code (0 finished; 1 failed; 128 + the signal's number when
+    stopped by a signal, the shell's convention W&B's documentation follows) and whether W&B is
+    told the run is being preempted (a stop by a scheduler's signal, resumed later)."""
+    status: str
+    exit_code: int
+    preempted: bool = False
+
+
+def outcome(summary: dict | None, failure: BaseException | None,
+            signum: int | None = None) -> Outcome:
+    """The end of a run that returned `summary` or raised `failure`: a stop by SIGTERM/SIGUSR1
+    (`stopped_by_signal`, checkpoint written) or an interrupt (Ctrl-C) is KILLED, any other
+    exception FAILED. `signum`: the stop's signal where this rank received it (else SIGTERM,
+    the scheduler's usual one, is assumed for the exit code)."""
+    if failure is None and summary is not None and not summary.get("stopped_by_signal"):
+        return Outcome("FINISHED", 0)
+    if failure is None or isinstance(failure, KeyboardInterrupt):
+        number = signal.SIGINT if isinstance(failure, KeyboardInterrupt) else \
+            signum or signal.SIGTERM
+        return Outcome("KILLED", 128 + int(number), preempted=failure is None)
+    return Outcome("FAILED", 1)
+
+
 def run_tags(trainer) -> dict[str, str]:
     import torch
 
@@ -189,12 +217,15 @@ class WandbRun:
         for step, values in by_step.items():
             self.run.log(values, step=step)
 
-    def finish(self, summary: dict | None, files: list[Path], run_dir: Path, ok: bool) -> None:
+    def finish(self, summary: dict | None, files: list[Path], run_dir: Path,
+               end: Outcome) -> None:
         if summary is not None:
             self.run.summary.update(scalar_summary(summary))
         for path in files:  # the run's files directory is uploaded by `wandb sync`
             shutil.copy2(path, Path(self.run.dir) / path.name)
-        self.run.finish(exit_code=0 if ok else 1)
+        if end.preempted:  # W&B shows it preempted, to be resumed (the same run id)
+            self.run.mark_preempting()
+        self.run.finish(exit_code=end.exit_code)
 
     def state(self) -> dict:
         return {"id": self.id, "mode": self.mode, "project": self.project, "entity": self.entity}
@@ -266,7 +297,8 @@ class MLflowRun:
         for i in range(0, len(metrics), self.BATCH):
             self.client.log_batch(self.id, metrics=metrics[i:i + self.BATCH])
 
-    def finish(self, summary: dict | None, files: list[Path], run_dir: Path, ok: bool) -> None:
+    def finish(self, summary: dict | None, files: list[Path], run_dir: Path,
+               end: Outcome) -> None:
         from mlflow.entities import Metric
         if summary is not None:
             now, step = int(time.time() * 1000), int(summary.get("steps") or 0)
@@ -277,7 +309,7 @@ class MLflowRun:
                 self.client.log_batch(self.id, metrics=numbers[i:i + self.BATCH])
         for path in files:
             self.client.log_artifact(self.id, str(path))
-        self.client.set_terminated(self.id, "FINISHED" if ok else "FAILED")
+        self.client.set_terminated(self.id, end.status)
 
     def state(self) -> dict:
         return {"run_id": self.id, "tracking_uri": self.uri}
@@ -408,7 +440,9 @@ class Trackers:
         out.update({name: {"failed": why} for name, why in self.failed.items()})
         return out
 
-    def finish(self, summary: dict | None, ok: bool = True) -> None:
+    def finish(self, summary: dict | None, end: Outcome) -> None:
+        """Send what is queued, then end every run as `end` says (with the summary and the
+        run's files when there is a summary)."""
         if not self._drained():  # a tracker stuck in a call: the run ends without it
             for name in list(self.runs):
                 self._fail(name, TimeoutError(f"still sending after {WAIT_S:.0f} s"), "the end")
@@ -419,7 +453,7 @@ class Trackers:
             [self.run_dir / f for f in ARTIFACTS if (self.run_dir / f).is_file()]
         for name, run in list(self.runs.items()):
             try:
-                run.finish(summary, files, self.run_dir, ok)
+                run.finish(summary, files, self.run_dir, end)
             except Exception as exc:
                 self._fail(name, exc, "the end")
         self.runs = {}
@@ -444,13 +478,7 @@ def attach(run_dir: Path, files: list[Path], folder: str = "report",
                 for f in files:
                     client.log_artifact(state[name]["run_id"], str(f), folder)
             else:
-                import wandb
-                s = state[name]
-                run = wandb.init(project=s.get("project"), entity=s.get("entity"), id=s["id"],
-                                 resume="allow", mode=s.get("mode", "offline"), dir=str(run_dir),
-                                 reinit="create_new", settings=wandb.Settings(
-                                     console="off", silent=True, save_code=False,
-                                     disable_git=True))
+                run = _wandb_segment(run_dir, state[name])
                 (Path(run.dir) / folder).mkdir(exist_ok=True)
                 for f in files:
                     shutil.copy2(f, Path(run.dir) / folder / Path(f).name)
@@ -459,6 +487,54 @@ def attach(run_dir: Path, files: list[Path], folder: str = "report",
         except Exception as exc:
             report(f"exatrain: could not add the report to the {name} run ({type(exc).__name__}: "
                    f"{exc}); the report is in {Path(files[0]).parent if files else run_dir}.")
+    return done
+
+
+def _wandb_segment(run_dir: Path, state: dict):
+    """A short resumed segment of the W&B run `state` (trackers.json) names, in `run_dir`."""
+    import wandb
+    return wandb.init(project=state.get("project"), entity=state.get("entity"), id=state["id"],
+                      resume="allow", mode=state.get("mode", "offline"), dir=str(run_dir),
+                      reinit="create_new", settings=wandb.Settings(
+                          console="off", silent=True, save_code=False, disable_git=True))
+
+
+def end_open_runs(run_dir: Path, end: Outcome,
+                  report=lambda text: print(text, file=sys.stderr, flush=True)) -> list[str]:
+    """After a job failed: end the tracked runs of `run_dir` and of its trainers (a
+    population's RUN_DIR/trainer_KK) that no rank ended as `end` says. A rank that fails ends
+    its own; these are the runs of ranks killed on the way (SIGKILL, out of memory) or stopped
+    by the launcher while they waited for a rank that had failed, which is how a population's
+    healthy trainers end when another fails. MLflow: a run still RUNNING gets `end.status`;
+    W&B: a run whose last segment holds no exit record gets a short resumed segment that
+    ends with `end.exit_code`. Returns "tracker:run id" of each run it ended."""
+    done = []
+    for path in [Path(run_dir) / STATE, *sorted(Path(run_dir).glob(f"trainer_*/{STATE}"))]:
+        if not path.is_file():
+            continue
+        state, here = json.loads(path.read_text()), path.parent
+        for name in ("mlflow", "wandb"):
+            if name not in state:
+                continue
+            try:
+                if name == "mlflow":
+                    from mlflow.tracking import MlflowClient
+                    client = MlflowClient(tracking_uri=state[name]["tracking_uri"])
+                    run_id = state[name]["run_id"]
+                    if client.get_run(run_id).info.status != "RUNNING":
+                        continue
+                    client.set_terminated(run_id, end.status)
+                else:
+                    run_id = state[name]["id"]
+                    logs = sorted(here.glob(f"wandb/*-{run_id}/run-{run_id}.wandb"))
+                    if logs and any(r.WhichOneof("record_type") == "exit"
+                                    for r in read_wandb_log(logs[-1])):
+                        continue
+                    _wandb_segment(here, state[name]).finish(exit_code=end.exit_code)
+                done.append(f"{name}:{run_id}")
+            except Exception as exc:
+                report(f"exatrain: could not mark the {name} run of {here} {end.status} "
+                       f"({type(exc).__name__}: {exc}); it may still show as running.")
     return done
 
 

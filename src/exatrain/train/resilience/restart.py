@@ -71,8 +71,9 @@ def planned_run_dir(config) -> Path:
 def supervise(run_job, config, nproc: int, resume_dir: str | None, max_restarts: int,
               report=print) -> dict:
     """Spawn `nproc` local ranks; when one dies, start them all again (up to `max_restarts`
-    times), resuming from the last complete checkpoint. Returns rank 0's summary with
-    `restarts` added. The final failure is rank failure of the rank that failed first, with
+    times), resuming from the last complete checkpoint. Returns rank 0's summary, which
+    holds `restarts`, `restart_history` and `lost_steps` (the ranks are given the history). The
+    final failure is rank failure of the rank that failed first, with
     `.diagnosis` (the flight records' verdict when a collective hung)."""
     from ...errors import is_user_error
     from ...launch.local import RankFailed, spawn
@@ -83,17 +84,14 @@ def supervise(run_job, config, nproc: int, resume_dir: str | None, max_restarts:
     history: list[dict] = []  # per restart: the last step logged, the step resumed from
     while True:
         try:
-            summary = spawn(run_job, nproc, args=(config, None), env=env)[0]
-            summary["restarts"] = len(history)
-            summary["restart_history"] = history
-            summary["lost_steps"] = sum(h["failed_after_step"] - h["resumed_from_step"]
-                                        for h in history)
-            return summary
+            # the ranks put the restarts into the summary they write (summary.json, trackers)
+            return spawn(run_job, nproc, args=(config, None, history), env=env)[0]
         except RankFailed as exc:
             exc.diagnosis = diagnose(run_dir, nproc) if run_dir.is_dir() else None
             restarts = len(history)
             if exc.diagnosis or restarts >= max_restarts or \
                     is_user_error(getattr(exc, "original", None)):
+                _end_tracked_runs(run_dir)
                 if run_dir.is_dir() and not resume_dir and checkpoint.latest(run_dir) is None \
                         and not (run_dir / "metrics.jsonl").exists() and exc.diagnosis is None:
                     shutil.rmtree(run_dir, ignore_errors=True)  # failed before its first step
@@ -108,6 +106,14 @@ def supervise(run_job, config, nproc: int, resume_dir: str | None, max_restarts:
                 (run_dir / "metrics.jsonl").unlink()  # starting over: its lines are written again
             report(f"exatrain: {str(exc).splitlines()[0]}; restart {restarts} of {max_restarts} "
                    f"from {last or 'the beginning'}")
+
+
+def _end_tracked_runs(run_dir: Path) -> None:
+    """The job failed for good: its tracked runs that no rank ended (a rank killed, or stopped
+    by the launcher while it waited for the one that failed) are marked failed too."""
+    if any(run_dir.glob("trackers.json")) or any(run_dir.glob("trainer_*/trackers.json")):
+        from ..monitor.trackers import Outcome, end_open_runs
+        end_open_runs(run_dir, Outcome("FAILED", 1))
 
 
 def _last_logged_step(run_dir: Path) -> int:
