@@ -15,9 +15,10 @@ from .train import Config, ConfigError, NonFiniteLoss, Trainer, load_config
 from .train.fit import fit, launch
 from .train.kfac import KFAC, KFACSettings
 from .train.predict import predict
+from .tune.user import plan
 from .workloads.metrics import Mean, Ratio
 from .workloads.user import Task
 
 __version__ = "0.1.0"
 __all__ = ["Branches", "Config", "ConfigError", "KFAC", "KFACSettings", "Mean", "Mesh", "NonFiniteLoss", "Plan", "PlanError", "Ratio",
-           "Task", "Trainer", "fit", "data", "init", "launch", "load_config", "models", "parallelize", "predict"]
+           "Task", "Trainer", "fit", "data", "init", "launch", "load_config", "models", "parallelize", "plan", "predict"]
