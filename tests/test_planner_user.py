@@ -3,7 +3,8 @@ tutorial's 3D U-Net (8 channels, 2 × 32³ volumes, batch 4, AdamW) against a re
 through et.fit: the run summary's state_bytes + peak_activation_bytes (the largest rank), as
 `exatrain plan --run-dir` compares them. Measured on this machine: one process +9 %,
 Plan(data=2) +11 %; the issue asks 15 %. (Under space=(1, 1, 2) the prediction is 18 % low: the
-spatial layers' extra saved copies are not in the cost model yet; not asserted.)"""
+spatial layers keep more than the cost model counts, cause not yet traced; not asserted.)
+"""
 
 from __future__ import annotations
 
