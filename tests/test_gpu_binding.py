@@ -33,7 +33,7 @@ def test_a_rank_that_sees_no_gpu_is_told_how_to_bind_one():
 
 def _claim(port, rank, world, uuid, results):
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
-                          timeout=timedelta(seconds=30))
+                          timeout=timedelta(seconds=150))  # slow spawns on a busy CPU
     try:
         refuse_shared_gpus(store, rank, world, uuid, 0)
         results.put((rank, "ok"))
@@ -48,7 +48,7 @@ def _claims(uuids):
              for r, u in enumerate(uuids)]
     for p in procs:
         p.start()
-    out = dict(results.get(timeout=60) for _ in procs)
+    out = dict(results.get(timeout=180) for _ in procs)  # spawning is slow on a busy CPU
     for p in procs:
         p.join(30)
     return out

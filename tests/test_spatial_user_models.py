@@ -249,4 +249,4 @@ def test_what_cannot_equal_one_process_is_refused_by_name():
             assert words in found["pool"], (words, found["pool"])
     for found in run_ranks(4, _pipe_refusal):
         assert "ParallelizeError" in found and "pipe and space together" in found, found
-        assert "SpatialBlocks" in found, found
+        assert "pipe or space alone" in found, found

@@ -29,13 +29,14 @@ from .train.fit import fit, launch
 from .train.kfac import KFAC, KFACSettings
 from .train.predict import PredictError, predict
 from .train.run import ResumeError
+from .tune.user import plans
 from .workloads.metrics import Mean, Ratio
 from .workloads.user import Task
 
 __version__ = "0.1.0"
 __all__ = ["Branches", "Config", "KFAC", "KFACSettings", "Mean", "Mesh", "Plan", "Ratio", "Task",
            "Trainer", "fit", "data", "init", "launch", "load_config", "models", "parallelize",
-           "predict",
+           "plans", "predict",
            # errors of the user's making (exatrain.errors): the base, then each kind
            "UserError", "ArgumentError", "CheckpointError", "ConfigError", "DataError",
            "GraphFileError", "InitFromError", "InjectError", "LaunchError", "LoaderTimeout",

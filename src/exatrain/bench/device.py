@@ -120,7 +120,7 @@ def _exatrain(config, mesh, workload, warmup: int, steps: int, window=None) -> d
     from ..parallel import parallelize
     from ..train.trainer import Trainer
     model = parallelize(workload.model, mesh, config.parallel,
-                        whole_samples=not workload.input_blocks)
+                        **workload.spatial_io())
     workload.model = model
     trainer = Trainer(mesh, workload, config, model, run_dir=None)
     if window is not None:

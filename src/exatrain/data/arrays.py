@@ -14,6 +14,15 @@ Layouts (sample i is `x[i]`, `y[i]`; names are arguments):
 
 x is returned as float32; y as int64 if it is integer (class labels), float32 otherwise.
 `sample_ids()` names every sample (index in a file, stem for a directory), for predictions.
+
+Reading by blocks (HDF5): `HDF5Dataset.read(index, region)` reads only the hyperslab `region`
+(one slice per spatial dim) of sample `index`'s input, and its whole target. Under the `space`
+axis `et.fit` calls it with each rank's block (`SpatialBlocks`), so a rank reads
+V_block / V of each sample's input bytes: B_x · V_block / V + B_y bytes per sample (B_x, B_y the
+stored bytes of one sample's input and target, V the sample's voxels). `read_counter` counts them
+over the process and its loader workers (data/reads.py): the bytes of the selected elements as
+stored, which are the bytes read from the file for uncompressed data (a chunked file reads whole
+chunks: chunk the file by the blocks, e.g. (1, C, D/2, H, W/2), to read no more).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ..errors import DataError, MissingFileError
+from .reads import ReadCounter
 
 
 def _as_tensors(x, y):
@@ -40,16 +50,28 @@ def _as_tensors(x, y):
 class HDF5Dataset(Dataset):
     """(x, y) samples from one HDF5 file or a directory of per-sample files (see module doc).
 
+    Under `Plan(space=...)`, `et.fit` reads only each rank's block of every input with
+    `read(index, region)`; the targets are read whole (the model's output is gathered whole for
+    your loss, so it meets whole targets).
+
     Args:
         path: an HDF5 file holding datasets `x` and `y` (first dim: samples), or a directory
             of one file per sample.
         x: the name of the inputs' dataset.
         y: the name of the targets' dataset.
-        transform: applied to each `(x, y)` pair as it is read; None: none.
+        transform: applied to each input `x` as it is read (a numpy array); None: none. Under
+            `space` it gets the rank's block: it must act voxel by voxel (a log, a scaling).
+        channels: where the inputs' channel dim is stored: "first" (C, *spatial), as the
+            model takes it, or "last" (*spatial, C), moved first as it is read.
     """
 
-    def __init__(self, path: str | Path, x: str = "x", y: str = "y", transform: Callable | None = None):
+    def __init__(self, path: str | Path, x: str = "x", y: str = "y", transform: Callable | None = None,
+                 channels: str = "first"):
+        if channels not in ("first", "last"):
+            raise ValueError(f"channels must be 'first' or 'last', got {channels!r}")
         self.path, self.x_name, self.y_name, self.transform = Path(path), x, y, transform
+        self.channels = channels
+        self.read_counter = ReadCounter()
         self._handle, self._pid = None, None
         if not self.path.exists():
             raise MissingFileError(f"HDF5 data not found: {self.path}")
@@ -63,15 +85,23 @@ class HDF5Dataset(Dataset):
                     raise DataError(f"{self.files[0]}: no dataset {name!r}; it has "
                                     f"{', '.join(sorted(f.keys()))}")
             if self.path.is_dir():
-                self.sample_shape, self._len = tuple(f[x].shape), len(self.files)
+                self.stored_shape, self._len = tuple(f[x].shape), len(self.files)
             else:
-                self.sample_shape, self._len = tuple(f[x].shape[1:]), f[x].shape[0]
+                self.stored_shape, self._len = tuple(f[x].shape[1:]), f[x].shape[0]
                 if f[y].shape[0] != self._len:
                     raise DataError(f"{self.path}: {x!r} has {self._len} samples but {y!r} has "
                                     f"{f[y].shape[0]}")
+        # one input as the model takes it: (C, *spatial)
+        shape = self.stored_shape
+        self.sample_shape = (shape[-1], *shape[:-1]) if channels == "last" and shape else shape
 
     def __len__(self) -> int:
         return self._len
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read so far by this process and its loader workers (inputs and targets)."""
+        return self.read_counter.bytes
 
     def __getstate__(self):
         return {**self.__dict__, "_handle": None, "_pid": None}  # h5py handles stay per process
@@ -82,14 +112,29 @@ class HDF5Dataset(Dataset):
         return self._handle
 
     def __getitem__(self, index: int):
+        return self.read(index)
+
+    def read(self, index: int, region: tuple[slice, ...] | None = None):
+        """Sample `index` as (x, y); `region` (one slice per spatial dim of x, in the model's
+        (d, h, w) order) reads only that hyperslab of x, and y whole."""
         if not 0 <= index < self._len:
             raise IndexError(f"sample {index} out of range for {self._len} samples in {self.path}")
+        spatial = len(self.sample_shape) - 1
+        if region is None:
+            region = (slice(None),) * spatial
+        elif len(region) != spatial or not all(isinstance(r, slice) for r in region):
+            raise DataError(f"{self.path}: a block of {self.x_name!r} (one input {self.sample_shape},"
+                            f" channels {self.channels}) needs {spatial} slices, got {region!r}")
+        select = (*region, slice(None)) if self.channels == "last" else (slice(None), *region)
         if self.path.is_dir():
             with h5py.File(self.files[index], "r") as f:
-                x, y = f[self.x_name][...], f[self.y_name][...]
+                x, y = f[self.x_name][select], f[self.y_name][...]
         else:
             f = self._file()
-            x, y = f[self.x_name][index], f[self.y_name][index]
+            x, y = f[self.x_name][(index, *select)], f[self.y_name][index]
+        self.read_counter.add(x.nbytes + np.asarray(y).nbytes)
+        if self.channels == "last":
+            x = np.moveaxis(x, -1, 0)
         if self.transform is not None:
             x = self.transform(x)
         return _as_tensors(x, y)

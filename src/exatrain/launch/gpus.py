@@ -9,7 +9,7 @@ binding that shows two ranks the same physical GPU (four ranks each given
 cause. `refuse_shared_gpus` finds it before the process group starts: each rank claims its
 GPU's UUID on the node in the rendezvous store (`compare_set`: the first claimant keeps it), all
 ranks meet at a counter, then a rank whose GPU someone else claimed, and the claimant, both
-refuse with the other's rank and the fix. Store traffic: three small keys and one wait per rank.
+refuse with the other's rank and the fix. Store traffic: a few small keys and two waits per rank.
 """
 
 from __future__ import annotations
@@ -47,17 +47,23 @@ def refuse_shared_gpus(store, rank: int, world: int, uuid: str, index: int,
     owner = store.compare_set(key, "", str(rank)).decode()
     if owner != str(rank):
         store.set(f"{key}/also", str(rank))
-    if store.add("arrived", 1) == world:
-        store.set("all_arrived", "1")
-    store.wait(["all_arrived"])
+    _meet(store, "claimed", world)
     if owner != str(rank):
         other = owner
-    elif store.check([f"{key}/also"]):
-        other = store.get(f"{key}/also").decode()
     else:
+        other = store.get(f"{key}/also").decode() if store.check([f"{key}/also"]) else None
+    _meet(store, "read", world)  # rank 0 may host the store: no rank leaves before all have read
+    if other is None:
         return
     raise LaunchError(
         f"rank {rank} and rank {other} use the same GPU {uuid} on {host} (cuda:{index} as rank "
         f"{rank} sees it); NCCL needs one GPU per rank. Start at most as many ranks per node as it "
         f"has GPUs, give each rank its own GPU (srun --gpus-per-task 1, or a CUDA_VISIBLE_DEVICES "
         f"per rank that differs), or {SHARE_HINT}.")
+
+
+def _meet(store, name: str, world: int) -> None:
+    """Wait until all `world` ranks reached `name` (a counter; the last arrival sets a flag)."""
+    if store.add(name, 1) == world:
+        store.set(f"{name}/all", "1")
+    store.wait([f"{name}/all"])

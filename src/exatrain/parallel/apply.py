@@ -93,7 +93,8 @@ def space_step(model, mesh, options, layout):
     return _strategy("spatial").parallelize_spatial(model, mesh, split_input=layout.split_input,
                                                     batchnorm_axes=batchnorm_axes(options, layout),
                                                     copy=mesh.plan.tensor_degree == 1,
-                                                    whole_samples=layout.whole_samples)
+                                                    whole_samples=layout.whole_samples,
+                                                    input_blocks=layout.input_blocks)
 
 
 def branches_step(model, mesh, options, layout):
@@ -180,19 +181,22 @@ class StageLayout:
     split_input: bool = True  # under space: its input is split into blocks (not yet gathered)
     example: object = None    # one whole batch of inputs (gives the channel/filter switch shapes)
     whole_samples: bool = False  # under space: it takes whole samples, returns whole outputs
+    input_blocks: bool = False   # with whole_samples: it takes blocks already, returns whole
 
 
 def parallelize_stage(stage: nn.Module, mesh: Mesh, options, split_input: bool = True,
-                      example=None, whole_samples: bool = False) -> nn.Module:
+                      example=None, whole_samples: bool = False,
+                      input_blocks: bool = False) -> nn.Module:
     """One pipeline stage (or the whole model) through every step after the split, in order."""
-    layout = StageLayout(gradient_reduction(mesh.plan), split_input, example, whole_samples)
+    layout = StageLayout(gradient_reduction(mesh.plan), split_input, example, whole_samples,
+                         input_blocks)
     for step in STEPS:
         stage = step(stage, mesh, options, layout)
     return stage
 
 
 def parallelize(model: nn.Module, mesh: Mesh, options=None, example=None,
-                whole_samples: bool = False) -> nn.Module:
+                whole_samples: bool = False, input_blocks: bool = False) -> nn.Module:
     """Return a module that trains like `model` on one process, laid out over `mesh`.
 
     `options` is a `ParallelOptions` (the config's [parallel] section); None means defaults.
@@ -201,6 +205,8 @@ def parallelize(model: nn.Module, mesh: Mesh, options=None, example=None,
     as `model` does (a user's own data set, `et.fit`); False: it takes this rank's spatial
     block of each sample (a data set read by blocks, `spatial.SpatialBlocks`) and a split
     output stays split (parallel/spatial/convert.py, "Whole samples").
+    `whole_samples` with `input_blocks`: it takes this rank's block of each sample (a user's
+    data set read by blocks) and returns whole outputs, so the user's loss sees serial ones.
     """
     if options is None:
         options = ParallelOptions()
@@ -217,12 +223,12 @@ def parallelize(model: nn.Module, mesh: Mesh, options=None, example=None,
         raise ParallelizeError(
             f"{plan}: a model that takes whole samples (your own data set) cannot yet be split "
             f"over pipe and space together. Use pipe or space alone (e.g. "
-            f"Plan(data={plan.data}, space={plan.space})), or give a data set that reads "
-            f"this rank's block of each sample (exatrain.parallel.spatial.SpatialBlocks).")
+            f"Plan(data={plan.data}, space={plan.space})).")
     if plan.tensor_degree > 1 and _strategy("graph").has_graph_convs(model):  # 3D GCN (Plexus)
         return _strategy("graph").parallelize_graph(model, mesh, options)
     if plan.pipe > 1:  # split into stages; each of this rank's stages goes through the steps
         return _strategy("pipe").pipeline_parallel(
             model.to(mesh.device), mesh, options, example,
             lambda stage, split_input: parallelize_stage(stage, mesh, options, split_input))
-    return parallelize_stage(model, mesh, options, example=example, whole_samples=whole_samples)
+    return parallelize_stage(model, mesh, options, example=example, whole_samples=whole_samples,
+                             input_blocks=input_blocks)

@@ -141,7 +141,7 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_set: Dataset, val_set:
             _same_on_every_rank(model, mesh)
         workload = workload_from_task(Task(model=model, train_set=train_set, val_set=val_set,
                                            loss=loss, metrics=dict(metrics or {}),
-                                           baselines=dict(baselines or {})))
+                                           baselines=dict(baselines or {})), mesh)
         run_dir = None
         if mesh.rank == 0:
             run_dir = Path(resume) if resume else make_run_dir(config)
@@ -149,11 +149,12 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_set: Dataset, val_set:
         run_dir = Path(broadcast_object(str(run_dir) if run_dir else None, mesh.world))
         # under pipe, trace and size the stages on one per-replica batch of the training set;
         # under space × tensor, place the channel/filter switch from its shape (train.run.setup)
-        # a user's data set holds whole samples: under space the parallel model cuts them into
-        # blocks and hands back whole outputs, so the user's loss and metrics are the serial ones
+        # under space the parallel model hands back whole outputs, so the user's loss and
+        # metrics are the serial ones; it cuts whole samples into blocks, or takes the blocks a
+        # data set with read(index, region) reads (workloads.user.reads_blocks)
         parallel_model = parallelize(workload.model, mesh, config.parallel,
                                      example=pipeline_example(workload, config, mesh.plan),
-                                     whole_samples=not workload.input_blocks)
+                                     **workload.spatial_io())
         workload.model = parallel_model
         trainer = Trainer(mesh, workload, config, parallel_model, run_dir=run_dir,
                           console=TrainConsole() if mesh.rank == 0 else None)

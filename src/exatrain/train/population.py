@@ -343,7 +343,7 @@ def setup_population(config: Config, resume_dir: str | None = None) -> tuple:
         workload.train_set, tournament_set = split(workload.train_set, train, held)
         model = parallelize(workload.model, view, member.parallel,
                             example=pipeline_example(workload, member, view.plan),
-                            whole_samples=not workload.input_blocks)
+                            **workload.spatial_io())
         workload.model = model
         console = TrainConsole() if mesh.rank == 0 else None
         trainer = PopulationTrainer(view, workload, member, model, tournament_set,

@@ -120,7 +120,8 @@ def _hdf5_open(path, config, mesh, workload):
     layout at PATH, with the same dataset names and transform."""
     from ..data.arrays import HDF5Dataset
     like = _base(workload.val_set)
-    data_set = HDF5Dataset(path, x=like.x_name, y=like.y_name, transform=like.transform)
+    data_set = HDF5Dataset(path, x=like.x_name, y=like.y_name, transform=like.transform,
+                           channels=like.channels)
     if data_set.sample_shape != like.sample_shape:
         raise PredictError(
             f"--data {path} holds samples of shape {data_set.sample_shape} ('{like.x_name}'), but "
@@ -297,7 +298,7 @@ def _predict_on(mesh, config: Config, run_dir: Path, path: Path, data, out: Path
     if len(data_set) == 0:
         raise PredictError(f"--data {data_name}: the data set has no samples.")
     model = parallelize(workload.model, mesh, config.parallel,
-                        whole_samples=not workload.input_blocks)
+                        **workload.spatial_io())
     state = checkpoint.load_model(path, model)
     model = unwrap(model)
     model.eval()

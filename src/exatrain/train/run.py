@@ -172,7 +172,7 @@ def setup(config: Config, resume_dir: str | None = None) -> tuple:
             load_initial_weights(workload.model, config.run.init_from)
         model = parallelize(workload.model, mesh, config.parallel,
                             example=pipeline_example(workload, config, mesh.plan),
-                            whole_samples=not workload.input_blocks)
+                            **workload.spatial_io())
         workload.model = model  # drop the plain model: under tensor plans it is the full size
         console = TrainConsole() if mesh.rank == 0 else None
         trainer = Trainer(mesh, workload, config, model, run_dir=run_dir, console=console)

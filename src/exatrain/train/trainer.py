@@ -816,6 +816,11 @@ class Trainer:
         # this rank's training input over the run, as delivered to the device (as stored in the
         # files when the workload decodes on the device: a spatial rank's blocks only)
         summary["input_bytes_per_rank"] = self.input_bytes
+        # what the training set read from its files on this rank (its loader workers included):
+        # under space, a data set read by blocks reads only this rank's block (data/reads.py)
+        counter = getattr(self.workload.train_set, "read_counter", None)
+        if counter is not None:
+            summary.update(counter.figures())
         if self.compile_counter is not None:
             summary.update(self.compile_counter.figures())
         if self.mesh.plan.shard > 1:

@@ -538,6 +538,8 @@ _HALO_CACHE: dict = {}
 
 
 def _geometry(spec: ModelSpec):
+    if "geometry" in spec.extra or spec.family == "user":   # a user's model: traced with it
+        return spec.extra.get("geometry", [])
     base = spec.extra.get("base_channels", 32)
     key = (spec.name, spec.spatial_shape, base)
     if key not in _HALO_CACHE:

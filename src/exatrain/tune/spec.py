@@ -334,6 +334,47 @@ def vit_spec(img_size: tuple, patch_size: int = 8, channels: int = 3, embed_dim:
                      extra={"n_embd": embed_dim, "img_size": tuple(img_size)})
 
 
+# ---------------------------------------------------------------------------------- a user's
+def user_spec(model: nn.Module, example: torch.Tensor, loss_fn=None, name: str = "") -> ModelSpec:
+    """A user's own model, traced whole at batch 1 on `example` (one sample (1, C, *spatial), or
+    any batch: its first sample is used) under fake tensors, like CosmoFlow: its parameters,
+    saved activations, FLOPs (convolutions and Linears) and operators come from its own layers.
+    `loss_fn(output)`: the loss on the output; None: a mean square (what F.mse_loss saves).
+    One block (no checkpointing units known); a 3D model's convolution and pooling layers give
+    the halos under `space` (`parallel.spatial.volume`), and its output, when it keeps its
+    spatial dims, is the all-gather `et.fit` does on whole samples."""
+    from ..parallel.spatial.volume import layer_geometry
+    loss = loss_fn or (lambda out: out.float().square().mean())
+    x = torch.zeros((1, *example.shape[1:]), dtype=example.dtype)
+    convs = [m for m in model.modules() if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d))]
+    with _fake_mode():
+        biggest: list = []
+        act = trace_saved_bytes(model, (x,), loss, biggest)
+        flops = conv_flops(model, x)
+        ops = count_ops(model, (x,), loss)
+        with torch.no_grad():
+            out = model(x)
+        out_shape = tuple(out.shape)
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    spatial = tuple(x.shape[2:]) if convs and 1 <= x.dim() - 2 <= 3 else ()
+    input_bytes = float(x.numel() * x.element_size())
+    extra = {"in_channels": x.shape[1] if x.dim() > 1 else 1,
+             # under space on whole samples, an output that keeps the spatial dims is gathered
+             "flatten_elements": math.prod(out_shape[1:]) if len(out_shape) == x.dim() else 0,
+             "output_shape": out_shape[1:]}
+    if len(spatial) == 3:
+        extra["geometry"] = layer_geometry(model, tuple(x.shape))
+    kind = "conv" if convs else "matmul"
+    return ModelSpec(family="user", name=name or type(model).__name__, param_shapes=shapes,
+                     flops_per_sample=flops, act_bytes_per_sample=float(act),
+                     block_input_bytes=input_bytes, block_act_bytes=float(act),
+                     boundary_bytes=input_bytes, blocks=1, block_ranges=[(0, len(shapes))],
+                     compute_kind=kind, spatial_shape=spatial,
+                     largest_act_bytes=float(biggest[0]) if biggest else 0.0,
+                     after_largest_bytes=float(biggest[1]) if biggest else 0.0,
+                     ops_per_step=float(ops), extra=extra)
+
+
 def spec_from_config(config) -> ModelSpec:
     """The ModelSpec of a run config's model (workloads gpt and cosmoflow)."""
     workload = config.run.workload

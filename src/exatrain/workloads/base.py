@@ -48,6 +48,15 @@ class Workload:
     # False: they deliver whole samples, and the parallel model cuts them into blocks and hands
     # back whole outputs, so the loss and metrics are the serial ones (a user's Task).
     input_blocks: bool = False
+    # With input_blocks: the loss and metrics take whole outputs and whole targets (a user's
+    # Task whose data set reads blocks, workloads.user): the parallel model gathers its output.
+    whole_outputs: bool = False
+
+    def spatial_io(self) -> dict:
+        """How the model meets the data under `space`: `parallelize`'s whole_samples and
+        input_blocks arguments (parallel/spatial/convert.py, "Whole samples")."""
+        return {"whole_samples": not self.input_blocks or self.whole_outputs,
+                "input_blocks": self.input_blocks}
 
     def decode_inputs(self, x: torch.Tensor) -> torch.Tensor:
         """`x` as the model takes it (decoded on x's device when the data set delivers raw)."""

@@ -58,7 +58,9 @@ class Task:
     flops_per_sample: float = 0.0
 
 
-def workload_from_task(task: Task) -> Workload:
+def workload_from_task(task: Task, mesh=None) -> Workload:
+    """The Workload of a user's Task on `mesh`. Under `space`, data sets with
+    `read(index, region)` are read by blocks (`read_by_blocks`); others deliver whole samples."""
     for name in ("train_set", "val_set"):
         ds = getattr(task, name)
         if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
@@ -68,9 +70,46 @@ def workload_from_task(task: Task) -> Workload:
         raise TypeError(f"Task.model must be a torch.nn.Module, got {type(task.model).__name__}")
     metrics = {"loss": Mean(task.loss), **task.metrics}
     metric_sums, finalize = metric_functions(metrics)
-    return Workload(model=task.model, train_set=task.train_set, val_set=task.val_set,
+    train_set, val_set = task.train_set, task.val_set
+    blocks = mesh is not None and mesh.plan.space_degree > 1 and reads_blocks(train_set, val_set)
+    if blocks:
+        train_set, val_set = read_by_blocks(train_set, mesh), read_by_blocks(val_set, mesh)
+    return Workload(model=task.model, train_set=train_set, val_set=val_set,
                     loss_fn=task.loss, metric_sums=metric_sums, finalize=finalize,
-                    baselines=dict(task.baselines), flops_per_sample=task.flops_per_sample)
+                    baselines=dict(task.baselines), flops_per_sample=task.flops_per_sample,
+                    input_blocks=blocks, whole_outputs=True)
+
+
+# ---------------------------------------------------------------------------- reading by blocks
+def reads_blocks(train_set, val_set) -> bool:
+    """Whether a user's data sets can read blocks: both have `read(index, region)` (the block
+    protocol) and `sample_shape` (one input's (C, *spatial) shape, to place the blocks in).
+    One of them alone is refused: the model takes blocks or whole samples, not both."""
+    able = {name: callable(getattr(ds, "read", None))
+            for name, ds in (("train_set", train_set), ("val_set", val_set))}
+    if not any(able.values()):
+        return False
+    if not all(able.values()):
+        have, lack = (n for n in able if able[n]), (n for n in able if not able[n])
+        raise TypeError(
+            f"{next(have)} reads blocks (it has read(index, region)) but {next(lack)} does not: "
+            f"under space the model takes either each rank's block of every sample or whole "
+            f"samples. Give both a read(index, region) (e.g. both et.data.HDF5Dataset), or "
+            f"neither.")
+    for name, ds in (("train_set", train_set), ("val_set", val_set)):
+        shape = getattr(ds, "sample_shape", None)
+        if not (isinstance(shape, tuple) and len(shape) >= 2):
+            raise TypeError(
+                f"{name} ({type(ds).__name__}) has read(index, region) but no sample_shape: give "
+                f"it a `sample_shape` attribute, the shape of one input as the model takes it "
+                f"(C, *spatial), e.g. (2, 64, 64, 64), so exatrain can place each rank's block.")
+    return True
+
+
+def read_by_blocks(data_set, mesh):
+    """`data_set` read by this rank's block of every sample (`SpatialBlocks`)."""
+    from ..parallel.spatial import SpatialBlocks, block_region
+    return SpatialBlocks(data_set, block_region(tuple(data_set.sample_shape[1:]), mesh))
 
 
 def as_task(result, where: str) -> Task:
@@ -199,7 +238,7 @@ class UserWorkload:
         if "mesh" in params:
             kwargs["mesh"] = mesh
         task = as_task(self.function(**kwargs), f"{self.function.__name__} ({self.spec})")
-        return workload_from_task(task)
+        return workload_from_task(task, mesh)
 
 
 _LOADED: dict[str, UserWorkload] = {}

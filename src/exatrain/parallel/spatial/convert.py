@@ -47,9 +47,13 @@ that is still split (no nn.Flatten / global pool ran) is all-gathered over `spac
 element); its backward keeps the own block's slice of the loss gradient, which every spatial rank
 computes identically from the same whole output and target. An output that lost spatial dims
 without such a module (x.mean(dim=(2, 3, 4)) or x.flatten(1) written in forward: a reduction
-that saw only the block) is refused, naming the module to use instead. Without it (the built-in
-workloads, which read blocks with `SpatialBlocks`), the input is this rank's block and a split
-output stays split.
+that saw only the block) is refused, naming the module to use instead. With `input_blocks=True`
+as well (a user's data set read by blocks, `SpatialBlocks` over its `read(index, region)`), the
+input is already this rank's block and is not cut again; the output is gathered whole all the
+same, so the user's loss and metrics, and the whole targets the data set reads, are the serial
+ones. Without `whole_samples` (the built-in workloads, which read blocks with `SpatialBlocks`
+and write their losses for split outputs), the input is this rank's block and a split output
+stays split.
 
 Gradients. `parallel.apply` wraps the result in data parallelism over `data+space` that SUMS over
 the spatial ranks of a sample and averages over data replicas. A split layer's weight gradient on
@@ -116,9 +120,11 @@ SUPPORTED = ("Conv1d/2d/3d, ConvTranspose1d/2d/3d, MaxPool/AvgPool1d/2d/3d, Batc
 class SpatialRuntime:
     """What the layers of one spatially parallel model share: grid, axes, per-forward state."""
 
-    def __init__(self, mesh: Mesh, overlap: bool, batchnorm_axes: tuple[str, ...] = ("data",)):
+    def __init__(self, mesh: Mesh, overlap: bool, batchnorm_axes: tuple[str, ...] = ("data",),
+                 input_blocks: bool = False):
         plan = mesh.plan
         self.input_dims: int | None = None  # spatial dims of the whole input (whole_samples)
+        self.input_blocks = input_blocks   # whole_samples: the inputs come as blocks already
         self.first_layer: SpatialLayer | None = None  # the first distributed layer, for messages
         self.parts = tuple(plan.space)
         self.coords = tuple(mesh.coords[f"space_{a}"] for a in "dhw")
@@ -207,7 +213,8 @@ class SpatialRuntime:
     # ---------------------------------------------------------------- whole samples in and out
     def cut_input(self, _module, args, kwargs):
         """Forward pre-hook of the root (whole_samples): every tensor argument (N, C, *spatial)
-        becomes this rank's block; no communication (module doc, "Whole samples")."""
+        becomes this rank's block; no communication (module doc, "Whole samples"). With
+        `input_blocks` the arguments are blocks already: only their spatial dims are noted."""
         self.input_dims = None
         return _map_tensors(args, self._cut), _map_tensors(kwargs, self._cut)
 
@@ -217,6 +224,9 @@ class SpatialRuntime:
             return x
         # a plan that splits dims the input lacks is refused naming the layer it would meet
         parts, coords, _ = self.layout(k, self.first_layer)
+        if self.input_blocks:
+            self.input_dims = k if self.input_dims is None else max(self.input_dims, k)
+            return x
         block_slices(tuple(x.shape[2:]), (1,) * (3 - k) + tuple(parts),
                      (0,) * (3 - k) + tuple(coords))  # divisibility, with the sizes that work
         self.input_dims = k if self.input_dims is None else max(self.input_dims, k)
@@ -361,7 +371,7 @@ def _install_switch(model: nn.Module, leaves: list, transition: int, rt: Spatial
 def parallelize_spatial(model: nn.Module, mesh: Mesh, overlap: bool | None = None,
                         split_input: bool = True,
                         batchnorm_axes: tuple[str, ...] = ("data",), copy: bool = True,
-                        whole_samples: bool = False) -> nn.Module:
+                        whole_samples: bool = False, input_blocks: bool = False) -> nn.Module:
     """A copy of `model` whose layers work on this rank's spatial blocks (see the module doc).
 
     Raises SpatialSplitError naming the first layer that cannot run under the split. Kernel,
@@ -370,10 +380,13 @@ def parallelize_spatial(model: nn.Module, mesh: Mesh, overlap: bool | None = Non
     the same on every spatial rank): nothing is converted, all of it runs replicated.
     `whole_samples=True`: the model takes whole samples and returns whole outputs (module doc,
     "Whole samples"); False: it takes this rank's blocks and a split output stays split.
+    `whole_samples=True, input_blocks=True`: it takes this rank's blocks (a data set read by
+    blocks) and returns whole outputs.
     """
     if mesh.plan.space_degree == 1:
         return model
-    rt = SpatialRuntime(mesh, DEFAULT_OVERLAP if overlap is None else overlap, batchnorm_axes)
+    rt = SpatialRuntime(mesh, DEFAULT_OVERLAP if overlap is None else overlap, batchnorm_axes,
+                        input_blocks=whole_samples and input_blocks)
     model = _copy.deepcopy(model) if copy else model
     if not split_input:
         for name, module in model.named_modules():
@@ -557,6 +570,11 @@ class SpatialBlocks(Dataset):
     @property
     def bytes_read(self) -> int:
         return self.dataset.bytes_read
+
+    @property
+    def read_counter(self):
+        """The underlying data set's `data.reads.ReadCounter`, if it keeps one."""
+        return getattr(self.dataset, "read_counter", None)
 
     def targets(self):
         return self.dataset.targets()

@@ -95,6 +95,12 @@ SUMMARY: tuple[Field, ...] = (
     Field("input_bytes_per_s", "B/s", "input bytes per second this rank consumed"),
     Field("input_bytes_per_rank", "bytes", "this rank's training input over the run, as "
           "delivered to the device"),
+    Field("input_bytes_read_per_rank", "bytes", "bytes this rank's training set read from its "
+          "files (loader workers included; under `space`, a data set read by blocks reads only "
+          "the rank's block of each input)", "the training set counts its reads "
+          "(`et.data.HDF5Dataset`, or a `read_counter` of your own)"),
+    Field("input_bytes_read_per_sample", "bytes", "`input_bytes_read_per_rank` over the samples "
+          "it read", "with input_bytes_read_per_rank"),
     Field("num_workers", "", "loader worker processes per rank"),
     Field("prefetch", "", "batches loaded ahead of the step (`train.prefetch`)"),
     Field("stage_s", "s", "seconds spent staging the input to `data.stage_to`",
