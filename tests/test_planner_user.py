@@ -1,4 +1,4 @@
-"""`et.plan` on a user's own model (issue 46, item 5): the planner's memory per rank for the
+"""`et.plans` on a user's own model (issue 46, item 5): the planner's memory per rank for the
 tutorial's 3D U-Net (8 channels, 2 × 32³ volumes, batch 4, AdamW) against a real CPU run of it
 through et.fit: the run summary's state_bytes + peak_activation_bytes (the largest rank), as
 `exatrain plan --run-dir` compares them. Measured on this machine: one process +9 %,

@@ -7,6 +7,6 @@ large job in one process, measure this machine, and tune by measuring few Plans.
   search.py     every Plan of N ranks, ranked, or refused with the reason
   dryrun.py     one rank of an N-rank job over torch's fake process group
   calibrate.py  measures this machine into a system file
-  user.py       et.plan: every Plan's memory and step time for a user's own model
+  user.py       et.plans: every Plan's memory and step time for a user's own model
   tuner.py      measure few Plans, Gaussian-process surrogate on the cost model's residuals
 """
