@@ -410,6 +410,76 @@ def test_a_block_of_defaults_fails_when_a_default_changes(tmp_path, monkeypatch)
         run_page(page, tmp_path / "run", monkeypatch)
 
 
+# A ```text block right after `<!-- docs-output shape: [VAR=VALUE ...] exatrain ARGS -->` is what
+# a larger run of the command printed (more ranks, more sizes, another machine): too slow to run
+# here as shown, so the test runs ARGS, small, and compares the kinds of line the two print, in
+# order, with figures and host names masked and a repeated kind counted once.
+NUMBER = re.compile(r"-?\d[\d,]*(\.\d+)?(e[-+]?\d+)?( ?(µs|ms|s|B|KiB|MiB|GiB|%))?")
+SHAPE = re.compile(r"^<!-- docs-output shape: (.+?) -->\n```text\n(.*?)^```", re.S | re.M)
+HOST = re.compile(r"(\brank\s+\d+\s+(?:on\s+)?|--exclude=|\bnode\s+)[\w.-]+")
+
+
+def output_shape(text: str) -> list[str]:
+    lines = (" ".join(NUMBER.sub("#", HOST.sub(r"\1HOST", line)).split())
+             for line in text.splitlines() if line.strip())
+    return list(dict.fromkeys(lines))
+
+
+def shapes_shown(path: Path) -> list[tuple[str, str]]:
+    return [(m.group(1), m.group(2)) for m in SHAPE.finditer(path.read_text())]
+
+
+def run_small(command: str, cwd: Path) -> str:
+    """`[VAR=VALUE ...] exatrain ARGS` in a fresh process; its stdout."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    words = shlex.split(command)
+    env = dict(os.environ)
+    while "=" in words[0]:
+        key, value = words.pop(0).split("=", 1)
+        env[key] = value
+    assert words[0] == "exatrain", command
+    run = subprocess.run([sys.executable, "-m", "exatrain.cli", *words[1:]], cwd=cwd, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.stdout and "Traceback" not in run.stderr, (command, run.stderr)
+    return run.stdout
+
+
+SHAPED = [p for p in PAGES if shapes_shown(p)]
+
+
+@pytest.mark.parametrize("path", SHAPED, ids=[str(p.relative_to(ROOT)) for p in SHAPED])
+def test_outputs_shown_in_pages_have_the_lines_the_command_prints(path, tmp_path):
+    fresh: dict[str, str] = {}
+    for command, shown in shapes_shown(path):
+        if command not in fresh:
+            fresh[command] = run_small(command, tmp_path)
+        assert output_shape(shown) == output_shape(fresh[command]), (
+            f"{path.relative_to(ROOT)} shows output whose lines are not those `{command}` prints "
+            f"now; rerun the command the page names and paste it. A small run printed:\n"
+            f"{fresh[command]}")
+
+
+def test_an_output_shape_masks_figures_and_hosts_only():
+    shown = ("exatrain preflight: 4 ranks, Plan(data=4), backend gloo\n"
+             "data           4 all_reduce            65536      5942.3         0.011\n"
+             "data           4 all_reduce          1048576      9274.7         0.113\n"
+             "  rank     0 vm                           0.374 GB/s    0.80 x median\n"
+             "  rank     2 vm                           0.124 GB/s    0.18 x median  SLOW\n"
+             "SLOW rank 2 on vm: 0.124 GB/s, 0.18 x the median (threshold 0.5)\n"
+             "exclude: srun --exclude=vm ...\n")
+    fresh = shown.replace("vm", "nid00017").replace("4", "3").replace("0.124", "0.2")
+    assert output_shape(shown) == output_shape(fresh) == [
+        "exatrain preflight: # ranks, Plan(data=#), backend gloo", "data # all_reduce # # #",
+        "rank # HOST # GB/s # x median", "rank # HOST # GB/s # x median SLOW",
+        "SLOW rank # on HOST: # GB/s, # x the median (threshold #)",
+        "exclude: srun --exclude=HOST ..."]
+    assert output_shape(shown) != output_shape(shown.replace("all_reduce", "allreduce"))
+
+
 COMPOSE_AXES = {"data": {"data": 2}, "shard": {"shard": 2}, "tensor 1D": {"tensor": 2},
                 "tensor 3D": {"tensor": (1, 1, 2)}, "space": {"space": (1, 1, 2)},
                 "pipe": {"pipe": 2}}
@@ -546,7 +616,6 @@ def test_the_readme_lists_every_command():
 
 # ---------------------------------------------------------------- a run's log, as a page shows it
 LOG_SHAPE = "<!-- docs-test: log shape"
-NUMBER = re.compile(r"-?\d[\d,]*(\.\d+)?(e[-+]?\d+)?( ?(µs|ms|s|B|KiB|MiB|GiB|%))?")
 
 
 def log_shape(text: str) -> list[str]:
