@@ -11,6 +11,9 @@
   docstrings (errors_reference), so a new error cannot be left out.
 * reference/summary.md: every figure of summary.json and metrics.jsonl, from the tables in
   exatrain.train.monitor.fields (which the summary printer also formats by).
+* concepts/plan.md's table of which axes compose: composition_table(), from the rules in
+  exatrain.plan and exatrain.parallel.options; the page holds it (readable where the site is
+  not built) and tests/test_docs.py fails when the two differ.
 
 tests/test_docs.py checks that every field, with a meaning, and every subcommand appears in
 what these return.
@@ -327,6 +330,50 @@ def summary_reference() -> str:
         "the interval since the last one) and an *evaluation line* every `train.eval_every` "
         "steps (`step` and the `val_<metric>` figures). The same numbers go to TensorBoard.", "",
         _field_table(METRICS), ""])
+
+
+# The composition table of concepts/plan.md ("Which axes compose"): each pair of axes, as the
+# rules in exatrain.plan.composition_refusal and exatrain.parallel.options.zero_stage_refusal
+# decide it. The footnotes are prose on the page; which cell points to which is kept here.
+COMPOSE_AXES = {"data": {"data": 2}, "shard": {"shard": 2}, "tensor 1D": {"tensor": 2},
+                "tensor 3D": {"tensor": (1, 1, 2)}, "space": {"space": (1, 1, 2)},
+                "pipe": {"pipe": 2}}
+COMPOSE_LABELS = {("data", "shard"): "hybrid"}
+COMPOSE_NOTES = {("shard", "tensor 1D"): "¹", ("shard", "tensor 3D"): "²", ("shard", "space"): "³",
+                 ("shard", "pipe"): "⁴", ("tensor 1D", "space"): "⁵", ("tensor 3D", "space"): "⁵",
+                 ("tensor 1D", "pipe"): "⁶", ("tensor 3D", "pipe"): "⁶", ("space", "pipe"): "⁷"}
+
+
+def composition_cell(a: str, b: str) -> str:
+    """`yes`, with the ZeRO stages that run where one axis is shard, or `refused`; a footnote."""
+    from exatrain.parallel.options import zero_stage_refusal
+    from exatrain.parallel.pipe.schedules import SCHEDULES
+    from exatrain.plan import Plan, composition_refusal
+
+    if a == b or {a, b} == {"tensor 1D", "tensor 3D"}:
+        return "–"
+    plan = Plan(**COMPOSE_AXES[a], **COMPOSE_AXES[b])
+    note = COMPOSE_NOTES.get((a, b)) or COMPOSE_NOTES.get((b, a), "")
+    if composition_refusal(plan) is not None:
+        return f"refused{note}"
+    details = [COMPOSE_LABELS.get((a, b)) or COMPOSE_LABELS.get((b, a))]
+    if "shard" in (a, b):  # stages that run under every schedule, and those under some
+        runs = {s: [name for name in SCHEDULES if zero_stage_refusal(plan, s, name) is None]
+                for s in (1, 2, 3)}
+        everywhere = [str(s) for s, ok in runs.items() if len(ok) == len(SCHEDULES)]
+        details.append("ZeRO-" + ", ".join(everywhere))
+        details += [f"ZeRO-{s} with {', '.join(ok)}" for s, ok in runs.items()
+                    if 0 < len(ok) < len(SCHEDULES)]
+    details = [d for d in details if d]
+    return "yes" + (f" ({'; '.join(details)})" if details else "") + note
+
+
+def composition_table() -> str:
+    names = list(COMPOSE_AXES)
+    rows = ["| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for a in names:
+        rows.append(f"| **{a}** | " + " | ".join(composition_cell(a, b) for b in names) + " |")
+    return "\n".join(rows)
 
 
 GENERATED = {"reference/config.md": config_reference, "reference/cli.md": cli_reference,
