@@ -211,7 +211,10 @@ def test_trilinear_unet_and_periodic_model_under_space_train_as_one_process(tmp_
 
 
 def test_unet_under_space_2x2_and_data_times_space_trains_as_one_process(tmp_path, one_thread):
-    cases = [("unet", {"space": (1, 2, 2)}), ("unet_plain", {"data": 2, "space": (1, 1, 2)})]
+    # the periodic model on (1, 2, 2): both dims wrap between 2 blocks, so a rank's left and
+    # right neighbours (and its four corners) are one rank: the messages must match in order
+    cases = [("unet", {"space": (1, 2, 2)}), ("unet_trilinear", {"space": (1, 2, 2)}),
+             ("periodic", {"space": (1, 2, 2)}), ("unet_plain", {"data": 2, "space": (1, 1, 2)})]
     runs = run_ranks(4, _many, cases, str(tmp_path / "space"))
     for name, plan in cases:
         check(name, plan, _serial(name, tmp_path / "serial"),
