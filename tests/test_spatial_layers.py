@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 
-import pytest
 import torch
 from torch import nn
 
@@ -49,6 +48,26 @@ def _flat(nd, shape, channels, pooled):
     return channels * math.prod(s // pooled for s in shape[2:])
 
 
+def _instancenorm(nd, *a, **k):
+    return (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)[nd - 1](*a, **k)
+
+
+LINEAR = {1: "linear", 2: "bilinear", 3: "trilinear"}
+
+
+class ChannelsLastNorm(nn.Module):
+    """A ConvNeXt-style norm over channels: permute to channels-last, LayerNorm(C), permute back."""
+
+    def __init__(self, channels: int, rms: bool = False):
+        super().__init__()
+        self.norm = nn.RMSNorm(channels) if rms else nn.LayerNorm(channels)
+
+    def forward(self, x):
+        nd = x.dim() - 2
+        y = self.norm(x.permute(0, *range(2, 2 + nd), 1))
+        return y.permute(0, nd + 1, *range(1, nd + 1))
+
+
 def cases(nd: int, parts: int) -> dict:
     """name -> factory of a serial module for `nd` spatial dims; `parts` = largest split degree."""
     shape = SHAPES[nd]
@@ -72,6 +91,28 @@ def cases(nd: int, parts: int) -> dict:
         "convtranspose_k2_stride2": lambda: _convt(nd, 4, 4, 2, stride=2),
         "convtranspose_k3_stride2": lambda: _convt(nd, 4, 4, 3, stride=2, padding=1, output_padding=1),
         "upsample_nearest": lambda: nn.Upsample(scale_factor=2, mode="nearest"),
+        # a one-cell halo; align_corners=True maps blocks at a non-integer offset, still one cell
+        "upsample_linear": lambda: nn.Upsample(scale_factor=2, mode=LINEAR[nd]),
+        "upsample_linear_align_corners": lambda: nn.Upsample(scale_factor=2, mode=LINEAR[nd],
+                                                             align_corners=True),
+        "upsample_linear_x1.5": lambda: nn.Upsample(scale_factor=1.5, mode=LINEAR[nd]),
+        "upsample_linear_x3_align_corners": lambda: nn.Upsample(scale_factor=3, mode=LINEAR[nd],
+                                                                align_corners=True),
+        # reflect / replicate at the global boundary, circular wraps between first and last block
+        "conv_reflect": lambda: _conv(nd, 4, 4, 3, padding=1, padding_mode="reflect"),
+        "conv_replicate_k5_stride2": lambda: _conv(nd, 4, 4, 5, stride=2, padding=2,
+                                                   padding_mode="replicate"),
+        "conv_circular": lambda: _conv(nd, 4, 4, 3, padding=1, padding_mode="circular"),
+        "conv_circular_k5_stride2": lambda: _conv(nd, 4, 4, 5, stride=2, padding=2,
+                                                  padding_mode="circular"),
+        "conv_reflect_dilation2": lambda: _conv(nd, 4, 4, 3, padding=2, dilation=2,
+                                                padding_mode="reflect"),
+        "instancenorm_running_stats": lambda: nn.Sequential(
+            _conv(nd, 4, 4, 3, padding=1, bias=False),
+            _instancenorm(nd, 4, affine=True, track_running_stats=True)),
+        "layernorm_channels_last": lambda: nn.Sequential(
+            _conv(nd, 4, 4, 3, padding=1), ChannelsLastNorm(4), nn.GELU()),
+        "rmsnorm_channels_last": lambda: ChannelsLastNorm(4, rms=True),
         "pointwise_chain": lambda: nn.Sequential(nn.LeakyReLU(0.1), nn.Softmax(dim=1), nn.GELU()),
         "conv_bn_pool_flatten_linear": lambda: nn.Sequential(
             _conv(nd, 4, 4, 3, padding=1, bias=False), _bn(nd, 4), nn.ReLU(), _maxpool(nd, 2),
@@ -94,6 +135,10 @@ def cases(nd: int, parts: int) -> dict:
     if nd == 2:
         out["conv_k4_same_padding"] = lambda: nn.Conv2d(4, 4, 4, padding="same")
         out["conv_k3x5_mixed"] = lambda: nn.Conv2d(4, 4, (3, 5), stride=(1, 2), padding=(1, 2))
+        out["conv_k4_same_circular"] = lambda: nn.Conv2d(4, 4, 4, padding="same",
+                                                         padding_mode="circular")
+        out["upsampling_bilinear2d"] = lambda: nn.UpsamplingBilinear2d(scale_factor=2)
+        out["upsample_bilinear_size"] = lambda: nn.Upsample(size=(24, 40), mode="bilinear")
     if parts == 2:  # valid (unpadded) convolution: output 14 / 6, splits in two, not in four
         out["conv_k3_valid"] = lambda: _conv(nd, 4, 4, 3)
     return out
@@ -202,10 +247,21 @@ def _error_messages(mesh) -> dict:
     out = {}
     try:
         parallelize_spatial(nn.Sequential(OrderedDict(
-            conv=nn.Conv2d(3, 4, 3, padding=1), norm=nn.LayerNorm(16),
+            conv=nn.Conv2d(3, 4, 3, padding=1), pad=nn.ZeroPad2d(1),
             out=nn.Conv2d(4, 4, 3, padding=1))), mesh)
     except SpatialSplitError as err:
         out["unsupported"] = str(err)
+    try:
+        parallelize_spatial(nn.Upsample(scale_factor=2, mode="bicubic"), mesh)
+    except SpatialSplitError as err:
+        out["bicubic"] = str(err)
+    # a LayerNorm over the (split) width, not over channels: refused at the first forward
+    model = parallelize_spatial(nn.Sequential(OrderedDict(
+        conv=nn.Conv2d(3, 4, 3, padding=1), norm=nn.LayerNorm(16))), mesh)
+    try:
+        model(split_input(torch.randn(2, 3, 16, 16), mesh))
+    except SpatialSplitError as err:
+        out["layernorm"] = str(err)
     try:
         parallelize_spatial(nn.Sequential(OrderedDict(
             conv=nn.Conv2d(3, 4, 3, padding=1), dense=nn.Linear(16, 2))), mesh)
@@ -262,7 +318,11 @@ def test_layers_two_ranks():
     # halo bytes: exactly the elements read and not owned (dilation 2: two rows), fwd + bwd
     assert res["_halo"]["counted"] == res["_halo"]["analytic"] > 0
     errors = res["_errors"]
-    assert "'norm' (LayerNorm)" in errors["unsupported"] and "Replace it" in errors["unsupported"]
+    assert "'pad' (ZeroPad2d)" in errors["unsupported"] and "Replace it" in errors["unsupported"]
+    assert "mode='bicubic'" in errors["bicubic"] and "'trilinear'" in errors["bicubic"]
+    for words in ("LayerNorm 'norm' normalises over the last 1 dims [16]", "[2, 4, 16, 8]",
+                  "nn.GroupNorm(1, C)", "channels-last"):
+        assert words in errors["layernorm"], (words, errors["layernorm"])
     assert "'dense' (Linear)" in errors["dense"] and "nn.Flatten" in errors["dense"]
     # stride 2, no padding on 16 pixels: 7 outputs do not split in two; the message says so
     assert "Conv2d 'down.conv'" in errors["geometry"] and "output length 7" in errors["geometry"]
@@ -309,10 +369,3 @@ def test_geometry_formulas():
     assert "does not divide" in window_geometry(16, 2, Window(3, 2, 1, 0, 0))
     assert "only 2 wide" in window_geometry(8, 4, Window(7, 1, 1, 3, 3))
 
-
-@pytest.mark.parametrize("bad", ["circular"])
-def test_unsupported_padding_mode_is_refused(bad):
-    from exatrain.parallel.spatial.layers import SpatialConv, SpatialSplitError
-
-    with pytest.raises(SpatialSplitError, match="padding_mode='circular'"):
-        SpatialConv(nn.Conv2d(1, 1, 3, padding=1, padding_mode=bad), "c", None)

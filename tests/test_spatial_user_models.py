@@ -11,6 +11,11 @@ TensorDataset, the user's own loss), against the same model trained by `et.fit` 
               is checked layer by layer in test_spatial_layers: a max's gradient jumps between
               near-equal voxels, so float32 training runs drift apart beyond 1e-5 in 4 steps)
   cnn2d       a 2D CNN with a global-pooling head under space=(1, 2, 1) (a 2D model splits h, w)
+  unet_trilinear  the U-Net with Upsample(scale_factor=2, mode="trilinear") (a one-cell halo)
+  periodic    a 2D surrogate on a periodic domain: circular-padded convolutions (the halo wraps
+              between the first and last block), InstanceNorm2d with running statistics (the
+              validation loss uses them), a ConvNeXt-style LayerNorm over channels-last, a
+              per-pixel head; split along w, the periodic dim
 
 Each case: 4 SGD steps of batch 4 on 2 × 16³ (2D: 2 × 16²) samples. Tolerances (float32): the
 logged losses of every step and the validation loss within 1e-5 relative; the final weights
@@ -43,7 +48,7 @@ STEPS = 4
 
 
 class UNet3D(nn.Module):
-    def __init__(self, channels: int = 4, norm: str = "batch"):
+    def __init__(self, channels: int = 4, norm: str = "batch", up: str = "nearest"):
         super().__init__()
         def block(cin, cout):
             layer = {"batch": lambda: nn.BatchNorm3d(cout), "group": lambda: nn.GroupNorm(2, cout),
@@ -53,7 +58,7 @@ class UNet3D(nn.Module):
         self.enc = block(2, c)
         self.down = nn.MaxPool3d(2)
         self.mid = block(c, 2 * c)
-        self.up = nn.Upsample(scale_factor=2)
+        self.up = nn.Upsample(scale_factor=2, mode=up)
         self.dec = block(3 * c, c)
         self.head = nn.Conv3d(c, 1, 1)
 
@@ -88,8 +93,26 @@ class CNN2D(nn.Module):
         return self.body(x)
 
 
+class Periodic2D(nn.Module):
+    """A surrogate on a periodic 2D domain (a longitude-periodic field, a cosmology slab)."""
+
+    def __init__(self, c: int = 4):
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, c, 3, padding=1, padding_mode="circular")
+        self.norm1 = nn.InstanceNorm2d(c, affine=True, track_running_stats=True)
+        self.conv2 = nn.Conv2d(c, c, 5, padding=2, padding_mode="circular")
+        self.norm2 = nn.LayerNorm(c)  # over channels, channels-last as in ConvNeXt
+        self.head = nn.Conv2d(c, 1, 1)
+
+    def forward(self, x):
+        x = F.relu(self.norm1(self.conv1(x)))
+        x = self.norm2(self.conv2(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return self.head(F.gelu(x))
+
+
 MODELS = {"unet": lambda: UNet3D(), "unet_plain": lambda: UNet3D(norm=""),
           "unet_group": lambda: UNet3D(norm="group"),
+          "unet_trilinear": lambda: UNet3D(up="trilinear"), "periodic": Periodic2D,
           "encoder": lambda: Encoder3D(), "encoder_plain": lambda: Encoder3D(norm=False),
           "cnn2d": CNN2D}
 
@@ -101,9 +124,9 @@ def build(name: str) -> nn.Module:
 
 def dataset(name: str) -> torch.utils.data.TensorDataset:
     g = torch.Generator().manual_seed(3)
-    spatial = (16, 16) if name == "cnn2d" else (16, 16, 16)
+    spatial = (16, 16) if name in ("cnn2d", "periodic") else (16, 16, 16)
     x = torch.randn(8, 2, *spatial, generator=g)
-    if name.startswith("unet"):    # per-voxel targets, correlated with the input
+    if name.startswith("unet") or name == "periodic":  # per-voxel targets, tied to the input
         y = 0.3 * x[:, :1] + 0.5 * torch.randn(8, 1, *spatial, generator=g)
     else:                          # per-sample targets
         y = torch.randn(8, 2 if name == "cnn2d" else 3, generator=g)
@@ -178,8 +201,20 @@ def test_users_models_under_space_on_2_ranks_train_as_one_process(tmp_path, one_
               [rank[f"{name} {plan}"] for rank in runs])
 
 
+def test_trilinear_unet_and_periodic_model_under_space_train_as_one_process(tmp_path, one_thread):
+    """Issue 46, item 3: trilinear upsampling and circular padding on the user's road."""
+    cases = [("unet_trilinear", {"space": (1, 1, 2)}), ("periodic", {"space": (1, 1, 2)})]
+    runs = run_ranks(2, _many, cases, str(tmp_path / "space"))
+    for name, plan in cases:
+        check(name, plan, _serial(name, tmp_path / "serial"),
+              [rank[f"{name} {plan}"] for rank in runs])
+
+
 def test_unet_under_space_2x2_and_data_times_space_trains_as_one_process(tmp_path, one_thread):
-    cases = [("unet", {"space": (1, 2, 2)}), ("unet_plain", {"data": 2, "space": (1, 1, 2)})]
+    # the periodic model on (1, 2, 2): both dims wrap between 2 blocks, so a rank's left and
+    # right neighbours (and its four corners) are one rank: the messages must match in order
+    cases = [("unet", {"space": (1, 2, 2)}), ("unet_trilinear", {"space": (1, 2, 2)}),
+             ("periodic", {"space": (1, 2, 2)}), ("unet_plain", {"data": 2, "space": (1, 1, 2)})]
     runs = run_ranks(4, _many, cases, str(tmp_path / "space"))
     for name, plan in cases:
         check(name, plan, _serial(name, tmp_path / "serial"),

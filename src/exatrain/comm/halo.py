@@ -15,9 +15,14 @@ The extended block `ext` a layer computes on is, along each split dim,
 and the product of these ranges over the split dims. Every region of `ext` outside the own block
 is identified by an offset o in {-1, 0, +1}^k (k split dims, o != 0); it comes from the neighbour
 at grid coordinate c + o, or is filled with `fill` (0 for zero padding, -inf for max pooling) where
-c + o lies outside the grid (the global boundary). Faces, edges and corners all travel in ONE
-batched round of non-blocking point-to-point messages (`comm.exchange`, tag "halo") to at most
-3^k - 1 neighbours, so a 3D split costs one latency, not three.
+c + o lies outside the grid (the global boundary). Along a periodic dim (circular padding) the grid
+wraps: the neighbour is at (c + o) mod parts, so the first and last blocks exchange halos like any
+other pair and nothing is filled. Faces, edges and corners all travel in ONE batched round of
+non-blocking point-to-point messages (`comm.exchange`, tag "halo") to at most 3^k - 1 neighbours,
+so a 3D split costs one latency, not three. Where two offsets lead to the same peer (a periodic dim
+of 2 blocks: the left and the right neighbour are one rank), messages between a pair are matched
+in posting order: receives are posted in increasing offset order and sends in decreasing order,
+so the k-th message A sends to B (offset o) is the k-th B receives from A (offset -o).
 
 Backward is the adjoint: the gradient of each received region is sent back to the neighbour it came
 from, and each rank adds what it receives to the edge elements it had sent (regions may overlap,
@@ -55,6 +60,7 @@ class SplitDim:
     stride: int                # step of the position on the space axis per +1 of `coord`
     left: tuple[int, ...]      # halo each coordinate needs below its block (< 0: crop)
     right: tuple[int, ...]     # halo each coordinate needs above its block (< 0: crop)
+    periodic: bool = False     # the grid wraps: the first and last blocks are neighbours
 
 
 def _volume(shape) -> int:
@@ -84,9 +90,11 @@ class Halo:
             lo, hi = sd.left[c], sd.right[c]
             hl, hr, cl, cr = max(lo, 0), max(hi, 0), max(-lo, 0), max(-hi, 0)
             center = b - cl - cr
-            need_up = sd.left[c + 1] if c + 1 < sd.parts else 0
-            need_down = sd.right[c - 1] if c > 0 else 0
-            if (c > 0 and hl > b) or (c + 1 < sd.parts and hr > b) or center <= 0 \
+            wrap = sd.periodic
+            need_up = sd.left[(c + 1) % sd.parts] if wrap or c + 1 < sd.parts else 0
+            need_down = sd.right[(c - 1) % sd.parts] if wrap or c > 0 else 0
+            if ((c > 0 or wrap) and hl > b) or ((c + 1 < sd.parts or wrap) and hr > b) \
+                    or center <= 0 \
                     or need_up > b or need_down > b:
                 wide = max(hl, hr, need_up, need_down, cl + cr + 1)
                 parts = [q for q in range(1, sd.parts + 1) if b * sd.parts // q >= wide]
@@ -103,7 +111,7 @@ class Halo:
             ext_shape[sd.dim] = hl + center + hr
             recv_ranges.append({-1: (0, hl), 0: (hl, hl + center), 1: (hl + center, hl + center + hr)})
             send_ranges.append({-1: (0, need_down), 0: (cl, b - cr), 1: (b - need_up, b)})
-            exists.append({-1: c > 0, 0: True, 1: c + 1 < sd.parts})
+            exists.append({-1: c > 0 or wrap, 0: True, 1: c + 1 < sd.parts or wrap})
         self.ext_shape = tuple(ext_shape)
         self.center_src, self.center_dst = tuple(center_src), tuple(center_dst)
         # (peer position, region of ext received from it, region of block sent to it)
@@ -123,13 +131,15 @@ class Halo:
                 recv_size *= max(rr[o][1] - rr[o][0], 0)
                 send_size *= max(sr[o][1] - sr[o][0], 0)
             if all(e[o] for e, o in zip(exists, offset)):
-                peer = me + sum(o * sd.stride for sd, o in zip(dims, offset))
+                peer = me + sum(((sd.coord + o) % sd.parts - sd.coord) * sd.stride
+                                for sd, o in zip(dims, offset))
                 if recv_size:
                     self.recvs.append((peer, tuple(recv)))
                 if send_size:
                     self.sends.append((peer, tuple(send)))
             elif recv_size:
                 self.fills.append(tuple(recv))
+        self.sends.reverse()  # decreasing offsets: see the module doc (one peer, two offsets)
         self.recv_elements = sum(_volume(_shape(r, self.ext_shape)) for _, r in self.recvs)
         self.fill_elements = sum(_volume(_shape(r, self.ext_shape)) for r in self.fills)
 

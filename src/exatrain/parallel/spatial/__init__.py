@@ -2,6 +2,7 @@
 
   convert.py     parallelize_spatial: swap the layers that see split tensors; block reading helpers
   layers.py      the distributed layers (conv, pooling, norms, transitions) and their halo geometry
+  interpolate.py linear/bilinear/trilinear upsampling at global source positions (one-cell halo)
   functions.py   autograd Functions: split/gather blocks, BatchNorm statistics, shared masks
 """
 

@@ -14,9 +14,10 @@ Layers, in the model's registration order (which must be its execution order):
 
   split region       from the input up to the first nn.Flatten / AdaptiveAvgPool(1): convolutions
                      (halo exchange), pooling, BatchNorm (statistics over data × space),
-                     GroupNorm and InstanceNorm (per sample, over space), pointwise
-                     activations, dropout, nearest upsampling, transposed convolutions. Anything
-                     else there is refused with an error naming the layer.
+                     GroupNorm and InstanceNorm (per sample, over space), LayerNorm/RMSNorm
+                     over channels, pointwise activations, dropout, nearest and (bi/tri)linear
+                     upsampling, transposed convolutions. Anything else there is refused with
+                     an error naming the layer.
   transition         nn.Flatten gathers the blocks (all-gather); AdaptiveAvgPool(1) and
                      AdaptiveMaxPool(1) reduce them (all-reduce); so does the first
                      channel/filter-parallel convolution under Plan(space=..., tensor=...) (a gather before it: parallel/tensor/switch.py).
@@ -80,7 +81,8 @@ from .functions import GatherBlocks, ScaleGrad, SplitBlocks
 from .layers import (SpatialBatchNorm, SpatialConv, SpatialConvTranspose, SpatialDropout,
                      SpatialFlatten, SpatialGlobalAvgPool, SpatialGlobalMaxPool,
                      SpatialGroupNorm, SpatialLayer, SpatialPool, SpatialSplitError,
-                     SpatialUpsample)
+                     SpatialLayerNorm)
+from .interpolate import upsample_layer
 
 __all__ = ["parallelize_spatial", "SpatialSplitError", "SpatialBlocks", "block_region", "block_slices",
            "block_shape", "split_input", "gather_output", "describe_spatial", "DEFAULT_OVERLAP",
@@ -101,7 +103,8 @@ _CONVERT: dict[type, type] = {
                                      nn.SyncBatchNorm)},
     **{t: SpatialGroupNorm for t in (nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d,
                                      nn.InstanceNorm3d)},
-    **{t: SpatialUpsample for t in (nn.Upsample, nn.UpsamplingNearest2d)},
+    **{t: upsample_layer for t in (nn.Upsample, nn.UpsamplingNearest2d, nn.UpsamplingBilinear2d)},
+    **{t: SpatialLayerNorm for t in (nn.LayerNorm, nn.RMSNorm)},
     **{t: SpatialDropout for t in (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)},
     nn.Flatten: SpatialFlatten,
 }
@@ -110,9 +113,10 @@ _GLOBAL_POOLS = _AVG_POOLS + (nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.Ada
 _POINTWISE = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
               nn.Mish, nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.Sigmoid, nn.Tanh,
               nn.Softplus, nn.Softsign, nn.Tanhshrink, nn.LogSigmoid, nn.Identity, nn.Threshold)
-SUPPORTED = ("Conv1d/2d/3d, ConvTranspose1d/2d/3d, MaxPool/AvgPool1d/2d/3d, BatchNorm1d/2d/3d, "
-             "GroupNorm, InstanceNorm1d/2d/3d (without running statistics), "
-             "nearest Upsample, Dropout/Dropout1d/2d/3d, Softmax/LogSoftmax over channels, "
+SUPPORTED = ("Conv1d/2d/3d (any padding_mode), ConvTranspose1d/2d/3d, MaxPool/AvgPool1d/2d/3d, "
+             "BatchNorm1d/2d/3d, GroupNorm, InstanceNorm1d/2d/3d, LayerNorm/RMSNorm over "
+             "channels (channels-last), nearest/linear/bilinear/trilinear Upsample, "
+             "Dropout/Dropout1d/2d/3d, Softmax/LogSoftmax over channels, "
              "pointwise activations, Identity; nn.Flatten and AdaptiveAvgPool(1) / "
              "AdaptiveMaxPool(1) end the split")
 

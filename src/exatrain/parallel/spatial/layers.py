@@ -191,6 +191,7 @@ class _ConvPlan:
     out_shape: tuple[int, ...]
     interior: tuple | None = None  # (out slices, block slices) computable before halos arrive
     shells: tuple = ()             # ((out slices, ext slices), ...) computed after
+    mode_pad: tuple = ()           # F.pad amounts (last dim first) in the layer's padding_mode
 
 
 class SpatialConv(SpatialLayer):
@@ -199,14 +200,23 @@ class SpatialConv(SpatialLayer):
     With `runtime.overlap`, the outputs that read only the own block are computed while the halo
     messages are in flight, and the boundary shells after they arrive; in backward, the weight
     gradient is computed while the input-gradient halos travel back.
+
+    Padding modes (`padding_mode=`), the serial layer being F.pad(x, mode) then an unpadded conv:
+      zeros      the global boundary's halo is filled with 0 locally (above)
+      circular   along a split dim the halo wraps: the first block's left halo is the last
+                 block's right edge and back (`SplitDim.periodic`), the same bytes as an interior
+                 face; along an unsplit dim F.pad(mode='circular') on the block
+      reflect,   interior faces exchange ordinary halos; at the global boundary the block pads
+      replicate  itself with F.pad(mode) from its own edge (no communication), after the
+                 exchange so that the corners reflect the neighbours' halos too (padding along
+                 different dims commutes). Reflect needs the padding below the boundary block's
+                 extended length, as torch needs it below the sample's.
+    These run without overlap (halo exchange, F.pad, convolution, each differentiable).
     """
 
     def __init__(self, conv: nn.Module, name: str, runtime, may_gather: bool = False):
         super().__init__(conv, name, runtime, may_gather)
-        if conv.padding_mode != "zeros":
-            raise SpatialSplitError(
-                f"{type(conv).__name__} '{name}' uses padding_mode={conv.padding_mode!r}; under a "
-                f"space split only zero padding is supported. Use padding_mode='zeros' or space=(1, 1, 1).")
+        self.padding_mode = conv.padding_mode
         self.weight = conv.weight
         self.bias = conv.bias
         self.nd = conv.weight.dim() - 2
@@ -234,26 +244,49 @@ class SpatialConv(SpatialLayer):
     def plan(self, shape):
         rt, k = self.runtime, self.nd
         parts, coords, strides = rt.layout(k, self)
+        zeros = self.padding_mode == "zeros"
         dims, local_pad, out_shape = [], [], [shape[0], self.weight.shape[0]]
+        mode_pad = [0] * (2 * k)  # F.pad order: last dim's (lo, hi) first
         for i, w in enumerate(self.windows()):
             p, b = parts[i], shape[2 + i]
             n = b * p
-            if p == 1 and w.lo == w.hi:
-                local_pad.append(w.lo)
-                out_shape.append((n + 2 * w.lo - w.d * (w.k - 1) - 1) // w.s + 1)
+            if p == 1 and (w.lo == w.hi or not zeros):
+                local_pad.append(w.lo if zeros else 0)
+                if not zeros:
+                    mode_pad[2 * (k - 1 - i):2 * (k - i)] = [w.lo, w.hi]
+                out_shape.append((n + w.lo + w.hi - w.d * (w.k - 1) - 1) // w.s + 1)
                 continue
             geo = window_geometry(n, p, w)
             if isinstance(geo, str):
                 self._cannot_split(i, k, n, p, geo,
                                    lambda q, n=n, w=w: not isinstance(window_geometry(n, q, w), str))
             lefts, rights, m = geo
-            dims.append(SplitDim(2 + i, p, coords[i], strides[i], lefts, rights))
+            if self.padding_mode == "circular" and (lefts[0] > b or rights[-1] > b):
+                self._cannot_split(i, k, n, p, f"its circular halo of {max(lefts[0], rights[-1])} "
+                                   f"wraps from a block only {b} wide",
+                                   lambda q, n=n, w=w: not isinstance(window_geometry(n, q, w), str)
+                                   and max(w.lo, w.hi) <= n // q)
+            if self.padding_mode in ("reflect", "replicate"):
+                # the boundary blocks pad themselves after the exchange: no halo there
+                c, pad = coords[i], mode_pad[2 * (k - 1 - i):2 * (k - i)]
+                if c == 0:
+                    pad[0], lefts = max(lefts[0], 0), (min(lefts[0], 0),) + lefts[1:]
+                if c == p - 1:
+                    pad[1], rights = max(rights[-1], 0), rights[:-1] + (min(rights[-1], 0),)
+                mode_pad[2 * (k - 1 - i):2 * (k - i)] = pad
+                ext = b + lefts[c] + rights[c]
+                if self.padding_mode == "reflect" and max(pad) >= ext:
+                    self._cannot_split(i, k, n, p, f"its reflect padding of {max(pad)} needs a "
+                                       f"boundary block longer than {max(pad)}, but it holds {ext}",
+                                       lambda q, n=n, w=w: max(w.lo, w.hi) < n // q)
+            dims.append(SplitDim(2 + i, p, coords[i], strides[i], lefts, rights,
+                                 periodic=self.padding_mode == "circular"))
             local_pad.append(0)
             out_shape.append(m)
         halo = Halo(rt.space, dims, shape, fill=0.0) if dims else None
         plan = _ConvPlan(None if halo is None or halo.trivial else halo, tuple(local_pad),
-                         tuple(out_shape))
-        if plan.halo is not None:
+                         tuple(out_shape), mode_pad=tuple(mode_pad) if any(mode_pad) else ())
+        if plan.halo is not None and zeros:
             self._overlap_geometry(plan, dims, shape)
         return plan
 
@@ -307,21 +340,37 @@ class SpatialConv(SpatialLayer):
         mode, plan = self.enter(x)
         if mode == "split":
             ext = x if plan.halo is None else plan.halo.exchange(x)
+            if plan.mode_pad:
+                ext = F.pad(ext, plan.mode_pad, mode=self.padding_mode)
             return ext, plan.local_pad, plan.local_pad, False
         if mode == GATHER:
             from .functions import gather_blocks_
             parts, _, _ = self.runtime.layout(x.dim() - 2, None)
             x = gather_blocks_(x, self.runtime.space, parts)
+        if self.padding_mode != "zeros":
+            return F.pad(x, self._pads(), mode=self.padding_mode), (0,) * self.nd, (0,) * self.nd, True
         return x, self.pad_lo, self.pad_hi, True
 
+    def _pads(self) -> list[int]:
+        """The serial padding in F.pad's order (last dim first)."""
+        return [p for lo, hi in zip(reversed(self.pad_lo), reversed(self.pad_hi)) for p in (lo, hi)]
+
     def split_forward(self, x, plan: _ConvPlan):
+        if self.padding_mode != "zeros":  # exchange (wrapping if circular), pad, convolve
+            if plan.halo is not None:
+                x = halo_exchange(x, plan.halo)
+            if plan.mode_pad:
+                x = F.pad(x, plan.mode_pad, mode=self.padding_mode)
+            return self.conv(x, self.weight, self.bias, plan.local_pad)
         if plan.halo is None:
             return self.conv(x, self.weight, self.bias, plan.local_pad)
         return HaloConv.apply(x, self.weight, self.bias, self, plan)
 
     def replicated_forward(self, x):
-        x = F.pad(x, [p for lo, hi in zip(reversed(self.pad_lo), reversed(self.pad_hi))
-                      for p in (lo, hi)]) if self.pad_lo != self.pad_hi else x
+        if self.padding_mode != "zeros":
+            return self.conv(F.pad(x, self._pads(), mode=self.padding_mode), self.weight,
+                             self.bias, (0,) * self.nd)
+        x = F.pad(x, self._pads()) if self.pad_lo != self.pad_hi else x
         return self.conv(x, self.weight, self.bias, self.pad_lo if self.pad_lo == self.pad_hi
                          else (0,) * self.nd)
 
@@ -563,7 +612,8 @@ class SpatialUpsample(SpatialLayer):
             raise SpatialSplitError(
                 f"{type(up).__name__} '{name}' (mode={up.mode!r}, size={up.size}, "
                 f"scale_factor={scale}) is not block-local; under a space split use "
-                f"nn.Upsample(scale_factor=<integer>, mode='nearest') or a ConvTranspose.")
+                f"nn.Upsample(scale_factor=<integer>, mode='nearest'), mode='bilinear' / "
+                f"'trilinear', or a ConvTranspose.")
         self.scale_factor = tuple(int(s) for s in scales) if isinstance(scale, tuple) else int(scale)
         self.mode = up.mode
 
@@ -616,11 +666,19 @@ class SpatialGroupNorm(SpatialLayer):
     `space` (`AllReduceSum`: every block's output uses them, so their gradients are summed
     back), then mean = S1 / M, var = S2 / M - mean² (M: the group's elements in the whole
     sample, biased as torch's) and y = (x - mean) / sqrt(var + eps) · weight + bias on the
-    block. Replicated (after a gather): the plain op.
+    block. Replicated (after a gather): the plain op, or the same sums without the all-reduce
+    where running statistics are kept.
     Communication: one all-reduce of 2 × N × G float64 forward and one backward, 16 N G bytes
     each per rank (tag "norm"; G = channels for InstanceNorm).
-    InstanceNorm with track_running_stats=True is refused: its running statistics would need
-    the same sums kept per channel; use track_running_stats=False (torch's default).
+
+    InstanceNorm with track_running_stats=True, in training: serial torch updates
+    running ← (1 - momentum) running + momentum · mean over the batch of each sample's mean
+    (and unbiased variance, M / (M - 1)), so the per-sample statistics (already whole-sample
+    here) are summed over the local batch and all-reduced over the data replicas with the
+    BatchNorm statistics' axes (`runtime.data_axis`): one all-reduce of 2 C + 1 float64,
+    16 C + 8 bytes (tag "norm"), no backward; every rank then holds the serial buffers.
+    momentum=None updates nothing, as in torch. In evaluation the running statistics
+    normalise each voxel locally, with no communication.
     """
 
     is_norm_layer = True  # computes in fp32 under mixed precision, as torch's norms (precision.py)
@@ -630,13 +688,11 @@ class SpatialGroupNorm(SpatialLayer):
         if isinstance(norm, nn.GroupNorm):
             self.groups, self.num_channels = norm.num_groups, norm.num_channels
         else:
-            if norm.track_running_stats:
-                raise SpatialSplitError(
-                    f"{type(norm).__name__} '{name}' has track_running_stats=True; under a "
-                    f"space split exatrain keeps no running statistics for instance norms. Use "
-                    f"track_running_stats=False (the default: evaluation then normalises each "
-                    f"sample by its own statistics too), or space=(1, 1, 1).")
             self.groups = self.num_channels = norm.num_features
+            self.momentum = norm.momentum
+        keys = ("running_mean", "running_var", "num_batches_tracked")
+        for key in keys:  # InstanceNorm's buffers (None without running statistics), same keys
+            self.register_buffer(key, getattr(norm, key, None))
         self.eps = norm.eps
         self.weight, self.bias = norm.weight, norm.bias  # None without affine, as in torch
 
@@ -648,16 +704,24 @@ class SpatialGroupNorm(SpatialLayer):
         mode, _ = self.enter(x)
         if mode == GATHER:
             x = rt.gather(x)
-        if mode != "split":
+        running = self.running_mean is not None
+        if running and not self.training:  # the running statistics: per voxel, local
+            return F.instance_norm(x, self.running_mean, self.running_var, self.weight,
+                                   self.bias, False, 0.0, self.eps)
+        if mode != "split" and not running:
             return self.replicated_forward(x)
         n, c = x.shape[:2]
         xg = x.reshape(n, self.groups, -1)
         sums = torch.stack([xg.sum(-1, dtype=torch.float64),
                             (xg * xg).sum(-1, dtype=torch.float64)])
-        sums = AllReduceSum.apply(sums, rt.space, "norm")
-        count = xg.shape[-1] * rt.size  # equal blocks
+        count = xg.shape[-1]
+        if mode == "split":
+            sums = AllReduceSum.apply(sums, rt.space, "norm")
+            count *= rt.size  # equal blocks
         mean = sums[0] / count
         var = (sums[1] / count - mean * mean).clamp_min(0.0)
+        if running and self.momentum:
+            self._update_running_stats(mean.detach(), var.detach(), count)
         rstd = torch.rsqrt(var + self.eps)
         y = ((xg - mean.to(x.dtype)[..., None]) * rstd.to(x.dtype)[..., None]).reshape(x.shape)
         if self.weight is not None:
@@ -665,8 +729,60 @@ class SpatialGroupNorm(SpatialLayer):
             y = y * self.weight.view(shape) + self.bias.view(shape)
         return y
 
+    @torch.no_grad()
+    def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, count: int) -> None:
+        """Serial InstanceNorm's update from each sample's whole-volume (N, C) statistics."""
+        unbiased = var * (count / max(count - 1, 1))
+        totals = torch.cat([mean.sum(0), unbiased.sum(0),
+                            mean.new_tensor([float(mean.shape[0])])])
+        all_reduce(totals, self.runtime.data_axis, tag="norm")
+        c, m = mean.shape[1], self.momentum
+        batch = totals[-1]
+        self.running_mean.mul_(1 - m).add_((totals[:c] / batch * m).to(self.running_mean.dtype))
+        self.running_var.mul_(1 - m).add_((totals[c:2 * c] / batch * m).to(self.running_var.dtype))
+
     def replicated_forward(self, x):
         return F.group_norm(x, self.groups, self.weight, self.bias, self.eps)
+
+
+class SpatialLayerNorm(SpatialLayer):
+    """LayerNorm / RMSNorm over channels (channels-last, as ConvNeXt blocks use it): statistics
+    per voxel over its normalized trailing dims, which are local to each block when none of them
+    is split. Block-local, no communication; its weight's gradient is the block's partial sum.
+
+    A split dim among the normalised ones would need the whole sample: on a block it is 1/P of
+    the sample's length, so the input's trailing dims do not match normalized_shape, and that
+    is refused by name at the first forward (GroupNorm(1, C) is the per-sample norm over
+    (C, *spatial) exatrain splits).
+    """
+
+    is_norm_layer = True
+
+    def __init__(self, norm: nn.Module, name: str, runtime, may_gather: bool = False):
+        super().__init__(norm, name, runtime, may_gather)
+        self.rms = isinstance(norm, nn.RMSNorm)
+        self.normalized_shape, self.eps = tuple(norm.normalized_shape), norm.eps
+        self.weight, self.bias = norm.weight, getattr(norm, "bias", None)
+
+    def describe(self) -> str:
+        return f"normalized_shape {self.normalized_shape}"
+
+    def plan(self, shape):
+        k = len(self.normalized_shape)
+        if tuple(shape[-k:]) != self.normalized_shape:
+            raise SpatialSplitError(
+                f"{self.source_type} '{self.qualname}' normalises over the last {k} dims "
+                f"{list(self.normalized_shape)}, but on this rank's spatial block its input is "
+                f"{list(shape)}: a dim it normalises over is split by space="
+                f"{self.runtime.parts}, so its statistics would need the whole sample. Normalise "
+                f"over channels only (permute to channels-last, LayerNorm(C)), use "
+                f"nn.GroupNorm(1, C) for a per-sample norm over (C, *spatial), or space=(1, 1, 1).")
+        return ()
+
+    def replicated_forward(self, x):
+        if self.rms:
+            return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
 # --------------------------------------------------------------------------- dropout
