@@ -32,8 +32,8 @@ from .train.run import ResumeError
 from .tune.user import plans
 from .workloads.metrics import Mean, Ratio
 from .workloads.user import Task
+from .version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["Branches", "Config", "KFAC", "KFACSettings", "Mean", "Mesh", "Plan", "Ratio", "Task",
            "Trainer", "fit", "data", "init", "launch", "load_config", "models", "parallelize",
            "plans", "predict",
