@@ -28,7 +28,7 @@ from .train.checkpoints.export import InitFromError
 from .train.fit import fit, launch
 from .train.kfac import KFAC, KFACSettings
 from .train.predict import PredictError, predict
-from .train.run import ResumeError
+from .train.job import ResumeError
 from .tune.user import plans
 from .workloads.metrics import Mean, Ratio
 from .workloads.user import Task
