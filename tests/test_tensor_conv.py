@@ -251,7 +251,7 @@ def test_switch_point_byte_rule_and_weight_fallback():
 
 
 def test_trainer_example_places_the_switch_where_the_planner_does():
-    """Under space × tensor the Trainer's example (`train.run.pipeline_example`: the whole
+    """Under space × tensor the Trainer's example (`train.job.pipeline_example`: the whole
     samples of one replica's batch, on meta, from one block) gives `conv_selection` the byte
     rule's switch, the planner's (`tune.chanfilt.conv_terms`), not the weight fallback;
     `parallel.chanfilt_from` moves it, `parallel.chanfilt_skip` keeps a convolution whole."""
@@ -259,7 +259,7 @@ def test_trainer_example_places_the_switch_where_the_planner_does():
 
     from exatrain.parallel.options import ParallelOptions
     from exatrain.parallel.tensor.convert import conv_selection
-    from exatrain.train.run import pipeline_example
+    from exatrain.train.job import pipeline_example
     from exatrain.tune.chanfilt import conv_terms
 
     model = _tiny_cosmoflow()

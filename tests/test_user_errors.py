@@ -378,7 +378,7 @@ def test_a_bug_in_the_model_forward_is_internal_and_keeps_its_traceback(user, tm
 
 def test_ranks_waiting_on_rank_0_relay_its_error_as_the_same_class_when_it_is_the_users():
     """Under torchrun / srun every rank prints its own failure: the ranks that wait for rank 0's
-    data preparation (train.run.prepare_run) raise what `relayed` gives them: the class of rank
+    data preparation (train.job.prepare_run) raise what `relayed` gives them: the class of rank
     0's error when it is the user's (so they too exit 2 with one line), else a RuntimeError."""
     from exatrain.errors import DataError, is_user_error, relayed
 

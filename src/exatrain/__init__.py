@@ -28,12 +28,12 @@ from .train.checkpoints.export import InitFromError
 from .train.fit import fit, launch
 from .train.kfac import KFAC, KFACSettings
 from .train.predict import PredictError, predict
-from .train.run import ResumeError
+from .train.job import ResumeError
 from .tune.user import plans
 from .workloads.metrics import Mean, Ratio
 from .workloads.user import Task
+from .version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["Branches", "Config", "KFAC", "KFACSettings", "Mean", "Mesh", "Plan", "Ratio", "Task",
            "Trainer", "fit", "data", "init", "launch", "load_config", "models", "parallelize",
            "plans", "predict",

@@ -180,7 +180,7 @@ def judge(facts: list[dict], threshold: float) -> dict:
 
 def preflight_rank(config, options: PreflightOptions) -> dict:
     """What every rank runs; returns the whole report on every rank (the same verdict everywhere)."""
-    from ..train.run import join  # the job's own launcher detection, Plan and process group
+    from ..train.job import join  # the job's own launcher detection, Plan and process group
 
     mesh = join(config)
     try:

@@ -33,7 +33,7 @@ def free_memory_bytes(device: torch.device) -> int:
 
 def rank_facts(mesh, config, min_free_gib: float) -> dict:
     """Collective (one broadcast): this rank's facts, including whether it sees rank 0's marker."""
-    from .. import __version__
+    from ..version import __version__
 
     out_dir = Path(config.run.out_dir)
     marker = None

@@ -39,7 +39,7 @@ from ..plan import Plan, PlanError
 from ..workloads.user import Task, workload_from_task
 from .config import FIXED_SECTIONS, Config, ConfigError, build_section, load_config, validate
 from .monitor.console import TrainConsole
-from .run import make_run_dir, pipeline_example
+from .job import make_run_dir, pipeline_example
 from .trainer import Trainer
 
 
@@ -159,7 +159,7 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_set: Dataset, val_set:
         trainer = Trainer(mesh, workload, config, parallel_model, run_dir=run_dir,
                           console=TrainConsole() if mesh.rank == 0 else None)
         if resume:
-            from .run import find_resume_checkpoint
+            from .job import find_resume_checkpoint
             trainer.resume(find_resume_checkpoint(resume))
         try:
             summary = trainer.fit()

@@ -57,7 +57,7 @@ from ..population.partition import partition, split
 from .checkpoints import checkpoint
 from .config import Config, ConfigError
 from .monitor.console import TrainConsole
-from .run import ResumeError, join, pipeline_example, prepare_run
+from .job import ResumeError, join, pipeline_example, prepare_run
 from .trainer import NonFiniteLoss, Trainer
 
 

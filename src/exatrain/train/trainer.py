@@ -36,7 +36,6 @@ import contextlib
 import functools
 import json
 import math
-import resource
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -63,7 +62,7 @@ from .checkpoints import checkpoint
 from . import kfac
 from .config import Config, ConfigError, micro_batch_size
 from .monitor.cpu_peak import Peak, cpu_peak
-from .monitor.memory import StepPeak, state_bytes
+from .monitor.memory import StepPeak, peak_memory_bytes, state_bytes
 from .monitor.observer import StepObserver
 from .monitor.step_meters import PendingSteps
 from ..parallel.precision import Precision, keep_norms_fp32, measured_matmul_flops
@@ -143,13 +142,6 @@ def supports_found_inf(optimizer) -> bool:
     fused Adam, AdamW and SGD do, as `torch.amp.GradScaler` relies on."""
     return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD) and \
         bool(optimizer.defaults.get("fused"))
-
-
-def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
-    """Peak memory of this rank and where the number comes from."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device), "cuda_max_allocated"
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process_peak_rss"
 
 
 class Trainer:

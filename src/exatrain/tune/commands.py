@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from ..plan import Plan, PlanError
-from .cost import Options
+from .cost import Options, options_from_config
 from ..errors import ArgumentError, MissingFileError
 
 
@@ -22,18 +22,6 @@ def parse_plan(text: str) -> Plan:
         nums = tuple(int(v) for v in value.lower().split("x"))
         degrees[key.strip()] = nums[0] if len(nums) == 1 else nums
     return Plan(**degrees)
-
-
-def options_from_config(config) -> Options:
-    p = config.parallel
-    return Options(batch=config.train.batch_size, precision=p.precision,
-                   zero_stage=p.zero_stage,
-                   checkpointing="full" if p.activation_checkpointing != "none" else "none",
-                   microbatches=int(getattr(p, "microbatches", 0) or 0),
-                   schedule=str(getattr(p, "pipe_schedule", "1f1b") or "1f1b").lower(),
-                   virtual_stages=int(getattr(p, "pipe_virtual_stages", 2) or 2),
-                   optimizer=config.optim.name, bucket_cap_mb=p.bucket_cap_mb,
-                   batchnorm=p.batchnorm)
 
 
 def _human_bytes(n: float) -> str:

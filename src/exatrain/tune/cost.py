@@ -118,6 +118,19 @@ class Options:
         return " ".join(parts)
 
 
+def options_from_config(config) -> Options:
+    """The Options of a run's config ([train] batch, [parallel], [optim] name)."""
+    p = config.parallel
+    return Options(batch=config.train.batch_size, precision=p.precision,
+                   zero_stage=p.zero_stage,
+                   checkpointing="full" if p.activation_checkpointing != "none" else "none",
+                   microbatches=int(getattr(p, "microbatches", 0) or 0),
+                   schedule=str(getattr(p, "pipe_schedule", "1f1b") or "1f1b").lower(),
+                   virtual_stages=int(getattr(p, "pipe_virtual_stages", 2) or 2),
+                   optimizer=config.optim.name, bucket_cap_mb=p.bucket_cap_mb,
+                   batchnorm=p.batchnorm)
+
+
 @dataclass
 class Comm:
     axis: str          # the ledger's axis name ("data", "data+space", "tensor", ...)

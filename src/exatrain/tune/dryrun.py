@@ -152,7 +152,7 @@ def dry_run(config, plan: Plan, rank: int, max_full_bytes: float = 4 * 2 ** 30) 
 
 def _switch_example(config, shape, plan: Plan):
     """Under space × tensor, the whole samples of one replica's batch on the meta device: the
-    shapes from which the channel/filter switch point is placed (as `train.run.pipeline_example`
+    shapes from which the channel/filter switch point is placed (as `train.job.pipeline_example`
     gives the Trainer); None otherwise."""
     if plan.pipe > 1 or plan.space_degree == 1 or plan.tensor_degree == 1 or plan.tensor_3d:
         return None

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .cost import Prediction
+from .cost import Prediction, options_from_config
 from ..errors import ArgumentError
 from ..plan import PlanError
 
@@ -195,7 +195,6 @@ def load_prior(paths) -> list[tuple[list[float], float]]:
 def tune_config(config, world: int, budget: int, system: str = "cpu-local", steps: int = 3,
                 prior_paths=(), record: str = "") -> dict:
     """`exatrain tune`: rank the Plans, measure at most `budget` on spawned ranks, report."""
-    from .commands import options_from_config
     from .measure import measure
     from .search import rank_plans
     from .spec import spec_from_config

@@ -17,7 +17,7 @@ element:
 The switch costs one gather of the blocks (the redistribution; counted by the ledger under the
 `space` axis, tag "act"). Shapes come from one forward of the plain model on the meta device
 with an example batch of whole samples (`conv_shapes`; the Trainer, `et.fit` and the dry run pass
-one replica's batch as a meta tensor, `train.run.pipeline_example`, as the planner's
+one replica's batch as a meta tensor, `train.job.pipeline_example`, as the planner's
 `tune.chanfilt.conv_terms` uses); without one (a plain `parallelize` call) the rule falls back to
 the weights alone: the switch is at the first convolution from which the convolutions hold at
 least 90 % of all convolution weights. `parallel.chanfilt_from` overrides it by module name.

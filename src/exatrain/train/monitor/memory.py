@@ -29,12 +29,16 @@ what was allocated when the step began (parameters, optimizer state, persistent 
   checkpointing recomputes); they also include gradients that backward allocates anew and
   transient communication buffers.
 
+Peak memory of the process, `peak_memory_bytes(device)` — the summary's `peak_mem_bytes`: the CUDA
+allocator's maximum on GPUs, the process's peak resident set on CPU.
+
 `zero_state_formula` gives the ZeRO paper's bytes per rank for comparison.
 """
 
 from __future__ import annotations
 
 import contextlib
+import resource
 import sys
 import weakref
 from contextlib import contextmanager
@@ -160,6 +164,13 @@ class _StorageTracker(TorchDispatchMode):
                 self.peak = max(self.peak, self.current)
                 weakref.finalize(storage, self._free, key, size)
         return out
+
+
+def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
+    """Peak memory of this rank and where the number comes from."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "cuda_max_allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process_peak_rss"
 
 
 class StepPeak:

@@ -33,6 +33,7 @@ import torch
 from ...comm import all_gather_object
 from ...comm.timing import named_range
 from .bandwidth import BandwidthWatch
+from .memory import peak_memory_bytes
 from .target import Target
 from .trackers import rows
 
@@ -211,7 +212,6 @@ class StepObserver:
 
     def _memory_per_rank(self) -> list[dict]:
         """Every rank's state and peak bytes (one small all-gather at the end of fit)."""
-        from ..trainer import peak_memory_bytes
         t = self.trainer
         figures = t._memory_figures()
         mine = {"rank": t.mesh.rank, "state_bytes": figures.get("state_bytes"),

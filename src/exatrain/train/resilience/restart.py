@@ -64,7 +64,7 @@ def cleanup_failed_start(trainer, resumed: bool) -> None:
 
 def planned_run_dir(config) -> Path:
     """A fresh run directory's path (not created: rank 0 creates it when the run starts)."""
-    from ..run import fresh_run_dir  # (run imports this module)
+    from ..job import fresh_run_dir
     return fresh_run_dir(config)
 
 
