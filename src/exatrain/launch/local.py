@@ -137,9 +137,8 @@ def _child(payload: bytes, environ: dict, import_path: list, cwd: str, start_met
     os.replace(path.with_suffix(".tmp"), path)
     if outcome[0] == "error":
         os._exit(1)
-    import torch.distributed as dist
-    if dist.is_initialized():  # meshes keep a launched job's group (Mesh.close); the rank ends here
-        dist.destroy_process_group()
+    from .teardown import tear_down
+    tear_down()   # meshes keep a launched job's group (Mesh.close); the rank ends here
 
 
 def spawn(fn, nproc: int, args: tuple = (), timeout_s: float | None = None,
@@ -208,7 +207,14 @@ def spawn(fn, nproc: int, args: tuple = (), timeout_s: float | None = None,
                 continue
             with open(path, "rb") as f:
                 outcome = pickle.load(f)
-            if outcome[0] == "ok":
+            if outcome[0] == "ok" and p.exitcode not in (0, None) and rank not in stopped_by_us:
+                # its work done, the rank did not exit cleanly (an abort in its teardown): under
+                # srun that is a failed task, so here too
+                errors.append((rank, f"rank {rank} returned its result, then ended with "
+                               f"{describe_exit(p.exitcode)} instead of exiting cleanly", "", None,
+                               died_at.get(rank, float("inf"))))
+                results.append(None)
+            elif outcome[0] == "ok":
                 results.append(outcome[1])
             else:
                 errors.append((rank,) + tuple(outcome[1:]))
