@@ -1,5 +1,5 @@
 """Launched the way a supercomputer launches: a real Slurm on this machine (munge, slurmctld,
-slurmd, started by tests/slurm/start-slurm.sh; `.ci/run` starts it before the suite), `srun` for
+slurmd, installed and started by tests/slurm/start-slurm.sh from the `slurm` fixture), `srun` for
 the ranks, `sbatch` for the script `--print-batch-script slurm` writes, and the wall-time warning
 sent by the scheduler itself, not by the test."""
 

@@ -286,3 +286,69 @@ def test_a_script_writing_one_hdf5_file_from_every_rank_is_told_why_and_what_to_
     assert "internal error" not in done.stderr
     assert "open for writing" in done.stderr and "Every rank runs your whole script" in done.stderr
     assert "unable to lock file" in done.stderr   # the original message is kept
+
+
+# the README's first example without its `__main__` guard (and with one loader worker per rank,
+# the worker that used to import the script again and hang)
+GUARDLESS = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import exatrain as et
+
+torch.manual_seed(0)
+x = torch.randn(256, 8)
+y = x @ torch.randn(8, 1)
+summary = et.fit(lambda: nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1)),
+                 TensorDataset(x[:192], y[:192]), TensorDataset(x[192:], y[192:]),
+                 loss=F.mse_loss, train={"steps": 6, "batch_size": 16, "log_every": 1,
+                                         "num_workers": 1, "checkpoint_every": 0},
+                 run={"out_dir": "runs", "name": NAME})
+print(f"val_loss {summary['val_loss']:.6f}")
+'''
+
+
+def test_a_script_without_a_main_guard_trains_under_exatrain_run_as_under_torchrun(tmp_path):
+    """`exatrain run SCRIPT --nproc 2` runs a script with no `if __name__ == "__main__":` (its
+    ranks' loader workers fork, as under torchrun, instead of importing it again) and ends
+    where the same script ends on one process."""
+    losses = {}
+    for name, command in (("serial", [sys.executable, "serial.py"]),
+                          ("data2", [sys.executable, "-m", "exatrain.cli", "run", "data2.py",
+                                     "--nproc", "2"])):
+        (tmp_path / f"{name}.py").write_text(GUARDLESS.replace("NAME", repr(name)))
+        done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        (run_dir,) = (tmp_path / "runs").glob(f"{name}-*")
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["num_workers"] == 1 and summary["world_size"] == (2 if name == "data2" else 1)
+        losses[name] = [json.loads(line)["loss"] for line in
+                        (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+        losses[name].append(summary["val_loss"])
+    assert len(losses["data2"]) == 7
+    assert losses["data2"] == pytest.approx(losses["serial"], rel=1e-5)
+
+
+def test_a_guardless_script_is_refused_before_any_rank_where_workers_would_import_it(tmp_path):
+    """Where loader workers start by spawn (macOS, Windows; here the caller's start method set
+    to it), each would run a guard-less script's training again: refused in one line before any
+    rank starts, naming the script and the fix. A script with the guard is not refused."""
+    from exatrain.train.fit import script_refusal
+
+    (tmp_path / "bare.py").write_text(GUARDLESS.replace("NAME", "'bare'"))
+    (tmp_path / "guarded.py").write_text("import exatrain\n\nif '__main__' == __name__:\n    pass\n")
+    assert script_refusal(tmp_path / "bare.py", "fork") is None
+    assert script_refusal(tmp_path / "guarded.py", "spawn") is None
+    done = subprocess.run(
+        [sys.executable, "-c", "import multiprocessing, sys\n"
+         "multiprocessing.set_start_method('spawn')\n"
+         "from exatrain.cli import main\n"
+         "sys.exit(main(['run', 'bare.py', '--nproc', '2']))"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    (line,) = [l for l in done.stderr.splitlines() if l.startswith("exatrain:")]
+    assert "bare.py has no `if __name__ == \"__main__\":` guard" in line, line
+    assert "'spawn'" in line and "under the guard" in line, line
+    assert not (tmp_path / "runs").exists()   # no rank started

@@ -390,11 +390,7 @@ def main(argv=None) -> int:
     args = build_parser(argv).parse_args(argv)
     args.script_args = script_args
     try:
-        code = args.func(args)
-        import torch.distributed as dist
-        if dist.is_initialized():  # a launched rank's group outlives its meshes (Mesh.close)
-            dist.destroy_process_group()
-        return code
+        return args.func(args)
     except RankFailed as exc:
         original = getattr(exc, "original", None)
         if getattr(exc, "diagnosis", None):
@@ -435,6 +431,9 @@ def main(argv=None) -> int:
         print(f"exatrain: internal error (a bug in exatrain or in the model code, not in your "
               f"input; traceback above): {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    finally:  # a launched rank's group outlives its meshes (Mesh.close); ended here, in order
+        from .launch.teardown import tear_down
+        tear_down()
 
 
 if __name__ == "__main__":

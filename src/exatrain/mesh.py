@@ -16,6 +16,7 @@ refuses two ranks per device (scripts/gpu-figures.sh).
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import math
 import os
@@ -29,6 +30,7 @@ from .comm.inject import SlowLinks
 from .launch.env import LaunchError, detect
 from .launch.gpus import gpu_index, refuse_shared_gpus
 from .launch.local import free_port
+from .launch.teardown import tear_down
 from .plan import Plan
 
 SHARE_GPU_ENV = "EXATRAIN_SHARE_GPU"  # "1": local ranks share the GPU(s) over gloo
@@ -220,6 +222,12 @@ def init(plan: Plan, backend: str | None = None, timeout_s: float = 600.0) -> Me
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
+        # imported before the default group exists: its functions take `group=group.WORLD` as a
+        # default argument, evaluated at import, which would hold this group (and on rank 0 the
+        # TCPStore server) past destroy_process_group to the interpreter's finalization, where
+        # their threads are joined in no order (launch.teardown). torch imports it lazily, with
+        # torch._dynamo, after init when nothing has imported it before.
+        from torch.distributed.nn import functional  # noqa: F401
         if launch:
             launch.export(os.environ)
             init_method = "env://"
@@ -237,6 +245,12 @@ def init(plan: Plan, backend: str | None = None, timeout_s: float = 600.0) -> Me
         dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank,
                                 world_size=world, timeout=timeout,
                                 device_id=device if backend == "nccl" else None)
+        if launch:
+            # the group stays for the next mesh (Mesh.close); a script under srun or torchrun
+            # ends without `exatrain run` to end it, so the group made here is ended at exit,
+            # while the interpreter is whole (once, however many times init made one)
+            atexit.unregister(tear_down)
+            atexit.register(tear_down)
     device_mesh = init_device_mesh(device.type, tuple(plan.degrees().values()),
                                    mesh_dim_names=tuple(plan.degrees()))
     return Mesh(plan, device, backend, device_mesh, local_rank, keep_group=launch is not None)

@@ -5,6 +5,9 @@
 #   tests/slurm/start-slurm.sh            start what is not running; print the config's path
 #   tests/slurm/start-slurm.sh --install  first `apt-get install slurm-wlm munge iproute2` (Debian)
 #
+# tests/launched.py's `slurm` fixture runs it (with --install as root where apt-get is); a user
+# other than root gets the config's path where root started this Slurm already, else exit 2.
+#
 # The configuration differs from a centre's only where one machine needs it: tests/slurm/base.conf
 # (copied to /etc/slurm/exatrain-base.conf), the node is this host (its CPU count overridden), and
 # eight stand-in GPUs (empty files under /run/exagpu: no device behind them) so that Slurm's
@@ -18,7 +21,8 @@ if [[ "${1:-}" == "--install" ]]; then
   export DEBIAN_FRONTEND=noninteractive
   # and iproute2 (ip, tc) for tests/test_hosts.py's network-namespace hosts
   command -v slurmctld >/dev/null && command -v munged >/dev/null && command -v tc >/dev/null || \
-    { apt-get update -qq && apt-get install -y -qq slurm-wlm munge iproute2 >/dev/null; }
+    { apt-get update -qq && apt-get install -y -qq -o DPkg::Lock::Timeout=300 \
+        slurm-wlm munge iproute2 >/dev/null; }   # (the lock: another apt-get on the machine)
 fi
 for exe in munged slurmctld slurmd sbatch srun scontrol; do
   if ! command -v "$exe" >/dev/null; then
@@ -27,13 +31,21 @@ for exe in munged slurmctld slurmd sbatch srun scontrol; do
     exit 2
   fi
 done
+conf=/etc/slurm/slurm.conf
+header="# written by exatrain's tests/slurm/start-slurm.sh"
 if [[ $(id -u) != 0 ]]; then
-  echo "start-slurm: must run as root (it writes /etc/slurm/slurm.conf and starts daemons)." >&2
+  # another user's tests: enough where root started this script's Slurm already
+  state=$(sinfo -h -n "$(hostname -s)" -o %t 2>/dev/null || true)
+  if [[ "$(head -1 $conf 2>/dev/null)" == "$header" && $state =~ ^(idle|mix|alloc)$ ]]; then
+    echo "$conf"
+    exit 0
+  fi
+  echo "start-slurm: Slurm is not running with this script's configuration, and starting it" \
+       "needs root (it writes /etc/slurm/slurm.conf and starts daemons)." >&2
   exit 2
 fi
 
 host=$(hostname -s)
-conf=/etc/slurm/slurm.conf
 mkdir -p /etc/slurm /var/spool/slurmctld /var/spool/slurmd /var/log/slurm /run/munge /var/log/munge \
          /var/lib/munge
 if [[ ! -s /etc/munge/munge.key ]]; then
@@ -48,7 +60,7 @@ if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
 fi
 
 want=$(cat <<CONF
-# written by exatrain's tests/slurm/start-slurm.sh
+$header
 ClusterName=exatrain
 SlurmctldHost=$host(127.0.0.1)
 Include /etc/slurm/exatrain-base.conf

@@ -10,7 +10,11 @@ server is a single-threaded process that never touched a GPU, so forking it is s
 the caller (threads, CUDA) is not. A forked rank would see the server's environment, working
 directory and import path, taken when the server started; the caller's current ones are sent
 with every launch and set before `fn` and its arguments are unpickled. EXATRAIN_START_METHOD=spawn
-goes back to fresh interpreters. The parent watches all children: when one fails, the others
+goes back to fresh interpreters. Each rank also gets the caller's multiprocessing start method
+back (a forkserver's child would otherwise start its own children, the loader's workers, from a
+forkserver of its own, which imports the script again as its main module: a script without a
+`__main__` guard then trained again inside it and hung; under torchrun they fork, and here too).
+The parent watches all children: when one fails, the others
 are given a short grace period (they may be blocked in a collective waiting for the dead rank)
 and then stopped, and the parent raises `RankFailed` naming the rank and carrying its traceback.
 """
@@ -101,9 +105,11 @@ def rank_context():
     return ctx
 
 
-def _child(payload: bytes, environ: dict, import_path: list, cwd: str, rank: int, nproc: int,
-           port: int, threads: int, result_dir: str) -> None:
-    # the caller's process state at launch time (a forked rank starts with the server's)
+def _child(payload: bytes, environ: dict, import_path: list, cwd: str, start_method: str,
+           rank: int, nproc: int, port: int, threads: int, result_dir: str) -> None:
+    # the caller's process state at launch time (a forked rank starts with the server's, and
+    # multiprocessing set this process's start method to the one that started it)
+    multiprocessing.set_start_method(start_method, force=True)
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
@@ -131,9 +137,8 @@ def _child(payload: bytes, environ: dict, import_path: list, cwd: str, rank: int
     os.replace(path.with_suffix(".tmp"), path)
     if outcome[0] == "error":
         os._exit(1)
-    import torch.distributed as dist
-    if dist.is_initialized():  # meshes keep a launched job's group (Mesh.close); the rank ends here
-        dist.destroy_process_group()
+    from .teardown import tear_down
+    tear_down()   # meshes keep a launched job's group (Mesh.close); the rank ends here
 
 
 def spawn(fn, nproc: int, args: tuple = (), timeout_s: float | None = None,
@@ -149,8 +154,10 @@ def spawn(fn, nproc: int, args: tuple = (), timeout_s: float | None = None,
     payload = pickle.dumps((fn, tuple(args)))
     environ = {**os.environ, **(env or {})}
     with tempfile.TemporaryDirectory(prefix="exatrain-spawn-") as result_dir:
+        start_method = multiprocessing.get_start_method()   # the caller's (the platform's default)
         procs = [ctx.Process(target=_child, args=(payload, environ, list(sys.path), os.getcwd(),
-                                                  r, nproc, port, threads, result_dir),
+                                                  start_method, r, nproc, port, threads,
+                                                  result_dir),
                              daemon=False)
                  for r in range(nproc)]
         for p in procs:
@@ -200,7 +207,14 @@ def spawn(fn, nproc: int, args: tuple = (), timeout_s: float | None = None,
                 continue
             with open(path, "rb") as f:
                 outcome = pickle.load(f)
-            if outcome[0] == "ok":
+            if outcome[0] == "ok" and p.exitcode not in (0, None) and rank not in stopped_by_us:
+                # its work done, the rank did not exit cleanly (an abort in its teardown): under
+                # srun that is a failed task, so here too
+                errors.append((rank, f"rank {rank} returned its result, then ended with "
+                               f"{describe_exit(p.exitcode)} instead of exiting cleanly", "", None,
+                               died_at.get(rank, float("inf"))))
+                results.append(None)
+            elif outcome[0] == "ok":
                 results.append(outcome[1])
             else:
                 errors.append((rank,) + tuple(outcome[1:]))

@@ -186,11 +186,55 @@ def run_script(path: str, argv: list[str] | None = None) -> list[dict]:
         _script_summaries.reset(token)
 
 
+def has_main_guard(source: str) -> bool:
+    """Whether a script's top level has an `if __name__ == "__main__":` block."""
+    import ast
+
+    def is_guard(test) -> bool:
+        if not (isinstance(test, ast.Compare) and len(test.ops) == 1
+                and isinstance(test.ops[0], ast.Eq)):
+            return False
+        sides = [test.left, test.comparators[0]]
+        return any(isinstance(a, ast.Name) and a.id == "__name__" for a in sides) and \
+            any(isinstance(a, ast.Constant) and a.value == "__main__" for a in sides)
+
+    return any(isinstance(node, ast.If) and is_guard(node.test)
+               for node in ast.parse(source).body)
+
+
+def script_refusal(path: str | Path, start_method: str) -> str | None:
+    """Why the script at `path` cannot run on ranks whose loader workers start by `start_method`
+    (the platform's: fork on Linux, spawn on macOS and Windows), or None. A worker started by
+    spawn or forkserver imports the main script again; without a `__main__` guard that runs its
+    top level, et.fit included, once more inside the worker. Under fork a worker is a copy of
+    its rank and imports nothing. (Refused whatever `train.num_workers` the script sets: that
+    is known only once it runs.)"""
+    if start_method == "fork":
+        return None
+    try:
+        source = Path(path).read_text()
+    except OSError:
+        return None   # running it names the missing file
+    if has_main_guard(source):
+        return None
+    return (f"{path} has no `if __name__ == \"__main__\":` guard, and loader workers here start "
+            f"by {start_method!r}, which imports the script again in every worker (training "
+            f"again there, where it waits for ranks that never come); put the script's "
+            f"top-level code under the guard")
+
+
 def launch(fn, nproc: int, args: tuple = ()) -> list:
     """Start `nproc` local ranks (e.g. from a notebook) running `fn(*args)`, or the script at
-    path `fn`; returns each rank's result. `fn` must be importable from a module (spawned ranks
-    import it), not defined in a notebook cell."""
-    from ..launch import spawn
+    path `fn` as `__main__` (with or without a `__main__` guard, as under torchrun); returns
+    each rank's result. `fn` must be importable from a module (spawned ranks import it), not
+    defined in a notebook cell."""
+    import multiprocessing
+
+    from ..launch import LaunchError, spawn
     if isinstance(fn, (str, Path)):
+        # the ranks' loader workers start as the caller's processes do (launch.local)
+        refusal = script_refusal(fn, multiprocessing.get_start_method())
+        if refusal:
+            raise LaunchError(refusal)
         return spawn(run_script, nproc, args=(str(fn), list(args)))
     return spawn(fn, nproc, args=tuple(args))
