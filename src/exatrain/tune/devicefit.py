@@ -25,7 +25,9 @@ compute kind remains (a kind measured once is fitted exactly and cannot be held 
 
 The bench's case configs live in `bench.device_cases`, a layer above this one: `CASES` mirrors
 the full sizes of the cases the planner knows (`tests/test_planner_device.py` checks the two
-agree), and a recorded case whose parameter count differs from the planner's model is refused.
+agree). A run with other settings (`bench device --set model.preset=...`) names them in the JSON
+as `<case>_sets`, a table of section.key -> value laid over the case's; a recorded case whose
+parameter count (`<case>_params`) differs from the planner's model is refused.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class Recorded:
     device: str
     torch: str
     source: str
+    sets: tuple = ()             # (section.key, value) over the case's own (`<case>_sets`)
 
 
 def _value(text: object) -> str:
@@ -105,7 +108,8 @@ def read_bench(paths: list[str]) -> tuple[list[Recorded], list[tuple[str, str]]]
                                    str(data.get("precision", "fp32")),
                                    bool(data.get("compile", False)),
                                    data.get(f"{name}_params"), str(data.get("device", "?")),
-                                   str(data.get("torch", "?")), str(p))
+                                   str(data.get("torch", "?")), str(p),
+                                   tuple(sorted(data.get(f"{name}_sets", {}).items())))
     return list(found.values()), sorted(skipped.items())
 
 
@@ -113,7 +117,7 @@ def case_config(rec: Recorded):
     """The `exatrain run` config of a recorded case (the bench's overrides, its batch)."""
     from ..train.config import load_config
     workload, sets = CASES[rec.case]
-    sets = {**sets, "run.workload": workload, "train.batch_size": rec.batch,
+    sets = {**sets, **dict(rec.sets), "run.workload": workload, "train.batch_size": rec.batch,
             "parallel.precision": rec.precision, "parallel.compile": rec.compile}
     return load_config(None, [f"{k}={_value(v)}" for k, v in sets.items()])
 
@@ -166,7 +170,7 @@ def compare(records: list[Recorded], system) -> dict:
     rows = []
     for i, rec in enumerate(records):
         rows.append({
-            "case": rec.case, "model": specs[i].name, "params": specs[i].params,
+            "case": rec.case, "sets": dict(rec.sets), "model": specs[i].name, "params": specs[i].params,
             "kind": kinds[i], "batch": rec.batch, "precision": rec.precision,
             "compile": rec.compile, "device": rec.device, "torch": rec.torch,
             "source": rec.source, "step_measured_s": rec.step_s,
@@ -213,7 +217,8 @@ def write_system(result: dict, base: str, out: str = "") -> Path:
     raw["efficiency"] = {**raw.get("efficiency", {}),
                          **{k: float(v) for k, v in result["efficiency_after"].items()}}
     raw["measured"] = {"cases": {r["case"]: {
-        "batch": r["batch"], "precision": r["precision"], "compile": r["compile"],
+        "batch": r["batch"], **({"sets": r["sets"]} if r["sets"] else {}),
+        "precision": r["precision"], "compile": r["compile"],
         "torch": r["torch"], "step_s": r["step_measured_s"],
         "step_predicted_datasheet_s": r["step_predicted_s"],
         "step_predicted_calibrated_s": r["step_calibrated_s"],
