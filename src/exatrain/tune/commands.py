@@ -55,6 +55,8 @@ def plan_command(args) -> int:
         path = calibrate(out=args.calibrate_out, quick=args.quick)
         print(f"wrote {path}")
         return 0
+    if args.calibrate_from:
+        return calibrate_from_command(args)
     config = load_config(args.config, args.set or [])
     world = args.world or config.run.nproc
     if args.dry_run is not None:
@@ -114,6 +116,77 @@ def plan_command(args) -> int:
             reason = r.reason.removeprefix(f"{r.plan}: ")
             console.print(f"  [bold]{r.kind}[/]: " + escape(f"{r.plan}{opts}: {reason}"),
                           highlight=False)
+    return 0
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:+.1f} %"
+
+
+def calibrate_from_command(args) -> int:
+    """`exatrain plan --calibrate-from BENCH.json ... --system SYSTEM` (`tune.devicefit`)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .devicefit import compare, read_bench, write_system
+    from .systems import load_system
+    if args.system == "cpu-local":
+        raise ArgumentError("--calibrate-from: name the data-sheet system of the device the "
+                            "bench ran on, e.g. --system h100-infiniband (cpu-local is "
+                            "calibrated by --calibrate)")
+    records, skipped = read_bench(args.calibrate_from)
+    if not records:
+        raise ArgumentError("--calibrate-from: none of the recorded cases is one the planner "
+                            "knows: " + "; ".join(f"{c}: {why}" for c, why in skipped))
+    system = load_system(args.system)
+    result = compare(records, system)
+    path = write_system(result, args.system, args.calibrate_out)
+    if args.json:
+        _emit({**{k: v for k, v in result.items() if k != "calibrated_system"},
+               "skipped": dict(skipped), "wrote": str(path)}, args.json)
+        return 0
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    rows = result["rows"]
+    devices = ", ".join(sorted({r["device"] for r in rows}))
+    table = Table(title=f"one rank on {system.name}'s data sheet against {devices}")
+    for col in ("case", "batch", "precision", "step predicted", "measured", "error",
+                "memory predicted", "measured", "error"):
+        table.add_column(col, justify="left" if col in ("case", "precision") else "right")
+    for r in rows:
+        mem = r["memory_measured_bytes"]
+        table.add_row(f"{r['case']} ({r['model']})", str(r["batch"]),
+                      r["precision"] + (" compile" if r["compile"] else ""),
+                      _human_s(r["step_predicted_s"]), _human_s(r["step_measured_s"]),
+                      _pct(r["step_error"]), _human_bytes(r["memory_predicted_bytes"]),
+                      _human_bytes(mem) if mem else "not recorded", _pct(r["memory_error"]))
+    console.print(table)
+    mem = (f"{result['memory_mape']:.1f} % over {result['memory_cases']} case(s) with memory "
+           "recorded" if result["memory_mape"] is not None else "none recorded")
+    console.print(f"data sheet: step MAPE {result['step_mape']:.1f} % over {len(rows)} "
+                  f"case(s); memory MAPE {mem}", highlight=False)
+    for case, why in skipped:
+        console.print(f"not predicted: {case}: {why}", highlight=False)
+    console.print("fitted efficiency: " + ", ".join(
+        f"{k} {result['efficiency_before'][k]:.3g} -> {result['efficiency_after'][k]:.3g}"
+        for k in result["efficiency_after"]), highlight=False)
+    after = Table(title=f"after the fit ({path.stem})")
+    for col in ("case", "measured", "calibrated", "error", "held out", "error"):
+        after.add_column(col, justify="left" if col == "case" else "right")
+    for r in rows:
+        held = r["step_held_out_s"]
+        after.add_row(r["case"], _human_s(r["step_measured_s"]), _human_s(r["step_calibrated_s"]),
+                      _pct(r["step_calibrated_error"]),
+                      _human_s(held) if held is not None else "-",
+                      _pct(r["step_held_out_error"]))
+    console.print(after)
+    loo = (f"{result['step_mape_held_out']:.1f} % over {result['held_out_cases']} case(s)"
+           if result["step_mape_held_out"] is not None else "none")
+    console.print(f"calibrated: step MAPE {result['step_mape_calibrated']:.1f} % in-sample; "
+                  f"leave-one-out {loo}", highlight=False)
+    if result["not_held_out"]:
+        console.print("not held out (the only case of its compute kind, fitted exactly): " +
+                      ", ".join(result["not_held_out"]), highlight=False)
+    console.print(f"wrote {path}", highlight=False)
     return 0
 
 
@@ -320,7 +393,11 @@ def add_parsers(sub) -> None:
     plan.add_argument("--calibrate", action="store_true", help="measure this machine into a "
                                                                "system file")
     plan.add_argument("--calibrate-out", default="", help="system file to write (default: "
-                                                          "systems/cpu-local.toml)")
+                      "systems/cpu-local.toml; with --calibrate-from systems/SYSTEM-measured.toml)")
+    plan.add_argument("--calibrate-from", nargs="+", metavar="BENCH_JSON", help="`exatrain "
+                      "bench device` JSON files: predict their one-GPU cases on --system, set "
+                      "prediction beside measurement, fit the system's compute efficiency to "
+                      "them and write the calibrated system file")
     plan.add_argument("--quick", action="store_true", help="calibrate with fewer repetitions")
     plan.set_defaults(func=plan_command)
 
