@@ -7,6 +7,9 @@
 #                                           #    GPT 125m (+ CUDA graphs beside it), ViT, DeepCAM
 #                                           #    (their data written on the CPU cores meanwhile),
 #                                           #    then one case of each axis on CUDA tensors
+#   bash scripts/gpu-figures.sh planner     # the planner beside the device: GPT 125m, 350m, 1.3b and
+#                                           #    CosmoFlow 128³ at two batch sizes each, then
+#                                           #    `exatrain plan --calibrate-from` on them
 #   bash scripts/gpu-figures.sh fp8         # GPT 1.3b: bf16 beside float8 Linears (torchao carried
 #                                           #    as a wheel in .whl/, installed by this script)
 #   bash scripts/gpu-figures.sh step        # 0. the step's figures in one ~7-minute call: CosmoFlow,
@@ -32,7 +35,7 @@ cd "$(dirname "$0")/.."
 PART="${1:-bench}"
 DRY=$([[ "${2:-}" == "--dry-run" ]] && echo 1 || echo 0)
 OUT="${OUT:-gpu-figures}"
-mkdir -p "$OUT"
+[[ "${2:-}" == "--dry-run" ]] || mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 DATA="${EXATRAIN_BENCH_DATA:-$PWD/data/bench-device}"
 BUDGET="${BUDGET_S:-540}"   # the whole part, under the device tool's 600 s; steps that would
@@ -95,7 +98,7 @@ bench_case() {  # bench_case NAME LIMIT_S [bench args]: one case, baseline and e
 
 finish() {  # on every exit, also after the watchdog: the table, one archive of the logs
     trap - EXIT TERM
-    kill "$WATCHDOG" 2>/dev/null
+    (( WATCHDOG > 0 )) && kill "$WATCHDOG" 2>/dev/null   # never `kill 0`: the whole group
     (( DRY )) && return
     table > "$OUT/table.txt" 2>&1
     # the device tool brings back at most 8 files: logs and profile tables travel as one archive
@@ -130,6 +133,20 @@ once)  # one call: the figures never taken on a GPU first, cheapest data first
         tests/test_pipe.py::test_sequential_cnn_every_schedule_equals_serial \
         tests/test_tensor_training.py::test_tensor_plans_train_like_serial
     ;;
+planner)  # the planner's one-GPU check: 4 models at 2 batch sizes, exatrain's path alone
+    # (step time and peak memory), then `exatrain plan --calibrate-from` on what came back
+    for run in gpt_1b:4:gpt_1b:80 gpt_1b:8:gpt_1b:80 gpt_125m:8:gpt_125m:55 \
+               gpt_125m:16:gpt_125m:55 gpt_125m:4:gpt_350m:55 gpt_125m:8:gpt_350m:55 \
+               cosmoflow:16:cosmoflow:55 cosmoflow:32:cosmoflow:55; do  # case:batch:name:limit
+        IFS=: read -r c b name limit <<< "$run"
+        extra=(); [[ $name == gpt_350m ]] && extra=(--set 'model.preset="350m"')
+        step "plan-$name-b$b" "$limit" python3 -m exatrain.cli bench device --sizes "$SIZES" \
+            --cases "$c" --no-baseline --warmup 3 --steps 10 --data-dir "$DATA" \
+            --set "train.batch_size=$b" "${extra[@]}" --json "$OUT/plan-$name-b$b.json"
+    done
+    (( DRY )) || (cd "$OUT" && mkdir -p plan && mv plan-*.json plan/ 2>/dev/null; \
+        timeout 60 python3 -m exatrain.cli plan --calibrate-from plan/*.json \
+        --system h100-infiniband > calibrate.log 2>&1; tar czf plan.tgz plan && rm -rf plan) ;;
 fp8)  # GPT 1.3b in bf16 and with float8 Linears, 200 steps each: tokens/s and the two loss
       # curves (carry torchao: pip download --no-deps torchao==0.18.0 -d .whl, see the header)
     bench_case gpt_1b 420 --steps 200 --alt-set 'parallel.precision="fp8"' ;;
@@ -170,5 +187,5 @@ multirank)  # the distributed-equals-serial cases of every axis, ranks sharing t
         grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/multirank-${pair%%:*}.log" \
             | cut -c1-300 >> "$OUT/summary.txt"
     done ;;
-*) echo "usage: $0 once|fp8|step|bench|levers|multirank [--dry-run]" >&2; exit 2 ;;
+*) echo "usage: $0 once|planner|fp8|step|bench|levers|multirank [--dry-run]" >&2; exit 2 ;;
 esac

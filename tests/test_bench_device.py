@@ -150,3 +150,19 @@ def test_a_refused_alt_variant_keeps_the_cases_figures(tmp_path):
                    "1", "--alt-set", "parallel.cuda_graphs=true")
     assert "needs a GPU" in result["gpt_125m_alt_refused"]
     assert result["gpt_125m_vs_baseline"] > 0 and "gpt_125m_alt_vs_exatrain" not in result
+
+
+def test_the_json_records_what_set_changed(tmp_path):
+    result = bench(tmp_path, "--cases", "gpt_125m", "--warmup", "1", "--steps", "1", "--rounds",
+                   "1", "--set", "train.clip_grad_norm=0.5", "--set", 'model.n_embd=32')
+    assert result["gpt_125m_sets"] == {"train.clip_grad_norm": 0.5, "model.n_embd": 32}
+    assert result["gpt_125m_params"] > 0
+
+
+def test_without_the_baseline_only_exatrains_figures_are_written(tmp_path):
+    result = bench(tmp_path, "--cases", "cosmoflow", "--warmup", "1", "--steps", "1", "--rounds",
+                   "1", "--no-baseline")
+    assert result["cosmoflow_exatrain_step_s_median"] > 0
+    assert result["cosmoflow_exatrain_peak_memory_bytes"] > 0
+    assert not any(k.startswith("cosmoflow_baseline_") for k in result)
+    assert result["cosmoflow_vs_baseline"] is None and result["cosmoflow_loss_max_rel_diff"] is None

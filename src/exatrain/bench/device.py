@@ -79,6 +79,9 @@ def add_arguments(parser) -> None:
                         help="section.key=value (repeatable): exatrain's path once more with "
                              "these settings on top of --set, as variant `alt`, beside the "
                              "same baseline and exatrain (`<case>_alt_vs_exatrain`)")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="exatrain's path alone (step time and memory for the planner's "
+                             "check): no baseline, so no vs_baseline")
     parser.add_argument("--rounds", type=int, default=0,
                         help="baseline and exatrain run this many times each, alternately, on "
                              "the same data (0: 3 at --sizes small, 1 at full); vs_baseline is "
@@ -266,15 +269,17 @@ def run_case(case, args, data_root: str, device: torch.device, precision: str) -
 
         rounds = args.rounds or (3 if args.sizes == "small" else 1)
         paths = {"exatrain": exatrain_round, "baseline": baseline_round}
-        done: dict[str, list[dict]] = {"exatrain": [], "baseline": []}
+        if getattr(args, "no_baseline", False):
+            del paths["baseline"]
+        done: dict[str, list[dict]] = {name: [] for name in paths}
         for r in range(rounds):
-            for name in (("exatrain", "baseline") if r % 2 == 0 else ("baseline", "exatrain")):
+            for name in (list(paths) if r % 2 == 0 else list(paths)[::-1]):
                 done[name].append(paths[name](r == 0))
                 label = name + (f" (round {r + 1} of {rounds})" if rounds > 1 else "")
                 _progress(case.name, label, figures(done[name][-1], precision))
         results = {name: figures(_pooled(runs), precision) for name, runs in done.items()}
         ratios = [b["step_s_median"] / e["step_s_median"]
-                  for e, b in zip(done["exatrain"], done["baseline"])]
+                  for e, b in zip(done["exatrain"], done.get("baseline", []))]
         if alt_config is not None:  # the same initial weights and batches, other settings
             torch.manual_seed(config.run.seed)
             try:
@@ -285,7 +290,7 @@ def run_case(case, args, data_root: str, device: torch.device, precision: str) -
                 results["alt"] = {"settings": alt_sets, "refused": f"{type(e).__name__}: {e}"}
             _free(device)
         note = notes(baseline, device, plain_model)
-        if note:
+        if note and "baseline" in results:
             results["baseline"]["note"] = note
         runs = _variants(args.levers)
         for name, levers in runs.items():
@@ -312,20 +317,22 @@ def run_case(case, args, data_root: str, device: torch.device, precision: str) -
                                                                  table))
     out = {f"{case.name}_{variant}_{key}": value for variant, figs in results.items()
            for key, value in figs.items()}
-    base, ours = results["baseline"], results["exatrain"]
-    out[f"{case.name}_vs_baseline"] = statistics.median(ratios)
+    base, ours = results.get("baseline"), results["exatrain"]
+    out[f"{case.name}_vs_baseline"] = statistics.median(ratios) if ratios else None
     out[f"{case.name}_vs_baseline_rounds"] = ratios
     if "step_s_median" in results.get("alt", {}):
         out[f"{case.name}_alt_vs_exatrain"] = (ours["step_s_median"]
                                               / results["alt"]["step_s_median"])
     out[f"{case.name}_loss_max_rel_diff"] = max(
-        abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours["losses"], base["losses"]))
+        abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours["losses"], base["losses"])) \
+        if base else None
     plain = results.get("plain")
     for name, figs in results.items():
         if plain and "samples_per_s" in figs and name not in ("plain", "exatrain"):
             out[f"{case.name}_{name}_speedup_vs_plain"] = figs["samples_per_s"] / plain["samples_per_s"]
     out.update(_published(case, results, args.sizes == "full"))
     out[f"{case.name}_batch"] = batch
+    out[f"{case.name}_sets"] = _sets(getattr(args, "overrides", []))  # what --set changed
     out[f"{case.name}_params"] = sum(p.numel() for p in plain_model.parameters())
     return out
 
@@ -337,11 +344,20 @@ def _published(case, results: dict, full: bool) -> dict:
     ours = results["exatrain"]
     if pub.unit == "speedup_vs_plain":
         mine = (results["baseline"]["samples_per_s"] / results["plain"]["samples_per_s"]
-                if "samples_per_s" in results.get("plain", {}) else None)
+                if "samples_per_s" in results.get("plain", {}) and "baseline" in results
+                else None)
     else:
         mine = ours.get(pub.unit)
     out[f"{case.name}_vs_published"] = mine / pub.value if (full and mine) else None
     return out
+
+
+def _sets(overrides: list[str]) -> dict:
+    """--set's section.key=value strings as a table of parsed values (the planner reads them:
+    `exatrain plan --calibrate-from`)."""
+    import tomllib
+    return {key.strip(): tomllib.loads(f"v = {raw}")["v"]
+            for key, raw in (o.split("=", 1) for o in overrides)}
 
 
 def _toml(value) -> str:
