@@ -5,13 +5,13 @@
     stage the input -> seed -> workload -> run.init_from -> parallelize (+ fp32 norms)
     -> Trainer (its optimizer, precision, compile counters) -> staging/setup figures -> resume
 
-`exatrain run` (`run.setup`) and the population's driver (`population.setup_population`)
-call it, so `run.init_from`, `data.stage_to` (and EXATRAIN_STAGE_TO),
+`exatrain run` (`run.setup`), the population's driver (`population.setup_population`) and
+`et.fit` (`fit.fit`) all call it, so `run.init_from`, `data.stage_to` (and EXATRAIN_STAGE_TO),
 `parallel.precision`, `parallel.compile`, whole samples or blocks (`workload.spatial_io()`) and
 the pipeline's example batch mean the same through each. What differs is passed in: how the
-workload is made (a built-in or `module:build` workload, a population member's partition),
-how its input is staged (`stage_input`: data.path) and which Trainer holds it (the
-population's).
+workload is made (a built-in or `module:build` workload, a population member's partition, a
+user's Task), how its input is staged (`stage_input`: data.path; `stage_data_sets`: the files
+of et.fit's data sets) and which Trainer holds it (the population's).
 
 Also here: joining the job, naming and creating the run directory, finding the checkpoint to
 resume. Nothing here imports the entry points: they (and `resilience.restart`) import this
@@ -21,6 +21,7 @@ module.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -167,6 +168,46 @@ def stage_input(config: Config, mesh) -> dict:
                          node_shard=getattr(config.data, "shuffle", "global") == "node")
     config.data.path = str(result.path)  # the copy, for this process's workload only
     return result.figures()
+
+
+def stage_data_sets(config: Config, mesh, data_sets: dict) -> tuple[dict, dict]:
+    """Collective: `data.stage_to` (or EXATRAIN_STAGE_TO) for data sets given as objects
+    (`et.fit`): each `et.data.HDF5Dataset` among `data_sets` ({name: data set}) has its file or
+    directory staged as `stage_input` stages data.path, and is opened again on the copy (same
+    dataset names, transform and channel layout). Data sets that are not files exatrain reads
+    are read where they are, and rank 0 says so. Returns (staging figures, the data sets)."""
+    from ..data.arrays import HDF5Dataset
+    from ..data.stage import stage_files
+    to = staging_dir(config)
+    if not to:
+        return {}, data_sets
+    out, figures, staged = dict(data_sets), [], {}
+    for name, ds in data_sets.items():
+        if type(ds) is not HDF5Dataset:  # a subclass may read more than its path: leave it
+            if mesh.rank == 0:
+                print(f"exatrain: data.stage_to={to}: {name} ({type(ds).__name__}) is not an "
+                      "et.data.HDF5Dataset, so exatrain cannot tell which files it reads; it is "
+                      "read where it is.", file=sys.stderr, flush=True)
+            continue
+        key = ds.path.resolve()
+        if key not in staged:
+            result = stage_files(ds.path, Path(to), mesh)
+            staged[key] = result.path
+            figures.append(result.figures())
+        out[name] = HDF5Dataset(staged[key], x=ds.x_name, y=ds.y_name, transform=ds.transform,
+                                channels=ds.channels)
+    return _merged_figures(figures), out
+
+
+def _merged_figures(figures: list[dict]) -> dict:
+    """One data set's staging figures, or several summed (their directories joined)."""
+    if len(figures) < 2:
+        return figures[0] if figures else {}
+    out = {k: sum(f[k] for f in figures) for k in figures[0]
+           if k not in ("stage_copier_rank", "staged_to")}
+    out["stage_copier_rank"] = figures[0]["stage_copier_rank"]
+    out["staged_to"] = ", ".join(f["staged_to"] for f in figures)
+    return out
 
 
 # ---------------------------------------------------------------------- the composition root
