@@ -16,6 +16,12 @@ The model: give an nn.Module built identically on every rank, or a zero-argument
 that builds it (called after seeding with run.seed, so every rank builds the same weights). A
 module is made equal on every rank by a broadcast of its parameters and buffers from rank 0
 (4 bytes per fp32 element, over the whole job, tag "control") before any strategy is applied.
+
+The run is put together by `train.job.build`, as `exatrain run`'s is, so the options mean the
+same: `run.init_from` loads its weights into the model (unless resuming), `parallel.precision`
+runs it in bf16/fp16 with fp32 norm layers, and `data.stage_to` (from a `config` with a [data]
+section, or EXATRAIN_STAGE_TO) copies the file or directory of each `et.data.HDF5Dataset` given
+to node-local storage and reads the copy (other data sets are read where they are, said once).
 """
 
 from __future__ import annotations
@@ -28,19 +34,15 @@ from pathlib import Path
 from typing import Callable
 
 import tomli_w
-import torch
 from torch import nn
 from torch.utils.data import Dataset
 
 from ..comm import broadcast, broadcast_object
 from ..mesh import init
-from ..parallel import parallelize
 from ..plan import Plan, PlanError
 from ..workloads.user import Task, workload_from_task
 from .config import FIXED_SECTIONS, Config, ConfigError, build_section, load_config, validate
-from .monitor.console import TrainConsole
-from .job import make_run_dir, pipeline_example
-from .trainer import Trainer
+from .job import build, find_resume_checkpoint, make_run_dir, stage_data_sets
 
 
 # the summaries of the fit calls of the script that run_script runs (None outside one)
@@ -133,34 +135,32 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_set: Dataset, val_set:
     backend = None if config.run.backend == "auto" else config.run.backend
     mesh = init(plan, backend=backend, timeout_s=config.run.timeout_s)
     try:
-        torch.manual_seed(config.run.seed)
-        if not isinstance(model, nn.Module):
-            model = model()
-        else:
-            model = model.to(mesh.device)
-            _same_on_every_rank(model, mesh)
-        workload = workload_from_task(Task(model=model, train_set=train_set, val_set=val_set,
-                                           loss=loss, metrics=dict(metrics or {}),
-                                           baselines=dict(baselines or {})), mesh)
         run_dir = None
         if mesh.rank == 0:
             run_dir = Path(resume) if resume else make_run_dir(config)
             (run_dir / "config.toml").write_text(tomli_w.dumps(config.to_dict()))
         run_dir = Path(broadcast_object(str(run_dir) if run_dir else None, mesh.world))
-        # under pipe, trace and size the stages on one per-replica batch of the training set;
-        # under space × tensor, place the channel/filter switch from its shape (train.run.setup)
-        # under space the parallel model hands back whole outputs, so the user's loss and
-        # metrics are the serial ones; it cuts whole samples into blocks, or takes the blocks a
-        # data set with read(index, region) reads (workloads.user.reads_blocks)
-        parallel_model = parallelize(workload.model, mesh, config.parallel,
-                                     example=pipeline_example(workload, config, mesh.plan),
-                                     **workload.spatial_io())
-        workload.model = parallel_model
-        trainer = Trainer(mesh, workload, config, parallel_model, run_dir=run_dir,
-                          console=TrainConsole() if mesh.rank == 0 else None)
-        if resume:
-            from .job import find_resume_checkpoint
-            trainer.resume(find_resume_checkpoint(resume))
+        data_sets = {"train_set": train_set, "val_set": val_set}
+
+        def stage(config: Config, mesh) -> dict:
+            """data.stage_to: the files of the given data sets, where exatrain can tell them."""
+            figures, staged = stage_data_sets(config, mesh, data_sets)
+            data_sets.update(staged)
+            return figures
+
+        def make_workload(config: Config, mesh):
+            """The user's Task (after seeding with run.seed): the model built, or made equal on
+            every rank. Under space the parallel model hands back whole outputs, so the user's
+            loss and metrics are the serial ones; it cuts whole samples into blocks, or takes
+            the blocks a data set with read(index, region) reads (workloads.user.reads_blocks)."""
+            built = model() if not isinstance(model, nn.Module) else model.to(mesh.device)
+            if isinstance(model, nn.Module):
+                _same_on_every_rank(built, mesh)
+            return workload_from_task(Task(model=built, loss=loss, metrics=dict(metrics or {}),
+                                           baselines=dict(baselines or {}), **data_sets), mesh)
+
+        trainer = build(config, mesh, make_workload, run_dir=run_dir, stage=stage,
+                        resume_from=find_resume_checkpoint(resume) if resume else None).trainer
         try:
             summary = trainer.fit()
         except BaseException as exc:

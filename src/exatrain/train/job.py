@@ -1,15 +1,32 @@
-"""Joining the job and preparing its run: the setup steps that every entry point shares.
+"""The composition root of a run, and the setup steps every entry point shares.
 
-`run_job` (train/run.py), the population's driver (train/population.py) and `et.fit`
-(train/fit.py) each build their own Trainer, but they join the job, name and create the run
-directory, find the checkpoint to resume and shape the pipeline's example batch alike, here.
-Nothing here imports them: they (and `resilience.restart`) import this module.
+`build` is the one place a run is put together, in this order:
+
+    stage the input -> seed -> workload -> run.init_from -> parallelize (+ fp32 norms)
+    -> Trainer (its optimizer, precision, compile counters) -> staging/setup figures -> resume
+
+`exatrain run` (`run.setup`), the population's driver (`population.setup_population`) and
+`et.fit` (`fit.fit`) all call it, so `run.init_from`, `data.stage_to` (and EXATRAIN_STAGE_TO),
+`parallel.precision`, `parallel.compile`, whole samples or blocks (`workload.spatial_io()`) and
+the pipeline's example batch mean the same through each. What differs is passed in: how the
+workload is made (a built-in or `module:build` workload, a population member's partition, a
+user's Task), how its input is staged (`stage_input`: data.path; `stage_data_sets`: the files
+of et.fit's data sets) and which Trainer holds it (the population's). `exatrain predict`
+(train/predict.py) builds no Trainer, but lays its model out with `lay_out`, training's step.
+
+Also here: joining the job, naming and creating the run directory, finding the checkpoint to
+resume. Nothing here imports the entry points: they (and `resilience.restart`) import this
+module.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import tomli_w
 import torch
@@ -17,6 +34,8 @@ import torch
 from ..comm import broadcast_object
 from ..errors import UserError, relayed
 from ..mesh import init
+from ..parallel import parallelize
+from ..parallel.precision import Precision, keep_norms_fp32
 from ..workloads import get_workload
 from .checkpoints import checkpoint
 from .config import Config
@@ -122,3 +141,144 @@ def prepare_run(config: Config, mesh, resume_dir: str | None, stable: Path | Non
     else:
         run_dir = None
     return workload_module, Path(broadcast_object(str(run_dir) if run_dir else None, mesh.world))
+
+
+# ---------------------------------------------------------------------- staging the input
+def staging_dir(config: Config) -> str:
+    """Where this run stages its input: EXATRAIN_STAGE_TO (a batch script's override), else
+    data.stage_to; "" for none (also for a [data] section without the key)."""
+    from ..data.stage import STAGE_ENV
+    return os.environ.get(STAGE_ENV) or getattr(config.data, "stage_to", "") or ""
+
+
+def stage_input(config: Config, mesh) -> dict:
+    """Collective: copy the files this run reads (the workload's `input_files(config)`, else all
+    of data.path) to node-local storage when `data.stage_to` (or the EXATRAIN_STAGE_TO
+    environment variable) names a directory, and point data.path at the copy; under
+    data.shuffle = "node" each node copies only its shard of per-sample training files.
+    Returns the staging figures for the summary (empty when nothing is staged)."""
+    from ..data.stage import stage_files
+    if not hasattr(config.data, "stage_to"):  # a user's workload: its data are its own business
+        return {}
+    to = staging_dir(config)
+    if not to:
+        return {}
+    listed = getattr(get_workload(config.run.workload), "input_files", None)
+    result = stage_files(Path(config.data.path), Path(to), mesh,
+                         files=(lambda: listed(config)) if listed else None,
+                         node_shard=getattr(config.data, "shuffle", "global") == "node")
+    config.data.path = str(result.path)  # the copy, for this process's workload only
+    return result.figures()
+
+
+def stage_data_sets(config: Config, mesh, data_sets: dict) -> tuple[dict, dict]:
+    """Collective: `data.stage_to` (or EXATRAIN_STAGE_TO) for data sets given as objects
+    (`et.fit`): each `et.data.HDF5Dataset` among `data_sets` ({name: data set}) has its file or
+    directory staged as `stage_input` stages data.path, and is opened again on the copy (same
+    dataset names, transform and channel layout). Data sets that are not files exatrain reads
+    are read where they are, and rank 0 says so. Returns (staging figures, the data sets)."""
+    from ..data.arrays import HDF5Dataset
+    from ..data.stage import stage_files
+    to = staging_dir(config)
+    if not to:
+        return {}, data_sets
+    out, figures, staged = dict(data_sets), [], {}
+    for name, ds in data_sets.items():
+        if type(ds) is not HDF5Dataset:  # a subclass may read more than its path: leave it
+            if mesh.rank == 0:
+                print(f"exatrain: data.stage_to={to}: {name} ({type(ds).__name__}) is not an "
+                      "et.data.HDF5Dataset, so exatrain cannot tell which files it reads; it is "
+                      "read where it is.", file=sys.stderr, flush=True)
+            continue
+        key = ds.path.resolve()
+        if key not in staged:
+            result = stage_files(ds.path, Path(to), mesh)
+            staged[key] = result.path
+            figures.append(result.figures())
+        out[name] = HDF5Dataset(staged[key], x=ds.x_name, y=ds.y_name, transform=ds.transform,
+                                channels=ds.channels)
+    return _merged_figures(figures), out
+
+
+def _merged_figures(figures: list[dict]) -> dict:
+    """One data set's staging figures, or several summed (their directories joined)."""
+    if len(figures) < 2:
+        return figures[0] if figures else {}
+    out = {k: sum(f[k] for f in figures) for k in figures[0]
+           if k not in ("stage_copier_rank", "staged_to")}
+    out["stage_copier_rank"] = figures[0]["stage_copier_rank"]
+    out["staged_to"] = ", ".join(f["staged_to"] for f in figures)
+    return out
+
+
+# ---------------------------------------------------------------------- the composition root
+def lay_out(workload, config: Config, mesh):
+    """The workload's model laid out over `mesh` per config.parallel (`parallelize`: the
+    pipeline's example batch, whole samples or blocks per `workload.spatial_io()`, compile),
+    its norm layers computing in fp32 under a mixed `parallel.precision`, for training and
+    prediction alike."""
+    model = parallelize(workload.model, mesh, config.parallel,
+                        example=pipeline_example(workload, config, mesh.plan),
+                        **workload.spatial_io())
+    if Precision(config.parallel.precision, mesh.device).mixed:
+        keep_norms_fp32(model)
+    return model
+
+
+@dataclass
+class Built:
+    """A run put together by `build`."""
+    mesh: object          # the mesh the model and the Trainer live on (a trainer's, in a population)
+    workload: object      # its model is the laid-out one
+    model: object
+    trainer: object
+    staged: dict = field(default_factory=dict)  # staging figures (empty when nothing was staged)
+
+
+def build(config: Config, mesh, make_workload: Callable, *, run_dir: Path | None,
+          resume_from: Path | None = None, stage: Callable = stage_input,
+          make_trainer: Callable | None = None, job_mesh=None,
+          setup_times: dict | None = None) -> Built:
+    """Collective: put a run together on this rank (see the module doc for the order).
+
+    Args:
+        config: the run's config (a population member's, in a population).
+        mesh: the mesh the model is laid out over and trained on.
+        make_workload: `(config, mesh) -> Workload`, called after staging and seeding.
+        run_dir: the run directory the Trainer writes.
+        resume_from: a checkpoint to resume; `run.init_from` is then not applied.
+        stage: `(config, mesh) -> figures`, staging the input (over `job_mesh`).
+        make_trainer: `(mesh, workload, config, model, run_dir, console) -> Trainer`.
+        job_mesh: the whole job's mesh (default `mesh`): it stages, and its rank 0 prints.
+        setup_times: the MLPerf setup phases so far (e.g. init_start); staging's are added.
+    """
+    from ..launch import detect
+    from .monitor.console import TrainConsole
+    from .trainer import Trainer
+
+    job_mesh = job_mesh or mesh
+    times = dict(setup_times or {})
+    times.setdefault("staging_start", time.time())
+    staged = stage(config, job_mesh)
+    times["staging_stop"] = time.time()
+    if staged:
+        times["staged_bytes"] = staged["staged_bytes"]
+    torch.manual_seed(config.run.seed)  # identical initial weights on every rank
+    workload = make_workload(config, mesh)
+    if config.run.init_from and not resume_from:
+        from .checkpoints.export import load_initial_weights
+        load_initial_weights(workload.model, config.run.init_from)
+    model = lay_out(workload, config, mesh)
+    workload.model = model  # drop the plain model: under tensor plans it is the full size
+    console = TrainConsole() if job_mesh.rank == 0 else None
+    make_trainer = make_trainer or Trainer
+    trainer = make_trainer(mesh, workload, config, model, run_dir=run_dir, console=console)
+    trainer.stage_figures = staged
+    launch = detect()
+    trainer.observer.setup_times.update(times,
+                                        local_world_size=launch.local_world_size if launch else 1)
+    if resume_from:
+        trainer.resume(resume_from)
+        if console:
+            console.print(f"resumed from {resume_from} at step {trainer.step}")
+    return Built(mesh, workload, model, trainer, staged)

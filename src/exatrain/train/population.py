@@ -51,13 +51,11 @@ import torch
 
 from ..comm import all_gather_object, all_reduce
 from ..mesh import TrainerMesh
-from ..parallel import parallelize
 from ..population import exchange, hparams, pairing
 from ..population.partition import partition, split
 from .checkpoints import checkpoint
 from .config import Config, ConfigError
-from .monitor.console import TrainConsole
-from .job import ResumeError, join, pipeline_example, prepare_run
+from .job import ResumeError, build, join, prepare_run
 from .trainer import NonFiniteLoss, Trainer
 
 
@@ -315,46 +313,50 @@ def _common_checkpoint(trainer_dir: Path, mesh: TrainerMesh) -> Path:
 
 
 def setup_population(config: Config, resume_dir: str | None = None) -> tuple:
-    """Join the job, build this rank's trainer. Returns (mesh, PopulationTrainer)."""
+    """Join the job, build this rank's trainer (`job.build`, over its trainer's mesh: each
+    trainer's model seeded with its own seed, its own partition of the training set).
+    Returns (mesh, PopulationTrainer)."""
+    setup_times = {"init_start": time.time()}  # MLPerf's init and staging phases
     mesh = join(config)
     try:
         view = mesh.trainer_mesh()
+        setup_times["staging_start"] = time.time()
         workload_module, run_dir = prepare_run(config, mesh, resume_dir)
         k, options = view.trainer, config.population
         member = member_config(config, k)
         trainer_dir = run_dir / f"trainer_{k:02d}"
         trainer_dir.mkdir(parents=True, exist_ok=True)
-        torch.manual_seed(member.run.seed)  # identical initial weights on the trainer's ranks
-        workload = workload_module.build(member, view)
-        tournaments = view.trainers > 1 and options.strategy != "none"
-        replicas = view.plan.data * view.plan.shard
-        parts = [partition(len(workload.train_set), view.trainers, j,
-                           options.tournament_fraction, config.run.seed, tournaments,
-                           min_tournament=replicas) for j in range(view.trainers)]
-        train, held = parts[k]
-        if member.train.steps == 0:  # epochs: of the smallest partition, the same for everyone
-            smallest = min(len(p[0]) for p in parts)
-            member.train.steps = member.train.epochs * (smallest // member.train.batch_size)
-            if member.train.steps == 0:
-                raise ConfigError(
-                    f"train.batch_size={member.train.batch_size} is larger than the smallest "
-                    f"trainer's training partition ({smallest} samples of "
-                    f"{len(workload.train_set)} over {view.trainers} trainers); lower it.")
-        workload.train_set, tournament_set = split(workload.train_set, train, held)
-        model = parallelize(workload.model, view, member.parallel,
-                            example=pipeline_example(workload, member, view.plan),
-                            **workload.spatial_io())
-        workload.model = model
-        console = TrainConsole() if mesh.rank == 0 else None
-        trainer = PopulationTrainer(view, workload, member, model, tournament_set,
-                                    run_dir=trainer_dir, job_seed=config.run.seed,
-                                    console=console)
-        if resume_dir:
-            path = _common_checkpoint(trainer_dir, view)
-            trainer.resume(path)
-            if console:
-                console.print(f"population resumed from {path.name} at step {trainer.step}")
-        return mesh, trainer
+        resume_from = _common_checkpoint(trainer_dir, view) if resume_dir else None
+        held_out = {}
+
+        def make_workload(member: Config, view: TrainerMesh):
+            """The member's workload with its partition of the training set (the tournament
+            set held out of it); train.epochs counted in the smallest partition."""
+            workload = workload_module.build(member, view)
+            tournaments = view.trainers > 1 and options.strategy != "none"
+            replicas = view.plan.data * view.plan.shard
+            parts = [partition(len(workload.train_set), view.trainers, j,
+                               options.tournament_fraction, config.run.seed, tournaments,
+                               min_tournament=replicas) for j in range(view.trainers)]
+            train, held = parts[k]
+            if member.train.steps == 0:  # epochs: of the smallest partition, the same for all
+                smallest = min(len(p[0]) for p in parts)
+                member.train.steps = member.train.epochs * (smallest // member.train.batch_size)
+                if member.train.steps == 0:
+                    raise ConfigError(
+                        f"train.batch_size={member.train.batch_size} is larger than the smallest "
+                        f"trainer's training partition ({smallest} samples of "
+                        f"{len(workload.train_set)} over {view.trainers} trainers); lower it.")
+            workload.train_set, held_out["set"] = split(workload.train_set, train, held)
+            return workload
+
+        def make_trainer(view, workload, member, model, run_dir, console):
+            return PopulationTrainer(view, workload, member, model, held_out["set"],
+                                     run_dir=run_dir, job_seed=config.run.seed, console=console)
+
+        built = build(member, view, make_workload, run_dir=trainer_dir, resume_from=resume_from,
+                      make_trainer=make_trainer, job_mesh=mesh, setup_times=setup_times)
+        return mesh, built.trainer
     except BaseException:
         mesh.close()
         raise

@@ -9,7 +9,8 @@ What every rank does:
    and rebuild the workload exactly as training did, so inputs get the same transforms
    (CosmoFlow standardises with statistics of the run's training samples: they must be readable
    at `data.path`, or pass `--set data.path=DIR`).
-2. Lay the model out with `parallelize` under the Plan and load only the model state of the
+2. Lay the model out under the Plan as training does (`train.job.lay_out`: `parallelize`, and
+   under bf16/fp16 norm layers that compute in fp32) and load only the model state of the
    newest (or `step`) checkpoint: DCP reads whatever this layout needs, so a checkpoint trained
    under one Plan predicts under another; no optimizer state is built.
 3. Split the samples over the replica axes (data, shard) in global batches: global batch b is
@@ -265,11 +266,11 @@ def _predict_on(mesh, config: Config, run_dir: Path, path: Path, data, out: Path
     from ..comm import all_gather_object, broadcast_object
     from ..data.loader import collate, no_inherited_garbage
     from ..data.arrays import HDF5Dataset
-    from ..parallel import parallelize
     from ..parallel.data import unwrap
     from ..parallel.precision import Precision
     from ..parallel.spatial import gather_output
     from ..workloads import get_workload
+    from .job import lay_out
 
     resolved = mesh.plan
     torch.manual_seed(config.run.seed)
@@ -297,8 +298,9 @@ def _predict_on(mesh, config: Config, run_dir: Path, path: Path, data, out: Path
         data_name = str(data)
     if len(data_set) == 0:
         raise PredictError(f"--data {data_name}: the data set has no samples.")
-    model = parallelize(workload.model, mesh, config.parallel,
-                        **workload.spatial_io())
+    # laid out as training lays it out (train.job.lay_out): whole samples or blocks, compile, and
+    # under bf16/fp16 its norm layers computing in fp32, so prediction computes what training did
+    model = lay_out(workload, config, mesh)
     state = checkpoint.load_model(path, model)
     model = unwrap(model)
     model.eval()

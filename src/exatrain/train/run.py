@@ -4,8 +4,9 @@ Restarts (`train.restart`): a run directory that outlives its processes -- EXATR
 `exatrain run --max-restarts`) or, under torchrun, one named by TORCHELASTIC_RUN_ID -- is resumed
 from its last complete checkpoint whenever the ranks start again.
 
-The setup steps it shares with the population's driver and `et.fit` (joining the job, the run
-directory, the checkpoint to resume, the pipeline's example batch) are in `train.job`.
+The run is put together by `train.job.build`, the composition root it shares with the
+population's driver and `et.fit`; joining the job, the run directory and the checkpoint to resume
+are there too.
 """
 
 from __future__ import annotations
@@ -13,45 +14,19 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from pathlib import Path
 
-import torch
-
-from ..parallel import parallelize
-from ..workloads import get_workload
 from .checkpoints import checkpoint
 from .config import Config
-# the setup steps shared with the population's driver and et.fit; ResumeError is still
-# importable from here, as it was
-from .job import (ResumeError, find_resume_checkpoint, join, pipeline_example,  # noqa: F401
-                  prepare_run)
-from .monitor.console import TrainConsole
+# the composition root and setup steps shared with the population's driver and et.fit;
+# ResumeError, pipeline_example and stage_input are still importable from here, as they were
+from .job import (ResumeError, build, find_resume_checkpoint, join,  # noqa: F401
+                  pipeline_example, prepare_run, stage_input)
 from .resilience.restart import cleanup_failed_start, record_failure, stable_run_dir
-from .trainer import Trainer
-
-
-def stage_input(config: Config, mesh) -> dict:
-    """Collective: copy the files this run reads (the workload's `input_files(config)`, else all
-    of data.path) to node-local storage when `data.stage_to` (or the EXATRAIN_STAGE_TO
-    environment variable) names a directory, and point data.path at the copy; under
-    data.shuffle = "node" each node copies only its shard of per-sample training files.
-    Returns the staging figures for the summary (empty when nothing is staged)."""
-    from ..data.stage import STAGE_ENV, stage_files
-    if not hasattr(config.data, "stage_to"):  # a user's workload: its data are its own business
-        return {}
-    stage_to = os.environ.get(STAGE_ENV) or config.data.stage_to
-    if not stage_to:
-        return {}
-    listed = getattr(get_workload(config.run.workload), "input_files", None)
-    result = stage_files(Path(config.data.path), Path(stage_to), mesh,
-                         files=(lambda: listed(config)) if listed else None,
-                         node_shard=getattr(config.data, "shuffle", "global") == "node")
-    config.data.path = str(result.path)  # the copy, for this process's workload only
-    return result.figures()
 
 
 def setup(config: Config, resume_dir: str | None = None) -> tuple:
-    """Join the job, build workload, model and Trainer on this rank. Returns (mesh, trainer)."""
+    """Join the job, build workload, model and Trainer on this rank (`job.build`). Returns
+    (mesh, trainer)."""
     setup_times = {"init_start": time.time()}  # MLPerf's init and staging phases
     mesh = join(config)
     run_dir = None
@@ -60,33 +35,11 @@ def setup(config: Config, resume_dir: str | None = None) -> tuple:
         resume_dir = str(stable)  # restarted: go on from the last complete checkpoint
     try:
         resume_from = find_resume_checkpoint(resume_dir) if resume_dir else None
-        setup_times["staging_start"] = time.time()
+        setup_times["staging_start"] = time.time()  # the data's preparation counts as staging
         workload_module, run_dir = prepare_run(config, mesh, resume_dir, stable)
-        staged = stage_input(config, mesh)
-        setup_times["staging_stop"] = time.time()
-        if staged:
-            setup_times["staged_bytes"] = staged["staged_bytes"]
-        torch.manual_seed(config.run.seed)  # identical initial weights on every rank
-        workload = workload_module.build(config, mesh)
-        if config.run.init_from and not resume_from:
-            from .checkpoints.export import load_initial_weights
-            load_initial_weights(workload.model, config.run.init_from)
-        model = parallelize(workload.model, mesh, config.parallel,
-                            example=pipeline_example(workload, config, mesh.plan),
-                            **workload.spatial_io())
-        workload.model = model  # drop the plain model: under tensor plans it is the full size
-        console = TrainConsole() if mesh.rank == 0 else None
-        trainer = Trainer(mesh, workload, config, model, run_dir=run_dir, console=console)
-        trainer.stage_figures = staged
-        from ..launch import detect
-        launch = detect()
-        trainer.observer.setup_times.update(setup_times,
-                                            local_world_size=launch.local_world_size if launch else 1)
-        if resume_from:
-            trainer.resume(resume_from)
-            if console:
-                console.print(f"resumed from {resume_from} at step {trainer.step}")
-        return mesh, trainer
+        built = build(config, mesh, workload_module.build, run_dir=run_dir,
+                      resume_from=resume_from, setup_times=setup_times)
+        return mesh, built.trainer
     except BaseException:
         if mesh.rank == 0 and run_dir is not None and not resume_dir and stable is None:
             shutil.rmtree(run_dir, ignore_errors=True)  # failed before its first step: no trace

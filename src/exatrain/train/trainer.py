@@ -218,7 +218,7 @@ class Trainer:
         self.step = 0
         self.history: list[dict] = []
         self.input_bytes = 0  # training input delivered to this rank's device (data.loader)
-        self.stage_figures: dict = {}  # set by train.run when the data set was staged
+        self.stage_figures: dict = {}  # set by train.job.build when the input was staged
         # set by train.run: what started the ranks and how often they were started again
         # (launcher, requeues, restarts), in summary.json and the trackers' summary alike
         self.job_figures: dict = {}
