@@ -77,8 +77,9 @@ from torch.utils.data import Dataset
 
 from ...mesh import Mesh
 from .functions import GatherBlocks, ScaleGrad, SplitBlocks
+from ...models.image_pool import ImagePool
 from .layers import (SpatialBatchNorm, SpatialConv, SpatialConvTranspose, SpatialDropout,
-                     SpatialFlatten, SpatialGlobalAvgPool, SpatialGlobalMaxPool,
+                     SpatialFlatten, SpatialGlobalAvgPool, SpatialGlobalMaxPool, SpatialImagePool,
                      SpatialGroupNorm, SpatialLayer, SpatialPool, SpatialSplitError,
                      SpatialUpsample)
 
@@ -104,6 +105,7 @@ _CONVERT: dict[type, type] = {
     **{t: SpatialUpsample for t in (nn.Upsample, nn.UpsamplingNearest2d)},
     **{t: SpatialDropout for t in (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)},
     nn.Flatten: SpatialFlatten,
+    ImagePool: SpatialImagePool,
 }
 _AVG_POOLS = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)
 _GLOBAL_POOLS = _AVG_POOLS + (nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)
@@ -113,7 +115,7 @@ _POINTWISE = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU
 SUPPORTED = ("Conv1d/2d/3d, ConvTranspose1d/2d/3d, MaxPool/AvgPool1d/2d/3d, BatchNorm1d/2d/3d, "
              "GroupNorm, InstanceNorm1d/2d/3d (without running statistics), "
              "nearest Upsample, Dropout/Dropout1d/2d/3d, Softmax/LogSoftmax over channels, "
-             "pointwise activations, Identity; nn.Flatten and AdaptiveAvgPool(1) / "
+             "pointwise activations, Identity, exatrain.models.ImagePool; nn.Flatten and AdaptiveAvgPool(1) / "
              "AdaptiveMaxPool(1) end the split")
 
 
