@@ -103,7 +103,7 @@ NOT_IN_SOURCE = {
     "exatrain.workloads.cosmoflow.DataOptions.seed":
         "seed of the generated samples (sample i draws from its own stream of it)",
     "exatrain.workloads.deepcam.ModelOptions.aspp_rates":
-        "dilation rates of the ASPP 3x3 branches",
+        "small variant: dilation rates of the ASPP 3x3 branches (the reference has 6, 12, 18)",
     "exatrain.workloads.deepcam.DataOptions.height": "grid height of generated samples",
     "exatrain.workloads.deepcam.DataOptions.width": "grid width of generated samples",
     "exatrain.workloads.deepcam.DataOptions.channels": "input channels of generated samples",

@@ -21,8 +21,8 @@ COMMON = ["run.nproc=1", "plan.data=1", "train.steps=3", "train.log_every=3", "t
 WORKLOADS = {
     "cosmoflow": ["model.size=16", "model.conv_layers=4", "model.base_channels=4",
                   "data.size=16", "data.samples=12", "train.batch_size=2"],
-    "deepcam": ["model.width=4", "model.dropout=0.0", "data.height=32", "data.width=48",
-                "data.channels=16", "data.samples=10", "train.batch_size=2"],
+    "deepcam": ["model.variant='small'", "model.width=4", "model.dropout=0.0", "data.height=32",
+                "data.width=48", "data.channels=16", "data.samples=10", "train.batch_size=2"],
     "vit": ["model.patch_size=8", "model.embed_dim=16", "model.depth=1", "model.num_heads=2",
             "data.height=16", "data.width=32", "data.trajectories=2", "data.steps=4",
             "train.batch_size=2"],

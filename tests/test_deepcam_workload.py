@@ -39,7 +39,7 @@ def deepcam_data(tmp_path_factory):
 
 
 def config(path, tmp, *overrides):
-    return load_config(None, ["run.workload='deepcam'", "model.width=4", "model.dropout=0.0",
+    return load_config(None, ["run.workload='deepcam'", "model.variant='small'", "model.width=4", "model.dropout=0.0",
                               f"data.path={path}", "data.generate=false", "train.batch_size=4",
                               "train.log_every=1", f"run.out_dir={tmp}/runs", "train.steps=3",
                               "optim.name='sgd'", "optim.lr=0.05", *overrides])

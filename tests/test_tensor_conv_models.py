@@ -121,7 +121,7 @@ def deepcam(path, tmp, *overrides):
     # one memory layout in every run: the serial reference would otherwise run channels-last
     # convolutions (parallel/layout.py) and the split ones contiguous ones, whose float32
     # rounding differs by more than this model's noise floor
-    return load_config(None, ["run.workload='deepcam'", "model.width=4", "model.dropout=0.0",
+    return load_config(None, ["run.workload='deepcam'", "model.variant='small'", "model.width=4", "model.dropout=0.0",
                               "parallel.channels_last='off'",
                               f"data.path={path}", "data.generate=false", "train.batch_size=4",
                               "train.log_every=1", f"run.out_dir={tmp}/runs", *SGD, *overrides])

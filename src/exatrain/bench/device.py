@@ -339,8 +339,14 @@ def run_case(case, args, data_root: str, device: torch.device, precision: str) -
 
 def _published(case, results: dict, full: bool) -> dict:
     pub = case.published
+    if pub is None:  # nothing published to set it beside (device_cases: why)
+        return {**{f"{case.name}_{k}": None for k in ("published_value", "published_unit",
+                                                      "published_source", "vs_published")},
+                f"{case.name}_unpublished": case.unpublished}
     out = {f"{case.name}_published_value": pub.value, f"{case.name}_published_unit": pub.unit,
            f"{case.name}_published_source": pub.source}
+    if case.differences:
+        out[f"{case.name}_published_differences"] = list(case.differences)
     ours = results["exatrain"]
     if pub.unit == "speedup_vs_plain":
         mine = (results["baseline"]["samples_per_s"] / results["plain"]["samples_per_s"]

@@ -78,8 +78,9 @@ from torch.utils.data import Dataset
 
 from ...mesh import Mesh
 from .functions import GatherBlocks, ScaleGrad, SplitBlocks
+from ...models.image_pool import ImagePool
 from .layers import (SpatialBatchNorm, SpatialConv, SpatialConvTranspose, SpatialDropout,
-                     SpatialFlatten, SpatialGlobalAvgPool, SpatialGlobalMaxPool,
+                     SpatialFlatten, SpatialGlobalAvgPool, SpatialGlobalMaxPool, SpatialImagePool,
                      SpatialGroupNorm, SpatialLayer, SpatialPool, SpatialSplitError,
                      SpatialLayerNorm)
 from .interpolate import upsample_layer
@@ -107,6 +108,7 @@ _CONVERT: dict[type, type] = {
     **{t: SpatialLayerNorm for t in (nn.LayerNorm, nn.RMSNorm)},
     **{t: SpatialDropout for t in (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)},
     nn.Flatten: SpatialFlatten,
+    ImagePool: SpatialImagePool,
 }
 _AVG_POOLS = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)
 _GLOBAL_POOLS = _AVG_POOLS + (nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)
@@ -117,8 +119,8 @@ SUPPORTED = ("Conv1d/2d/3d (any padding_mode), ConvTranspose1d/2d/3d, MaxPool/Av
              "BatchNorm1d/2d/3d, GroupNorm, InstanceNorm1d/2d/3d, LayerNorm/RMSNorm over "
              "channels (channels-last), nearest/linear/bilinear/trilinear Upsample, "
              "Dropout/Dropout1d/2d/3d, Softmax/LogSoftmax over channels, "
-             "pointwise activations, Identity; nn.Flatten and AdaptiveAvgPool(1) / "
-             "AdaptiveMaxPool(1) end the split")
+             "pointwise activations, Identity, exatrain.models.ImagePool; nn.Flatten and "
+             "AdaptiveAvgPool(1) / AdaptiveMaxPool(1) end the split")
 
 
 class SpatialRuntime:

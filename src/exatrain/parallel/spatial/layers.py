@@ -850,6 +850,45 @@ class SpatialGlobalAvgPool(SpatialLayer):
         return out
 
 
+class SpatialImagePool(SpatialLayer):
+    """`models.ImagePool` (DeepLab's image-level branch) inside the split region.
+
+    The per-sample mean over the whole sample is the sum of the blocks' sums over the global
+    count, all-reduced over `space` (`AllReduceSum`, tag "pool"); the small projection runs on it
+    identically on every rank, and its output is broadcast over this rank's block, so the tensors
+    stay split. Backward: each rank's block contributes its own part of the gradient of the mean
+    and of the projection's parameters; the gradient of the mean is all-reduced (every block used
+    it), the parameters' partial gradients are summed by the data-parallel all-reduce over
+    `data+space` like a split convolution's (no 1/S scaling: no rank holds the whole of them).
+    Communication: one all-reduce of N × C elements forward and one backward, N × C × s bytes
+    each per rank. After a gather (replicated mode) it is the plain module.
+    """
+
+    def __init__(self, pool: nn.Module, name: str, runtime, may_gather: bool = False):
+        super().__init__(pool, name, runtime, may_gather)
+        self.in_channels, self.out_channels = pool.in_channels, pool.out_channels
+        self.weight, self.scale, self.shift = pool.weight, pool.scale, pool.shift
+
+    def describe(self) -> str:
+        return f"{self.in_channels} -> {self.out_channels} channels"
+
+    def forward(self, x):
+        from ...models.image_pool import broadcast_over, image_pool_features
+
+        rt = self.runtime
+        mode, _ = self.enter(x)
+        if mode == GATHER:
+            x = rt.gather(x)
+        dims = tuple(range(2, x.dim()))
+        if mode == "split":
+            parts, _, _ = rt.layout(x.dim() - 2, self)
+            count = math.prod(x.shape[2:]) * math.prod(parts)
+            mean = AllReduceSum.apply(x.sum(dim=dims) / count, rt.space, "pool")
+        else:
+            mean = x.mean(dim=dims)
+        return broadcast_over(image_pool_features(mean, self.weight, self.scale, self.shift), x)
+
+
 class SpatialGlobalMaxPool(SpatialLayer):
     """AdaptiveMaxPoolNd(1): each block's maximum, then the maximum over `space`.
 
