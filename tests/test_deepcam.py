@@ -294,3 +294,21 @@ def test_tiny_training_beats_trivial_prediction(tmp_path):
     learned = mean_iou(pred, yv, 3)
     assert trivial < 0.35
     assert learned > trivial + 0.2, (learned, trivial)
+
+
+def test_samples_written_side_by_side_are_the_same_data_set(tmp_path):
+    import h5py
+    import numpy as np
+
+    from exatrain.data.deepcam import write_deepcam
+    one = write_deepcam(tmp_path / "one", 5, 32, 48, workers=1)
+    two = write_deepcam(tmp_path / "two", 5, 32, 48, workers=2)
+    for key in ("mean", "std", "class_frequencies"):
+        assert one[key] == two[key], key
+    for split in ("train", "val"):
+        names = sorted(p.name for p in (tmp_path / "one" / split).glob("data-*.h5"))
+        assert names == sorted(p.name for p in (tmp_path / "two" / split).glob("data-*.h5"))
+        for name in names:
+            with h5py.File(tmp_path / "one" / split / name) as a, \
+                    h5py.File(tmp_path / "two" / split / name) as b:
+                assert np.array_equal(a["climate/data"][...], b["climate/data"][...])
