@@ -45,6 +45,7 @@ CELLS = [
 ]
 # cells that do not train as one process today: (model, plan) -> the defect, named
 XFAIL: dict[tuple[str, str], str] = {}
+HEADS_OF = {"transformer": 4}
 
 
 def world(plan: str) -> int:
@@ -62,11 +63,29 @@ def train_cells(cells: list, out_dir: str) -> dict:
     for model, plan in cells:
         try:
             out[model, plan] = fit(model, PLANS[plan], os.path.join(out_dir, f"{model}-{plan}"))
+            if "tensor" in PLANS[plan]:
+                out[model, plan]["layout"] = tensor_layout(model, plan)
         except Exception as exc:  # noqa: BLE001 - the message is the result
             out[model, plan] = {"error": f"{type(exc).__name__}: {exc}"}
             if dist.is_initialized():
                 dist.destroy_process_group()
     return out
+
+
+def tensor_layout(model: str, plan: str) -> dict:
+    """How `tensor` lays the model out (as et.fit does): the Linears split, the attention run on
+    a share of its heads; a tensor cell that split nothing would equal serial trivially."""
+    from exatrain.mesh import init
+    from exatrain.parallel.tensor import parallelize_tensor
+    from exatrain.plan import Plan
+    from user_models import build
+
+    mesh = init(Plan(**PLANS[plan]))
+    try:
+        laid_out = parallelize_tensor(build(model), mesh).exatrain_tensor.summary()
+        return {k: laid_out[k] for k in ("split", "local_heads")}
+    finally:
+        mesh.close()
 
 
 def _param(cell):
@@ -132,3 +151,12 @@ def test_users_model_trains_under_the_plan_as_one_process(cell, trained, serial,
     except Exception as exc:  # noqa: BLE001
         print(f"\n{model} {plan}: not comparable ({exc})")
     check(model, PLANS[plan], reference, runs)
+    if "tensor" in PLANS[plan]:
+        layout = runs[0]["layout"]
+        print(f"  tensor layout: {layout}")
+        assert {"fc1", "fc2"} <= set(layout["split"]) if model == "mlp" else \
+            {"blocks.0.mlp.0", "blocks.0.mlp.2", "blocks.1.mlp.0"} <= set(layout["split"]), layout
+        if model == "transformer":   # the hand-written attention runs on a share of its heads
+            heads = HEADS_OF[model] // PLANS[plan]["tensor"]
+            assert layout["local_heads"] == {f"blocks.{i}.attn": {"n_head": heads}
+                                             for i in (0, 1)}, layout
