@@ -213,7 +213,8 @@ def fit(name: str, plan: dict, out_dir: str) -> dict:
     run_dir = Path(summary["run_dir"])
     state = checkpoint.full_model_state(checkpoint.latest(run_dir)) \
         if int(os.environ.get("RANK", "0")) == 0 else None
-    return {"losses": logged_losses(run_dir), "val_loss": summary["val_loss"], "state": state}
+    return {"losses": logged_losses(run_dir), "val_loss": summary["val_loss"], "state": state,
+            "plan": summary["plan"], "bytes_per_step": summary["bytes_per_step"]}
 
 
 def check(name: str, plan: dict, reference: dict, runs: list) -> None:
