@@ -1,0 +1,251 @@
+"""Users' own models, written the way people write them, and the road they train on: `et.fit` on
+whole samples from a TensorDataset with the user's loss, checked against the same model trained by
+`et.fit` on one process. Shared by test_spatial_user_models (the `space` axis, issue 46 items 1-3)
+and test_user_models_every_axis (every axis, item 6); test_spatial_user_models' docstring describes
+the convolutional models and the tolerances.
+
+  unet2d          a 2D U-Net (Conv2d, BatchNorm2d, ReLU, MaxPool2d, nearest Upsample, skip cat)
+  mlp             an MLP as an nn.Module subclass (Linear, LayerNorm, GELU), per-sample targets
+  transformer     a pre-norm transformer (LayerNorm, GELU MLP) with a hand-written causal
+                  attention using `self.head_dim` (test_tensor_attention_fit's `Attention`)
+  transformer_mha the same with nn.MultiheadAttention(batch_first=True) and a causal mask
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harness import logged_losses, rel_err
+from test_tensor_attention_fit import Attention
+
+SEED = 11
+ULP = torch.finfo(torch.float32).eps
+# A BatchNorm shift's gradient is a sum over every voxel of the batch that nearly cancels: in
+# float32 it keeps ~3 digits, whichever order the sum runs in (measured on the encoder: 3.4e-4
+# relative between one process and Plan(data=2), 1.3e-3 under space=(1, 1, 2)). A wrong gradient
+# (a missed halo, a block-local statistic, a loss over a block) moves updates by 10-100 %.
+UPDATE_RTOL = 3e-3
+STEPS = 4
+
+
+class UNet3D(nn.Module):
+    def __init__(self, channels: int = 4, norm: str = "batch", up: str = "nearest"):
+        super().__init__()
+        def block(cin, cout):
+            layer = {"batch": lambda: nn.BatchNorm3d(cout), "group": lambda: nn.GroupNorm(2, cout),
+                     "": nn.Identity}[norm]()
+            return nn.Sequential(nn.Conv3d(cin, cout, 3, padding=1), layer, nn.ReLU())
+        c = channels
+        self.enc = block(2, c)
+        self.down = nn.MaxPool3d(2)
+        self.mid = block(c, 2 * c)
+        self.up = nn.Upsample(scale_factor=2, mode=up)
+        self.dec = block(3 * c, c)
+        self.head = nn.Conv3d(c, 1, 1)
+
+    def forward(self, x):
+        e = self.enc(x)
+        m = self.up(self.mid(self.down(e)))
+        return self.head(self.dec(torch.cat([e, m], dim=1)))
+
+
+class Encoder3D(nn.Module):
+    def __init__(self, norm: bool = True):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv3d(2, 4, 3, padding=1), nn.BatchNorm3d(4) if norm else nn.Identity(), nn.ReLU(),
+            nn.MaxPool3d(2),
+            nn.Conv3d(4, 8, 3, padding=1), nn.BatchNorm3d(8) if norm else nn.Identity(), nn.ReLU())
+        self.pool = nn.AdaptiveAvgPool3d(1)
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(8, 3))
+
+    def forward(self, x):
+        return self.head(self.pool(self.features(x)))
+
+
+class CNN2D(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                                  nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(),
+                                  nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+class Periodic2D(nn.Module):
+    """A surrogate on a periodic 2D domain (a longitude-periodic field, a cosmology slab)."""
+
+    def __init__(self, c: int = 4):
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, c, 3, padding=1, padding_mode="circular")
+        self.norm1 = nn.InstanceNorm2d(c, affine=True, track_running_stats=True)
+        self.conv2 = nn.Conv2d(c, c, 5, padding=2, padding_mode="circular")
+        self.norm2 = nn.LayerNorm(c)  # over channels, channels-last as in ConvNeXt
+        self.head = nn.Conv2d(c, 1, 1)
+
+    def forward(self, x):
+        x = F.relu(self.norm1(self.conv1(x)))
+        x = self.norm2(self.conv2(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return self.head(F.gelu(x))
+
+
+class UNet2D(nn.Module):
+    def __init__(self, channels: int = 4):
+        super().__init__()
+        def block(cin, cout):
+            return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU())
+        c = channels
+        self.enc = block(2, c)
+        self.down = nn.MaxPool2d(2)
+        self.mid = block(c, 2 * c)
+        self.up = nn.Upsample(scale_factor=2, mode="nearest")
+        self.dec = block(3 * c, c)
+        self.head = nn.Conv2d(c, 1, 1)
+
+    def forward(self, x):
+        e = self.enc(x)
+        m = self.up(self.mid(self.down(e)))
+        return self.head(self.dec(torch.cat([e, m], dim=1)))
+
+
+class UserMLP(nn.Module):
+    def __init__(self, n_in: int = 6, hidden: int = 32, n_out: int = 2):
+        super().__init__()
+        self.fc1 = nn.Linear(n_in, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.act = nn.GELU()
+        self.out = nn.Linear(hidden, n_out)
+
+    def forward(self, x):
+        x = self.act(self.norm(self.fc1(x)))
+        return self.out(self.act(self.fc2(x)))
+
+
+TOKENS, WIDTH, HEADS = 8, 16, 4
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, dim: int, n_head: int, mha: bool = False):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, n_head, batch_first=True) if mha \
+            else Attention(dim, n_head)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        h = self.ln1(x)
+        if isinstance(self.attn, nn.MultiheadAttention):
+            t = x.shape[1]
+            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+            h = self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        else:
+            h = self.attn(h)
+        x = x + h
+        return x + self.mlp(self.ln2(x))
+
+
+class UserTransformer(nn.Module):
+    def __init__(self, n_in: int = 6, dim: int = WIDTH, n_head: int = HEADS, depth: int = 2,
+                 mha: bool = False):
+        super().__init__()
+        self.embed = nn.Linear(n_in, dim)
+        self.blocks = nn.ModuleList(TransformerBlock(dim, n_head, mha) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, 2)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+MODELS = {"unet": lambda: UNet3D(), "unet_plain": lambda: UNet3D(norm=""),
+          "unet_group": lambda: UNet3D(norm="group"),
+          "unet_trilinear": lambda: UNet3D(up="trilinear"), "periodic": Periodic2D,
+          "encoder": lambda: Encoder3D(), "encoder_plain": lambda: Encoder3D(norm=False),
+          "cnn2d": CNN2D, "unet2d": UNet2D, "mlp": UserMLP, "transformer": UserTransformer,
+          "transformer_mha": lambda: UserTransformer(mha=True)}
+
+
+def build(name: str) -> nn.Module:
+    torch.manual_seed(SEED)  # the same initial weights in every process
+    return MODELS[name]()
+
+
+def dataset(name: str) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    if name == "mlp" or name.startswith("transformer"):   # per-sample / per-token targets
+        x = torch.randn(8, *((TOKENS,) if name != "mlp" else ()), 6, generator=g)
+        y = torch.tanh(x[..., :2] * 2) + 0.1 * torch.randn(*x.shape[:-1], 2, generator=g)
+        if name != "mlp":
+            y = y.roll(1, dims=1)   # the target of a token is its predecessor's: attention needed
+        return torch.utils.data.TensorDataset(x, y)
+    spatial = (16, 16) if name in ("cnn2d", "periodic", "unet2d") else (16, 16, 16)
+    x = torch.randn(8, 2, *spatial, generator=g)
+    if name.startswith("unet") or name == "periodic":  # per-voxel targets, tied to the input
+        y = 0.3 * x[:, :1] + 0.5 * torch.randn(8, 1, *spatial, generator=g)
+    else:                          # per-sample targets
+        y = torch.randn(8, 2 if name == "cnn2d" else 3, generator=g)
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def fit(name: str, plan: dict, out_dir: str) -> dict:
+    """`et.fit` as a user calls it; every rank returns its run's losses and final weights."""
+    import exatrain as et
+    from exatrain.train.checkpoints import checkpoint
+
+    data = dataset(name)
+    summary = et.fit(lambda: build(name), data, data, loss=F.mse_loss, plan=et.Plan(**plan),
+                     train={"steps": STEPS, "batch_size": 4, "log_every": 1, "eval_every": 0,
+                            "num_workers": 0},
+                     optim={"name": "sgd", "lr": 0.1}, run={"out_dir": out_dir})
+    run_dir = Path(summary["run_dir"])
+    state = checkpoint.full_model_state(checkpoint.latest(run_dir)) \
+        if int(os.environ.get("RANK", "0")) == 0 else None
+    return {"losses": logged_losses(run_dir), "val_loss": summary["val_loss"], "state": state,
+            "plan": summary["plan"], "bytes_per_step": summary["bytes_per_step"]}
+
+
+def check(name: str, plan: dict, reference: dict, runs: list) -> None:
+    start = build(name).state_dict()
+    ref_losses = torch.tensor(list(reference["losses"].values()))
+    for run in runs:  # every rank reports its replica's loss
+        assert list(run["losses"]) == list(reference["losses"]) == list(range(1, STEPS + 1))
+        losses = torch.tensor(list(run["losses"].values()))
+        assert rel_err(losses, ref_losses) <= 1e-5, (name, plan, losses, ref_losses)
+        assert run["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5)
+    state, trained = runs[0]["state"], 0.0
+    assert state.keys() == reference["state"].keys()
+    keys = sorted(k for k in state if not k.endswith("num_batches_tracked"))
+    flat = torch.cat([state[k].double().flatten() for k in keys])
+    ref_flat = torch.cat([reference["state"][k].double().flatten() for k in keys])
+    assert float((flat - ref_flat).norm() / ref_flat.norm()) <= 1e-5, (name, plan)
+    for key, value in reference["state"].items():
+        if key.endswith("num_batches_tracked"):
+            assert torch.equal(state[key], value), key
+            continue
+        update, ref_update = (state[key] - start[key]).double(), (value - start[key]).double()
+        size = float(value.abs().max())
+        if float(ref_update.abs().max()) <= 1e-5 * size:
+            # no gradient (a conv bias before a BatchNorm): only rounding moved it, both runs
+            assert float(update.abs().max()) <= 1e-5 * size, (name, plan, key, update)
+            continue
+        # UPDATE_RTOL of the update plus 16 float32 ulps of the stored weight
+        diff = float((update - ref_update).abs().max())
+        bound = UPDATE_RTOL * float(ref_update.abs().max()) + 16 * ULP * size
+        assert diff <= bound, (name, plan, key, diff / float(ref_update.abs().max()))
+        trained = max(trained, float(ref_update.abs().max()) / size)
+    assert trained > 1e-2, (name, "the steps barely changed the weights: the check is void")
+
+
