@@ -193,7 +193,7 @@ class Output(nn.Module):
         x = self.up((self.rbf(rbf) * m).sum(dim=2))
         for layer in self.layers:
             x = F.silu(layer(x))
-        return self.out(x).squeeze(-1)
+        return self.out(x).sum(dim=-1)                    # (B, A): its one output
 
 
 class DimeNetPlusPlus(nn.Module):
