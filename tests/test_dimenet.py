@@ -258,3 +258,18 @@ def _build_under_tensor(config):
     mesh, trainer = setup(config)        # raises before any step
     mesh.close()
     return "built"
+
+
+def test_flops_per_molecule_equals_pytorchs_count():
+    """The cost formula of the module docstring against torch's FLOP counter of one forward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    for sizes in ({}, dict(hidden=64, blocks=2, int_emb=32, out_emb=128, after_skip=1)):
+        model = DimeNetPlusPlus(**sizes)
+        atoms = torch.zeros(2, 13, 4)
+        atoms[:, :9, 0] = 6.0
+        atoms[..., 1:] = torch.randn(2, 13, 3)
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            model(atoms)
+        assert counter.get_total_flops() == 2 * model.flops_per_molecule(13)
+    assert DimeNetPlusPlus().flops_per_molecule(29) == 1_327_260_574      # paper sizes, QM9
