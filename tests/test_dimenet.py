@@ -15,15 +15,6 @@ from exatrain.models.dimenet import (DimeNetPlusPlus, envelope, legendre, spheri
                                      spherical_bessel_roots)
 
 
-@pytest.fixture(scope="module")
-def qm9_dir(tmp_path_factory):
-    from exatrain.data.qm9 import convert_qm9
-
-    path = tmp_path_factory.mktemp("qm9")
-    convert_qm9(path)
-    return path
-
-
 def tiny(**kw) -> DimeNetPlusPlus:
     """A small float64 DimeNet++ whose output layers are not zero (the paper's init is)."""
     torch.manual_seed(0)
@@ -250,6 +241,16 @@ def test_tensor_axis_refuses_dimenet_by_name_before_the_first_step(qm9_dir, tmp_
     assert isinstance(original, ParallelizeError) and isinstance(original, UserError)
     assert "DimeNet++" in str(original) and "triplets" in str(original)
     assert "plan.data or plan.shard" in str(original)
+
+
+def test_schnet_stays_the_default_and_an_unknown_model_is_refused_at_load():
+    from exatrain.errors import ConfigError
+    from exatrain.train.config import load_config
+
+    assert load_config(EXAMPLES / "qm9.toml").model.name == "schnet"
+    assert load_config(EXAMPLES / "qm9-dimenet.toml").model.name == "dimenet++"
+    with pytest.raises(ConfigError, match=r"model.name='dimenet'.*'schnet', 'dimenet\+\+'"):
+        load_config(EXAMPLES / "qm9.toml", ["model.name=dimenet"])
 
 
 def _build_under_tensor(config):

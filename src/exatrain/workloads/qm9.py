@@ -41,17 +41,24 @@ MODELS = ("schnet", "dimenet++")
 
 @dataclass
 class ModelOptions:
-    name: str = "schnet"            # or "dimenet++"
-    features: int = 64              # hidden width (DimeNet++'s paper: 128)
-    interactions: int = 3           # interaction blocks (DimeNet++'s paper: 4)
-    rbf: int = 32                   # SchNet: Gaussians of the distance
+    name: str = "schnet"            # the model: "schnet" or "dimenet++" (models/dimenet.py)
+    features: int = 64              # hidden width: features per atom (SchNet) or per edge
+                                    # (DimeNet++; its paper: 128)
+    interactions: int = 3           # interaction blocks, each residual (DimeNet++'s paper: 4)
+    rbf: int = 32                   # SchNet: Gaussian radial basis functions of each distance (K)
     cutoff: float = 5.0
     radial: int = 6                 # DimeNet++: radial (Bessel) functions
     spherical: int = 7              # DimeNet++: spherical harmonics (l < spherical)
     int_emb: int = 64               # DimeNet++: triplet width of the ++ bottleneck
     basis_emb: int = 8              # DimeNet++: width the spherical basis is projected through
     out_emb: int = 256              # DimeNet++: output blocks' width
-    envelope_exponent: int = 5
+    envelope_exponent: int = 5      # DimeNet++: the bases' envelope, a polynomial from x^(e+1),
+                                    # zero with two derivatives at the cutoff
+
+    def __post_init__(self):
+        if self.name not in MODELS:
+            raise ConfigError(f"model.name={self.name!r} is not a QM9 model; choose one of "
+                              f"{', '.join(repr(n) for n in MODELS)}.")
 
 
 @dataclass
@@ -72,8 +79,6 @@ def prepare(config, progress=None) -> Path:
 
 def build(config, mesh) -> Workload:
     m, d = config.model, config.data
-    if m.name not in MODELS:
-        build_model(m)                  # refuses the name before the data are read
     arrays = load_qm9(d.path)
     order = np.random.default_rng(d.seed).permutation(len(arrays["index"]))
     val_idx = order[:d.val_molecules]
@@ -111,4 +116,4 @@ def build_model(m: ModelOptions, mean: float = 0.0, std: float = 1.0):
                                envelope_exponent=m.envelope_exponent, target_mean=mean,
                                target_std=std)
     raise ConfigError(f"model.name={m.name!r} is not a QM9 model; choose one of "
-                      f"{', '.join(repr(n) for n in MODELS)}.")
+                      f"{', '.join(repr(n) for n in MODELS)}.")   # as ModelOptions checks
