@@ -274,3 +274,15 @@ def test_flops_per_molecule_equals_pytorchs_count():
             model(atoms)
         assert counter.get_total_flops() == 2 * model.flops_per_molecule(13)
     assert DimeNetPlusPlus().flops_per_molecule(29) == 1_327_260_574      # paper sizes, QM9
+
+
+def test_the_forward_traces_as_one_graph():
+    """Fixed shapes, no data-dependent `nonzero`: Dynamo captures the whole forward."""
+    import torch._dynamo as dynamo
+
+    model = DimeNetPlusPlus(hidden=16, blocks=1, int_emb=8, out_emb=16)
+    atoms = torch.zeros(2, 7, 4)
+    atoms[:, :5, 0] = 6.0
+    atoms[..., 1:] = torch.randn(2, 7, 3)
+    explained = dynamo.explain(model)(atoms)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)

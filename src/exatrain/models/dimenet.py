@@ -16,7 +16,8 @@ between the directions to i and to k. The model carries one message m_ji per edg
     interaction (× blocks):
         t_kj  = σ(W_down (σ(W_kj m_kj) ⊙ W_e2 W_e1 e(d_kj)))                      (int_emb wide)
         x_ji  = σ(W_up Σ_k (W_s2 W_s1 a(d_kj, α_kji)) ⊙ t_kj)  +  σ(W_ji m_ji)    (k ≠ i)
-        m_ji ← residual layers after the skip(σ(W x')+ m_ji), x' = residual layers(x_ji)
+        h_ji  = residual layers before the skip (x_ji)      (each: h + σ(W₂ σ(W₁ h)))
+        m_ji ← residual layers after the skip (σ(W h_ji) + m_ji)
     output (after the embedding and each block):
         P_i += W_out σ(…σ(W_o W_up' Σ_j (W_r e(d_ji)) ⊙ m_ji)…)
     y = Σ_i P_i · std + mean                                      (a sum over atoms, as the paper's)
@@ -29,7 +30,8 @@ divides it by x as well (their README lists that as a known flaw).
 
 Dense form. As SchNet here, every edge slot (B, A, A, ·) and triplet slot (B, A, A, A, ·) of
 the padded batch is computed, those that are no edge or triplet masked to zero, so the shapes
-depend only on the batch's shape (one compiled graph, no data-dependent `nonzero`, no scatter).
+depend only on the batch's shape (no data-dependent `nonzero`, no scatter: torch.compile traces
+the forward as one graph without breaks, tested).
 The triplet sum never builds a (B, A, A, A, int_emb) tensor: W_s1 is linear, so the projected
 spherical basis factors as Σ_l Y_l(α_kji) · (R_l(d_kj) W_s1,l) with R_l the S × R radial part,
 and
@@ -38,8 +40,8 @@ and
     Z[b, j, k, l, :] = (R_l(d_kj) W_s1,l W_s2) ⊙ t_kj
 
 is one batched matrix product per (molecule, j) of (A × A·S) by (A·S × int_emb). Y, the masked
-angular basis (B·A³·S numbers), is computed once per forward and shared by every block; it
-holds the only triplet-sized tensor. The Bessel functions are evaluated in float64 (their upward
+angular basis (B·A³·S numbers), is computed once per forward and shared by every block: it and
+the cosines it is made from are the only triplet-sized tensors. The Bessel functions are evaluated in float64 (their upward
 recurrence loses digits for x < l) and cast to the model's dtype.
 
 Cost per molecule and forward, in FLOPs of the matrix products (2 per multiply-add), for A atom
