@@ -121,10 +121,6 @@ NOT_IN_SOURCE = {
     "exatrain.workloads.gpt.ModelOptions.tie_weights": "share the token embedding with lm_head",
     "exatrain.workloads.gpt.DataOptions.val_fraction":
         "share of the generated corpus held out for validation (its contiguous end)",
-    "exatrain.workloads.qm9.ModelOptions.features": "features per atom (F)",
-    "exatrain.workloads.qm9.ModelOptions.interactions": "interaction blocks (T), each residual",
-    "exatrain.workloads.qm9.ModelOptions.rbf":
-        "radial basis functions of each interatomic distance (K)",
     "exatrain.workloads.qm9.ModelOptions.cutoff":
         "Å: atoms farther apart share no edge; filters fall smoothly to zero there",
     "exatrain.workloads.qm9.DataOptions.val_molecules":

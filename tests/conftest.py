@@ -1,5 +1,5 @@
-"""Shared fixtures: small real data sets (CosmoFlow, the stdlib text corpus), a tiny-model config
-builder, and a one-thread switch for in-process training tests."""
+"""Shared fixtures: small real data sets (CosmoFlow, the stdlib text corpus, QM9), a tiny-model
+config builder, and a one-thread switch for in-process training tests."""
 
 from __future__ import annotations
 
@@ -16,6 +16,16 @@ keep_freed_host_memory()
 
 TINY = ["model.size=16", "model.conv_layers=4", "model.base_channels=4", "data.size=16",
         "data.generate=false", "train.batch_size=8", "train.log_every=1", "optim.lr=0.003"]
+
+
+@pytest.fixture(scope="session")
+def qm9_dir(tmp_path_factory):
+    """The real QM9 molecules converted from the qm9pack CSVs, once per test session (~10 s)."""
+    from exatrain.data.qm9 import convert_qm9
+
+    path = tmp_path_factory.mktemp("qm9")
+    convert_qm9(path)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -16,15 +16,6 @@ from exatrain.data.graph import GraphFileError, generate_graph, load_graph, writ
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-@pytest.fixture(scope="module")
-def qm9_dir(tmp_path_factory):
-    from exatrain.data.qm9 import convert_qm9
-
-    path = tmp_path_factory.mktemp("qm9")
-    convert_qm9(path)
-    return path
-
-
 def test_qm9_reader_holds_every_molecule_with_the_csv_values(qm9_dir):
     from exatrain.data.qm9 import HARTREE_EV, MOLECULES, QM9Dataset, load_qm9
 

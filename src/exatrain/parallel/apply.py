@@ -215,6 +215,8 @@ def parallelize(model: nn.Module, mesh: Mesh, options=None, example=None,
     if options.precision == "fp8" and not refusal:
         from .float8 import float8_refusal
         refusal = float8_refusal(mesh.device, model, plan.tensor_degree)
+    if not refusal and plan.tensor_degree > 1:
+        refusal = _strategy("graph").graph_refusal(model)
     if refusal:
         raise ParallelizeError(refusal)
     if whole_samples and plan.space_degree > 1 and plan.pipe > 1:

@@ -415,6 +415,27 @@ def has_graph_convs(model: nn.Module) -> bool:
     return isinstance(model, GCN)
 
 
+def graph_refusal(model: nn.Module) -> str | None:
+    """Why `tensor` > 1 cannot lay `model` out, for models that pass messages over triplets
+    of atoms (DimeNet++); None for the others.
+
+    The graph axis splits a graph's nodes over the tensor grid and exchanges node features
+    between the blocks of Â (this module). DimeNet++'s messages live on edges and are updated
+    over triplets k→j→i: with the nodes split, the edges k→j and j→i of one triplet land on
+    different ranks, and the exchange of edge messages across partitions is not built. (Nor
+    does the Linear-splitting tensor path apply: DimeNet++ uses its Linears' weights directly.)
+    """
+    from ..models.dimenet import DimeNetPlusPlus
+
+    if any(isinstance(m, DimeNetPlusPlus) for m in model.modules()):
+        return ("DimeNet++ cannot be split over the tensor (graph) axis: its messages live on "
+                "edges and are updated over triplets k→j→i of atoms, and with a molecule's "
+                "atoms split over ranks a triplet's two edges fall in different partitions; "
+                "that exchange of edge messages is not built. Set plan.tensor = 1 and use "
+                "plan.data or plan.shard (each molecule stays whole on one rank).")
+    return None
+
+
 def parallelize_graph(model: GCN, mesh: Mesh, options=None, permute: bool | None = None,
                       seed: int = 0) -> GCN3D:
     """Lay a GCN out over the mesh's 3D tensor grid (and replicate over data); see the module
