@@ -2,8 +2,12 @@
 tutorial's 3D U-Net (8 channels, 2 × 32³ volumes, batch 4, AdamW) against a real CPU run of it
 through et.fit: the run summary's state_bytes + peak_activation_bytes (the largest rank), as
 `exatrain plan --run-dir` compares them. Measured on this machine: one process +9 %,
-Plan(data=2) +11 %; the issue asks 15 %. (Under space=(1, 1, 2) the prediction is 18 % low: the
-spatial layers keep more than the cost model counts, cause not yet traced; not asserted.)
+Plan(data=2) +11 %, space=(1, 1, 2) +10 % (34.1 MB predicted, 31.1 MB measured); the issue asks
+15 %. Under space the peak is in the backward of the decoder's convolution (its input, the skip
+concatenation, is the largest activation): `HaloConv` saves the halo-extended block (18 of 32
+planes, not 16), and its backward holds the gradient of that extended block and the block's own
+gradient at once; the gathered whole output and its gradient are on every rank. Without those
+terms (`tune.cost._memory` under space) the prediction was 25.6 MB, 18 % low.
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ def test_plan_predicts_a_users_unet_memory_within_15_percent_of_a_run(tmp_path, 
     assert {"Plan(data=2)", "Plan(space=(1, 1, 2))", "Plan(shard=2)"} <= set(predicted)
     cases = [(serial[0], measured_memory({}, str(tmp_path))),
              (predicted["Plan(data=2)"],
-              run_ranks(2, measured_memory, {"data": 2}, str(tmp_path))[0])]
+              run_ranks(2, measured_memory, {"data": 2}, str(tmp_path))[0]),
+             (predicted["Plan(space=(1, 1, 2))"],
+              max(run_ranks(2, measured_memory, {"space": (1, 1, 2)}, str(tmp_path / "space"))))]
     for prediction, measured in cases:
         total = prediction["memory_per_rank"]["total"]
         assert abs(total / measured - 1) < 0.15, (prediction["plan"], total, measured)
