@@ -57,3 +57,51 @@ def test_plan_names_what_it_needs():
     import exatrain as et
     with pytest.raises(ValueError, match="example= .* or sample_shape="):
         et.plans(UNet3D(), world=2, batch=4)
+
+
+SCRIPT = '''
+import torch, torch.nn.functional as F
+from torch import nn
+import exatrain as et
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv3d(2, 4, 3, padding=1), nn.ReLU(), nn.Conv3d(4, 1, 1))
+
+    def forward(self, x):
+        return self.body(x)
+
+if __name__ == "__main__":
+    x = torch.randn(8, 2, 16, 16, 16)
+    data = torch.utils.data.TensorDataset(x, x[:, :1])
+    summary = et.fit(Net, data, data, loss=F.mse_loss, plan=et.Plan(data=2),
+                     train={"steps": 3, "batch_size": 4}, optim={"name": "sgd"})
+    raise SystemExit("trained: `exatrain plan` should have stopped at et.fit")
+'''
+
+
+def test_exatrain_plan_runs_a_users_script_up_to_et_fit(tmp_path, capsys):
+    """`exatrain plan SCRIPT.py --world N`: the script's et.fit predicts instead of training,
+    with the script's model, first sample, loss and sections; the same Plans as et.plans."""
+    import json
+
+    import exatrain as et
+    from exatrain.cli import main
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    assert main(["plan", str(script), "--world", "2", "--json", str(tmp_path / "p.json")]) == 0
+    got = json.loads((tmp_path / "p.json").read_text())
+    assert (got["model"], got["batch"], got["optimizer"], got["world"]) == ("Net", 4, "sgd", 2)
+    assert got["sample_shape"] == [2, 16, 16, 16]
+    namespace = {}
+    exec(SCRIPT.split("if __name__")[0], namespace)
+    target = torch.zeros(1, 1, 16, 16, 16)   # the script's loss, on its target's shape
+    direct = et.plans(namespace["Net"](), sample_shape=(2, 16, 16, 16), world=2, batch=4,
+                      optimizer="sgd", loss=lambda out: F.mse_loss(out, target))
+    assert [p["plan"] for p in got["ranked"]] == [p["plan"] for p in direct]
+    assert [p["memory_per_rank"]["total"] for p in got["ranked"]] == \
+        [p["memory_per_rank"]["total"] for p in direct]
+    assert main(["plan", str(script), "--world", "2"]) == 0
+    assert "Plan(space=(1, 1, 2))" in capsys.readouterr().out
+    assert not list(tmp_path.glob("runs*")) and not (tmp_path / "checkpoints").exists()
