@@ -2,8 +2,12 @@
 tutorial's 3D U-Net (8 channels, 2 × 32³ volumes, batch 4, AdamW) against a real CPU run of it
 through et.fit: the run summary's state_bytes + peak_activation_bytes (the largest rank), as
 `exatrain plan --run-dir` compares them. Measured on this machine: one process +9 %,
-Plan(data=2) +11 %; the issue asks 15 %. (Under space=(1, 1, 2) the prediction is 18 % low: the
-spatial layers keep more than the cost model counts, cause not yet traced; not asserted.)
+Plan(data=2) +11 %, space=(1, 1, 2) +10 % (34.1 MB predicted, 31.1 MB measured); the issue asks
+15 %. Under space the peak is in the backward of the decoder's convolution (its input, the skip
+concatenation, is the largest activation): `HaloConv` saves the halo-extended block (18 of 32
+planes, not 16), and its backward holds the gradient of that extended block and the block's own
+gradient at once; the gathered whole output and its gradient are on every rank. Without those
+terms (`tune.cost._memory` under space) the prediction was 25.6 MB, 18 % low.
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ def test_plan_predicts_a_users_unet_memory_within_15_percent_of_a_run(tmp_path, 
     assert {"Plan(data=2)", "Plan(space=(1, 1, 2))", "Plan(shard=2)"} <= set(predicted)
     cases = [(serial[0], measured_memory({}, str(tmp_path))),
              (predicted["Plan(data=2)"],
-              run_ranks(2, measured_memory, {"data": 2}, str(tmp_path))[0])]
+              run_ranks(2, measured_memory, {"data": 2}, str(tmp_path))[0]),
+             (predicted["Plan(space=(1, 1, 2))"],
+              max(run_ranks(2, measured_memory, {"space": (1, 1, 2)}, str(tmp_path / "space"))))]
     for prediction, measured in cases:
         total = prediction["memory_per_rank"]["total"]
         assert abs(total / measured - 1) < 0.15, (prediction["plan"], total, measured)
@@ -51,3 +57,51 @@ def test_plan_names_what_it_needs():
     import exatrain as et
     with pytest.raises(ValueError, match="example= .* or sample_shape="):
         et.plans(UNet3D(), world=2, batch=4)
+
+
+SCRIPT = '''
+import torch, torch.nn.functional as F
+from torch import nn
+import exatrain as et
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv3d(2, 4, 3, padding=1), nn.ReLU(), nn.Conv3d(4, 1, 1))
+
+    def forward(self, x):
+        return self.body(x)
+
+if __name__ == "__main__":
+    x = torch.randn(8, 2, 16, 16, 16)
+    data = torch.utils.data.TensorDataset(x, x[:, :1])
+    summary = et.fit(Net, data, data, loss=F.mse_loss, plan=et.Plan(data=2),
+                     train={"steps": 3, "batch_size": 4}, optim={"name": "sgd"})
+    raise SystemExit("trained: `exatrain plan` should have stopped at et.fit")
+'''
+
+
+def test_exatrain_plan_runs_a_users_script_up_to_et_fit(tmp_path, capsys):
+    """`exatrain plan SCRIPT.py --world N`: the script's et.fit predicts instead of training,
+    with the script's model, first sample, loss and sections; the same Plans as et.plans."""
+    import json
+
+    import exatrain as et
+    from exatrain.cli import main
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    assert main(["plan", str(script), "--world", "2", "--json", str(tmp_path / "p.json")]) == 0
+    got = json.loads((tmp_path / "p.json").read_text())
+    assert (got["model"], got["batch"], got["optimizer"], got["world"]) == ("Net", 4, "sgd", 2)
+    assert got["sample_shape"] == [2, 16, 16, 16]
+    namespace = {}
+    exec(SCRIPT.split("if __name__")[0], namespace)
+    target = torch.zeros(1, 1, 16, 16, 16)   # the script's loss, on its target's shape
+    direct = et.plans(namespace["Net"](), sample_shape=(2, 16, 16, 16), world=2, batch=4,
+                      optimizer="sgd", loss=lambda out: F.mse_loss(out, target))
+    assert [p["plan"] for p in got["ranked"]] == [p["plan"] for p in direct]
+    assert [p["memory_per_rank"]["total"] for p in got["ranked"]] == \
+        [p["memory_per_rank"]["total"] for p in direct]
+    assert main(["plan", str(script), "--world", "2"]) == 0
+    assert "Plan(space=(1, 1, 2))" in capsys.readouterr().out
+    assert not list(tmp_path.glob("runs*")) and not (tmp_path / "checkpoints").exists()

@@ -50,6 +50,64 @@ _script_summaries: contextvars.ContextVar[list | None] = contextvars.ContextVar(
     "exatrain_script_summaries", default=None)
 
 
+# set by `exatrain plan SCRIPT.py --world N` (`plan_script`): the script's first et.fit call
+# predicts its Plans (`et.plans` on its model, first sample, loss and sections) instead of
+# training, and stops the script (`ScriptPlanned`)
+_plan_request: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "exatrain_plan_request", default=None)
+
+
+class ScriptPlanned(Exception):
+    """Raised by et.fit under `plan_script`: carries `et.plans`' (ranked, refused) and what they
+    were predicted for; `plan_script` catches it (the script's later code does not run)."""
+
+    def __init__(self, result: dict):
+        super().__init__("et.fit planned, not run (exatrain plan SCRIPT.py)")
+        self.result = result
+
+
+def _plan_instead(request: dict, model, train_set, loss, config: Config):
+    """What et.fit does under `exatrain plan SCRIPT.py`: no process group, no run directory, no
+    step; the model is built (weights unused), traced on the first training sample under fake
+    tensors with the script's loss and its target, at the sections' batch, optimizer and
+    precision."""
+    import torch
+
+    from ..tune.user import plans
+    built = model() if not isinstance(model, nn.Module) else model
+    sample = train_set[0]
+    x, y = (sample[0], sample[1]) if isinstance(sample, (tuple, list)) else (sample, None)
+    if not isinstance(x, torch.Tensor):
+        raise ConfigError("exatrain plan SCRIPT.py: the training set's samples must be "
+                          f"(input tensor, target); got {type(x).__name__} for the input.")
+    # a copy: a TensorDataset's sample is a view of the whole set's tensor, which the trace of
+    # saved tensors (`tune.spec.trace_saved_bytes`, by storage) would count whole
+    target = y.unsqueeze(0).clone() if isinstance(y, torch.Tensor) else None
+    traced_loss = (lambda out: loss(out, target)) if target is not None else None
+    kwargs = dict(world=request["world"], batch=config.train.batch_size,
+                  system=request.get("system", "cpu-local"),
+                  precision=config.parallel.precision, optimizer=config.optim.name)
+    ranked, refused = plans(built, x.unsqueeze(0), loss=traced_loss, refused=True, **kwargs)
+    raise ScriptPlanned({"model": type(built).__name__, "sample_shape": tuple(x.shape),
+                         **kwargs, "ranked": ranked, "refused": refused})
+
+
+def plan_script(path: str, world: int, system: str = "cpu-local",
+                argv: list[str] | None = None) -> dict:
+    """Run a script that calls et.fit, in one process, until its first et.fit call, which
+    predicts every Plan of `world` ranks for its model instead of training
+    (`exatrain plan SCRIPT.py --world N`). Returns `_plan_instead`'s result."""
+    token = _plan_request.set({"world": world, "system": system})
+    try:
+        run_script(path, argv)
+    except ScriptPlanned as planned:
+        return planned.result
+    finally:
+        _plan_request.reset(token)
+    raise ConfigError(f"exatrain plan {path}: the script ended without calling exatrain.fit "
+                      "(is the call under `if __name__ == \"__main__\":`? It runs as __main__).")
+
+
 @dataclasses.dataclass
 class NoOptions:
     """[model] and [data] of a job started from Python: the objects are given, not configured."""
@@ -122,6 +180,8 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_set: Dataset, val_set:
     from ..launch import detect
 
     config = make_config(config, **sections)
+    if _plan_request.get() is not None:   # `exatrain plan SCRIPT.py`: predict, do not train
+        _plan_instead(_plan_request.get(), model, train_set, loss, config)
     launch = detect()
     world = launch.world_size if launch else 1
     if plan is None:

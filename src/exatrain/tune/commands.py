@@ -57,6 +57,8 @@ def plan_command(args) -> int:
         return 0
     if args.calibrate_from:
         return calibrate_from_command(args)
+    if args.config and args.config.endswith(".py"):   # a script that calls exatrain.fit
+        return _plan_script_command(args)
     config = load_config(args.config, args.set or [])
     world = args.world or config.run.nproc
     if args.dry_run is not None:
@@ -369,11 +371,37 @@ def tune_command(args) -> int:
     return 0
 
 
+def _plan_script_command(args) -> int:
+    """`exatrain plan SCRIPT.py --world N`: the script runs in this process up to its first
+    et.fit call, which predicts (`train.fit.plan_script`, `et.plans`) instead of training."""
+    from ..errors import ConfigError
+    from ..train.fit import plan_script
+    if not args.world:
+        raise ConfigError("exatrain plan SCRIPT.py needs --world N (the ranks to plan for).")
+    if args.plan or args.dry_run is not None or args.set:
+        raise ConfigError("exatrain plan SCRIPT.py: --plan, --dry-run and --set are for configs; "
+                          "the script's own et.fit sections are used.")
+    result = plan_script(args.config, args.world, args.system)
+    if args.json:
+        _emit(result, args.json)
+        return 0
+    print(f"{result['model']} (sample {result['sample_shape']}, batch {result['batch']}, "
+          f"{result['optimizer']}, {result['precision']}) on {result['world']} ranks of "
+          f"{result['system']}: {len(result['ranked'])} Plans, fastest first")
+    for p in result["ranked"][:args.top]:
+        print(f"  {p['plan']:<28} step {p['step_s'] * 1e3:9.2f} ms  memory/rank "
+              f"{p['memory_per_rank']['total'] / 2 ** 20:9.1f} MiB")
+    for r in result["refused"][:args.why]:
+        print(f"  refused {r.get('plan', '')}: {r.get('reason', '')}")
+    return 0
+
+
 def add_parsers(sub) -> None:
     plan = sub.add_parser("plan", help="every valid Plan ranked by predicted step time; "
                                        "--dry-run RANK, --calibrate")
     plan.add_argument("config", nargs="?", help="TOML config (examples/*.toml; none: the built-in "
-                                                "CosmoFlow example, changed with --set)")
+                                                "CosmoFlow example, changed with --set), or a "
+                                                "script calling exatrain.fit (needs --world)")
     plan.add_argument("--world", type=int, default=0, help="ranks (default: run.nproc)")
     plan.add_argument("--system", default="cpu-local", help="system name or TOML path")
     plan.add_argument("--json", nargs="?", const="-", metavar="PATH",
