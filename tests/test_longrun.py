@@ -196,9 +196,12 @@ def test_user_errors_are_one_line_and_bugs_are_called_internal(tmp_path, capsys)
                  "--set", f"run.out_dir={tmp_path}/runs"]) == 2
     assert "must be divisible" in capsys.readouterr().err
     assert not list((tmp_path / "runs").glob("*"))  # failed before its first step: no run dir
-    with pytest.raises(ValueError) as inside_forward:
+    with pytest.raises(ValueError) as wrong_input:  # the user's batch: named, not internal
         GPT(GPTConfig(vocab_size=8, block_size=4, n_layer=1, n_head=1, n_embd=8))(torch.zeros(3))
-    assert not is_user_error(inside_forward.value)  # a model bug, not the user's input
+    assert is_user_error(wrong_input.value) and "(B, T)" in str(wrong_input.value)
+    with pytest.raises(RuntimeError) as inside_forward:  # a bug in the model's own arithmetic
+        torch.nn.Linear(4, 3)(torch.zeros(2, 5))
+    assert not is_user_error(inside_forward.value)
     with pytest.raises(ValueError) as in_constructor:
         GPTConfig(vocab_size=0)
     assert is_user_error(in_constructor.value)

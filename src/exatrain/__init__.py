@@ -29,10 +29,18 @@ from .train.fit import fit, launch
 from .train.kfac import KFAC, KFACSettings
 from .train.predict import PredictError, predict
 from .train.job import ResumeError
-from .tune.user import plans
 from .workloads.metrics import Mean, Ratio
 from .workloads.user import Task
 from .version import __version__
+
+
+def plans(model, example=None, **options) -> list[dict]:
+    """Every valid Plan for your own `model`, ranked by predicted step time, with its predicted
+    memory per rank: `exatrain.tune.user.plans` (imported when called, so that `import
+    exatrain` stays light); its arguments and what it returns are documented there."""
+    from .tune.user import plans as predict_plans
+    return predict_plans(model, example, **options)
+
 
 __all__ = ["Branches", "Config", "KFAC", "KFACSettings", "Mean", "Mesh", "Plan", "Ratio", "Task",
            "Trainer", "fit", "data", "init", "launch", "load_config", "models", "parallelize",

@@ -73,7 +73,7 @@ def _plan_instead(request: dict, model, train_set, loss, config: Config):
     precision."""
     import torch
 
-    from ..tune.user import plans
+    plans = request["planner"]  # et.plans, handed down by the plan command (tune sits above)
     built = model() if not isinstance(model, nn.Module) else model
     sample = train_set[0]
     x, y = (sample[0], sample[1]) if isinstance(sample, (tuple, list)) else (sample, None)
@@ -92,12 +92,12 @@ def _plan_instead(request: dict, model, train_set, loss, config: Config):
                          **kwargs, "ranked": ranked, "refused": refused})
 
 
-def plan_script(path: str, world: int, system: str = "cpu-local",
+def plan_script(path: str, world: int, planner, system: str = "cpu-local",
                 argv: list[str] | None = None) -> dict:
     """Run a script that calls et.fit, in one process, until its first et.fit call, which
-    predicts every Plan of `world` ranks for its model instead of training
-    (`exatrain plan SCRIPT.py --world N`). Returns `_plan_instead`'s result."""
-    token = _plan_request.set({"world": world, "system": system})
+    predicts every Plan of `world` ranks for its model with `planner` (`et.plans`) instead of
+    training (`exatrain plan SCRIPT.py --world N`). Returns `_plan_instead`'s result."""
+    token = _plan_request.set({"world": world, "system": system, "planner": planner})
     try:
         run_script(path, argv)
     except ScriptPlanned as planned:

@@ -381,7 +381,8 @@ def _plan_script_command(args) -> int:
     if args.plan or args.dry_run is not None or args.set:
         raise ConfigError("exatrain plan SCRIPT.py: --plan, --dry-run and --set are for configs; "
                           "the script's own et.fit sections are used.")
-    result = plan_script(args.config, args.world, args.system)
+    from .user import plans
+    result = plan_script(args.config, args.world, plans, args.system)
     if args.json:
         _emit(result, args.json)
         return 0
