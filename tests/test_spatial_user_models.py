@@ -30,6 +30,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from harness import run_ranks
@@ -89,6 +90,41 @@ class MeanInForward(nn.Module):
         return self.conv(x).mean(dim=(2, 3, 4))
 
 
+class InterpolateInForward(nn.Module):
+    """Upsampling written in forward, as many U-Nets do: it would read no halo on a block."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(2, 3, 3, padding=1)
+
+    def forward(self, x):
+        return F.interpolate(self.conv(x), scale_factor=2, mode="trilinear")
+
+
+class CentredInForward(nn.Module):
+    """A per-sample centring written in forward (keepdim): the shape survives, the values not."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(2, 3, 3, padding=1)
+
+    def forward(self, x):
+        h = self.conv(x)
+        return h - h.mean(dim=(2, 3, 4), keepdim=True)
+
+
+class LocalArithmeticInForward(nn.Module):
+    """What reads no neighbour: a softmax over channels, an elementwise maximum, a scale."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(2, 3, 3, padding=1)
+
+    def forward(self, x):
+        h = self.conv(x)
+        return torch.max(h.softmax(dim=1), torch.zeros_like(h)) * 2 + h.sum(dim=1, keepdim=True)
+
+
 def _refusals() -> dict:
     """Under space=(1, 1, 2): what a reduction written in forward and an odd volume raise."""
     from exatrain.mesh import init
@@ -99,6 +135,9 @@ def _refusals() -> dict:
     out = {}
     try:
         for name, model, shape in (("mean", MeanInForward(), (2, 2, 8, 8, 8)),
+                                   ("interpolate", InterpolateInForward(), (2, 2, 8, 8, 8)),
+                                   ("centred", CentredInForward(), (2, 2, 8, 8, 8)),
+                                   ("local", LocalArithmeticInForward(), (2, 2, 8, 8, 8)),
                                    ("odd", UNet3D(norm=""), (2, 2, 8, 8, 9)),
                                    ("pool", UNet3D(norm=""), (2, 2, 8, 8, 10))):
             try:
@@ -128,11 +167,17 @@ def _pipe_refusal() -> str:
 
 def test_what_cannot_equal_one_process_is_refused_by_name():
     for found in run_ranks(2, _refusals):
-        # the reduction written in forward: named, with the module that replaces it
+        # arithmetic written in forward that would read a block as the sample: the function,
+        # the line that called it, the module that replaces it
         assert "SpatialSplitError" in found["mean"], found["mean"]
-        for words in ("MeanInForward's output [2, 3]", "x.mean(dim=...)",
+        for words in ("MeanInForward.forward calls mean at", "test_spatial_user_models.py:",
                       "nn.AdaptiveAvgPool3d(1)", "space=(1, 1, 1)"):
             assert words in found["mean"], (words, found["mean"])
+        for words in ("InterpolateInForward.forward calls interpolate", "nn.Upsample"):
+            assert words in found["interpolate"], (words, found["interpolate"])
+        for words in ("CentredInForward.forward calls mean", "nn.GroupNorm"):
+            assert words in found["centred"], (words, found["centred"])
+        assert found["local"] == ""  # per-voxel arithmetic is left alone
         # a volume the split does not divide: the size, the degree and the sizes that work
         for words in ("9 long along w", "space_w=2", "use one of [1, 3, 9]"):
             assert words in found["odd"], (words, found["odd"])

@@ -47,8 +47,10 @@ that is still split (no nn.Flatten / global pool ran) is all-gathered over `spac
 "output", N × C_out × V_out × s bytes per rank: the whole output, V_out its volume, s bytes per
 element); its backward keeps the own block's slice of the loss gradient, which every spatial rank
 computes identically from the same whole output and target. An output that lost spatial dims
-without such a module (x.mean(dim=(2, 3, 4)) or x.flatten(1) written in forward: a reduction
-that saw only the block) is refused, naming the module to use instead. With `input_blocks=True`
+without such a module (x.flatten(1) written in forward: a reduction that saw only the block)
+is refused, naming the module to use instead; arithmetic in the user's forward that reads
+neighbouring voxels or reduces over a spatial dim is refused at the first forward (guard.py).
+With `input_blocks=True`
 as well (a user's data set read by blocks, `SpatialBlocks` over its `read(index, region)`), the
 input is already this rank's block and is not cut again; the output is gathered whole all the
 same, so the user's loss and metrics, and the whole targets the data set reads, are the serial
@@ -83,6 +85,7 @@ from .layers import (SpatialBatchNorm, SpatialConv, SpatialConvTranspose, Spatia
                      SpatialFlatten, SpatialGlobalAvgPool, SpatialGlobalMaxPool, SpatialImagePool,
                      SpatialGroupNorm, SpatialLayer, SpatialPool, SpatialSplitError,
                      SpatialLayerNorm)
+from .guard import BlockMixingGuard
 from .interpolate import upsample_layer
 
 __all__ = ["parallelize_spatial", "SpatialSplitError", "SpatialBlocks", "block_region", "block_slices",
@@ -131,6 +134,7 @@ class SpatialRuntime:
         plan = mesh.plan
         self.input_dims: int | None = None  # spatial dims of the whole input (whole_samples)
         self.input_blocks = input_blocks   # whole_samples: the inputs come as blocks already
+        self.watched, self.guard = False, None  # whole_samples: the first forward's check
         self.first_layer: SpatialLayer | None = None  # the first distributed layer, for messages
         self.parts = tuple(plan.space)
         self.coords = tuple(mesh.coords[f"space_{a}"] for a in "dhw")
@@ -237,6 +241,22 @@ class SpatialRuntime:
                      (0,) * (3 - k) + tuple(coords))  # divisibility, with the sizes that work
         self.input_dims = k if self.input_dims is None else max(self.input_dims, k)
         return SplitBlocks.apply(x, self.space, parts, coords)
+
+    def watch_first_forward(self, module, _args) -> None:
+        """Forward pre-hook of the root (whole_samples), after `cut_input`: the first forward
+        runs under `guard.BlockMixingGuard`, which refuses arithmetic in the user's forward
+        that would read a block as the whole sample. Compiled forwards are not watched."""
+        if self.watched or torch.compiler.is_compiling():
+            return
+        self.watched = True
+        self.guard = BlockMixingGuard(self, type(module).__name__)
+        self.guard.__enter__()
+
+    def stop_watching(self, _module, _args, _out) -> None:
+        """Forward hook of the root, run also when the forward raised (always_call)."""
+        if self.guard is not None:
+            guard, self.guard = self.guard, None
+            guard.__exit__(None, None, None)
 
     def whole_output(self, module, _args, out):
         """Forward hook of the root (whole_samples): the output as whole tensors on every rank
@@ -451,7 +471,9 @@ def parallelize_spatial(model: nn.Module, mesh: Mesh, overlap: bool | None = Non
     if whole_samples:
         rt.first_layer = next((m for m in root.modules() if isinstance(m, SpatialLayer)), None)
         root.register_forward_pre_hook(rt.cut_input, with_kwargs=True)
+        root.register_forward_pre_hook(rt.watch_first_forward)
         root.register_forward_hook(rt.whole_output)
+        root.register_forward_hook(rt.stop_watching, always_call=True)
     root.spatial_runtime = rt
     return root
 
