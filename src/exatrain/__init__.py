@@ -36,8 +36,22 @@ from .version import __version__
 
 def plans(model, example=None, **options) -> list[dict]:
     """Every valid Plan for your own `model`, ranked by predicted step time, with its predicted
-    memory per rank: `exatrain.tune.user.plans` (imported when called, so that `import
-    exatrain` stays light); its arguments and what it returns are documented there."""
+    memory per rank.
+
+    Args:
+        model: your `nn.Module`; it is traced once on fake tensors, never trained.
+        example: one batch of the model's inputs, or give `sample_shape=` (one sample's shape).
+        options: `world` (ranks, required), `batch` (the global batch, required), `loss`
+            (a function of the output, to trace backward through), `system` (a system file of
+            `exatrain plan`, default "cpu-local"), `precision`, `optimizer`, and `refused=True`
+            to also return the Plans that cannot run, with the reason.
+
+    Returns:
+        One dict per valid Plan, fastest predicted step first: `plan`, `step_s`,
+        `memory_per_rank` (bytes by kind and `total`), and how they were predicted. The planner
+        is imported when this is called, so that `import exatrain` stays light
+        ([choosing axes](../tutorials/does-not-fit.md)).
+    """
     from .tune.user import plans as predict_plans
     return predict_plans(model, example, **options)
 

@@ -92,8 +92,11 @@ def supervise(run_job, config, nproc: int, resume_dir: str | None, max_restarts:
             if exc.diagnosis or restarts >= max_restarts or \
                     is_user_error(getattr(exc, "original", None)):
                 _end_tracked_runs(run_dir)
+                # a population's trainers log in trainer_KK/: their steps count as the run's
+                stepped = any(run_dir.glob("metrics.jsonl")) or \
+                    any(run_dir.glob("trainer_*/metrics.jsonl"))
                 if run_dir.is_dir() and not resume_dir and checkpoint.latest(run_dir) is None \
-                        and not (run_dir / "metrics.jsonl").exists() and exc.diagnosis is None:
+                        and not stepped and exc.diagnosis is None:
                     shutil.rmtree(run_dir, ignore_errors=True)  # failed before its first step
                 exc.restarts = restarts
                 raise
