@@ -34,7 +34,8 @@ from .workloads.user import Task
 from .version import __version__
 
 
-def plans(model, example=None, **options) -> list[dict]:
+def plans(model: "torch.nn.Module", example: "torch.Tensor | None" = None,
+          **options: object) -> list[dict]:
     """Every valid Plan for your own `model`, ranked by predicted step time, with its predicted
     memory per rank.
 
