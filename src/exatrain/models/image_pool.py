@@ -13,7 +13,7 @@ feature map's size).
 Why one leaf instead of nn.AdaptiveAvgPool2d(1) followed by layers: a global pool is where a
 spatially split model ends its split region (everything after it runs on whole tensors), but
 here the pooled vector flows back into the split feature map. As one module with a type of its
-own, a strategy can give it its own distributed version (`parallel.spatial.layers.
+own, a strategy can give it its own distributed version (`parallel.spatial.pool.
 SpatialImagePool`: the mean is a sum over blocks, all-reduced), and the model stays plain.
 
 Cost per sample: N·C·V additions for the mean (V the spatial size), 2·out·C FLOPs for W, and

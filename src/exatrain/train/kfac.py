@@ -101,7 +101,7 @@ from ..comm import Axis, all_reduce, broadcast
 from ..mesh import Mesh
 from ..parallel.branches import SplitBranches
 from ..parallel.data import UnusedParameterError, unwrap
-from ..parallel.spatial.layers import SpatialConv
+from ..parallel.spatial.conv import SpatialConv
 from ..errors import ConfigError
 
 UNSUPPORTED_AXES = ("trainer", "pipe", "shard", "tensor")

@@ -4,10 +4,10 @@
 
 `parallelize_spatial(model, mesh)` returns a copy of a plain PyTorch conv net in which every layer
 that sees spatially split tensors is replaced by its distributed version
-(`exatrain.parallel.spatial.layers`), with the same parameter and buffer names, so the state dict
-and checkpoints are those of the serial model. The model's own forward runs unchanged; its input
-on each rank is that rank's block of each sample (`SpatialBlocks` reads it from HDF5 with a
-hyperslab, or `split_input` cuts it from a whole sample), laid out row-major over
+(modules conv, pool, norm, interpolate, dropout of this package), with the same parameter and
+buffer names, so the state dict and checkpoints are those of the serial model. The model's own
+forward runs unchanged; its input on each rank is that rank's block of each sample
+(`SpatialBlocks` reads it from HDF5 with a hyperslab, or `split_input` cuts it from a whole sample), laid out row-major over
 (space_d, space_h, space_w); a 2D model (N, C, H, W) uses (space_h, space_w), a 1D one space_w.
 
 Layers, in the model's registration order (which must be its execution order):
@@ -81,10 +81,13 @@ from torch.utils.data import Dataset
 from ...mesh import Mesh
 from .functions import GatherBlocks, ScaleGrad, SplitBlocks
 from ...models.image_pool import ImagePool
-from .layers import (SpatialBatchNorm, SpatialConv, SpatialConvTranspose, SpatialDropout,
-                     SpatialFlatten, SpatialGlobalAvgPool, SpatialGlobalMaxPool, SpatialImagePool,
-                     SpatialGroupNorm, SpatialLayer, SpatialPool, SpatialSplitError,
-                     SpatialLayerNorm)
+from .conv import SpatialConv, SpatialConvTranspose
+from .dropout import SpatialDropout
+from .layers import SpatialLayer
+from .norm import SpatialBatchNorm, SpatialGroupNorm, SpatialLayerNorm
+from .pool import (SpatialFlatten, SpatialGlobalAvgPool, SpatialGlobalMaxPool, SpatialImagePool,
+                   SpatialPool)
+from ...errors import SpatialSplitError
 from .guard import BlockMixingGuard
 from .interpolate import upsample_layer
 

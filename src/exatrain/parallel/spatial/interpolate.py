@@ -1,5 +1,6 @@
-"""Linear, bilinear and trilinear upsampling (`nn.Upsample`, `nn.UpsamplingBilinear2d`) over
-spatial blocks, with and without `align_corners`.
+"""Upsampling over spatial blocks: nearest-neighbour by integer factors (block-local, no
+communication), and linear, bilinear and trilinear (`nn.Upsample`, `nn.UpsamplingBilinear2d`),
+with and without `align_corners`, which the rest of this docstring describes.
 
 Along one dim of global input length N and output length M, torch's linear interpolation reads,
 for output j, the inputs i0 = floor(src) and i1 = min(i0 + 1, N - 1) with weight
@@ -32,9 +33,34 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...comm.halo import Halo, SplitDim, halo_exchange
-from .layers import SpatialLayer, SpatialSplitError, SpatialUpsample, _check_widths, _ntuple
+from .layers import SpatialLayer, check_widths, ntuple
+from ...errors import SpatialSplitError
 
 LINEAR_MODES = ("linear", "bilinear", "trilinear")
+
+
+class SpatialUpsample(SpatialLayer):
+    """Nearest-neighbour upsampling by integer factors: block-local, no communication."""
+
+    def __init__(self, up: nn.Module, name: str, runtime, may_gather: bool = False):
+        super().__init__(up, name, runtime, may_gather)
+        scale = up.scale_factor
+        scales = scale if isinstance(scale, tuple) else (scale,)
+        if up.size is not None or up.mode not in ("nearest", "nearest-exact") or scale is None \
+                or any(float(s) != int(s) for s in scales):
+            raise SpatialSplitError(
+                f"{type(up).__name__} '{name}' (mode={up.mode!r}, size={up.size}, "
+                f"scale_factor={scale}) is not block-local; under a space split use "
+                f"nn.Upsample(scale_factor=<integer>, mode='nearest'), mode='bilinear' / "
+                f"'trilinear', or a ConvTranspose.")
+        self.scale_factor = tuple(int(s) for s in scales) if isinstance(scale, tuple) else int(scale)
+        self.mode = up.mode
+
+    def describe(self) -> str:
+        return f"scale {self.scale_factor}, {self.mode}"
+
+    def replicated_forward(self, x):
+        return F.interpolate(x, scale_factor=self.scale_factor, mode=self.mode)
 
 
 def upsample_layer(up: nn.Module, name: str, runtime, may_gather: bool = False) -> SpatialLayer:
@@ -95,8 +121,8 @@ class SpatialInterpolate(SpatialLayer):
     def _out_sizes(self, whole: tuple[int, ...]) -> tuple[int, ...]:
         k = len(whole)
         if self.size is not None:
-            return _ntuple(self.size, k)
-        return tuple(int(math.floor(n * float(s))) for n, s in zip(whole, _ntuple(self.scale_factor, k)))
+            return ntuple(self.size, k)
+        return tuple(int(math.floor(n * float(s))) for n, s in zip(whole, ntuple(self.scale_factor, k)))
 
     def plan(self, shape):
         rt, k = self.runtime, len(shape) - 2
@@ -104,7 +130,7 @@ class SpatialInterpolate(SpatialLayer):
         whole = tuple(b * p for b, p in zip(shape[2:], parts))
         outs = self._out_sizes(whole)
         scales = (None,) * k if self.size is not None or self.recompute \
-            else tuple(float(s) for s in _ntuple(self.scale_factor, k))
+            else tuple(float(s) for s in ntuple(self.scale_factor, k))
         dims, steps = [], {torch.float32: [], torch.float64: []}
         for i in range(k):
             n, m_all, p, c, b = whole[i], outs[i], parts[i], coords[i], shape[2 + i]
@@ -122,7 +148,7 @@ class SpatialInterpolate(SpatialLayer):
             hi = torch.maximum(*(i1 for _, i1, _ in both.values()))
             lefts = tuple(r * b - int(lo[r * m:(r + 1) * m].min()) for r in range(p))
             rights = tuple(int(hi[r * m:(r + 1) * m].max()) - ((r + 1) * b - 1) for r in range(p))
-            reason = _check_widths(lefts, rights, b)
+            reason = check_widths(lefts, rights, b)
             if reason:
                 self._cannot_split(i, k, n, p, reason, lambda q: q == 1)
             dims.append(SplitDim(2 + i, p, c, strides[i], lefts, rights))
