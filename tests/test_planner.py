@@ -296,7 +296,7 @@ def test_pipe_with_shard_and_space_are_costed_once_plan_py_accepts_them():
     the rule, so the same search ranks them: each stage's state sharded over shard (ZeRO within
     a stage), each stage's activations and its cuts' blocks split over space."""
     from exatrain.train.monitor.memory import zero_state_formula
-    from exatrain.tune.cost import stage_params
+    from exatrain.tune.layout import stage_params
 
     gpt = gpt_spec(SMALL_GPT)
     cpu = load_system("cpu-local")

@@ -35,7 +35,7 @@ def _gpt_config(width: int):
 
 
 def _options():
-    from ..tune.cost import Options
+    from ..tune.layout import Options
     return Options(batch=BATCH, microbatches=MICRO, zero_stage=3)
 
 

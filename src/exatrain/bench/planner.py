@@ -73,7 +73,7 @@ def _megatron_options(batch: int, micro: int, pipe: int, mode: str):
     it differs from exatrain's layers: vocabulary-parallel embedding, attention that keeps
     softmax and dropout (which selective recomputation recomputes), fp32 gradient buffers.
     These describe the published runs; none is fitted to their figures."""
-    from ..tune.cost import Options
+    from ..tune.layout import Options
     return Options(batch=batch, precision="fp16", zero_stage=1,
                    checkpointing={"seqsel": "selective"}.get(mode, mode),
                    sequence_parallel=mode == "seqsel", attention="materialised",
@@ -167,7 +167,7 @@ def tuner_part(steps: int, warmup: int = 2) -> dict:
     import statistics
 
     from ..train.config import load_config
-    from ..tune.cost import Options
+    from ..tune.layout import Options
     from ..tune.measure import measure_many
     from ..tune.search import rank_plans
     from ..tune.spec import spec_from_config

@@ -57,7 +57,7 @@ HELDOUT_SHAPES = {
 def heldout_cases() -> list[tuple[str, object, object]]:
     """(shape, Plan, Options) of the held-out shapes: the Plans of 2 ranks a user weighs."""
     from ..plan import Plan
-    from ..tune.cost import Options
+    from ..tune.layout import Options
 
     def o(shape, **kw):
         return Options(batch=HELDOUT_SHAPES[shape][1], **kw)

@@ -140,7 +140,7 @@ CALIBRATION_SHAPES = {"gpt-1m": (_GPT_1M, 8), "gpt-tiny": (_GPT_TINY, 4),
 def calibration_cases() -> list[tuple[str, object, object]]:
     """(shape, Plan, Options): the calibration shapes on 1 rank and the strategies of 2."""
     from ..plan import Plan
-    from .cost import Options
+    from .layout import Options
 
     def o(shape, **kw):
         return Options(batch=CALIBRATION_SHAPES[shape][1], **kw)

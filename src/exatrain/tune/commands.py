@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from ..plan import Plan, PlanError
-from .cost import Options, options_from_config
+from .layout import Options, options_from_config
 from ..errors import ArgumentError, MissingFileError
 
 

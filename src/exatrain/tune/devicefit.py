@@ -131,7 +131,8 @@ def compare(records: list[Recorded], system) -> dict:
     the calibrated predictions and their leave-one-out errors (module doc)."""
     from ..plan import Plan
     from .calibrate import fit_cases, fitted_system
-    from .cost import Options, predict
+    from .cost import predict
+    from .layout import Options
     from .overheads import TERMS
     from .spec import spec_from_config
     specs, options = [], []

@@ -32,7 +32,7 @@ import time
 import torch
 
 from ..plan import Plan
-from .cost import Options
+from .layout import Options
 
 
 class _Case:

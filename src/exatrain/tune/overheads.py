@@ -14,7 +14,7 @@ count (from the model and the Plan, exact) times a cost per call (calibrated on 
   ops               ops_per_step (traced forward + loss + backward, `spec`)  op_s
                     × micro-batches / stages, + OPTIMIZER_OPS per parameter
                     tensor held (torch's per-tensor AdamW loop on the CPU)
-  collective_calls  every collective's calls (the `cost.comms` list)          collective_s
+  collective_calls  every collective's calls (the `traffic.comms` list)          collective_s
   fsdp_units        ZeRO-3: FSDP2 units (blocks + root): pre/post forward     fsdp_unit_s
                     and backward hooks, all-gather copy-in/out, reshard, and
                     the optimizer's DTensor dispatch of the unit's parameters

@@ -26,7 +26,8 @@ from dataclasses import dataclass, replace
 
 from ..parallel.options import zero_stage_refusal
 from ..plan import Plan, PlanError
-from .cost import Options, predict
+from .cost import predict
+from .layout import Options
 from .spec import ModelSpec
 from .systems import System
 

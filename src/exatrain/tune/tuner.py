@@ -30,7 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .cost import Prediction, options_from_config
+from .cost import Prediction
+from .layout import options_from_config
 from ..errors import ArgumentError
 from ..plan import PlanError
 

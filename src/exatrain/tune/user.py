@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..errors import ArgumentError
-from .cost import Options
+from .layout import Options
 
 
 def plans(model: nn.Module, example: torch.Tensor | None = None, *,
