@@ -1,4 +1,4 @@
-"""Tests for the DeepCAM model (models/deepcam.py) and data (data/deepcam.py)."""
+"""Tests for the DeepCAM model (models/deepcam.py) and data (data/deepcam.py, deepcam_synth.py, deepcam_write.py)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from exatrain.data.deepcam import (
     DeepCAMDataset,
     FieldsDecoder,
     load_deepcam_stats,
-    synth_deepcam_sample,
-    write_deepcam,
 )
+from exatrain.data.deepcam_synth import synth_deepcam_sample
+from exatrain.data.deepcam_write import write_deepcam
 from exatrain.models.deepcam import (
     DeepCAM,
     class_weights_from_frequencies,
@@ -300,7 +300,7 @@ def test_samples_written_side_by_side_are_the_same_data_set(tmp_path):
     import h5py
     import numpy as np
 
-    from exatrain.data.deepcam import write_deepcam
+    from exatrain.data.deepcam_write import write_deepcam
     one = write_deepcam(tmp_path / "one", 5, 32, 48, workers=1)
     two = write_deepcam(tmp_path / "two", 5, 32, 48, workers=2)
     for key in ("mean", "std", "class_frequencies"):

@@ -34,7 +34,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from exatrain.data.deepcam import write_deepcam
+from exatrain.data.deepcam_write import write_deepcam
 from exatrain.models.deeplab import DeepLabXception, conv_forward_flops
 from exatrain.train.config import load_config
 from harness import rel_err, run_ranks

@@ -23,7 +23,7 @@ import math
 import pytest
 import torch
 
-from exatrain.data.deepcam import write_deepcam
+from exatrain.data.deepcam_write import write_deepcam
 from exatrain.models.deepcam import confusion_matrix, mean_iou, weighted_cross_entropy
 from exatrain.parallel import unwrap
 from exatrain.train.config import load_config

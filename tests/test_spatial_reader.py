@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from exatrain.data.cosmoflow import CosmoFlowDataset, write_cosmoflow
-from exatrain.data.deepcam import DeepCAMDataset, write_deepcam
+from exatrain.data.deepcam import DeepCAMDataset
+from exatrain.data.deepcam_write import write_deepcam
 from exatrain.parallel.spatial import SpatialBlocks, SpatialSplitError, block_slices
 
 

@@ -41,7 +41,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from exatrain.data.deepcam import write_deepcam
+from exatrain.data.deepcam_write import write_deepcam
 from exatrain.parallel import unwrap
 from exatrain.train.config import load_config
 from harness import interrupted_copy, logged_losses, max_rel_err_state, rel_err, run_ranks

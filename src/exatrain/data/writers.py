@@ -30,7 +30,7 @@ def _deepcam(sub):
     p.add_argument("--seed", type=int, default=0)
 
     def write(args, progress):
-        from .deepcam import write_deepcam
+        from .deepcam_write import write_deepcam
         return write_deepcam(args.out, samples=args.samples, height=args.height, width=args.width,
                              channels=args.channels, seed=args.seed)
     return write

@@ -58,8 +58,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm import all_reduce
-from ..data.deepcam import (CLASS_NAMES, DeepCAMDataset, FieldsDecoder, find_stats, sample_files,
-                            write_deepcam)
+from ..data.deepcam import CLASS_NAMES, DeepCAMDataset, FieldsDecoder, find_stats, sample_files
+from ..data.deepcam_write import write_deepcam
 from ..data.stage import InputFiles
 from ..models.deepcam import DeepCAM, class_weights_from_frequencies, iou_from_confusion
 from ..models.deeplab import DeepLabXception, conv_forward_flops
