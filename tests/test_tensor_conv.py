@@ -258,7 +258,7 @@ def test_trainer_example_places_the_switch_where_the_planner_does():
     from types import SimpleNamespace
 
     from exatrain.parallel.options import ParallelOptions
-    from exatrain.parallel.tensor.convert import conv_selection
+    from exatrain.parallel.tensor.switch import conv_selection
     from exatrain.train.job import pipeline_example
     from exatrain.tune.chanfilt import conv_terms
 

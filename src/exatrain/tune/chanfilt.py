@@ -24,7 +24,7 @@ blocks), from the strategy's own rules and formulas (imported, not rewritten):
                              `space` axis, all-gather of the whole activation)
 
 The Linear layers' terms are `linear_terms` (linear1d's formulas, over the pairs of
-`tensor.convert.find_pairs` and the column singles that gather their output); `cnn_tensor` adds
+`tensor.pairs.find_pairs` and the column singles that gather their output); `cnn_tensor` adds
 the two and gives each parameter's local shape, which is what `tune/cost.py` uses for a CNN
 under 1D `tensor` (without `space`): parameters per rank, the tensor axis's bytes and the
 gradient all-reduce. They equal the ledger exactly (tests/test_tensor_conv.py: a CNN whose Linear
@@ -137,7 +137,7 @@ def linear_terms(model: nn.Module, t: int, rows: int, element_size: int = 4) -> 
     "row")}}: a pair all-reduces its input gradient (backward, shared f) and the row layer's
     output (forward); a column single all-gathers its output (forward) and all-reduces its input
     gradient (backward)."""
-    from ..parallel.tensor.convert import find_pairs
+    from ..parallel.tensor.pairs import find_pairs
     from ..parallel.tensor.linear1d import column_bytes, row_bytes, shared_input_bytes
     split: dict[str, str] = {}
     by_op: dict = {}

@@ -17,14 +17,12 @@ a new module tree (the input model is not modified and nothing global is patched
   * everything else (embeddings, norms, Linears that do not divide, tied weights) stays whole on
     every rank, i.e. data-parallel over the tensor group.
 
-Pairs are found from module structure (`find_pairs`) and verified on the first training forward
-on the autograd graph (`_PairCheck`): a structure that does not compute what a pair assumes is
-refused with the module names, never trained wrongly; `pairs=False` splits Linears one at a time.
+Pairs are found from module structure and verified on the first training forward (pairs.py);
+`pairs=False` splits Linears one at a time.
 
 Sequence parallelism (1D, `options.sequence_parallel`): between the pairs of an nn.ModuleList of
-blocks the activations are split along the tokens; each pair's module gathers them on entry and
-keeps its chunk on exit (see linear1d.py for the bytes). Blocks whose attention is not a split
-pair, or with modules that are not token-local, are refused.
+blocks the activations are split along the tokens (sequence.py). Blocks whose attention is not a
+split pair, or with modules that are not token-local, are refused.
 
 A model on the meta device is split before anything is allocated: each rank gets uninitialised
 memory for its parts only; load weights with `state.load_full_state_dict`.
@@ -65,169 +63,22 @@ it for the shapes of the last step, and `exatrain bench tensor` checks the ledge
 
 from __future__ import annotations
 
-import copy
-from functools import partial
-
 import torch
 from torch import nn
 
 from ...comm import broadcast
-from ...comm.autograd import gather, scatter
 from ...mesh import Mesh
 from ..gradsync import GradSync, set_grad_axes
 from .heads import head_count_attrs, localize_heads
-from .cnn import refusal as conv_refusal
 from .cnn import split_convolutions
-from .switch import conv_names, eligible_after, switch_point
-from .linear1d import SEQ_DIM, ColumnParallelLinear, RowParallelLinear, SharedInput
+from .pairs import PairCheck, attention_head_dim, find_pairs
+from .switch import conv_selection
+from .tree import clone_tree, materialize, tied_parameters
+from .linear1d import ColumnParallelLinear, RowParallelLinear, SharedInput
 from .linear3d import Grid3D, Linear3D, SharedScatter, gather_batch, scatter_batch
 from .rng import ForwardRng
-from ...errors import ConfigError, TensorSplitError
-
-# Modules through which features stay where they are (elementwise, or identity).
-FEATURE_LOCAL = (nn.GELU, nn.ReLU, nn.ReLU6, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.LeakyReLU,
-                 nn.ELU, nn.SELU, nn.CELU, nn.Softplus, nn.Hardswish, nn.Hardsigmoid,
-                 nn.Hardtanh, nn.Identity, nn.Dropout)
-
-
-# Modules that treat every token on its own (sequence parallelism may split the tokens for them).
-TOKEN_LOCAL = FEATURE_LOCAL + (nn.LayerNorm, nn.RMSNorm, nn.Linear)
-
-
-# ---------------------------------------------------------------------------- the new tree
-def clone_tree(module: nn.Module, _modules=None, _params=None) -> nn.Module:
-    """A copy of the module tree: new module objects and new Parameter objects that share the
-    original storage (so no memory is copied), hooks and attributes of their own.
-
-    Shared submodules and tied parameters stay shared in the copy. The copy and the original
-    share weights: train one or the other.
-    """
-    _modules = {} if _modules is None else _modules
-    _params = {} if _params is None else _params
-    if id(module) in _modules:
-        return _modules[id(module)]
-    new = copy.copy(module)
-    for key, value in list(new.__dict__.items()):
-        if isinstance(value, dict):
-            new.__dict__[key] = value.copy()
-    _modules[id(module)] = new
-    for name, p in module._parameters.items():
-        if p is not None and id(p) not in _params:
-            _params[id(p)] = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
-        new._parameters[name] = None if p is None else _params[id(p)]
-    for name, child in module._modules.items():
-        new._modules[name] = None if child is None else clone_tree(child, _modules, _params)
-    return new
-
-
-def _head_dim(module: nn.Module) -> int | None:
-    value = getattr(module, "head_dim", None)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-
-def find_pairs(model: nn.Module) -> list[tuple[str, nn.Module, list[str], str]]:
-    """(parent name, parent, column child names, row child name) for each chainable group.
-
-    A parent qualifies when its direct children are ≥ 2 `nn.Linear` (exact type) and otherwise
-    only FEATURE_LOCAL modules; its last Linear is the row layer; the other Linears, all with the
-    same in_features and out_features == the row's in_features, are the column layers. More than
-    one column layer (q, k, v) is accepted only in attention (a parent with an integer
-    `head_dim`); containers without a forward of their own (ModuleList, ModuleDict) never qualify.
-
-    The structure is a promise the first training forward checks (`_PairCheck`): the row
-    layer's input must be computed from the column layers' outputs, through no norm, reduction
-    or other matrix multiply, and not from the parent's input directly; otherwise that forward
-    raises, naming the modules.
-    """
-    found = []
-    for name, module in model.named_modules():
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-            continue
-        linears = [(n, c) for n, c in module.named_children() if type(c) is nn.Linear]
-        others = [c for _n, c in module.named_children() if type(c) is not nn.Linear]
-        if len(linears) < 2 or not all(isinstance(c, FEATURE_LOCAL) for c in others):
-            continue
-        if len(linears) > 2 and (_head_dim(module) is None or isinstance(module, nn.Sequential)):
-            continue
-        row_name, row = linears[-1]
-        columns = linears[:-1]
-        if all(c.out_features == row.in_features and c.in_features == columns[0][1].in_features
-               for _n, c in columns):
-            found.append((name, module, [n for n, _c in columns], row_name))
-    return found
-
-
-# Autograd nodes that must not lie between a column and a row layer: they mix features (norms,
-# reductions, other matrix products), so the split would not commute with them.
-_NOT_FEATURE_LOCAL = ("NativeLayerNormBackward", "NativeGroupNormBackward",
-                      "NativeBatchNormBackward", "CudnnBatchNormBackward", "LinalgVectorNorm",
-                      "NormBackward", "RmsNormBackward", "FusedRmsNormBackward", "MeanBackward",
-                      "SumBackward", "LogSoftmaxBackward", "AddmmBackward", "MmBackward",
-                      "LinearBackward")
-
-
-class _PairCheck:
-    """Checks, on the first forward with autograd on, that a pair's row layer reads what its
-    column layers wrote (see find_pairs), by walking the autograd graph back from the row's
-    input to the columns' outputs; then removes its hooks."""
-
-    def __init__(self, name: str, parent: nn.Module, columns: list[nn.Module], row: nn.Module,
-                 col_names: list[str], row_name: str):
-        self.name, self.col_names, self.row_name = name or "<root>", col_names, row_name
-        self.inputs: set = set()
-        self.outputs: set = set()
-        self.handles = [parent.register_forward_pre_hook(self._parent_input)]
-        self.handles += [c.register_forward_hook(self._column_output) for c in columns]
-        self.handles.append(row.register_forward_pre_hook(self._row_input))
-
-    def _parent_input(self, _module, args):
-        self.inputs = {a.grad_fn for a in args if isinstance(a, torch.Tensor) and a.grad_fn}
-        self.outputs = set()
-
-    def _column_output(self, _module, _args, out):
-        if out.grad_fn is not None:
-            self.outputs.add(out.grad_fn)
-
-    def _row_input(self, _module, args):
-        x = args[0]
-        if not self.outputs:
-            return None                      # no graph to check (no grad): try the next forward
-        where = f"{self.name}: row layer {self.row_name!r} after column layer(s) {self.col_names}"
-        if x.grad_fn is None:
-            raise TensorSplitError(
-                f"{where}: the row layer's input is not computed from the column "
-                "layers' outputs, so they cannot be split as a column → row pair. "
-                "Pass pairs=False to parallelize_tensor.")
-        seen, stack, reached = set(), [x.grad_fn], False
-        while stack and len(seen) < 100_000:
-            node = stack.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            if node in self.outputs:
-                reached = True
-                continue
-            if node in self.inputs:
-                raise TensorSplitError(
-                    f"{where}: the row layer's input depends on the module's input "
-                    "other than through the column layers, so they cannot be split "
-                    "as a column → row pair. Pass pairs=False to parallelize_tensor.")
-            kind = type(node).__name__
-            if kind.startswith(_NOT_FEATURE_LOCAL):
-                raise TensorSplitError(
-                    f"{where}: between them the model applies {kind}, which mixes "
-                    "features, so they cannot be split as a column → row pair. "
-                    "Pass pairs=False to parallelize_tensor.")
-            stack.extend(n for n, _ in node.next_functions)
-        if not reached:
-            raise TensorSplitError(
-                f"{where}: the row layer's input is not computed from the column "
-                "layers' outputs, so they cannot be split as a column → row pair. "
-                "Pass pairs=False to parallelize_tensor.")
-        for handle in self.handles:
-            handle.remove()
-        return None
-
+from .sequence import SequenceParallel
+from ...errors import TensorSplitError
 
 # ---------------------------------------------------------------------------- the strategy
 class TensorParallel:
@@ -264,14 +115,12 @@ class TensorParallel:
         self.pairs: list[str] = []                   # names of parents whose Linears chain
         self.split_names: list[str] = []             # names of the Linears that were split
         self.whole_names: list[str] = []             # Linears left whole (did not divide)
-        self.sp_regions: list[str] = []
-        self._sp_pair_parents: list[nn.Module] = []
         self.gradsync: GradSync | None = None
         self._seed = 0
         self.rng = ForwardRng()
         self.local_heads: dict[str, dict[str, int]] = {}  # module name -> {attribute: heads}
         self._boundary = {"rows_out": 0, "rows_in_grad": 0, "seed": 0}
-        self._sp_bytes: dict[str, int] = {}
+        self.sequence = SequenceParallel(self.tensor, self._reseed)
 
     # ------------------------------------------------------------------ construction
     @property
@@ -300,10 +149,11 @@ class TensorParallel:
         return linear.out_features % self.tensor.size == 0
 
     def apply(self, root: nn.Module) -> nn.Module:
-        tied = _tied_parameters(root)
+        tied = tied_parameters(root)
         done: set[int] = set()
         replaced: list[nn.Module] = []   # kept alive until the end: their ids stay unique
-        sp_candidates = self._sp_candidates(root) if self.sequence_parallel else []
+        sp_candidates = SequenceParallel.candidates(root, self.use_pairs, self.three_d) \
+            if self.sequence_parallel else []
         # a list, not only ids: the modules stay alive, so no new module can reuse their ids
         sp_modules = [m for region in sp_candidates for m in region.modules()]
         in_sp = {id(m) for m in sp_modules}
@@ -313,8 +163,8 @@ class TensorParallel:
                 cols = [getattr(parent, n) for n in col_names]
                 row = getattr(parent, row_name)
                 heads = head_count_attrs(parent)
-                head_dim = _head_dim(parent) or (cols[0].out_features // min(heads.values())
-                                                 if heads else None)
+                head_dim = attention_head_dim(parent) or (
+                    cols[0].out_features // min(heads.values()) if heads else None)
                 if any(id(l.weight) in tied for l in (*cols, row)) or \
                         not self._fits_pair(cols, row, head_dim):
                     continue
@@ -338,10 +188,10 @@ class TensorParallel:
                             c, self.tensor, shared_input=shared))
                     setattr(parent, row_name, RowParallelLinear.from_linear(row, self.tensor))
                 parent.register_forward_hook(shared.reset)
-                _PairCheck(parent_name, parent, [getattr(parent, n) for n in col_names],
+                PairCheck(parent_name, parent, [getattr(parent, n) for n in col_names],
                            getattr(parent, row_name), col_names, row_name)
                 if sp:
-                    self._sp_pair_parents.append(parent)
+                    self.sequence.pair_parents.append(parent)
                 self.shared.append(shared)
                 self.layers += [getattr(parent, n) for n in (*col_names, row_name)]
                 self.pairs.append(parent_name)
@@ -401,9 +251,9 @@ class TensorParallel:
                 f"parallelism would only replicate the model. Pick degrees that divide the "
                 f"feature or channel counts, or use data parallelism (tensor=1).")
 
-        _materialize(root, self.device)
+        materialize(root, self.device)
         if self.sequence_parallel:
-            self._install_sequence_parallel(root, sp_candidates)
+            self.sequence.install(root, sp_candidates)
         self._set_grad_metadata(root, sp_candidates)
         if self.three_d and self.z.size > 1:
             batch_norms = [n for n, m in root.named_modules()
@@ -420,59 +270,7 @@ class TensorParallel:
         self.gradsync = GradSync(root.parameters(), self.mesh, bucket_cap_mb=bucket)
         return root
 
-    # ------------------------------------------------------------------ sequence parallelism
-    def _sp_candidates(self, root: nn.Module) -> list[nn.Module]:
-        if self.three_d:
-            raise ConfigError("parallel.sequence_parallel applies to 1D tensor parallelism "
-                              "(Plan(tensor=N)); under the 3D grid the batch is already split "
-                              "over tensor_z. Set parallel.sequence_parallel=false.")
-        pair_parents = {id(m) for _n, m, _c, _r in find_pairs(root)} if self.use_pairs else set()
-        regions = []
-        for module in root.modules():
-            if isinstance(module, nn.ModuleList) and len(module) and all(
-                    any(id(m) in pair_parents for m in block.modules()) for block in module):
-                regions.append(module)
-        if not regions:
-            raise TensorSplitError(
-                "parallel.sequence_parallel needs the model's transformer blocks in an "
-                "nn.ModuleList (called one after the other) whose every block holds a "
-                "column → row pair of Linears; this model has none. Set "
-                "parallel.sequence_parallel=false.")
-        return regions
-
-    def _install_sequence_parallel(self, root: nn.Module, regions: list[nn.Module]) -> None:
-        names = {id(m): n for n, m in root.named_modules()}
-        applied = {id(m) for m in self._sp_pair_parents}
-        for region in regions:
-            # outside the split pairs, a block must treat tokens independently: its attention
-            # has to be a split pair (whose input is gathered whole), its leaves token-local
-            stack = list(region.children())
-            while stack:
-                module = stack.pop()
-                if id(module) in applied:
-                    continue
-                leaf = not any(True for _ in module.children())
-                # attention: a head size, or a head count (nanoGPT's fused c_attn has only n_head)
-                if _head_dim(module) is not None or head_count_attrs(module) or \
-                        isinstance(module, nn.MultiheadAttention) \
-                        or leaf and not isinstance(module, TOKEN_LOCAL):
-                    raise TensorSplitError(
-                        f"parallel.sequence_parallel: {names.get(id(module), module)} "
-                        f"({type(module).__name__}) would see a shard of the sequence: "
-                        "attention must be a split column → row pair (its Linears must divide "
-                        f"tensor={self.tensor.size}, heads included) and every other module of "
-                        "the blocks token-local (norms, dropout, activations, Linear). Set "
-                        "parallel.sequence_parallel=false.")
-                stack.extend(module.children())
-        sites = iter(range(10 ** 9))
-        for region in regions:
-            self.sp_regions.append(names.get(id(region), "?"))
-            region[0].register_forward_pre_hook(partial(self._sp_enter, next(sites)))
-            region[len(region) - 1].register_forward_hook(partial(self._sp_exit, next(sites)))
-        for parent in self._sp_pair_parents:
-            parent.register_forward_pre_hook(partial(self._pair_enter, next(sites)))
-            parent.register_forward_hook(partial(self._pair_exit, next(sites)))
-
+    # ------------------------------------------------------------------ dropout seeds
     def _reseed(self, shared: bool, site: int) -> None:
         """Dropout seeds inside a training forward: `shared` ones are equal on the tensor group
         (replicated activations), the others differ per rank (sequence shards). `site` numbers
@@ -481,41 +279,6 @@ class TensorParallel:
         if self._is_training:
             offset = 0 if shared else 1 + self.tensor.rank
             self.rng.reseed((self._seed + 1_000_003 * (site + 1) + offset) % 2 ** 63)
-
-    def _record(self, key: str, t: torch.Tensor) -> None:
-        self._sp_bytes[key] = self._sp_bytes.get(key, 0) + t.numel() * t.element_size()
-
-    def _sp_enter(self, site, _module, args):
-        x, *rest = args
-        if x.dim() < 2 or x.shape[SEQ_DIM] % self.tensor.size:
-            raise TensorSplitError(
-                f"sequence parallelism splits dim {SEQ_DIM} (the tokens) of the blocks' input "
-                f"{tuple(x.shape)} over tensor={self.tensor.size} ranks (rank {self.tensor.rank})"
-                f": use a sequence length divisible by {self.tensor.size}, or set "
-                "parallel.sequence_parallel=false.")
-        if x.requires_grad and torch.is_grad_enabled():
-            self._record("enter", x)                       # backward all-gather
-        self._reseed(False, site)
-        return (scatter(x, self.tensor, SEQ_DIM), *rest)
-
-    def _sp_exit(self, site, _module, _args, out):
-        full = gather(out, self.tensor, SEQ_DIM)          # forward all-gather
-        self._record("exit", full)
-        self._reseed(True, site)
-        return full
-
-    def _pair_enter(self, site, _module, args):
-        x, *rest = args
-        full = gather(x, self.tensor, SEQ_DIM)            # backward: own chunk (f sums)
-        self._record("pair_enter", full)
-        self._reseed(True, site)
-        return (full, *rest)
-
-    def _pair_exit(self, site, _module, _args, out):
-        if out.requires_grad and torch.is_grad_enabled():
-            self._record("pair_exit", out)                 # backward all-gather
-        self._reseed(False, site)
-        return scatter(out, self.tensor, SEQ_DIM)
 
     # ------------------------------------------------------------------ gradients
     def _set_grad_metadata(self, root: nn.Module, sp_regions: list[nn.Module]) -> None:
@@ -535,7 +298,7 @@ class TensorParallel:
     # ------------------------------------------------------------------ model boundary
     def _before(self, module, args, kwargs):
         self._is_training = module.training and torch.is_grad_enabled()
-        self._sp_bytes = {}
+        self.sequence.bytes = {}
         if self._is_training and self.tensor.size > 1:
             seed = torch.zeros(1, dtype=torch.int64, device=self.mesh.device)
             if self.tensor.rank == 0:
@@ -616,8 +379,8 @@ class TensorParallel:
             add({self.tensor.name: self._boundary["seed"]})
         if self.three_d and self.z.size > 1:
             add({self.z.name: self._boundary["rows_out"] + self._boundary["rows_in_grad"]})
-        if self.sp_regions:
-            add({self.tensor.name: sum(self._sp_bytes.values())})
+        if self.sequence.regions:
+            add({self.tensor.name: sum(self.sequence.bytes.values())})
         add(self.gradsync.bytes_per_step())
         return total
 
@@ -628,54 +391,7 @@ class TensorParallel:
                 "conv_whole": list(self.convs["whole"]),
                 "whole": list(self.whole_names), "chained": list(self.pairs),
                 "local_heads": dict(self.local_heads),
-                "sequence_parallel_regions": list(self.sp_regions)}
-
-
-def _materialize(root: nn.Module, device) -> None:
-    """Give every meta-device parameter and buffer uninitialised memory on `device` (after the
-    split, so only local parts are allocated), keeping names, ties and exatrain metadata."""
-    done: dict[int, torch.Tensor] = {}
-    for module in root.modules():
-        for table in (module._parameters, module._buffers):
-            for name, t in list(table.items()):
-                if t is None or not t.is_meta:
-                    continue
-                if id(t) not in done:
-                    empty = torch.empty(t.shape, dtype=t.dtype, device=device)
-                    new = nn.Parameter(empty, requires_grad=t.requires_grad) \
-                        if isinstance(t, nn.Parameter) else empty
-                    new.__dict__.update(t.__dict__)
-                    done[id(t)] = new
-                table[name] = done[id(t)]
-
-
-def _tied_parameters(root: nn.Module) -> set[int]:
-    counts: dict[int, int] = {}
-    for _name, p in root.named_parameters(remove_duplicate=False):
-        counts[id(p)] = counts.get(id(p), 0) + 1
-    return {pid for pid, n in counts.items() if n > 1}
-
-
-def conv_selection(model: nn.Module, plan, options, example=None) -> set[str]:
-    """The convolutions split channel/filter-wise: none under the 3D grid; under 1D all from
-    the switch point on (`parallel.chanfilt_from`, else the first one, or under `space` the
-    automatic switch of switch.py), less `parallel.chanfilt_skip`. Bad names are refused."""
-    if plan.tensor_3d:
-        return set()
-    start = getattr(options, "chanfilt_from", "")
-    skip = list(getattr(options, "chanfilt_skip", []))
-    if plan.pipe > 1 and (start or skip):
-        raise ConfigError(f"{plan}: parallel.chanfilt_from / chanfilt_skip name modules of the "
-                          "whole model, but under pipe > 1 each stage is converted on its own "
-                          "(its modules have stage names); leave them empty (automatic).")
-    why = conv_refusal(model, start, skip)
-    if why:
-        raise TensorSplitError(why)
-    names = conv_names(model)
-    if not start and names:
-        start = switch_point(model, plan.tensor_degree, example) if plan.space_degree > 1 \
-            else names[0]
-    return eligible_after(model, start or None, skip)
+                "sequence_parallel_regions": list(self.sequence.regions)}
 
 
 def parallelize_tensor(model: nn.Module, mesh: Mesh, options=None, *, pairs: bool = True,
@@ -713,4 +429,4 @@ def parallelize_tensor(model: nn.Module, mesh: Mesh, options=None, *, pairs: boo
     return root
 
 
-__all__ = ["FEATURE_LOCAL", "TensorParallel", "clone_tree", "find_pairs", "parallelize_tensor"]
+__all__ = ["TensorParallel", "parallelize_tensor"]

@@ -31,7 +31,9 @@ import math
 import torch
 from torch import nn
 
+from .cnn import refusal
 from .conv import is_conv
+from ...errors import ConfigError, TensorSplitError
 
 WEIGHT_SHARE = 0.9
 
@@ -104,3 +106,25 @@ def eligible_after(model: nn.Module, first: str | None, skip=()) -> set[str]:
 
 __all__ = ["conv_names", "conv_shapes", "eligible_after", "space_bytes", "switch_point",
            "tensor_bytes"]
+
+
+def conv_selection(model: nn.Module, plan, options, example=None) -> set[str]:
+    """The convolutions split channel/filter-wise: none under the 3D grid; under 1D all from
+    the switch point on (`parallel.chanfilt_from`, else the first one, or under `space` the
+    automatic switch of switch.py), less `parallel.chanfilt_skip`. Bad names are refused."""
+    if plan.tensor_3d:
+        return set()
+    start = getattr(options, "chanfilt_from", "")
+    skip = list(getattr(options, "chanfilt_skip", []))
+    if plan.pipe > 1 and (start or skip):
+        raise ConfigError(f"{plan}: parallel.chanfilt_from / chanfilt_skip name modules of the "
+                          "whole model, but under pipe > 1 each stage is converted on its own "
+                          "(its modules have stage names); leave them empty (automatic).")
+    why = refusal(model, start, skip)
+    if why:
+        raise TensorSplitError(why)
+    names = conv_names(model)
+    if not start and names:
+        start = switch_point(model, plan.tensor_degree, example) if plan.space_degree > 1 \
+            else names[0]
+    return eligible_after(model, start or None, skip)
