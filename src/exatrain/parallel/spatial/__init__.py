@@ -1,6 +1,9 @@
 """Spatial parallelism (the `space` axis): distributed convolutions with halo exchange.
 
-  convert.py     parallelize_spatial: swap the layers that see split tensors; block reading helpers
+  convert.py     parallelize_spatial: swap the layers that see split tensors; describe_spatial
+  runtime.py     SpatialRuntime: what the layers of one model share; the model-boundary hooks
+  blocks.py      where each rank's block lies: block regions, SpatialBlocks, split_input,
+                 gather_output, pipeline stages' split regions
   layers.py      the base of the distributed layers (split / gather / replicated) and halo geometry
   conv.py        convolutions and transposed convolutions (halo exchange, optional overlap)
   pool.py        window pools, the image-pool branch, and the transitions (flatten, global pools)
@@ -15,9 +18,10 @@ Imports: comm, mesh, errors, models (the ImagePool type), parallel.batchnorm; no
 parallel (tests/test_import_graph.py).
 """
 
-from .convert import (SpatialBlocks, SpatialRuntime, block_region, block_shape, block_slices,
-                      describe_spatial, gather_output, is_transition, parallelize_spatial,
-                      split_input, stage_regions, whole_shape)
+from .blocks import (SpatialBlocks, block_region, block_shape, block_slices, gather_output,
+                     is_transition, split_input, stage_regions, whole_shape)
+from .convert import describe_spatial, parallelize_spatial
+from .runtime import SpatialRuntime
 from ...errors import SpatialSplitError
 
 __all__ = ["SpatialBlocks", "SpatialRuntime", "SpatialSplitError", "block_region", "block_shape",
