@@ -115,7 +115,7 @@ def test_workers_hand_over_each_batch_in_one_buffer_with_default_collates_values
     and samples of another form (dicts, numbers) are collated by PyTorch's."""
     from torch.utils.data import DataLoader, default_collate
 
-    from exatrain.data.loader import collate, packed
+    from exatrain.data.batches import collate, packed
     data = MixedFields()
     loader = DataLoader(data, batch_size=4, num_workers=1, collate_fn=collate)
     for index, batch in enumerate(loader):
@@ -228,7 +228,7 @@ def test_decode_on_device_trains_like_the_cpu_transform(tiny_config, one_thread)
 
 def _slot_of(batch):
     """The loader worker's collate, noting which BufferRing slot the batch's counts occupy."""
-    from exatrain.data.loader import collate
+    from exatrain.data.batches import collate
     return collate(batch), (batch.lease[1] if batch.lease else None)
 
 

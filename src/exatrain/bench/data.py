@@ -195,7 +195,7 @@ def dataloader_pass(workload, dataset, micro: int, workers: int, order: list[int
     from the first batch on, as `loader_pass` counts them."""
     from torch.utils.data import DataLoader
 
-    from ..data.loader import plain_collate
+    from ..data.batches import plain_collate
     loader = DataLoader(dataset, batch_size=micro, sampler=order, num_workers=workers,
                         collate_fn=plain_collate(dataset), prefetch_factor=2 if workers else None)
     batches = iter(loader)

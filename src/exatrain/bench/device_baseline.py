@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ..data.loader import plain_collate
+from ..data.batches import plain_collate
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp8": torch.bfloat16}

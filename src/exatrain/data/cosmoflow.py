@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .loader import BufferRing, Collated, batch_buffer
+from .batches import BufferRing, Collated, batch_buffer
 from ..errors import DataError, MissingFileError
 
 PARAM_NAMES = ("Omega_m", "sigma_8", "n_s", "H0")
@@ -394,7 +394,7 @@ class CosmoFlowDataset(Dataset):
         """A whole batch (the DataLoader's batched fetch). Raw counts are read straight into one
         batch buffer, inside a loader worker one of its reused shared-memory buffers: no
         per-sample array, no stacking copy, one hand-over to the training process (`Collated`,
-        `BufferRing`, see data.loader)."""
+        `BufferRing`, see data.batches)."""
         return self.read_batch(indices)
 
     def read_batch(self, indices: list[int], region: tuple[slice, slice, slice] | None = None):
