@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exatrain.data.cosmoflow import write_cosmoflow
+from exatrain.data.cosmoflow_synth import write_cosmoflow
 from exatrain.data.text import write_text_corpus
 from exatrain.launch.host_memory import keep_freed_host_memory
 from exatrain.train.config import load_config

@@ -11,11 +11,10 @@ from exatrain.data.cosmoflow import (
     PARAM_HIGH,
     PARAM_LOW,
     CosmoFlowDataset,
-    generate_sample,
     normalise_params,
     predict_mean_baseline_mae,
-    write_cosmoflow,
 )
+from exatrain.data.cosmoflow_synth import generate_sample, write_cosmoflow
 
 
 @pytest.fixture(scope="module")

@@ -128,7 +128,7 @@ def test_errors_name_the_value_and_the_fix(trained, tmp_path, capfd):
     with pytest.raises(PredictError, match="--step 7: no complete checkpoint.*has \\[2\\]"):
         predict(trained, step=7)
     small = tmp_path / "cubes8"
-    from exatrain.data.cosmoflow import write_cosmoflow
+    from exatrain.data.cosmoflow_synth import write_cosmoflow
     write_cosmoflow(small, samples=2, size=8, seed=0, val_fraction=0.5)
     with pytest.raises(PredictError, match=r"holds 8×8×8 samples .* takes 16³ samples "
                                            r"\(model.size=16.*--size 16"):

@@ -8,7 +8,8 @@ import h5py
 import pytest
 import torch
 
-from exatrain.data.cosmoflow import CosmoFlowDataset, write_cosmoflow
+from exatrain.data.cosmoflow import CosmoFlowDataset
+from exatrain.data.cosmoflow_synth import write_cosmoflow
 from exatrain.data.deepcam import DeepCAMDataset
 from exatrain.data.deepcam_write import write_deepcam
 from exatrain.parallel.spatial import SpatialBlocks, SpatialSplitError, block_slices

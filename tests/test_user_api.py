@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import exatrain as et
-from exatrain.data.cosmoflow import CosmoFlowDataset, write_cosmoflow
+from exatrain.data.cosmoflow import CosmoFlowDataset
+from exatrain.data.cosmoflow_synth import write_cosmoflow
 from exatrain.train.config import ConfigError, load_config
 from exatrain.train.run import run_job
 

@@ -99,7 +99,7 @@ def _rank_main(size: int, steps: int, warmup: int, batch: int, data_dir: str) ->
 
 
 def run(args) -> dict:
-    from ..data.cosmoflow import write_cosmoflow
+    from ..data.cosmoflow_synth import write_cosmoflow
     from ..launch import spawn
 
     size = args.size or 32

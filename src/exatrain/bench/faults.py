@@ -67,7 +67,7 @@ def _checkpoint_bytes(run_dir: Path) -> int:
 def run(args) -> dict:
     import os
 
-    from ..data.cosmoflow import write_cosmoflow
+    from ..data.cosmoflow_synth import write_cosmoflow
     from ..launch.local import RankFailed
     from ..comm.flight import flight_dir
     from ..train.config import load_config

@@ -451,7 +451,7 @@ def run(args, launch=None) -> dict:
     """The figures of the module doc. `launch(fn, nproc, args=...)` runs `fn(*args)` on `nproc`
     ranks and returns their results by rank: by default `exatrain.launch.spawn`, fresh processes
     for every run (tests hand in a pool of ranks that are already started)."""
-    from ..data.cosmoflow import write_cosmoflow
+    from ..data.cosmoflow_synth import write_cosmoflow
     from ..launch import spawn
 
     launch = launch or spawn

@@ -82,7 +82,7 @@ def run(args) -> dict:
 
 
 def _run(args, work: Path) -> dict:
-    from ..data.cosmoflow import write_cosmoflow
+    from ..data.cosmoflow_synth import write_cosmoflow
     from ..launch import spawn
     from ..models.cosmoflow import CosmoFlow
     from ..train.config import load_config

@@ -203,7 +203,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run(args) -> dict:
-    from ..data.cosmoflow import write_cosmoflow
+    from ..data.cosmoflow_synth import write_cosmoflow
     from ..launch import spawn
 
     size = args.size or 128

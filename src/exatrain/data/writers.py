@@ -14,7 +14,7 @@ def _cosmoflow(sub):
     p.add_argument("--seed", type=int, default=1234)
 
     def write(args, progress):
-        from .cosmoflow import write_cosmoflow
+        from .cosmoflow_synth import write_cosmoflow
         return write_cosmoflow(args.out, samples=args.samples, size=args.size, seed=args.seed,
                                progress=progress)
     return write

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from ..data.cosmoflow import (PARAM_NAMES, CosmoFlowDataset, CountsDecoder,
-                              predict_mean_baseline_per_target, sample_files, write_cosmoflow)
+                              predict_mean_baseline_per_target, sample_files)
+from ..data.cosmoflow_synth import write_cosmoflow
 from ..data.stage import InputFiles
 from ..models.cosmoflow import CosmoFlow
 from .base import InputOptions, Workload
