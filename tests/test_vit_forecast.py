@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from exatrain.data.forecast import ForecastDataset, simulate_shallow_water, write_forecast
+from exatrain.data.forecast import ForecastDataset
+from exatrain.data.forecast_synth import simulate_shallow_water, write_forecast
 from exatrain.models.vit import (
     ViTForecaster,
     flops_per_sample,

@@ -55,7 +55,7 @@ def _forecast(sub):
     p.add_argument("--seed", type=int, default=0)
 
     def write(args, progress):
-        from .forecast import write_forecast
+        from .forecast_synth import write_forecast
         return write_forecast(args.out, trajectories=args.trajectories, steps=args.steps,
                               height=args.height, width=args.width, seed=args.seed)
     return write

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from ..data.forecast import ForecastDataset, write_forecast
+from ..data.forecast import ForecastDataset
+from ..data.forecast_synth import write_forecast
 from ..models.vit import ViTForecaster, flops_per_sample, relative_l2_loss
 from .base import InputOptions, Workload
 from ..errors import ConfigError, MissingFileError
