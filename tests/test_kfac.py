@@ -448,7 +448,7 @@ def test_kfac_at_its_defaults_trains_distributed_like_serial(tiny_config):
     8 mantissa bits turns the 1e-7 differences of reordered sums into differences of 2^-8), and
     within 1e-4 with float32 products (measured 3.5e-5), so that it is the rounding and nothing
     else."""
-    from exatrain.bench.kfac import _norm_error
+    from exatrain.bench.kfac_branches import norm_error
     from exatrain.train.kfac import fast_bfloat16
 
     base = ("optim.name='kfac'", "train.steps=4", "train.eval_every=0",
@@ -461,7 +461,7 @@ def test_kfac_at_its_defaults_trains_distributed_like_serial(tiny_config):
         serial = kfac_default_runs({name: tiny_config(*base, *(
             ["optim.kfac_matmul_dtype='float32'"] if name == "float32" else []))})[name]
         for rank in ranks:
-            assert _norm_error(rank[name], serial) <= bound[name], name
+            assert norm_error(rank[name], serial) <= bound[name], name
 
 
 def test_auto_products_are_bfloat16_where_the_device_multiplies_it_fast():

@@ -37,19 +37,9 @@ and `second_order_bytes_per_rank_f<f>`: the largest K-FAC state any rank holds, 
 grad_worker_fraction f the 2 ranks allow (1/2: memory-optimal, 1: communication-optimal), counted
 from its tensors (`KFAC.memory_bytes`), with `..._formula` from the module doc beside it.
 
-Part 2, sub-graph parallelism (2 ranks): DeepCAM (`--deepcam-size`², width `--deepcam-width`)
-under Plan(data=2), and the same with parallel.branches = "data" (ASPP's branches split over the
-two ranks), interleaved step by step from the same weights on the same batches:
-`deepcam_data_step_s`, `deepcam_branches_step_s`, their ratio, the branch bytes per step, and
-for both layouts `deepcam_<layout>_max_rel_err_vs_serial` (outputs of the first step and every
-state entry after the steps, against the serial model on the whole batch, computed in this
-process), with the entry where it is worst (`..._worst_state_entry`) and the whole state's
-relative norm error (`..._state_rel_norm_err_vs_serial`, ‖Δ‖ / ‖serial‖ over all entries): plain
-data parallelism beside the branches separates what float32's reordered sums do over the steps
-from the branches. The two layouts are also compared with each other, rank by rank:
-`deepcam_branches_vs_data_max_rel_err` (and its `..._worst_state_entry`),
-`..._rel_err_in_data_worst_entry` (in the entry where data parallelism is furthest from serial),
-`..._state_rel_norm_err` and `..._output_rel_err_step1`.
+Part 2, sub-graph parallelism (2 ranks, `--parts branches`): DeepCAM under Plan(data=2) beside
+parallel.branches = "data", against the serial model; its figures are in `bench.kfac_branches`.
+The plot (`--plot`) is `bench.kfac_plot`.
 """
 
 from __future__ import annotations
@@ -58,13 +48,14 @@ import argparse
 import math
 import statistics
 import tempfile
-import time
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from .kfac_branches import branch_figures
 
 
 def add_arguments(parser) -> None:
@@ -216,52 +207,6 @@ def _memory_rank(config, fractions) -> dict:
         mesh.close()
 
 
-def _deepcam_model(size_w: int):
-    from ..models.deepcam import DeepCAM
-    torch.manual_seed(0)
-    return DeepCAM(in_channels=4, num_classes=3, width=size_w, dropout=0.0)
-
-
-def _deepcam_rank(size: int, width: int, steps: int, warmup: int, batch: int) -> dict:
-    from ..mesh import init
-    from ..parallel import parallelize, unwrap
-    from ..parallel.options import ParallelOptions
-    from ..plan import Plan
-
-    mesh = init(Plan(data=2))
-    try:
-        g = torch.Generator().manual_seed(3)
-        xs = torch.randn(steps + warmup, batch, 4, size, size, generator=g)
-        mine = slice(mesh.rank * batch // 2, (mesh.rank + 1) * batch // 2)
-        models = {name: parallelize(_deepcam_model(width), mesh, ParallelOptions(branches=mode))
-                  for name, mode in (("data", "none"), ("branches", "data"))}
-        opts = {n: torch.optim.SGD(m.parameters(), lr=0.01) for n, m in models.items()}
-        times = {n: [] for n in models}
-        first_out = {}
-        marks = {}
-        for step in range(steps + warmup):
-            for name, model in models.items():
-                mark = mesh.ledger.snapshot()
-                t0 = time.perf_counter()
-                out = model(xs[step][mine].to(mesh.device))
-                (out.float() ** 2).mean().backward()
-                opts[name].step()
-                opts[name].zero_grad()
-                dt = time.perf_counter() - t0
-                if step >= warmup:
-                    times[name].append(dt)
-                if step == 0:
-                    first_out[name] = out.detach().cpu()
-                marks[name] = mesh.ledger.since(mark).bytes_by_axis(tag="branch").get("data", 0)
-        return {"times": times, "first_out": first_out,
-                "state": {name: {k: v.detach().cpu().clone()
-                                 for k, v in unwrap(m).state_dict().items()}
-                          for name, m in models.items()},
-                "branch_bytes": marks["branches"]}
-    finally:
-        mesh.close()
-
-
 # ---------------------------------------------------------------------- the bench
 # K-FAC's command-line options (`--kfac-damping` ...): each replaces its `optim.*` key when given
 KFAC_OPTIONS = ("kfac_factor_every", "kfac_inverse_every", "kfac_damping", "kfac_kl_clip",
@@ -308,95 +253,6 @@ def _baseline_mae(data: Path) -> float:
     from ..data.cosmoflow import CosmoFlowDataset, predict_mean_baseline_mae
     return predict_mean_baseline_mae(CosmoFlowDataset(f"{data}/train.h5"),
                                      CosmoFlowDataset(f"{data}/val.h5"))
-
-
-NAMES = {"kfac": "K-FAC", "adamw": "AdamW", "sgd": "SGD", "adamw_tuned": "AdamW\n(tuned lr)"}
-
-
-def plot_to_target(result: dict, path) -> Path:
-    """Two panels per workload: val_mae against training seconds for every optimizer (one colour)
-    and seed (one line), the target dashed, each run's first evaluation at the target marked;
-    beside it every run's seconds to the target, the median run's as a bar (an open marker at
-    the top: a run that never reached it)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    workloads = sorted({k[:-len("_target_val_mae")] for k in result
-                        if k.endswith("_target_val_mae")})
-    fig, axes = plt.subplots(1, 2 * len(workloads), figsize=(8.8 * len(workloads), 4.2),
-                             dpi=110, squeeze=False,
-                             gridspec_kw={"width_ratios": [3, 1] * len(workloads)})
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, spread, w in zip(axes[0][::2], axes[0][1::2], workloads):
-        target = result[f"{w}_target_val_mae"]
-        optimizers = [k[len(w) + 1:-len("_curves")] for k in result
-                      if k.startswith(f"{w}_") and k.endswith("_curves")]
-        for color, o in zip(colors, optimizers):
-            seconds = result[f"{w}_{o}_seconds_to_target"]
-            name = NAMES.get(o, o).replace("\n", " ")
-            if o == "kfac" and "kfac_base" in result:
-                name += f" on {NAMES.get(result['kfac_base'], result['kfac_base'])}"
-            if f"{w}_{o}_lr" in result:
-                name += f", lr {result[f'{w}_{o}_lr']:g}"
-            name += f" ({len(result[f'{w}_{o}_curves'])} seeds)"
-            label = (f"{name}: median {seconds:.1f} s, {result[f'{w}_{o}_steps_to_target']} steps"
-                     if seconds else f"{name}: target not reached")
-            for j, curve in enumerate(result[f"{w}_{o}_curves"]):
-                t = [c[1] for c in curve]
-                m = [c[2] for c in curve]
-                ax.plot(t, m, "-", color=color, lw=1.1, alpha=0.75, label=label if j == 0 else None)
-                hit = next((c for c in curve if c[2] <= target), None)
-                if hit:
-                    ax.plot([hit[1]], [hit[2]], "o", color=color, ms=5, mec="black", mew=0.5)
-        ax.plot([], [], "o", color="0.6", ms=5, mec="black", mew=0.5,
-                label="a run's first evaluation at the target")
-        ax.axhline(target, ls="--", color="0.3", lw=1)
-        ax.annotate(f"target {target:.3f} (0.5 × baseline)", (0.01, target),
-                    xycoords=("axes fraction", "data"), textcoords="offset points",
-                    xytext=(2, -11), fontsize=7, color="0.3")
-        ax.set_xlabel("training seconds (evaluations excluded)")
-        ax.set_ylabel("validation MAE")
-        ax.set_title(f"{w}: {result.get('ranks', 2)} ranks, global batch {result['global_batch']}",
-                     fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        _plot_spread(spread, result, w, optimizers, colors)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return Path(path)
-
-
-def _plot_spread(ax, result: dict, w: str, optimizers: list, colors: list) -> None:
-    """Every run's seconds to the target per optimizer, the median run's as a bar."""
-    runs = {o: result.get(f"{w}_{o}_seconds_to_target_per_seed",
-                          [result[f"{w}_{o}_seconds_to_target"]]) for o in optimizers}
-    top = 1.1 * max((s for r in runs.values() for s in r if s is not None), default=1.0)
-    for x, (color, o) in enumerate(zip(colors, optimizers)):
-        jitter = [x + 0.09 * ((j % 5) - 2) for j in range(len(runs[o]))]
-        reached = [(j, s) for j, s in zip(jitter, runs[o]) if s is not None]
-        ax.plot([j for j, _ in reached], [s for _, s in reached], "o", color=color, ms=5,
-                mec="black", mew=0.5)
-        missed = [j for j, s in zip(jitter, runs[o]) if s is None]
-        ax.plot(missed, [top] * len(missed), "o", mfc="none", color=color, ms=5)
-        median = result[f"{w}_{o}_seconds_to_target"]
-        if median:
-            ax.hlines(median, x - 0.3, x + 0.3, color=color, lw=2.5)
-    ax.set_xticks(range(len(optimizers)), [NAMES.get(o, o) for o in optimizers], fontsize=8)
-    ax.set_xlim(-0.6, len(optimizers) - 0.4)
-    ax.set_ylim(0, top * 1.05)
-    ax.set_ylabel("seconds to the target, per seed")
-    lines = []
-    for other in ("adamw", "adamw_tuned"):
-        ratio, p = (result.get(f"{w}_kfac_vs_{other}_{k}") for k in ("seconds", "p_value"))
-        if ratio:
-            short = {"adamw": "AdamW", "adamw_tuned": "tuned AdamW"}[other]
-            lines.append(f"K-FAC / {short}: {ratio:.2f}"
-                         + (f", p {p:.2f}" if p is not None else ""))
-    title = "\n".join(lines) or "bar: the median run"
-    ax.set_title(title, fontsize=8)
-    ax.grid(alpha=0.3, axis="y")
 
 
 def _median_reached(reached: list[tuple]) -> tuple:
@@ -518,6 +374,7 @@ def run(args, launch=None) -> dict:
                     s is not None for s, _ in (_to_target(r["curve"], target)
                                                for r in runs["kfac"]))
             if args.plot:
+                from .kfac_plot import plot_to_target
                 plot_to_target(result, args.plot)
         if "memory" in parts:
             config = _config(work, "cosmoflow", "kfac", args, 1, size, data)
@@ -526,72 +383,5 @@ def run(args, launch=None) -> dict:
                 result[f"second_order_bytes_per_rank_f{f}"] = max(r[f][0] for r in per_rank)
                 result[f"second_order_bytes_per_rank_f{f}_formula"] = max(r[f][1] for r in per_rank)
     if "branches" in parts:
-        b, s, w = 4, args.deepcam_size, args.deepcam_width
-        ranks = launch(_deepcam_rank, 2, args=(s, w, args.deepcam_steps, args.warmup, b))
-        for name in ("data", "branches"):
-            result[f"deepcam_{name}_step_s"] = statistics.median(
-                max(r["times"][name][i] for r in ranks) for i in range(args.deepcam_steps))
-        result["deepcam_branches_vs_data"] = (result["deepcam_branches_step_s"]
-                                              / result["deepcam_data_step_s"])
-        result["deepcam_branch_bytes_per_step"] = ranks[0]["branch_bytes"]
-        # serial: the same model, the same batches, the whole batch in one process
-        model = _deepcam_model(w)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        g = torch.Generator().manual_seed(3)
-        xs = torch.randn(args.deepcam_steps + args.warmup, b, 4, s, s, generator=g)
-        first_err = {}
-        for step in range(len(xs)):
-            out = model(xs[step])
-            if step == 0:
-                ref = out.detach()
-                for name in ("data", "branches"):
-                    full = torch.cat([r["first_out"][name] for r in ranks])
-                    first_err[name] = float((full - ref).abs().max() / ref.abs().max())
-            (out ** 2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-        state = model.state_dict()
-        # plain data parallelism is measured beside the branches against the same serial run:
-        # what both show is float32's reordered sums amplified by the steps, not the branches
-        worst_vs_serial = {}
-        for name in ("data", "branches"):
-            errs = _entry_errors([r["state"][name] for r in ranks], state)
-            worst = worst_vs_serial[name] = max(errs, key=errs.get)
-            result[f"deepcam_{name}_max_rel_err_vs_serial"] = max(first_err[name], errs[worst])
-            result[f"deepcam_{name}_worst_state_entry"] = worst
-            result[f"deepcam_{name}_output_rel_err_step1"] = first_err[name]
-            result[f"deepcam_{name}_state_rel_norm_err_vs_serial"] = max(
-                _norm_error(r["state"][name], state) for r in ranks)
-        # the two layouts against each other, rank by rank (the same batches and weights): how
-        # much of the error vs serial the branches add to plain data parallelism's
-        between: dict[str, float] = {}
-        for r in ranks:
-            for k, e in _entry_errors([r["state"]["branches"]], r["state"]["data"]).items():
-                between[k] = max(between.get(k, 0.0), e)
-        worst = max(between, key=between.get)
-        result["deepcam_branches_vs_data_max_rel_err"] = between[worst]
-        result["deepcam_branches_vs_data_worst_state_entry"] = worst
-        result["deepcam_branches_vs_data_rel_err_in_data_worst_entry"] = \
-            between[worst_vs_serial["data"]]
-        result["deepcam_branches_vs_data_state_rel_norm_err"] = max(
-            _norm_error(r["state"]["branches"], r["state"]["data"]) for r in ranks)
-        result["deepcam_branches_vs_data_output_rel_err_step1"] = max(
-            float((r["first_out"]["branches"] - r["first_out"]["data"]).abs().max()
-                  / r["first_out"]["data"].abs().max()) for r in ranks)
-        result["deepcam"] = f"DeepCAM {s}x{s}, width {w}, batch {b} (2 per rank)"
+        result.update(branch_figures(args, launch))
     return result
-
-
-def _entry_errors(states: list[dict], ref: dict) -> dict[str, float]:
-    """Per floating-point entry of `ref`: the largest |state - ref| / max |ref| over `states`."""
-    return {k: max(float((st[k].double() - v.double()).abs().max()
-                         / v.double().abs().max().clamp_min(1e-30)) for st in states)
-            for k, v in ref.items() if v.is_floating_point()}
-
-
-def _norm_error(state: dict, ref: dict) -> float:
-    """‖state - ref‖ / ‖ref‖ over all floating-point entries together (the whole state)."""
-    keys = [k for k, v in ref.items() if v.is_floating_point()]
-    diff = sum(float((state[k].double() - ref[k].double()).pow(2).sum()) for k in keys)
-    norm = sum(float(ref[k].double().pow(2).sum()) for k in keys)
-    return (diff / max(norm, 1e-300)) ** 0.5
