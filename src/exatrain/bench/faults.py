@@ -5,8 +5,8 @@ One launch runs, on `--nproc` local gloo ranks, a tiny CosmoFlow (16³, 4 conv l
   reference   uninterrupted, synchronous checkpoints every `--every` steps
   kills       the same run with `--kills` ranks SIGKILLed at random steps (seeded by --seed; the
               second kill hits inside a checkpoint write, after the shard files and before the
-              commit), restarted by `train.restart.supervise` (= `exatrain run --max-restarts`),
-              with asynchronous checkpoints (DCP async_save)
+              commit), restarted by `train.resilience.restart.supervise` (= `exatrain run
+              --max-restarts`), with asynchronous checkpoints (DCP async_save)
   hang        a rank that stops joining collectives at step 3, with run.timeout_s = --timeout
 
 Figures:

@@ -15,9 +15,10 @@ round to round), so machine noise and cache effects hit them alike; a step time 
 over the timed steps of each rank, and the slowest rank's median is reported.
 
 Figures, per world size W and stage S (`wW_stageS_...`):
-  state_bytes_per_rank    measured (`train.memory.state_bytes`): distinct storages of parameters,
-                          gradients and optimizer state alive on the rank at the optimizer step
-                          (after `step()`, before gradients are released); the largest rank's
+  state_bytes_per_rank    measured (`train.monitor.memory.state_bytes`): distinct storages of
+                          parameters, gradients and optimizer state alive on the rank at the
+                          optimizer step (after `step()`, before gradients are released); the
+                          largest rank's
   state_bytes_formula     the ZeRO paper's, fp32 AdamW, Ψ parameters, N = W: 16Ψ, 8Ψ + 8Ψ/N,
                           4Ψ + 12Ψ/N, 16Ψ/N
   state_ratio             measured / formula (padding to whole chunks and AdamW's step counters

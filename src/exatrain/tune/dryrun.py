@@ -10,8 +10,10 @@ loss and backward, and an optimizer step — and reports:
 
   param_shapes        name -> shape of every parameter as this rank holds it (a sharded
                       DTensor's local shard)
-  state_bytes         `train.memory.state_bytes` after the optimizer step (params, grads, optimizer)
-  step_peak_bytes     `train.memory.StepPeak` of forward + backward (activations, new gradients)
+  state_bytes         `train.monitor.memory.state_bytes` after the optimizer step (params,
+                      grads, optimizer)
+  step_peak_bytes     `train.monitor.memory.StepPeak` of forward + backward (activations, new
+                      gradients)
   ledger_bytes        bytes per mesh axis the rank's collectives carried (the ledger still counts
                       what the fake group did not move)
   ledger_entries      [axis, op, tag, calls, bytes] of every (axis, op, tag) the step recorded
