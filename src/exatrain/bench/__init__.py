@@ -2,6 +2,12 @@
 
 A benchmark module defines `add_arguments(parser)` (its own options, besides the common
 --steps/--warmup/--size) and `run(args) -> dict`; `run_benchmark` prints the figures as a table.
+`BENCHMARKS` names one module per benchmark; a benchmark too long for one module keeps its parts
+beside it, named after it (device_*.py, kfac_branches.py, kfac_plot.py, pipe_memory.py,
+planner_local.py).
+
+Imports: everything below bench, the public API (`import exatrain as et`, as a user does) too;
+only the cli imports bench (tests/test_import_graph.py).
 """
 
 from __future__ import annotations
