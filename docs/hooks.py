@@ -10,7 +10,7 @@
   subclass of exatrain.errors.UserError with what it means and what to do, from the classes'
   docstrings (errors_reference), so a new error cannot be left out.
 * reference/summary.md: every figure of summary.json and metrics.jsonl, from the tables in
-  exatrain.train.monitor.fields (which the summary printer also formats by).
+  exatrain.observe.fields (which the summary printer also formats by).
 * concepts/plan.md's table of which axes compose: composition_table(), from the rules in
   exatrain.plan and exatrain.parallel.options; the page holds it (readable where the site is
   not built) and tests/test_docs.py fails when the two differ.
@@ -92,7 +92,7 @@ NOT_IN_SOURCE = {
         "[low, high]: a mutated weight decay is clipped into this range",
     "exatrain.population.options.PopulationOptions.dropout_bounds":
         "[low, high]: a mutated dropout probability is clipped into this range",
-    "exatrain.train.monitor.observe_options.MLPerfOptions.organization":
+    "exatrain.observe.options.MLPerfOptions.organization":
         "the submitter written as `submission_org` in mlperf.log",
     "exatrain.workloads.cosmoflow.ModelOptions.conv_layers":
         "convolution blocks, each halving the cube: model.size must divide by 2^conv_layers",
@@ -303,11 +303,11 @@ def _field_table(rows) -> str:
 
 
 def summary_reference() -> str:
-    from exatrain.train.monitor.fields import METRICS, POPULATION, SUMMARY
+    from exatrain.observe.fields import METRICS, POPULATION, SUMMARY
 
     return "\n".join([
         "# Run summary and metrics", "",
-        "Generated from the tables in `exatrain.train.monitor.fields` when the site is built "
+        "Generated from the tables in `exatrain.observe.fields` when the site is built "
         "(`docs/hooks.py`); `exatrain run` formats its printed summary by the same units, and a "
         "test fails when a run writes a key that has no row here. A key written `<metric>` "
         "stands for a family: `val_<metric>` is `val_loss`, `val_mae`, `val_mae_H0`, and so on. "

@@ -253,7 +253,7 @@ def build(config: Config, mesh, make_workload: Callable, *, run_dir: Path | None
         setup_times: the MLPerf setup phases so far (e.g. init_start); staging's are added.
     """
     from ..launch import detect
-    from .monitor.console import TrainConsole
+    from ..observe.console import TrainConsole
     from .trainer import Trainer
 
     job_mesh = job_mesh or mesh

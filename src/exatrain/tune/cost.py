@@ -65,7 +65,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..plan import Plan
-from ..train.monitor.memory import zero_state_formula
+from ..observe.memory_meters import zero_state_formula
 from . import overheads
 from .spec import ModelSpec
 from .systems import System, collective_time

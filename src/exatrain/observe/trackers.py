@@ -157,7 +157,7 @@ def outcome(summary: dict | None, failure: BaseException | None,
 def run_tags(trainer) -> dict[str, str]:
     import torch
 
-    from ...version import __version__
+    from ..version import __version__
     device = trainer.mesh.device
     name = device.type
     if device.type == "cuda":
