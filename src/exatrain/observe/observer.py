@@ -35,7 +35,7 @@ from ..comm.timing import named_range
 from .bandwidth import BandwidthWatch
 from .memory_meters import peak_memory_bytes
 from .target import Target
-from .trackers import rows
+from .tracker_records import rows
 
 
 class StepObserver:
@@ -223,9 +223,9 @@ class StepObserver:
         """The job's end, called by its owner (run_job, the population's run, et.fit): with its
         summary once summary.json is written, or with the exception it failed of. The trackers
         get the summary and the run's pictures and logs, and end their runs as finished, failed
-        or killed (`trackers.outcome`)."""
+        or killed (`tracker_records.outcome`)."""
         if self.trackers:
-            from .trackers import outcome
+            from .tracker_records import outcome
             self.trackers.finish(summary, outcome(summary, failure, self.trainer.stop_signum))
             self.trackers = None
 
