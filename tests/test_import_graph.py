@@ -22,8 +22,9 @@ never of a layer above; within a layer, the no-circle rule alone holds:
                 exchange, hyperparameters, plot (the population's driver is in train for now)
   observe       what a run records and shows: step meters, memory meters, the observer, console,
                 summary fields, trackers, MLPerf log, report and figures, preflight, startup
-  train         config, the Trainer, checkpoints/, resilience/, the run entry point, fit, predict,
-                K-FAC, and the population's driver (train/population.py)
+  train         config, the Trainer, checkpoints/, resilience/, the run entry point, fit, K-FAC,
+                and the population's driver (train/population.py)
+  infer         prediction over a data set under any Plan (`exatrain predict`, et.predict)
   tune          the cost model, dry run, calibration, the planner and the tuner
   exatrain      the public API (`import exatrain as et`): re-exports from every layer below
   bench         benchmarks, baseline against exatrain, one module each
@@ -64,8 +65,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # what a run records and shows (meters, console, trackers, report, preflight): the Trainer
     # uses it, so it imports nothing of the run; what it needs of the run is passed in
     ("observe", ("exatrain.observe",)),
-    # the run: config, Trainer, checkpoints, resilience, run/fit/predict entry points
+    # the run: config, Trainer, checkpoints, resilience, the run and fit entry points
     ("train", ("exatrain.train",)),
+    # prediction under any Plan: the run's checkpoints, laid out by train's composition root
+    ("infer", ("exatrain.infer",)),
     # the planner and the tuner: build configs and dry runs from every layer below
     ("tune", ("exatrain.tune",)),
     # the public API, `et.*`: re-exports only

@@ -163,7 +163,7 @@ def _export(args) -> int:
 
 def _predict(args) -> int:
     from .launch import detect, spawn
-    from .train.predict import (PredictError, check_plan, find_checkpoint, predict, predict_rank,
+    from .infer.predict import (PredictError, check_plan, find_checkpoint, predict, predict_rank,
                                 ranks_needed, run_config)
 
     kwargs = dict(run_dir=args.run_dir, data=args.data, out=args.out, step=args.step,

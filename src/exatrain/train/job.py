@@ -12,7 +12,7 @@ the pipeline's example batch mean the same through each. What differs is passed 
 workload is made (a built-in or `module:build` workload, a population member's partition, a
 user's Task), how its input is staged (`stage_input`: data.path; `stage_data_sets`: the files
 of et.fit's data sets) and which Trainer holds it (the population's). `exatrain predict`
-(train/predict.py) builds no Trainer, but lays its model out with `lay_out`, training's step.
+(infer/predict.py) builds no Trainer, but lays its model out with `lay_out`, training's step.
 
 Also here: joining the job, naming and creating the run directory, finding the checkpoint to
 resume. Nothing here imports the entry points: they (and `resilience.restart`) import this
