@@ -10,10 +10,14 @@
   subclass of exatrain.errors.UserError with what it means and what to do, from the classes'
   docstrings (errors_reference), so a new error cannot be left out.
 * reference/summary.md: every figure of summary.json and metrics.jsonl, from the tables in
-  exatrain.train.monitor.fields (which the summary printer also formats by).
+  exatrain.observe.fields (which the summary printer also formats by).
 * concepts/plan.md's table of which axes compose: composition_table(), from the rules in
   exatrain.plan and exatrain.parallel.options; the page holds it (readable where the site is
   not built) and tests/test_docs.py fails when the two differ.
+* developer/layout.md, the source layout: source_layout(), from the layer order (LAYERS in
+  tests/test_import_graph.py, read as data, with the comment above each layer) and each
+  package's `__init__` docstring. The page is committed (readable where the site is not built);
+  `python docs/hooks.py layout` writes it, and tests/test_docs.py fails when it differs.
 
 tests/test_docs.py checks that every field, with a meaning, and every subcommand appears in
 what these return.
@@ -22,12 +26,14 @@ what these return.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import importlib
 import inspect
 import os
 import re
 import typing
+from pathlib import Path
 
 FIELD = re.compile(r"^(\s+)(\w+)\s*:\s*[^#]*?(?:#\s?(.*))?$")
 
@@ -92,7 +98,7 @@ NOT_IN_SOURCE = {
         "[low, high]: a mutated weight decay is clipped into this range",
     "exatrain.population.options.PopulationOptions.dropout_bounds":
         "[low, high]: a mutated dropout probability is clipped into this range",
-    "exatrain.train.monitor.observe_options.MLPerfOptions.organization":
+    "exatrain.observe.options.MLPerfOptions.organization":
         "the submitter written as `submission_org` in mlperf.log",
     "exatrain.workloads.cosmoflow.ModelOptions.conv_layers":
         "convolution blocks, each halving the cube: model.size must divide by 2^conv_layers",
@@ -303,11 +309,11 @@ def _field_table(rows) -> str:
 
 
 def summary_reference() -> str:
-    from exatrain.train.monitor.fields import METRICS, POPULATION, SUMMARY
+    from exatrain.observe.fields import METRICS, POPULATION, SUMMARY
 
     return "\n".join([
         "# Run summary and metrics", "",
-        "Generated from the tables in `exatrain.train.monitor.fields` when the site is built "
+        "Generated from the tables in `exatrain.observe.fields` when the site is built "
         "(`docs/hooks.py`); `exatrain run` formats its printed summary by the same units, and a "
         "test fails when a run writes a key that has no row here. A key written `<metric>` "
         "stands for a family: `val_<metric>` is `val_loss`, `val_mae`, `val_mae_H0`, and so on. "
@@ -392,3 +398,97 @@ def on_page_markdown(markdown, page, config, files):
     if marker not in markdown:
         raise ValueError(f"{page.file.src_uri}: the line {marker} that docs/hooks.py fills is gone")
     return markdown.replace(marker, make())
+
+
+# ---------------------------------------------------------------------- the source layout
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYOUT_PAGE = "developer/layout.md"
+LAYOUT_INTRO = """# Source layout
+
+The packages of `src/exatrain`, in layers, lowest first. A module imports modules of its own layer
+and of the layers below it, never of a layer above (function-level imports included), and no
+import runs in a circle; `tests/test_import_graph.py` checks both on every test run. Where a lower
+layer needs a value of a higher one, the higher one passes it in.
+
+This page is generated from the layer order (`LAYERS` in `tests/test_import_graph.py`, with the
+comment above each layer) and from each package's `__init__` docstring: run
+`python docs/hooks.py layout` after changing either; `tests/test_docs.py` fails while the page
+differs from what that writes.
+
+Beside `src/`: `examples/` (one TOML per workload), `docs/` (this site; `docs/hooks.py` generates
+the reference pages and this one), `tests/` (`harness.py` runs a function on N spawned gloo
+ranks).
+"""
+
+
+def layers() -> list[tuple[str, str, tuple[str, ...]]]:
+    """(layer, what it holds: the comment lines above it, its module prefixes), lowest first,
+    read as data from tests/test_import_graph.py (not imported: the test file is the one place
+    the order is written, beside the rule that checks it)."""
+    path = ROOT / "tests" / "test_import_graph.py"
+    text = path.read_text()
+    lines = text.splitlines()
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "LAYERS":
+            out = []
+            for item in node.value.elts:
+                name, prefixes = ast.literal_eval(item)
+                comment, i = [], item.lineno - 2
+                while i >= 0 and lines[i].strip().startswith("#"):
+                    comment.insert(0, lines[i].strip().lstrip("#").strip())
+                    i -= 1
+                out.append((name, " ".join(comment), tuple(prefixes)))
+            return out
+    raise ValueError(f"{path}: no LAYERS = [...] to read the layer order from")
+
+
+def _source(module: str) -> Path:
+    """The file of a module or package of exatrain, by dotted name."""
+    path = ROOT / "src" / Path(*module.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def _docstring(path: Path) -> str:
+    return (ast.get_docstring(ast.parse(path.read_text())) or "").strip()
+
+
+def _package_entry(module: str) -> list[str]:
+    """A package: its docstring (whole: several list their modules), its modules; then each
+    subpackage the same way. A single module: the first paragraph of its docstring."""
+    path = _source(module)
+    shown = module.removeprefix("exatrain.").replace(".", "/")
+    if path.name != "__init__.py":
+        first = _docstring(path).split("\n\n")[0]
+        return [f"**`{shown}.py`**: " + " ".join(first.split()), ""]
+    folder = path.parent
+    modules = sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__")
+    out = [f"**`{shown}/`**", "", "```text", _docstring(path) or "(no docstring)", "```", ""]
+    if modules:
+        out += ["Modules: " + ", ".join(f"`{m}`" for m in modules) + ".", ""]
+    for sub in sorted(p.parent for p in folder.glob("*/__init__.py")):
+        out += _package_entry(f"{module}.{sub.name}")
+    return out
+
+
+def source_layout() -> str:
+    """The whole page developer/layout.md, as `python docs/hooks.py layout` writes it."""
+    out = [LAYOUT_INTRO]
+    for number, (name, comment, prefixes) in enumerate(layers(), 1):
+        out += [f"## {number}. {name}", "", f"*{comment}*" if comment else "", ""]
+        if prefixes == ("exatrain",):  # the root package's own module: the public API
+            first = _docstring(_source("exatrain")).split("\n\n")[0]
+            out += ["**`__init__.py`** (`import exatrain as et`): " + " ".join(first.split()), ""]
+            continue
+        for prefix in prefixes:
+            out += _package_entry(prefix)
+    return "\n".join(out).rstrip() + "\n"
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["layout"]:
+        sys.exit("usage: python docs/hooks.py layout   (writes docs/developer/layout.md)")
+    (ROOT / "docs" / LAYOUT_PAGE).write_text(source_layout())
+    print(f"wrote docs/{LAYOUT_PAGE}")

@@ -79,8 +79,8 @@ class _OneRank:
 
 
 def _watch_steps(seconds_per_step):
-    from exatrain.train.monitor.bandwidth import BandwidthWatch
-    from exatrain.train.monitor.observe_options import ObserveOptions
+    from exatrain.observe.bandwidth import BandwidthWatch
+    from exatrain.observe.options import ObserveOptions
 
     mesh = _OneRank()
     watch = BandwidthWatch(mesh, ObserveOptions(), is_main=False)

@@ -87,7 +87,7 @@ def test_the_cpu_memory_tracker_leaves_compile_at_work():
     from torch._dynamo.utils import counters
 
     from exatrain.parallel.memory import compile_in_place
-    from exatrain.train.monitor.memory import StepPeak
+    from exatrain.observe.memory_meters import StepPeak
 
     class Net(nn.Module):  # a class of this test's own: its forward was never compiled before
         def __init__(self):

@@ -7,7 +7,7 @@ import io
 
 from rich.console import Console
 
-from exatrain.train.monitor.console import TrainConsole, comm_text
+from exatrain.observe.console import TrainConsole, comm_text
 
 RECORD = {"step": 200, "loss": 0.25, "lr": 1e-3, "samples_per_s": 136.0, "step_s": 0.0588,
           "peak_mem_bytes": 350 * 2**20, "peak_mem_source": "rss", "state_bytes": 1843,
@@ -76,7 +76,7 @@ def test_the_report_figure_calls_the_world_axis_all_ranks(tmp_path, monkeypatch)
 
 
 def test_writing_data_shows_rate_and_eta_in_a_file_and_a_bar_on_a_terminal():
-    from exatrain.train.monitor.console import work_progress
+    from exatrain.observe.console import work_progress
 
     out = io.StringIO()
     report = work_progress(Console(file=out, width=80, force_terminal=False), "writing data")

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from exatrain.train.monitor.cpu_peak import cpu_peak
+from exatrain.observe.cpu_peak import cpu_peak
 
 EPYC = """processor\t: 0
 vendor_id\t: AuthenticAMD

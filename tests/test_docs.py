@@ -510,6 +510,35 @@ def test_the_composition_table_follows_the_rules(monkeypatch):
     assert hooks.composition_cell("shard", "tensor 3D") == "yes (ZeRO-1, 2, 3)²"
 
 
+def test_the_source_layout_page_is_the_layers_and_the_docstrings():
+    """developer/layout.md is what `python docs/hooks.py layout` writes from the layer order of
+    tests/test_import_graph.py and the packages' docstrings; every layer and package is on it."""
+    hooks = _hooks()
+    fresh = hooks.source_layout()
+    text = (DOCS / hooks.LAYOUT_PAGE).read_text()
+    assert text == fresh, (f"docs/{hooks.LAYOUT_PAGE} differs from the layer order and the "
+                           f"package docstrings; run: python docs/hooks.py layout")
+    from test_import_graph import LAYERS
+    assert [name for name, _, _ in hooks.layers()] == [name for name, _ in LAYERS]
+    for _, prefixes in LAYERS:
+        for prefix in prefixes:
+            if prefix != "exatrain":
+                shown = prefix.removeprefix("exatrain.").replace(".", "/")
+                assert f"**`{shown}/`**" in fresh or f"**`{shown}.py`**" in fresh, prefix
+
+
+def test_the_source_layout_follows_the_docstrings(tmp_path, monkeypatch):
+    """A package's docstring changed is the page changed: the generator reads the source."""
+    hooks = _hooks()
+    package = tmp_path / "src" / "exatrain" / "observe"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text('"""Meters, planted."""\n')
+    (package / "meter.py").write_text("")
+    monkeypatch.setattr(hooks, "ROOT", tmp_path)
+    entry = "\n".join(hooks._package_entry("exatrain.observe"))
+    assert "**`observe/`**" in entry and "Meters, planted." in entry and "`meter`" in entry
+
+
 # public names whose parameters the API page need not describe, and why
 API_UNDESCRIBED_PARAMETERS = {"Mesh": "made by et.init, not by hand",
                               "Trainer": "driven by et.fit and exatrain run; described in prose"}

@@ -178,7 +178,7 @@ def test_fit_applies_init_from_stage_to_and_precision(tmp_path):
 
 # ---------------------------------------------------------------------- prediction
 def test_bf16_prediction_keeps_norms_in_fp32(tiny_config, tmp_path):
-    from exatrain.train.predict import predict
+    from exatrain.infer.predict import predict
     from exatrain.train.run import run_job
     run_dir = run_job(tiny_config("train.steps=1", "train.eval_every=0"))["run_dir"]
     with NormDtypes() as seen:

@@ -20,9 +20,11 @@ never of a layer above; within a layer, the no-circle rule alone holds:
   workloads     built-in and user workloads: model + data + loss + metrics
   population    the tournament pieces: [population] options, partitions, pairing, model
                 exchange, hyperparameters, plot (the population's driver is in train for now)
-  train         config, the Trainer, its monitor/, checkpoints/, resilience/, the run entry
-                point, fit, predict, K-FAC, and the population's driver (train/population.py)
-  observe       reading a run back (report, figures, runs), preflight, startup timing
+  observe       what a run records and shows: step meters, memory meters, the observer, console,
+                summary fields, trackers, MLPerf log, report and figures, preflight, startup
+  train         config, the Trainer, checkpoints/, resilience/, the run entry point, fit, K-FAC,
+                and the population's driver (train/population.py)
+  infer         prediction over a data set under any Plan (`exatrain predict`, et.predict)
   tune          the cost model, dry run, calibration, the planner and the tuner
   exatrain      the public API (`import exatrain as et`): re-exports from every layer below
   bench         benchmarks, baseline against exatrain, one module each
@@ -60,10 +62,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("workloads", ("exatrain.workloads",)),
     # the population's pieces that train's config and the driver use
     ("population", ("exatrain.population",)),
-    # the run: config, Trainer, monitor, checkpoints, resilience, run/fit/predict entry points
-    ("train", ("exatrain.train",)),
-    # reading a finished run, preflight checks, startup timing: above the run they look at
+    # what a run records and shows (meters, console, trackers, report, preflight): the Trainer
+    # uses it, so it imports nothing of the run; what it needs of the run is passed in
     ("observe", ("exatrain.observe",)),
+    # the run: config, Trainer, checkpoints, resilience, the run and fit entry points
+    ("train", ("exatrain.train",)),
+    # prediction under any Plan: the run's checkpoints, laid out by train's composition root
+    ("infer", ("exatrain.infer",)),
     # the planner and the tuner: build configs and dry runs from every layer below
     ("tune", ("exatrain.tune",)),
     # the public API, `et.*`: re-exports only

@@ -11,7 +11,7 @@ from exatrain.models.cosmoflow import CosmoFlow
 from exatrain.models.gpt import GPT, GPTConfig
 from exatrain.parallel.memory import apply_checkpointing_and_compile, find_blocks
 from exatrain.train.config import ParallelOptions, load_config
-from exatrain.train.monitor.memory import StepPeak, state_bytes, zero_state_formula
+from exatrain.observe.memory_meters import StepPeak, state_bytes, zero_state_formula
 from exatrain.train.run import setup
 
 # activations dominate this model: 16 × 128 tokens through 2 blocks of width 64

@@ -295,7 +295,7 @@ def test_pipe_with_shard_and_space_are_costed_once_plan_py_accepts_them():
     """plan.py accepts pipe × shard and pipe × space; the planner asks it and does not restate
     the rule, so the same search ranks them: each stage's state sharded over shard (ZeRO within
     a stage), each stage's activations and its cuts' blocks split over space."""
-    from exatrain.train.monitor.memory import zero_state_formula
+    from exatrain.observe.memory_meters import zero_state_formula
     from exatrain.tune.layout import stage_params
 
     gpt = gpt_spec(SMALL_GPT)

@@ -14,7 +14,7 @@ import exatrain as et
 from conftest import TINY
 from exatrain.cli import main
 from exatrain.train.config import load_config
-from exatrain.train.predict import PredictError, check_plan, predict, replica_batches
+from exatrain.infer.predict import PredictError, check_plan, predict, replica_batches
 from exatrain.train.run import run_job
 from harness import rel_err, run_ranks
 

@@ -9,8 +9,9 @@ import pytest
 
 from exatrain.comm.busbw import bus_factor
 from exatrain.comm.inject import ENV, InjectError, SlowLinks
+from exatrain.cli import preflight_job
 from exatrain.observe.preflight import PreflightOptions, exclude_line, format_report, judge, \
-    pairings, preflight_rank
+    pairings
 from exatrain.observe.preflight_checks import check_ranks
 from harness import run_ranks
 
@@ -26,7 +27,7 @@ def slowed_preflight(config, options, slow: str):
     """A rank of the job with EXATRAIN_INJECT_SLOW set, as a launcher would pass it."""
     os.environ[ENV] = slow
     try:
-        return preflight_rank(config, options)
+        return preflight_job(config, options)
     finally:
         del os.environ[ENV]
 
@@ -113,7 +114,7 @@ def test_preflight_names_the_slowed_rank_and_only_it(tiny_config):
 
 def test_preflight_per_axis_with_neighbours_and_world(tiny_config):
     config = tiny_config("plan.pipe=2", "plan.data=2")
-    report = run_ranks(4, preflight_rank, config, TINY)[0]
+    report = run_ranks(4, preflight_job, config, TINY)[0]
     axes = {(r["axis"], r["ranks"], r["op"]) for r in report["collectives"]}
     assert ("pipe", 2, "p2p") in axes and ("data", 2, "all_reduce") in axes
     assert ("world", 4, "all_gather") in axes and ("data", 2, "p2p") not in axes

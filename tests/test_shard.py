@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from exatrain.parallel import unwrap as inner_module
 from exatrain.train.config import load_config
-from exatrain.train.monitor.memory import zero_state_formula
+from exatrain.observe.memory_meters import zero_state_formula
 from exatrain.train.run import setup
 from harness import max_rel_err_state, rel_err, run_ranks
 

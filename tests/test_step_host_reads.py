@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exatrain.train.monitor.host_reads import HostReads
+from exatrain.observe.host_reads import HostReads
 from exatrain.train.run import setup
 from exatrain.train.trainer import STOP_CHECK_EVERY
 from harness import run_ranks

@@ -1,4 +1,4 @@
-"""Every figure a run writes has a row in exatrain.train.monitor.fields, so the Run summary
+"""Every figure a run writes has a row in exatrain.observe.fields, so the Run summary
 reference page (generated from those rows by docs/hooks.py) cannot leave a new key out."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from exatrain.train.monitor.fields import METRICS, POPULATION, SUMMARY, format_value, lookup
+from exatrain.observe.fields import METRICS, POPULATION, SUMMARY, format_value, lookup
 
 DOCS = Path(__file__).parents[1] / "docs"
 
@@ -39,7 +39,7 @@ def test_every_key_a_run_writes_is_in_the_reference_page(tiny_config):
 
     page = _summary_page()
     undocumented = [k for k in written if lookup(k) is None]
-    assert not undocumented, (f"summary.json keys with no row in exatrain.train.monitor.fields "
+    assert not undocumented, (f"summary.json keys with no row in exatrain.observe.fields "
                               f"(add one: name, unit, meaning, when): {undocumented}")
     undocumented = [k for k in logged if lookup(k, METRICS) is None]
     assert not undocumented, f"metrics.jsonl keys with no row in fields.METRICS: {undocumented}"

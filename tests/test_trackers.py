@@ -39,7 +39,7 @@ def _overrides(cosmo_data, out: Path, *extra) -> list[str]:
 # ------------------------------------------------------------------ W&B's offline run files
 def wandb_run(segment: Path) -> dict:
     """One offline run directory read back: its run record, history rows, final summary, files."""
-    from exatrain.train.monitor.trackers import read_wandb_log
+    from exatrain.observe.tracker_wandb import read_wandb_log
     (log,) = segment.glob("run-*.wandb")
     run, history, summary = None, {}, {}
     for r in read_wandb_log(log):
@@ -152,7 +152,7 @@ def test_mlflow_run_holds_params_metric_histories_artifacts_and_tags(tracked):
     assert run.data.params["observe.trackers"] == str(resolved["observe"]["trackers"])
     assert run.data.params["model.size"] == str(resolved["model"]["size"])
     assert len(run.data.params) > 100
-    from exatrain.train.monitor.trackers import MLflowRun
+    from exatrain.observe.tracker_mlflow import MLflowRun
     want = {step: {MLflowRun.key(k): v for k, v in values.items()}
             for step, values in expected(run_dir).items()}
     got: dict[int, dict] = {}
@@ -176,8 +176,8 @@ def test_metric_names_mlflow_refuses_are_spelt_as_it_takes_them(tmp_path):
     """A world-size figure's axis is named like `trainer+pipe+data`: MLflow refuses `+`."""
     from mlflow.tracking import MlflowClient
 
-    from exatrain.train.monitor.observe_options import ObserveOptions
-    from exatrain.train.monitor.trackers import MLflowRun
+    from exatrain.observe.options import ObserveOptions
+    from exatrain.observe.tracker_mlflow import MLflowRun
     run = MLflowRun(ObserveOptions(), {"a": {"b": 1}}, tmp_path / "run", {}, "", None, tmp_path)
     run.log({7: {MLflowRun.key("bytes_per_step/trainer+pipe+data"): 4.0}})
     history = MlflowClient(run.uri).get_metric_history(run.id, "bytes_per_step/trainer_pipe_data")
@@ -186,14 +186,14 @@ def test_metric_names_mlflow_refuses_are_spelt_as_it_takes_them(tmp_path):
 
 def test_a_tracker_that_fails_during_the_run_is_reported_once_and_training_goes_on(
         cosmo_data, tmp_path, monkeypatch, capsys):
-    from exatrain.train.monitor import trackers
+    from exatrain.observe import tracker_mlflow
 
     calls = []
 
     def disk_full(self, by_step):
         calls.append(min(by_step))
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(trackers.MLflowRun, "log", disk_full)
+    monkeypatch.setattr(tracker_mlflow.MLflowRun, "log", disk_full)
     config = load_config(None, _overrides(cosmo_data, tmp_path / "runs",
                                           'observe.trackers=["mlflow"]', "train.steps=3",
                                           "mlperf.enabled=false"))
@@ -272,7 +272,7 @@ def test_a_population_tracks_one_run_per_trainer_grouped(cosmo_data, tmp_path):
 def _ends(run_dir: Path) -> list[tuple[int, bool]]:
     """(exit code, marked preempting) of each W&B run under `run_dir`, as its last segment (an
     offline run's `.wandb` log) records them in W&B's own records."""
-    from exatrain.train.monitor.trackers import read_wandb_log
+    from exatrain.observe.tracker_wandb import read_wandb_log
     last: dict[str, Path] = {}
     for log in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
         last[log.name] = log

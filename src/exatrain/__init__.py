@@ -27,7 +27,7 @@ from .train.checkpoints.checkpoint import CheckpointError
 from .train.checkpoints.export import InitFromError
 from .train.fit import fit, launch
 from .train.kfac import KFAC, KFACSettings
-from .train.predict import PredictError, predict
+from .infer.predict import PredictError, predict
 from .train.job import ResumeError
 from .workloads.metrics import Mean, Ratio
 from .workloads.user import Task

@@ -82,8 +82,7 @@ def _run_script(args, script_args: list[str], console: Console) -> int:
 def _preflight(args) -> int:
     """Links and ranks checked under the job's launcher and Plan; exit code 3 when any is slow."""
     from .launch import detect, spawn
-    from .observe.preflight import (SLOW_EXIT_CODE, PreflightOptions, exclude_line, format_report,
-                                    preflight_rank)
+    from .observe.preflight import SLOW_EXIT_CODE, PreflightOptions, exclude_line, format_report
     from .train.config import load_config
 
     config = load_config(args.config, args.set or [])
@@ -94,13 +93,13 @@ def _preflight(args) -> int:
         options.link_bytes = _bytes(args.link_bytes)
     launch = detect()
     if launch is not None:  # under torchrun / srun / flux / jsrun / mpirun: this is one rank
-        report = preflight_rank(config, options)
+        report = preflight_job(config, options)
         main = launch.rank == 0
     else:
         nproc = args.nproc or config.run.nproc
         config.plan.resolve(nproc)  # refuse a Plan that does not fit before any rank starts
-        report = spawn(preflight_rank, nproc, args=(config, options))[0] if nproc > 1 else \
-            preflight_rank(config, options)
+        report = spawn(preflight_job, nproc, args=(config, options))[0] if nproc > 1 else \
+            preflight_job(config, options)
         main = True
     if main:
         print(format_report(report))
@@ -110,6 +109,20 @@ def _preflight(args) -> int:
         if args.exclude_file:
             Path(args.exclude_file).write_text(exclude_line(report) + "\n")
     return 0 if report["ok"] else SLOW_EXIT_CODE
+
+
+def preflight_job(config, options) -> dict:
+    """One rank of `exatrain preflight`: join the job as `exatrain run` would (its launcher,
+    Plan and process group), measure (observe.preflight, which takes the mesh so that it sits
+    below train), leave."""
+    from .observe.preflight import preflight_rank
+    from .train.job import join
+
+    mesh = join(config)
+    try:
+        return preflight_rank(mesh, config, options)
+    finally:
+        mesh.close()
 
 
 def _bytes(text: str) -> int:
@@ -150,7 +163,7 @@ def _export(args) -> int:
 
 def _predict(args) -> int:
     from .launch import detect, spawn
-    from .train.predict import (PredictError, check_plan, find_checkpoint, predict, predict_rank,
+    from .infer.predict import (PredictError, check_plan, find_checkpoint, predict, predict_rank,
                                 ranks_needed, run_config)
 
     kwargs = dict(run_dir=args.run_dir, data=args.data, out=args.out, step=args.step,
@@ -181,14 +194,14 @@ def _draw_timeline(run_dir) -> None:
 
 def _progress(console: Console, label: str):
     """A callback(done, total): a bar with rate and ETA on a terminal, else a line every tenth."""
-    from .train.monitor.console import work_progress
+    from .observe.console import work_progress
     return work_progress(console, label)
 
 
 def _print_summary(console: Console, summary: dict) -> None:
     from rich.table import Table
 
-    from .train.monitor.console import summary_rows
+    from .observe.console import summary_rows
 
     table = Table(title="run summary", show_header=False)
     for key, value in summary_rows(summary):  # docs: reference/summary.md

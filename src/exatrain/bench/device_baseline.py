@@ -143,7 +143,7 @@ def train_plain(model: nn.Module, dataset, loss_fn, decode, levers: Levers, devi
 
     Step times come from CUDA timing events (the host clock on a CPU), read after the last step:
     the loop never waits for the device, as a best-practice loop does not."""
-    from ..train.monitor.step_meters import StepClock
+    from ..observe.step_meters import StepClock
     extra = window.steps if window is not None else 0
     device = torch.device(device)
     cuda = device.type == "cuda"

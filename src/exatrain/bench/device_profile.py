@@ -7,7 +7,7 @@ For the steps of the window (`--profile-steps`, after the warm-up):
                      as a table to `<json>-profile-<case>-<variant>.txt`
   host syncs / step  the waits of the host for the device: CUDA runtime `*Synchronize` calls on
                      a GPU; on a CPU, where nothing waits, the reads of a tensor's value into
-                     Python on the training thread (`train.monitor.host_reads`), each of which
+                     Python on the training thread (`observe.host_reads`), each of which
                      would be a wait on a GPU (what a read point reads after the window's last
                      step is not counted: the window measures the steps between read points)
   compiled share     the share of that time spent in code torch.compile generated (Triton
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..train.monitor.host_reads import HostReads
+from ..observe.host_reads import HostReads
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
@@ -46,7 +46,7 @@ class Window:
         if self.reads is not None and skip == 0:
             self.reads.__enter__()
 
-    # the observer's interface (train.monitor.observer): step() and stop()
+    # the observer's interface (observe.observer): step() and stop()
     def step(self) -> None:
         self.profiler.step()
         self.done += 1

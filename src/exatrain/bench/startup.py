@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import tempfile
 
-from ..observe.startup import measure_first_step, measure_import, summarise
+from ..observe.startup import FIRST_STEP, measure_first_step, measure_import, summarise
 
 TINY = ["model.size=16", "model.conv_layers=4", "model.base_channels=4", "data.size=16",
         "data.samples=48", "train.batch_size=8", "train.eval_every=0", "observe.tensorboard=false"]
@@ -37,5 +37,10 @@ def run(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="exatrain-startup-") as tmp:
         overrides = ([] if args.config else TINY) + [f"data.path={tmp}/data",
                                                      f"run.out_dir={tmp}/runs", *(args.set or [])]
+        from ..train.config import load_config
+        from ..workloads import get_workload
+
+        config = load_config(args.config, [*overrides, *FIRST_STEP])
+        get_workload(config.run.workload).prepare(config)  # the data exist before the ranks start
         ranks = measure_first_step(args.config, overrides, args.nproc)
     return summarise(imported, ranks) | {"nproc": args.nproc}

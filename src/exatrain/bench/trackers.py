@@ -38,7 +38,7 @@ def _held(run_dir: Path, summary: dict) -> dict[str, set]:
     """(step, key) pairs the W&B offline logs and the MLflow store of a run hold."""
     from mlflow.tracking import MlflowClient
 
-    from ..train.monitor.trackers import read_wandb_log
+    from ..observe.tracker_wandb import read_wandb_log
     out: dict[str, set] = {"wandb": set(), "mlflow": set()}
     for log in run_dir.glob("wandb/*/run-*.wandb"):
         for record in read_wandb_log(log):
@@ -56,7 +56,8 @@ def _held(run_dir: Path, summary: dict) -> dict[str, set]:
 
 def run(args) -> dict:
     from ..train.config import load_config
-    from ..train.monitor.trackers import MLflowRun, rows
+    from ..observe.tracker_mlflow import MLflowRun
+    from ..observe.tracker_records import rows
     from ..train.resilience.restart import supervise
     from ..train.run import run_job
     from ..workloads import get_workload

@@ -61,7 +61,7 @@ def _rank_main(world: int, size: int, steps: int, warmup: int, batch: int) -> di
     from ..parallel.shard import ZeroDataParallel, build_optimizer_for, parallelize_shard
     from ..plan import Plan
     from ..train.config import ParallelOptions
-    from ..train.monitor.memory import state_bytes
+    from ..observe.memory_meters import state_bytes
 
     mesh = init(Plan(shard=world))
     try:
@@ -126,7 +126,7 @@ def _rank_main(world: int, size: int, steps: int, warmup: int, batch: int) -> di
 
 def run(args) -> dict:
     from ..launch import spawn
-    from ..train.monitor.memory import zero_state_formula
+    from ..observe.memory_meters import zero_state_formula
 
     steps = args.steps or 12
     warmup = max(1, args.warmup)

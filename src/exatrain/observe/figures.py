@@ -10,8 +10,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter, MaxNLocator  # noqa: E402
 
-from ..train.monitor.console import axis_label  # noqa: E402
-from ..train.monitor.units import human_bytes  # noqa: E402
+from .console import axis_label  # noqa: E402
+from .units import human_bytes  # noqa: E402
 from .runs import RunRecord  # noqa: E402
 
 

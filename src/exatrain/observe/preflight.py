@@ -178,31 +178,27 @@ def judge(facts: list[dict], threshold: float) -> dict:
             "slow_nodes": slow_nodes, "exclude_hosts": exclude}
 
 
-def preflight_rank(config, options: PreflightOptions) -> dict:
-    """What every rank runs; returns the whole report on every rank (the same verdict everywhere)."""
-    from ..train.job import join  # the job's own launcher detection, Plan and process group
-
-    mesh = join(config)
-    try:
-        facts = rank_facts(mesh, config, options.min_free_gib)
-        # median_high: with an even number of rounds, a rank is slow only when most rounds were
-        facts["link_GBps"] = statistics.median_high(link_bandwidths(mesh, options) or [0.0]) / 1e9
-        rows = sweep(mesh, options)
-        every = all_gather_object(facts, mesh.world)
-        report = None
-        if mesh.rank == 0:
-            problems = check_ranks(every, config)
-            report = {"world_size": mesh.world_size, "plan": str(mesh.plan),
-                      "backend": mesh.backend, "options": asdict(options),
-                      "ranks": every, "collectives": rows,
-                      **(judge(every, options.threshold) if mesh.world_size > 1 else
-                         {"links": [], "nodes": [], "slow_ranks": [], "slow_nodes": [],
-                          "exclude_hosts": [], "median_link_GBps": None}),
-                      "problems": problems}
-            report["ok"] = not (problems or report["slow_ranks"] or report["slow_nodes"])
-        return broadcast_object(report, mesh.world)
-    finally:
-        mesh.close()
+def preflight_rank(mesh, config, options: PreflightOptions) -> dict:
+    """What every rank runs, on the job's mesh (`train.job.join(config)`: the job's own launcher
+    detection, Plan and process group; the caller closes it); returns the whole report on every
+    rank (the same verdict everywhere)."""
+    facts = rank_facts(mesh, config, options.min_free_gib)
+    # median_high: with an even number of rounds, a rank is slow only when most rounds were
+    facts["link_GBps"] = statistics.median_high(link_bandwidths(mesh, options) or [0.0]) / 1e9
+    rows = sweep(mesh, options)
+    every = all_gather_object(facts, mesh.world)
+    report = None
+    if mesh.rank == 0:
+        problems = check_ranks(every, config)
+        report = {"world_size": mesh.world_size, "plan": str(mesh.plan),
+                  "backend": mesh.backend, "options": asdict(options),
+                  "ranks": every, "collectives": rows,
+                  **(judge(every, options.threshold) if mesh.world_size > 1 else
+                     {"links": [], "nodes": [], "slow_ranks": [], "slow_nodes": [],
+                      "exclude_hosts": [], "median_link_GBps": None}),
+                  "problems": problems}
+        report["ok"] = not (problems or report["slow_ranks"] or report["slow_nodes"])
+    return broadcast_object(report, mesh.world)
 
 
 def exclude_line(report: dict) -> str:

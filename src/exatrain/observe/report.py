@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..train.monitor.units import human_value
+from .units import human_value
 from . import figures
 from .runs import RunRecord, read_run
 from ..errors import ArgumentError, MissingFileError
@@ -111,6 +111,6 @@ def build_report(paths: list[str | Path], out: str | Path | None = None) -> dict
     (out / "report.md").write_text("\n".join(lines) + "\n")
     made["report"] = out / "report.md"
     if len(run_paths) == 1 and (run_paths[0] / "trackers.json").is_file():
-        from ..train.monitor.trackers import attach  # the same W&B and MLflow runs get them
+        from .trackers import attach  # the same W&B and MLflow runs get them
         attach(run_paths[0], list(made.values()))
     return made

@@ -87,16 +87,16 @@ def measure_import(timeout: float = 300) -> dict:
     return _marks(_probe([]), timeout)
 
 
+FIRST_STEP = ["train.log_every=1", "train.steps=1"]  # the overrides of the measured job
+
+
 def measure_first_step(config_path: str | None, overrides: list[str], nproc: int = 2,
                        timeout: float = 600) -> list[dict]:
-    """Counts per rank up to the end of the first step of a job of `nproc` ranks."""
+    """Counts per rank up to the end of the first step of a job of `nproc` ranks. The job's data
+    must exist before (the caller prepares them: observe sits below the run it measures)."""
     from ..launch.local import free_port
-    from ..train.config import load_config
-    from ..workloads import get_workload
 
-    overrides = [*overrides, "train.log_every=1", "train.steps=1"]
-    config = load_config(config_path, overrides)
-    get_workload(config.run.workload).prepare(config)  # the data exist before the ranks start
+    overrides = [*overrides, *FIRST_STEP]
     port = free_port()
     procs = []
     for rank in range(nproc):

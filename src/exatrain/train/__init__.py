@@ -1,4 +1,6 @@
-"""Training: config, Trainer, schedule, checkpoints, the run entry point."""
+"""Training: config, the Trainer, schedule, the run entry point, fit (the Python API), K-FAC, the
+population's driver; checkpoints/ and resilience/. What a run records and shows is in
+exatrain.observe (below), prediction in exatrain.infer (above)."""
 
 from .config import Config, ConfigError, load_config
 from .trainer import NonFiniteLoss, Trainer

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..parallel.options import BATCHNORM_MODES, ParallelOptions
 from ..plan import Plan
-from .monitor.observe_options import MLPerfOptions, ObserveOptions
+from ..observe.options import MLPerfOptions, ObserveOptions
 from ..population.options import PopulationOptions
 from ..population.options import validate as validate_population
 from ..errors import ConfigError  # noqa: F401 - defined with the other user errors; used, re-exported
@@ -353,12 +353,12 @@ def validate(config: Config) -> None:
     if o.name == "kfac":
         _validate_kfac(config)
     if t.target:
-        from .monitor.target import Target
+        from ..observe.target import Target
         try:
             Target.parse(t.target)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-    from .monitor.trackers import check_trackers
+    from ..observe.trackers import check_trackers
     try:
         check_trackers(config.observe)
     except ValueError as exc:

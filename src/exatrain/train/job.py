@@ -12,7 +12,7 @@ the pipeline's example batch mean the same through each. What differs is passed 
 workload is made (a built-in or `module:build` workload, a population member's partition, a
 user's Task), how its input is staged (`stage_input`: data.path; `stage_data_sets`: the files
 of et.fit's data sets) and which Trainer holds it (the population's). `exatrain predict`
-(train/predict.py) builds no Trainer, but lays its model out with `lay_out`, training's step.
+(infer/predict.py) builds no Trainer, but lays its model out with `lay_out`, training's step.
 
 Also here: joining the job, naming and creating the run directory, finding the checkpoint to
 resume. Nothing here imports the entry points: they (and `resilience.restart`) import this
@@ -253,7 +253,7 @@ def build(config: Config, mesh, make_workload: Callable, *, run_dir: Path | None
         setup_times: the MLPerf setup phases so far (e.g. init_start); staging's are added.
     """
     from ..launch import detect
-    from .monitor.console import TrainConsole
+    from ..observe.console import TrainConsole
     from .trainer import Trainer
 
     job_mesh = job_mesh or mesh

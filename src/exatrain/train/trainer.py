@@ -61,10 +61,10 @@ from ..workloads.base import Workload
 from .checkpoints import checkpoint
 from . import kfac
 from .config import Config, ConfigError, micro_batch_size
-from .monitor.cpu_peak import Peak, cpu_peak
-from .monitor.memory import StepPeak, peak_memory_bytes, state_bytes
-from .monitor.observer import StepObserver
-from .monitor.step_meters import PendingSteps
+from ..observe.cpu_peak import Peak, cpu_peak
+from ..observe.memory_meters import StepPeak, peak_memory_bytes, state_bytes
+from ..observe.observer import StepObserver
+from ..observe.step_meters import PendingSteps
 from ..parallel.precision import Precision, keep_norms_fp32, measured_matmul_flops
 from .schedule import lr_at, scaled_lr
 from .resilience.faults import FaultInjector

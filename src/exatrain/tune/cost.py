@@ -64,7 +64,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..plan import Plan
-from ..train.monitor.memory import zero_state_formula
+from ..observe.memory_meters import zero_state_formula
 from . import overheads
 from .layout import (PRECISION_BYTES, Options, microbatches, samples_per_rank, stage_params,
                      stages_per_rank)

@@ -90,7 +90,7 @@ def dry_run(config, plan: Plan, rank: int, max_full_bytes: float = 4 * 2 ** 30) 
     """Run one step of rank `rank` of `plan` in this process (see the module doc)."""
     from ..parallel import parallelize
     from ..parallel.options import ParallelOptions
-    from ..train.monitor.memory import StepPeak, state_bytes
+    from ..observe.memory_meters import StepPeak, state_bytes
 
     plan.require_implemented()
     world = plan.world_size

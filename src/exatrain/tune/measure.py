@@ -81,7 +81,7 @@ class _Case:
             self.loss_fn(self.net(self.x), self.y).backward()
 
     def step(self, timed: bool) -> None:
-        from ..train.monitor.memory import StepPeak, state_bytes
+        from ..observe.memory_meters import StepPeak, state_bytes
         measure_memory = self.done == 1   # the first step also creates persistent buffers
         mark = None if self.serial else self.mesh.ledger.snapshot()
         t0 = time.perf_counter()

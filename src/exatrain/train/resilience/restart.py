@@ -115,7 +115,8 @@ def _end_tracked_runs(run_dir: Path) -> None:
     """The job failed for good: its tracked runs that no rank ended (a rank killed, or stopped
     by the launcher while it waited for the one that failed) are marked failed too."""
     if any(run_dir.glob("trackers.json")) or any(run_dir.glob("trainer_*/trackers.json")):
-        from ..monitor.trackers import Outcome, end_open_runs
+        from ...observe.tracker_records import Outcome
+        from ...observe.trackers import end_open_runs
         end_open_runs(run_dir, Outcome("FAILED", 1))
 
 

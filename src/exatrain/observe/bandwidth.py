@@ -30,8 +30,8 @@ from collections import defaultdict, deque
 
 import torch
 
-from ...comm import all_gather_object, all_reduce
-from ...comm.busbw import bus_factor
+from ..comm import all_gather_object, all_reduce
+from ..comm.busbw import bus_factor
 
 POLICIES = ("warn", "stop")
 UNWATCHED_TAGS = ("control",)  # agreement flags: a few bytes, pure latency
@@ -40,7 +40,7 @@ UNWATCHED_TAGS = ("control",)  # agreement flags: a few bytes, pure latency
 class BandwidthWatch:
     def __init__(self, mesh, options, is_main: bool):
         if options.on_bandwidth_drop not in POLICIES:
-            from ..config import ConfigError
+            from ..errors import ConfigError
             raise ConfigError(f"observe.on_bandwidth_drop={options.on_bandwidth_drop!r}: use one "
                               f"of {', '.join(POLICIES)}")
         self.mesh, self.ledger, self.options, self.is_main = mesh, mesh.ledger, options, is_main

@@ -26,24 +26,27 @@ A tracker that raises is reported once on stderr, switched off for the rest of t
 server that is gone would otherwise cost a timeout at every log step), and named in the summary
 (`trackers.<name>.failed`); training goes on. A tracker whose package is missing is refused when
 the config is read (`check_trackers`), naming the extra to install.
+
+This module is the common part (starting, feeding and ending the runs of a run directory); each
+tracker has its own module (tracker_wandb, tracker_mlflow), and what every tracker is given is in
+tracker_records.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import importlib.util
 import json
 import os
 import queue
-import random
-import re
 import shutil
-import signal
 import sys
 import threading
 import time
 from pathlib import Path
+
+from .tracker_mlflow import MLflowRun, retry
+from .tracker_records import Outcome, rows, run_tags
+from .tracker_wandb import WandbRun, read_wandb_log, wandb_segment
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 WANDB_MODES = ("", "offline", "online", "disabled")
@@ -87,243 +90,6 @@ def check_trackers(options) -> None:
                              "sqlalchemy and alembic: pip install 'exatrain[mlflow]'.")
 
 
-def flatten(tree: dict, prefix: str = "") -> dict:
-    """{"train": {"steps": 2}} -> {"train.steps": 2} (lists and scalars kept as they are)."""
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def rows(record: dict) -> dict[int, dict[str, float]]:
-    """One metrics.jsonl record as {step: {key: number}}: the numbers TensorBoard gets."""
-    step = record["step"]
-    out: dict[int, dict[str, float]] = {step: {}}
-    for key, value in record.items():
-        if key == "step":
-            continue
-        if isinstance(value, bool):
-            value = float(value)
-        if isinstance(value, (int, float)):
-            out[step][key] = float(value)
-        elif isinstance(value, dict):
-            out[step].update({f"{key}/{sub}": float(v) for sub, v in value.items()
-                              if isinstance(v, (int, float))})
-        elif key == "step_losses":
-            for i, loss in enumerate(value):
-                out.setdefault(step - len(value) + 1 + i, {})["step_loss"] = float(loss)
-    return dict(sorted(out.items()))
-
-
-def scalar_summary(summary: dict) -> dict:
-    """The summary's numbers and words (tables flattened to `key/sub`), for a run's summary."""
-    out = {}
-    for key, value in flatten(summary, "").items():
-        key = key.replace(".", "/")
-        if isinstance(value, (bool, int, float, str)) and value is not None:
-            out[key] = value
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Outcome:
-    """How a tracked run ended, as each tracker records it: MLflow's run status (FINISHED,
-    FAILED, KILLED), W&B's exit code (0 finished; 1 failed; 128 + the signal's number when
-    stopped by a signal, the shell's convention W&B's documentation follows) and whether W&B is
-    told the run is being preempted (a stop by a scheduler's signal, resumed later)."""
-    status: str
-    exit_code: int
-    preempted: bool = False
-
-
-def outcome(summary: dict | None, failure: BaseException | None,
-            signum: int | None = None) -> Outcome:
-    """The end of a run that returned `summary` or raised `failure`: a stop by SIGTERM/SIGUSR1
-    (`stopped_by_signal`, checkpoint written) or an interrupt (Ctrl-C) is KILLED, any other
-    exception FAILED. `signum`: the stop's signal where this rank received it (else SIGTERM,
-    the scheduler's usual one, is assumed for the exit code)."""
-    if failure is None and summary is not None and not summary.get("stopped_by_signal"):
-        return Outcome("FINISHED", 0)
-    if failure is None or isinstance(failure, KeyboardInterrupt):
-        number = signal.SIGINT if isinstance(failure, KeyboardInterrupt) else \
-            signum or signal.SIGTERM
-        return Outcome("KILLED", 128 + int(number), preempted=failure is None)
-    return Outcome("FAILED", 1)
-
-
-def run_tags(trainer) -> dict[str, str]:
-    import torch
-
-    from ...version import __version__
-    device = trainer.mesh.device
-    name = device.type
-    if device.type == "cuda":
-        name = f"cuda:{torch.cuda.get_device_name(device)}"
-    mesh = getattr(trainer.mesh, "parent", trainer.mesh)  # a population's: the whole job's
-    tags = {"plan": str(mesh.plan), "world_size": str(mesh.world_size),
-            "exatrain": __version__, "torch": torch.__version__, "device": name,
-            "workload": trainer.config.run.workload}
-    if mesh is not trainer.mesh:  # one trainer of a population
-        tags.update(trainer=str(trainer.mesh.trainer), trainer_plan=str(trainer.mesh.plan))
-    return tags
-
-
-class WandbRun:
-    name = "wandb"
-
-    @staticmethod
-    def key(name: str) -> str:
-        return name
-
-    def __init__(self, options, config: dict, run_dir: Path, tags: dict, group: str,
-                 previous: dict | None):
-        import wandb
-        o = options.wandb
-        previous = previous or {}
-        self.mode = o.mode or os.environ.get("WANDB_MODE") or previous.get("mode") or "offline"
-        self.id = previous.get("id") or _new_id()
-        self.project = previous.get("project") or o.project or os.environ.get("WANDB_PROJECT") \
-            or "exatrain"
-        self.entity = previous.get("entity") or o.entity or None
-        self.run = wandb.init(
-            project=self.project, entity=self.entity,
-            name=o.name or os.environ.get("WANDB_NAME") or run_dir.name,
-            group=o.group or os.environ.get("WANDB_RUN_GROUP") or group or None,
-            tags=[f"{k}:{v}"[:64] for k, v in tags.items()] + list(o.tags),
-            config=config, dir=str(run_dir), id=self.id, resume="allow", mode=self.mode,
-            reinit="create_new",
-            settings=wandb.Settings(console="off", silent=True, save_code=False,
-                                    disable_git=True))
-        self.dir = Path(self.run.dir).parent  # RUN_DIR/wandb/offline-run-DATE-ID
-
-    @staticmethod
-    def held(run_dir: Path, run_id: str) -> dict[str, int]:
-        """{metric: last step} of what the run's earlier `.wandb` logs in RUN_DIR/wandb hold."""
-        out: dict[str, int] = {}
-        for log in sorted(run_dir.glob(f"wandb/*-{run_id}/run-{run_id}.wandb")):
-            for record in read_wandb_log(log):
-                if record.WhichOneof("record_type") == "history":
-                    step = record.history.step.num
-                    for item in record.history.item:
-                        key = item.key or "/".join(item.nested_key)
-                        if not key.startswith("_"):
-                            out[key] = max(out.get(key, 0), step)
-        return out
-
-    def log(self, by_step: dict) -> None:
-        for step, values in by_step.items():
-            self.run.log(values, step=step)
-
-    def finish(self, summary: dict | None, files: list[Path], run_dir: Path,
-               end: Outcome) -> None:
-        if summary is not None:
-            self.run.summary.update(scalar_summary(summary))
-        for path in files:  # the run's files directory is uploaded by `wandb sync`
-            shutil.copy2(path, Path(self.run.dir) / path.name)
-        if end.preempted:  # W&B shows it preempted, to be resumed (the same run id)
-            self.run.mark_preempting()
-        self.run.finish(exit_code=end.exit_code)
-
-    def state(self) -> dict:
-        return {"id": self.id, "mode": self.mode, "project": self.project, "entity": self.entity}
-
-    def info(self) -> dict:
-        out = {"run_id": self.id, "mode": self.mode, "dir": str(self.dir)}
-        if self.mode == "offline":
-            out["sync"] = f"wandb sync {self.dir}"
-        return out
-
-
-class MLflowRun:
-    name = "mlflow"
-    BATCH = 1000  # MLflow's limit of metrics per log_batch call (params: 100)
-
-    @staticmethod
-    def key(name: str) -> str:
-        """A metric name MLflow takes: letters, digits and `_-. :/`; others become `_`
-        (`bytes_per_step/trainer+pipe+data` -> `bytes_per_step/trainer_pipe_data`)."""
-        return re.sub(r"[^\w\-. :/]", "_", name)
-
-    def __init__(self, options, config: dict, run_dir: Path, tags: dict, group: str,
-                 previous: dict | None, out_dir: Path):
-        from mlflow.tracking import MlflowClient
-        o = options.mlflow
-        if previous:
-            self.uri = previous["tracking_uri"]
-        else:
-            self.uri = o.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or \
-                f"sqlite:///{out_dir.resolve() / 'mlflow.db'}"
-        with _one_at_a_time(self.uri):
-            self.client = MlflowClient(tracking_uri=self.uri)
-            self._open(o, config, run_dir, tags, group, previous)
-
-    def _open(self, o, config: dict, run_dir: Path, tags: dict, group: str,
-              previous: dict | None) -> None:
-        from mlflow.entities import Param
-        if previous:
-            self.id = previous["run_id"]
-            self.client.update_run(self.id, status="RUNNING")
-            return
-        name = o.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "exatrain"
-        experiment = self.client.get_experiment_by_name(name)
-        if experiment is None:
-            location = None
-            if self.uri.startswith("sqlite:///"):  # artifacts beside the database, not in cwd
-                database = Path(self.uri.removeprefix("sqlite:///"))
-                location = (database.parent / "mlartifacts").as_uri()
-            experiment_id = self.client.create_experiment(name, artifact_location=location)
-        else:
-            experiment_id = experiment.experiment_id
-        user = dict(t.split("=", 1) if "=" in t else (t, "") for t in o.tags)
-        all_tags = {f"exatrain.{k}": v for k, v in tags.items()}
-        all_tags.update({"exatrain.run_dir": str(run_dir), **user})
-        if group:
-            all_tags["exatrain.group"] = group
-        run = self.client.create_run(experiment_id, run_name=o.run_name or run_dir.name,
-                                     tags=all_tags)
-        self.id = run.info.run_id
-        params = [Param(k, str(v)[:6000]) for k, v in flatten(config).items()]
-        for i in range(0, len(params), 100):
-            self.client.log_batch(self.id, params=params[i:i + 100])
-
-    def log(self, by_step: dict) -> None:
-        from mlflow.entities import Metric
-        now = int(time.time() * 1000)
-        metrics = [Metric(key, value, now, step) for step, values in by_step.items()
-                   for key, value in values.items()]
-        for i in range(0, len(metrics), self.BATCH):
-            self.client.log_batch(self.id, metrics=metrics[i:i + self.BATCH])
-
-    def finish(self, summary: dict | None, files: list[Path], run_dir: Path,
-               end: Outcome) -> None:
-        from mlflow.entities import Metric
-        if summary is not None:
-            now, step = int(time.time() * 1000), int(summary.get("steps") or 0)
-            numbers = [Metric(self.key(f"summary/{k}"), float(v), now, step)
-                       for k, v in scalar_summary(summary).items()
-                       if isinstance(v, (int, float)) and not isinstance(v, bool)]
-            for i in range(0, len(numbers), self.BATCH):
-                self.client.log_batch(self.id, metrics=numbers[i:i + self.BATCH])
-        for path in files:
-            self.client.log_artifact(self.id, str(path))
-        self.client.set_terminated(self.id, end.status)
-
-    def state(self) -> dict:
-        return {"run_id": self.id, "tracking_uri": self.uri}
-
-    def held(self) -> dict[str, int]:
-        """{metric: last step} of what the run holds in the store."""
-        keys = self.client.get_run(self.id).data.metrics
-        return {key: max((m.step for m in self.client.get_metric_history(self.id, key)), default=0)
-                for key in keys}
-
-    def info(self) -> dict:
-        return {"run_id": self.id, "tracking_uri": self.uri}
-
-
 class Trackers:
     """The W&B and MLflow runs of one run directory (rank 0), each switched off at its first
     failure."""
@@ -350,7 +116,7 @@ class Trackers:
                         self.logged[name] = WandbRun.held(self.run_dir, previous["id"])
                     run = WandbRun(options, resolved, self.run_dir, tags, group, previous)
                 else:
-                    run = _retry(lambda: MLflowRun(options, resolved, self.run_dir, tags, group,
+                    run = retry(lambda: MLflowRun(options, resolved, self.run_dir, tags, group,
                                                    previous, Path(config.run.out_dir)))
                     if previous:
                         self.logged[name] = run.held()
@@ -478,7 +244,7 @@ def attach(run_dir: Path, files: list[Path], folder: str = "report",
                 for f in files:
                     client.log_artifact(state[name]["run_id"], str(f), folder)
             else:
-                run = _wandb_segment(run_dir, state[name])
+                run = wandb_segment(run_dir, state[name])
                 (Path(run.dir) / folder).mkdir(exist_ok=True)
                 for f in files:
                     shutil.copy2(f, Path(run.dir) / folder / Path(f).name)
@@ -488,15 +254,6 @@ def attach(run_dir: Path, files: list[Path], folder: str = "report",
             report(f"exatrain: could not add the report to the {name} run ({type(exc).__name__}: "
                    f"{exc}); the report is in {Path(files[0]).parent if files else run_dir}.")
     return done
-
-
-def _wandb_segment(run_dir: Path, state: dict):
-    """A short resumed segment of the W&B run `state` (trackers.json) names, in `run_dir`."""
-    import wandb
-    return wandb.init(project=state.get("project"), entity=state.get("entity"), id=state["id"],
-                      resume="allow", mode=state.get("mode", "offline"), dir=str(run_dir),
-                      reinit="create_new", settings=wandb.Settings(
-                          console="off", silent=True, save_code=False, disable_git=True))
 
 
 def end_open_runs(run_dir: Path, end: Outcome,
@@ -530,75 +287,9 @@ def end_open_runs(run_dir: Path, end: Outcome,
                     if logs and any(r.WhichOneof("record_type") == "exit"
                                     for r in read_wandb_log(logs[-1])):
                         continue
-                    _wandb_segment(here, state[name]).finish(exit_code=end.exit_code)
+                    wandb_segment(here, state[name]).finish(exit_code=end.exit_code)
                 done.append(f"{name}:{run_id}")
             except Exception as exc:
                 report(f"exatrain: could not mark the {name} run of {here} {end.status} "
                        f"({type(exc).__name__}: {exc}); it may still show as running.")
     return done
-
-
-def read_wandb_log(path: Path) -> list:
-    """The records of a W&B run's `.wandb` log: W&B's 7-byte header, then LevelDB-log blocks of
-    32 KiB whose chunks (4-byte CRC, 2-byte length, 1-byte kind: full, first, middle, last) hold
-    W&B's `Record` protobuf messages. A record cut short (a killed writer) ends the list."""
-    import struct
-
-    from wandb.proto import wandb_internal_pb2
-    data = Path(path).read_bytes()
-    if data[:4] != b":W&B":
-        raise ValueError(f"{path} is not a W&B run log")
-    pos, block, parts, out = 7, 32768, b"", []
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:          # a block's tail too short for a header: padding
-            pos += block - pos % block
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if kind == 0 and length == 0 or pos + 7 + length > len(data):
-            break
-        parts += data[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):                   # full, last: a whole record
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(parts)
-            out.append(record)
-            parts = b""
-    return out
-
-
-def _new_id() -> str:
-    """A W&B run id of the shape W&B makes: 8 lower-case letters and digits."""
-    import secrets
-    import string
-    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
-
-
-@contextlib.contextmanager
-def _one_at_a_time(uri: str):
-    """A population's trainers open one store at once. For SQLite, one process at a time (a file
-    lock beside the database): MLflow creates its tables on first use, and two processes doing
-    so together leave one of them with a broken migration."""
-    if not uri.startswith("sqlite:///"):
-        yield
-        return
-    import fcntl
-    database = Path(uri.removeprefix("sqlite:///"))
-    database.parent.mkdir(parents=True, exist_ok=True)
-    with open(database.with_name(database.name + ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def _retry(make, tries: int = 3):
-    """A population's trainers create one experiment at once on a server: a lost race (the name
-    taken meanwhile) is tried again."""
-    for attempt in range(tries):
-        try:
-            return make()
-        except Exception:
-            if attempt == tries - 1:
-                raise
-            time.sleep(0.2 + random.random())

@@ -13,7 +13,7 @@ record, each evaluation, the end of fit), so strategies and the training loop st
 - TensorBoard event files in RUN_DIR/tensorboard (rank 0): every number of every metrics.jsonl
   record under its own key, `bytes_per_step/<axis>` for the per-axis bytes, and `step_loss` for
   each step's loss;
-- `[observe] trackers` "wandb", "mlflow" (`train.monitor.trackers`, rank 0): the same numbers at
+- `[observe] trackers` "wandb", "mlflow" (`observe.trackers`, rank 0): the same numbers at
   the same steps in a W&B run (offline by default) and an MLflow run, resumed with the run;
 - `[mlperf] enabled`: the MLPerf HPC log (`train.mlperf`), and `train.target`: stop when reached;
 - bus bandwidth per mesh axis (`train.bandwidth`): `busbw_GBps/<axis>` in every logged record, a
@@ -30,12 +30,12 @@ from pathlib import Path
 
 import torch
 
-from ...comm import all_gather_object
-from ...comm.timing import named_range
+from ..comm import all_gather_object
+from ..comm.timing import named_range
 from .bandwidth import BandwidthWatch
-from .memory import peak_memory_bytes
+from .memory_meters import peak_memory_bytes
 from .target import Target
-from .trackers import rows
+from .tracker_records import rows
 
 
 class StepObserver:
@@ -223,9 +223,9 @@ class StepObserver:
         """The job's end, called by its owner (run_job, the population's run, et.fit): with its
         summary once summary.json is written, or with the exception it failed of. The trackers
         get the summary and the run's pictures and logs, and end their runs as finished, failed
-        or killed (`trackers.outcome`)."""
+        or killed (`tracker_records.outcome`)."""
         if self.trackers:
-            from .trackers import outcome
+            from .tracker_records import outcome
             self.trackers.finish(summary, outcome(summary, failure, self.trainer.stop_signum))
             self.trackers = None
 

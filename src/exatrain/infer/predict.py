@@ -48,8 +48,8 @@ import numpy as np
 import torch
 
 from ..plan import Plan
-from .checkpoints import checkpoint
-from .config import Config, load_config
+from ..train.checkpoints import checkpoint
+from ..train.config import Config, load_config
 from ..errors import UserError
 
 
@@ -270,7 +270,7 @@ def _predict_on(mesh, config: Config, run_dir: Path, path: Path, data, out: Path
     from ..parallel.precision import Precision
     from ..parallel.spatial import gather_output
     from ..workloads import get_workload
-    from .job import lay_out
+    from ..train.job import lay_out
 
     resolved = mesh.plan
     torch.manual_seed(config.run.seed)

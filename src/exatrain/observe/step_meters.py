@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...comm import all_reduce
+from ..comm import all_reduce
 
 
 class StepClock:

@@ -6,7 +6,7 @@ import operator
 import re
 from dataclasses import dataclass
 
-from ...errors import ConfigError
+from ..errors import ConfigError
 
 _OPS = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt}
 _PATTERN = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*(<=|>=|<|>)\s*([-+0-9.eE]+)\s*$")

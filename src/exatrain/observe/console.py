@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
 
-from ...plan import AXIS_ORDER
+from ..plan import AXIS_ORDER
 from .fields import format_value
 from .units import human_bytes, human_seconds, human_value
 
