@@ -25,7 +25,6 @@ REASON = "one module because"
 BEING_SPLIT: dict[str, str] = {
     "train/trainer.py": "being split elsewhere",
     "train/kfac.py": "being split elsewhere",
-    "train/monitor/trackers.py": "being split elsewhere",
     "parallel/shard.py": "being split elsewhere",
 }
 

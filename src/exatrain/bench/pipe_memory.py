@@ -14,7 +14,7 @@ batch further), `memory_width` is null and the measurement below runs at E = 256
 
 Measurement: that GPT trains two AdamW steps under the three-axis Plan on 8 gloo ranks (one
 thread each); `state_bytes_per_rank` is the largest rank's parameters + gradients + optimizer
-state at the optimizer step (`train.monitor.memory.state_bytes`, storage actually held), against
+state at the optimizer step (`observe.memory_meters.state_bytes`, storage actually held), against
 `state_bytes_formula`, the cost model's state term for the busiest stage: the ZeRO-3 formula
 16·Ψ_stage/N over the stage's tensor-parallel pieces Ψ_stage (ZeRO paper; Ψ padded to whole
 FSDP2 chunks) plus Adam's step counters.

@@ -15,7 +15,7 @@ round to round), so machine noise and cache effects hit them alike; a step time 
 over the timed steps of each rank, and the slowest rank's median is reported.
 
 Figures, per world size W and stage S (`wW_stageS_...`):
-  state_bytes_per_rank    measured (`train.monitor.memory.state_bytes`): distinct storages of
+  state_bytes_per_rank    measured (`observe.memory_meters.state_bytes`): distinct storages of
                           parameters, gradients and optimizer state alive on the rank at the
                           optimizer step (after `step()`, before gradients are released); the
                           largest rank's

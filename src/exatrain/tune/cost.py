@@ -2,7 +2,7 @@
 
 Memory per rank (bytes), for Ψ parameters held by the rank (after the tensor and pipe splits):
 
-  model state      `train.monitor.memory.zero_state_formula(stage, Ψ, shard)`: 16Ψ unsharded
+  model state      `observe.memory_meters.zero_state_formula(stage, Ψ, shard)`: 16Ψ unsharded
                    (fp32 AdamW: 4 parameters + 4 gradients + 8 moments), ZeRO 1/2/3 as in `parallel.shard`;
                    ZeRO-3's chunks padded to whole rows per rank, as FSDP2 pads them
   activations      `ModelSpec.act_bytes_per_sample` × samples per micro-batch, divided over the

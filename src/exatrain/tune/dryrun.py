@@ -10,9 +10,9 @@ loss and backward, and an optimizer step — and reports:
 
   param_shapes        name -> shape of every parameter as this rank holds it (a sharded
                       DTensor's local shard)
-  state_bytes         `train.monitor.memory.state_bytes` after the optimizer step (params,
+  state_bytes         `observe.memory_meters.state_bytes` after the optimizer step (params,
                       grads, optimizer)
-  step_peak_bytes     `train.monitor.memory.StepPeak` of forward + backward (activations, new
+  step_peak_bytes     `observe.memory_meters.StepPeak` of forward + backward (activations, new
                       gradients)
   ledger_bytes        bytes per mesh axis the rank's collectives carried (the ledger still counts
                       what the fake group did not move)

@@ -16,10 +16,10 @@ Per case, as the Trainer measures them:
   step_s            median of the per-step maximum over ranks (a step ends with its slowest rank)
   step_s_min        the fastest of those steps: on a shared machine, the one least disturbed
   step_times        every timed step's time (the slowest rank's), in order
-  state_bytes       `train.monitor.memory.state_bytes` at the optimizer step (largest rank)
+  state_bytes       `observe.memory_meters.state_bytes` at the optimizer step (largest rank)
   step_peak_bytes   the most memory held during the second step: the state held when it begins
                     (parameters, optimizer state, gradient buffers that persist) plus
-                    `train.monitor.memory.StepPeak` of its forward + backward (largest rank)
+                    `observe.memory_meters.StepPeak` of its forward + backward (largest rank)
   ledger_bytes      bytes per mesh axis of one step (rank 0; tags other than metric/state)
 """
 
