@@ -20,7 +20,9 @@ trainer's own tournament set (`population.metric`, `population.direction`):
               top-k trainers
   evolution   regularized evolution: a random sample's best replaces the oldest trainer
   none        throughput mode: no tournaments; each trainer stops when it reaches
-              `population.target`; the summary reports models trained per hour
+              `population.target`; the summary reports models trained per hour, and with
+              `[mlperf] enabled` MLPerf HPC's weak-scaling score from one MLPerf log per trainer
+              (`population.weak_scaling`)
 
 A trainer that adopts another's model takes its hyperparameters too (exchange_hyperparameters)
 and mutates those named in `population.mutate` (`population.hparams`). A trainer whose loss or
@@ -435,13 +437,13 @@ def finish(mesh, trainer: PopulationTrainer, fit: dict) -> dict:
     counted = torch.tensor([float(sent.bytes if sent else 0)], dtype=torch.float64,
                            device=mesh.device)
     all_reduce(counted, mesh.world, tag="metric")
-    weak = {}
     if mesh.rank == 0:
         _report(run_dir, options, records)
-        if options.strategy == "none" and trainer.config.mlperf.enabled:  # MLPerf weak scaling
-            weak = weak_scaling.summarize(run_dir, view.trainers, trainer.config.mlperf.benchmark
-                                          or trainer.config.run.workload)
     mesh.barrier()  # the report and the best model exist before anyone returns
+    weak = {}  # MLPerf HPC weak scaling: after the barrier, so a missing log fails rank 0 alone
+    if mesh.rank == 0 and options.strategy == "none" and trainer.config.mlperf.enabled:
+        weak = weak_scaling.summarize(run_dir, view.trainers, trainer.config.mlperf.benchmark
+                                      or trainer.config.run.workload)
     reached = [r["reached"] for r in records if r["reached"]]
     summary = {"trainers": view.trainers, "strategy": options.strategy,
                "plan": str(mesh.plan), "trainer_plan": str(view.plan),
