@@ -112,6 +112,19 @@ def test_the_full_bench_case_is_the_reference_at_mlperfs_size():
     assert full.published is not None and len(full.differences) >= 4
     small = next(c for c in cases("small") if c.name == "deepcam")
     assert small.sets["model.variant"] == "small" and small.published is None
+    # the dry run: the bench's own config of the case, and the model the workload builds from it
+    # (on the meta device: MLPerf's 48 fields of 768 x 1152 x 16 are minutes to generate here)
+    from exatrain.bench.device import _config
+    from exatrain.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "device", "--sizes", "full", "--cases", "deepcam"])
+    config, _ = _config(full, args, "unused", torch.device("cpu"), "bf16")
+    assert config.run.workload == "deepcam" and config.train.batch_size == 8
+    assert (config.data.channels, config.data.height, config.data.width) == (16, 768, 1152)
+    with torch.device("meta"):
+        model = DeepLabXception(in_channels=config.data.channels, num_classes=3,
+                                width=config.model.width_multiplier)
+    assert sum(p.numel() for p in model.parameters()) == PARAMETERS
 
 
 # ----------------------------------------------------------------------------- distributed

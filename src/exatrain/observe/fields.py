@@ -164,6 +164,19 @@ POPULATION: tuple[Field, ...] = (
           "population.strategy = \"none\""),
     Field("models_per_hour", "", "trainers reaching the target per hour",
           "population.strategy = \"none\""),
+    Field("models_per_minute", "models/min", "MLPerf HPC's weak-scaling score: models that "
+          "reached the target over the minutes from the first instance's run_start to the last "
+          "one's run_stop, read from their MLPerf logs",
+          "population.strategy = \"none\", mlperf.enabled"),
+    Field("time_to_train_all_s", "s", "from the first instance's run_start to the last "
+          "run_stop of those that reached the target (MLPerf's time_to_train_all)",
+          "population.strategy = \"none\", mlperf.enabled"),
+    Field("instance_scale", "", "accelerators per model instance (number_of_nodes x "
+          "accelerators_per_node of its MLPerf log)",
+          "population.strategy = \"none\", mlperf.enabled"),
+    Field("mlperf_results", "", "the instances' MLPerf logs as result_K.txt, the layout of a "
+          "submission's results/<system>/weak/<benchmark>/ folder",
+          "population.strategy = \"none\", mlperf.enabled"),
 )
 
 METRICS: tuple[Field, ...] = (
@@ -236,6 +249,6 @@ def format_value(key: str, value) -> str:
         return f"{100 * value:.1f} %"
     if row.unit in ("B/s", "FLOP/s", "tokens/s"):
         return human_rate(value, row.unit)
-    if row.unit == "samples/s":
-        return f"{value:.4g} samples/s"
+    if row.unit in ("samples/s", "models/min"):
+        return f"{value:.4g} {row.unit}"
     return human_value(key, value)

@@ -104,10 +104,11 @@ class StepObserver:
         if c.mlperf.enabled and self.is_main and self.run_dir and self.mlperf is None:
             from .mlperf import MLPerfLog
             world = t.mesh.world_size
-            per_node = c.mlperf.accelerators_per_node or \
-                int(self.setup_times.get("local_world_size") or world)
+            # this model instance's size: a population's trainer is smaller than its node
+            per_node = min(world, c.mlperf.accelerators_per_node or
+                           int(self.setup_times.get("local_world_size") or world))
             self.mlperf = MLPerfLog(self.run_dir / "mlperf.log", c.mlperf, c.run.workload,
-                                    max(1, world // per_node), per_node)
+                                    -(-world // per_node), per_node)
             hyper = {"global_batch_size": c.train.batch_size, "gradient_accumulation_frequency":
                      c.train.grad_accum, "train_samples": len(t.workload.train_set),
                      "eval_samples": len(t.workload.val_set), "seed": c.run.seed,

@@ -20,7 +20,9 @@ trainer's own tournament set (`population.metric`, `population.direction`):
               top-k trainers
   evolution   regularized evolution: a random sample's best replaces the oldest trainer
   none        throughput mode: no tournaments; each trainer stops when it reaches
-              `population.target`; the summary reports models trained per hour
+              `population.target`; the summary reports models trained per hour, and with
+              `[mlperf] enabled` MLPerf HPC's weak-scaling score from one MLPerf log per trainer
+              (`population.weak_scaling`)
 
 A trainer that adopts another's model takes its hyperparameters too (exchange_hyperparameters)
 and mutates those named in `population.mutate` (`population.hparams`). A trainer whose loss or
@@ -51,7 +53,7 @@ import torch
 
 from ..comm import all_gather_object, all_reduce
 from ..mesh import TrainerMesh
-from ..population import exchange, hparams, pairing
+from ..population import exchange, hparams, pairing, weak_scaling
 from ..population.partition import partition, split
 from .checkpoints import checkpoint
 from .config import Config, ConfigError
@@ -64,6 +66,9 @@ def member_config(config: Config, trainer: int) -> Config:
     member = copy.deepcopy(config)
     member.run.seed = config.run.seed + trainer  # trainer 0 is the ordinary job
     p = config.population
+    if p.strategy == "none" and p.target:  # weak scaling: the instance stops at the target
+        member.train.target = weak_scaling.instance_target(p.metric[0], p.direction[0], p.target,
+                                                           config.train.target)
     if p.lr:
         member.optim.lr = p.lr[trainer]
     if p.weight_decay:
@@ -435,6 +440,10 @@ def finish(mesh, trainer: PopulationTrainer, fit: dict) -> dict:
     if mesh.rank == 0:
         _report(run_dir, options, records)
     mesh.barrier()  # the report and the best model exist before anyone returns
+    weak = {}  # MLPerf HPC weak scaling: after the barrier, so a missing log fails rank 0 alone
+    if mesh.rank == 0 and options.strategy == "none" and trainer.config.mlperf.enabled:
+        weak = weak_scaling.summarize(run_dir, view.trainers, trainer.config.mlperf.benchmark
+                                      or trainer.config.run.workload)
     reached = [r["reached"] for r in records if r["reached"]]
     summary = {"trainers": view.trainers, "strategy": options.strategy,
                "plan": str(mesh.plan), "trainer_plan": str(view.plan),
@@ -451,9 +460,11 @@ def finish(mesh, trainer: PopulationTrainer, fit: dict) -> dict:
     if options.strategy == "none":
         hours = max([r["wall_s"] for r in reached] or [summary["wall_s"]]) / 3600
         summary.update(models_reached_target=len(reached), models_per_hour=len(reached) / hours)
-    summary.update(trainer.job_figures)
+    summary.update(weak, **trainer.job_figures)
     if mesh.rank == 0:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    if weak and trainer.console:
+        trainer.console.print(weak_scaling.describe(summary), highlight=False)
     return summary
 
 
