@@ -29,7 +29,7 @@ from torch import nn
 
 from exatrain.parallel import unwrap
 from exatrain.train.config import ConfigError, load_config
-from exatrain.train.kfac import KFAC as KFACOptimizer, KFACSettings, _damped_inverse, check_plan
+from exatrain.optim.kfac import KFAC as KFACOptimizer, KFACSettings, _damped_inverse, check_plan
 from exatrain.train.run import setup
 from exatrain.plan import Plan
 from harness import max_rel_err_state, run_ranks
@@ -267,7 +267,7 @@ def _kfac_inputs():
 
 def _kfac_reference(inverse="eigen", max_factor_dim=0) -> tuple[dict, float]:
     """One K-FAC step of `_SmallNet` from its definition, in float64, written apart from
-    `train/kfac.py`: per layer the factors A (input patches by F.unfold, a 1 for the bias) and
+    `optim/kfac.py`: per layer the factors A (input patches by F.unfold, a 1 for the bias) and
     G (per-sample output gradients), each replaced by its diagonal when wider than
     `max_factor_dim` > 0, and the preconditioned gradient V solved on the Kronecker product,
 
@@ -392,7 +392,7 @@ def test_kfac_step_equals_its_formula(case):
     diagonal factors, and an AdamW base (there the reference is the gradient AdamW receives,
     ν·V, and AdamW's first step of it: `_check_step`).
 
-    Mutations of `train/kfac.py` run by hand (then reverted) and failing here: damping tripled
+    Mutations of `optim/kfac.py` run by hand (then reverted) and failing here: damping tripled
     in the eigen path (`+ lam` → `+ 3 * lam`) and eigenvectors stored transposed
     (`Q.copy_(vecs)` → `Q.copy_(vecs.T)`): every eigen case (eigen-diagonal through G's
     eigenvectors); Cholesky's damping tripled (`sqrt(damping)` → `sqrt(3 * damping)` in
@@ -449,7 +449,7 @@ def test_kfac_at_its_defaults_trains_distributed_like_serial(tiny_config):
     within 1e-4 with float32 products (measured 3.5e-5), so that it is the rounding and nothing
     else."""
     from exatrain.bench.kfac import _norm_error
-    from exatrain.train.kfac import fast_bfloat16
+    from exatrain.optim.kfac import fast_bfloat16
 
     base = ("optim.name='kfac'", "train.steps=4", "train.eval_every=0",
             "schedule.warmup_steps=0", "optim.kfac_inverse_every=3")
@@ -465,7 +465,7 @@ def test_kfac_at_its_defaults_trains_distributed_like_serial(tiny_config):
 
 
 def test_auto_products_are_bfloat16_where_the_device_multiplies_it_fast():
-    from exatrain.train.kfac import fast_bfloat16, resolve_matmul_dtype
+    from exatrain.optim.kfac import fast_bfloat16, resolve_matmul_dtype
 
     cpu = torch.device("cpu")
     expected = torch.bfloat16 if fast_bfloat16(cpu) else torch.float32

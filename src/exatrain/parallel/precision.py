@@ -101,7 +101,7 @@ class DynamicLossScaler:
     the device.
 
     Every rank reaches the same verdict without a collective of its own: the finiteness test is
-    the global gradient norm that the Trainer computes anyway (`parallel.gradnorm`), which is the
+    the global gradient norm that the Trainer computes anyway (`optim.gradnorm`), which is the
     same number on every rank. Scales are powers of two, so scaling and unscaling are exact.
 
     The scale, the count of clean steps and the count of skipped steps are device tensors, and

@@ -164,7 +164,7 @@ class ZeroDataParallel(nn.Module):
             else:
                 shard = nn.Parameter(own)  # shares the parameter's storage: no extra memory
                 host_grad = None
-            # the gradient chunks are split over `shard` and equal over `data` (parallel.gradnorm),
+            # the gradient chunks are split over `shard` and equal over `data` (optim.gradnorm),
             # and over the axes a tensor-parallel layer already split the parameter over
             shard.exatrain_norm_axes = norm_axes + tuple(getattr(p, "exatrain_norm_axes", ()))
             entries.append(_Entry(clean_fqn(name), p, chunk, lo, hi, p[0].numel(), shard,

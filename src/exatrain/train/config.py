@@ -100,7 +100,7 @@ class OptimOptions:
                                 # fused where torch has it (one launch for every parameter, and
                                 # a non-finite step skipped on the device, not read by the host;
                                 # SGD on a CPU: for-loop, see train.trainer.optimizer_kernel)
-    # kfac: K-FAC preconditioning before `kfac_base` (see train.kfac and docs/how-to/kfac.md).
+    # kfac: K-FAC preconditioning before `kfac_base` (see optim.kfac and docs/how-to/kfac.md).
     # The defaults are the recipe that reached the default job's target fastest (0.75x tuned
     # AdamW's seconds, nine seeds), with `lr` at its default 1e-3.
     kfac_base: str = "adamw"    # sgd | adamw: the first-order update of preconditioned gradients
@@ -373,7 +373,7 @@ def _validate_kfac(config: Config) -> None:
     """K-FAC runs under data and space only, without recomputation or fp16 loss scaling."""
     from types import SimpleNamespace
 
-    from .kfac import check_plan
+    from ..optim.kfac import check_plan
     p = config.plan
     try:
         check_plan(SimpleNamespace(trainer=p.trainer, pipe=p.pipe, shard=p.shard,

@@ -51,7 +51,7 @@ from ..data.loader import (EpochSampler, Prefetcher, collate, loader_workers, no
                            run_loader)
 from ..mesh import Mesh
 from ..parallel.data import unwrap
-from ..parallel.gradnorm import clip_grad_norm_, decided_locally, found_nonfinite
+from ..optim.gradnorm import clip_grad_norm_, decided_locally, found_nonfinite
 from ..parallel.compile_stats import CompileCounter
 from ..parallel.options import cuda_graphs_refusal
 from ..parallel.layout import channels_last_input, input_memory_format
@@ -59,14 +59,14 @@ from ..parallel.pipe.model import PipelineModel
 from ..parallel.shard import build_optimizer_for
 from ..workloads.base import Workload
 from .checkpoints import checkpoint
-from . import kfac
+from ..optim import kfac
 from .config import Config, ConfigError, micro_batch_size
 from .monitor.cpu_peak import Peak, cpu_peak
 from .monitor.memory import StepPeak, peak_memory_bytes, state_bytes
 from .monitor.observer import StepObserver
 from .monitor.step_meters import PendingSteps
 from ..parallel.precision import Precision, keep_norms_fp32, measured_matmul_flops
-from .schedule import lr_at, scaled_lr
+from ..optim.schedule import lr_at, scaled_lr
 from .resilience.faults import FaultInjector
 from .resilience.policies import SkipBadSamples, out_of_memory_advice, skip_nonfinite
 from .resilience.stop import StopOnSignal
