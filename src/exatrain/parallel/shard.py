@@ -116,7 +116,7 @@ class ZeroDataParallel(nn.Module):
     """ZeRO stage 1 or 2 around `module` (see the module docstring).
 
     The optimizer must step `shard_parameters()` and be registered with `bind_optimizer`
-    (`build_optimizer_for` does both). `no_sync()` accumulates full gradients locally.
+    (`optim.factory.build_optimizer_for` does both). `no_sync()` accumulates full gradients locally.
     """
 
     def __init__(self, module: nn.Module, mesh: Mesh, stage: int, offload: bool = False,
@@ -338,7 +338,7 @@ class ZeroDataParallel(nn.Module):
         ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
         if not {id(e.shard) for e in self._entries} <= ids:
             raise ValueError("the optimizer must step exactly ZeroDataParallel.shard_parameters(); "
-                             "build it with exatrain.parallel.shard.build_optimizer_for.")
+                             "build it with exatrain.optim.factory.build_optimizer_for.")
         optimizer.register_step_post_hook(lambda opt, args, kwargs: self.gather_parameters())
 
     @torch.no_grad()
@@ -420,21 +420,6 @@ def zero_load_optimizer_state_dict(units: list[ZeroDataParallel], optimizer, loa
                 st[k] = v
     for group, saved in zip(optimizer.param_groups, loaded["param_groups"]):
         group.update({k: v for k, v in saved.items() if k != "params"})
-
-
-def build_optimizer_for(model: nn.Module, build) -> torch.optim.Optimizer:
-    """`build(params)` over the tensors this model's optimizer must step, wired to the model.
-
-    Plain, DDP and FSDP2 models: the model's trainable parameters. ZeRO-1/2: the rank's shards,
-    with the post-step all-gather registered.
-    """
-    units = zero_units(model)
-    if units:
-        optimizer = build([p for unit in units for p in unit.shard_parameters()])
-        for unit in units:
-            unit.bind_optimizer(optimizer)
-        return optimizer
-    return build([p for p in model.parameters() if p.requires_grad])
 
 
 def zero_units(model: nn.Module) -> list[ZeroDataParallel]:
@@ -551,5 +536,5 @@ def parallelize_shard(model: nn.Module, mesh: Mesh, options, partial_axes=()) ->
                             bucket_cap_mb=options.bucket_cap_mb, partial_axes=partial_axes)
 
 
-__all__ = ["ZeroDataParallel", "build_optimizer_for", "clean_fqn", "parallelize_shard",
+__all__ = ["ZeroDataParallel", "clean_fqn", "parallelize_shard",
            "zero_load_optimizer_state_dict", "zero_optimizer_state_dict", "zero_units"]

@@ -99,7 +99,7 @@ class OptimOptions:
     impl: str = "auto"          # auto | fused | foreach | forloop: torch.optim's kernel; auto =
                                 # fused where torch has it (one launch for every parameter, and
                                 # a non-finite step skipped on the device, not read by the host;
-                                # SGD on a CPU: for-loop, see train.trainer.optimizer_kernel)
+                                # SGD on a CPU: for-loop, see optim.factory.optimizer_kernel)
     # kfac: K-FAC preconditioning before `kfac_base` (see optim.kfac and docs/how-to/kfac.md).
     # The defaults are the recipe that reached the default job's target fastest (0.75x tuned
     # AdamW's seconds, nine seeds), with `lr` at its default 1e-3.

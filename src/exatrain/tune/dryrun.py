@@ -86,6 +86,7 @@ def _build(config, on_meta: bool):
 
 def dry_run(config, plan: Plan, rank: int, max_full_bytes: float = 4 * 2 ** 30) -> dict:
     """Run one step of rank `rank` of `plan` in this process (see the module doc)."""
+    from ..optim.factory import build_optimizer
     from ..parallel import parallelize
     from ..parallel.options import ParallelOptions
     from ..train.monitor.memory import StepPeak, state_bytes
@@ -125,8 +126,9 @@ def dry_run(config, plan: Plan, rank: int, max_full_bytes: float = 4 * 2 ** 30) 
         if plan.tensor_degree > 1 and any(t.is_meta for t in net.parameters()):
             notes.append("parameters left on meta")
         x, y = _inputs(config, shape, mesh, per_rank)
-        optim = torch.optim.SGD(net.parameters(), lr=0.0) if config.optim.name == "sgd" else \
-            torch.optim.AdamW(net.parameters(), lr=0.0)
+        # the run's optimizer (its state is what the rank holds), over every parameter: a fake
+        # mesh runs no ZeRO all-gather after the step, and K-FAC's state is not modelled
+        optim = build_optimizer(net.parameters(), config.optim, 0.0)
         peak = StepPeak(mesh.device)
         mesh.ledger.reset()
         with peak.track():
