@@ -65,6 +65,7 @@ import torch
 from torch import nn
 
 from ..comm import all_gather_into, all_reduce, reduce_scatter_into
+from ..comm.dtensor import local_tensor
 from ..mesh import Mesh
 from .memory import find_blocks
 from .options import zero_stage_refusal
@@ -410,7 +411,7 @@ def zero_load_optimizer_state_dict(units: list[ZeroDataParallel], optimizer, loa
         st = optimizer.state[by_fqn[fqn].shard]
         for k, v in values.items():
             if isinstance(v, torch.Tensor):
-                local = v.to_local() if hasattr(v, "to_local") else v
+                local = local_tensor(v)
                 if k in st and isinstance(st[k], torch.Tensor):
                     if st[k].data_ptr() != local.data_ptr():
                         st[k].copy_(local)

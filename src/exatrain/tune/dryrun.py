@@ -86,6 +86,7 @@ def _build(config, on_meta: bool):
 
 def dry_run(config, plan: Plan, rank: int, max_full_bytes: float = 4 * 2 ** 30) -> dict:
     """Run one step of rank `rank` of `plan` in this process (see the module doc)."""
+    from ..comm.dtensor import local_tensor
     from ..optim.factory import build_optimizer
     from ..parallel import parallelize
     from ..parallel.options import ParallelOptions
@@ -140,7 +141,7 @@ def dry_run(config, plan: Plan, rank: int, max_full_bytes: float = 4 * 2 ** 30) 
         optim.step()
         state = state_bytes(net, optim)
         # what this rank holds: a DTensor's (FSDP2's) local shard, not its logical shape
-        shapes = {name: list((t.to_local() if hasattr(t, "to_local") else t).shape)
+        shapes = {name: list(local_tensor(t).shape)
                   for name, t in net.named_parameters()}
         return {"plan": str(plan), "rank": rank, "world": world, "coords": mesh.coords,
                 "samples_per_rank": per_rank, "input_shape": list(x.shape),
