@@ -351,7 +351,7 @@ class Trainer:
             raise self._nonfinite_error(self.step + 1, loss, norm)
         if self.scaler.enabled and not finite:
             self.last_state_bytes = state_bytes(self.model, self.optimizer)
-        return self.scaler.update(finite)
+        return self.scaler.update(not finite)
 
     def _nonfinite_error(self, step: int, loss: float, norm: float | None) -> "NonFiniteLoss":
         last = checkpoint.latest(self.run_dir) if self.run_dir else None
