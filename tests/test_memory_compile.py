@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from exatrain.models.gpt import GPT, GPTConfig, gpt_loss
-from exatrain.parallel.memory import apply_checkpointing_and_compile
+from exatrain.parallel.checkpointing import apply_checkpointing_and_compile
 from exatrain.train.config import ParallelOptions
 from harness import max_rel_err_state, rel_err
 

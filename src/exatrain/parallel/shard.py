@@ -67,7 +67,7 @@ from torch import nn
 from ..comm import all_gather_into, all_reduce, reduce_scatter_into
 from ..comm.dtensor import local_tensor
 from ..mesh import Mesh
-from .memory import find_blocks
+from .checkpointing import find_blocks
 from .options import zero_stage_refusal
 from ..errors import ConfigError, ParallelizeError
 
