@@ -43,7 +43,7 @@ contiguous, as FSDP2 does), frees the full gradients, and reduce-scatters straig
 rank's persistent shard-gradient buffer. After `optimizer.step()` a step hook all-gathers the
 updated chunks back into the full parameters, bucket by bucket.
 
-Stage 3 (`_fully_shard`): FSDP2 `fully_shard` on each block (`parallel.memory.find_blocks`) and
+Stage 3 (`_fully_shard`): FSDP2 `fully_shard` on each block (`parallel.blocks.find_blocks`) and
 on the root, over the 1-D `shard` mesh. Its collectives go through `comm.fsdp` (counted in the
 ledger); with data > 1 the reduced gradient shards are all-reduced over `data` through
 `comm.all_reduce` in FSDP2's all-reduce hook. Under bf16/fp16, FSDP2 gathers parameters in the
@@ -67,7 +67,7 @@ from torch import nn
 from ..comm import all_gather_into, all_reduce, reduce_scatter_into
 from ..comm.dtensor import local_tensor
 from ..mesh import Mesh
-from .checkpointing import find_blocks
+from .blocks import find_blocks
 from .options import zero_stage_refusal
 from ..errors import ConfigError, ParallelizeError
 
