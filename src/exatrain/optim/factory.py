@@ -8,7 +8,8 @@ post-step all-gather wired); `build_optimizer(params, options, lr)` is the torch
 their parameters (`match_grad_layouts`), and knowing whether they skip a non-finite step on the
 device (`supports_found_inf`).
 
-Callers: the Trainer, the planner's measured cases (tune.measure) and the benchmarks.
+Callers: the Trainer, the planner's dry run and measured cases (tune.dryrun, tune.measure) and
+the benchmarks (the device baseline's AdamW on each kernel lever included).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from ..parallel.shard import zero_units
+from .kfac import KFAC, KFACSettings
 
 
 def optimizer_for(model: nn.Module, options, lr: float, mesh=None,
@@ -27,7 +29,6 @@ def optimizer_for(model: nn.Module, options, lr: float, mesh=None,
     optimizer = build_optimizer_for(model, lambda params: build_optimizer(params, options, lr))
     if options.name != "kfac":
         return optimizer
-    from .kfac import KFAC, KFACSettings
     return KFAC(model, optimizer, mesh, KFACSettings.from_options(options), grad_accum)
 
 
