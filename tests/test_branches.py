@@ -122,7 +122,7 @@ def test_branches_refuse_other_axes_and_bad_combine():
 
 
 def kfac_with_branches(mode: str) -> str:
-    from exatrain.train.kfac import KFAC
+    from exatrain.optim.kfac import KFAC
     mesh = et.init(et.Plan(data=2))
     try:
         model = parallelize(_model("sum"), mesh, ParallelOptions(branches=mode))

@@ -64,7 +64,7 @@ def test_auto_scope_compiles_repeated_blocks_one_by_one_and_other_models_whole()
     block by block."""
     from torch import nn
 
-    from exatrain.parallel.memory import auto_compile_scope
+    from exatrain.parallel.compile import auto_compile_scope
 
     class Tower(nn.Module):  # written as users write them: a list of equal layers
         def __init__(self, widths):
@@ -86,7 +86,7 @@ def test_the_cpu_memory_tracker_leaves_compile_at_work():
     from torch import nn
     from torch._dynamo.utils import counters
 
-    from exatrain.parallel.memory import compile_in_place
+    from exatrain.parallel.compile import compile_in_place
     from exatrain.observe.memory_meters import StepPeak
 
     class Net(nn.Module):  # a class of this test's own: its forward was never compiled before

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from exatrain.parallel.gradnorm import clip_grad_norm_, decided_locally, found_nonfinite
+from exatrain.optim.gradnorm import clip_grad_norm_, decided_locally, found_nonfinite
 
 
 def _params(dtypes) -> list[torch.nn.Parameter]:

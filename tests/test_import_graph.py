@@ -16,13 +16,15 @@ never of a layer above; within a layer, the no-circle rule alone holds:
   launch        launcher detection, local spawn, batch scripts, host memory, signals
   mesh          init(): the process group and the named axes of a Plan
   data, models  readers, writers and the input path; plain PyTorch models (peers)
-  parallel      parallelize and every strategy, precision, gradient norms, the optimizer factory
+  parallel      parallelize and every strategy, precision, activation checkpointing, compile
+  optim         the optimizer factory, the learning-rate schedule, gradient norms and clipping,
+                distributed K-FAC
   workloads     built-in and user workloads: model + data + loss + metrics
   population    the tournament pieces: [population] options, partitions, pairing, model
                 exchange, hyperparameters, plot (the population's driver is in train for now)
   observe       what a run records and shows: step meters, memory meters, the observer, console,
                 summary fields, trackers, MLPerf log, report and figures, preflight, startup
-  train         config, the Trainer, checkpoints/, resilience/, the run entry point, fit, K-FAC,
+  train         config, the Trainer, checkpoints/, resilience/, the run entry point, fit,
                 and the population's driver (train/population.py)
   infer         prediction over a data set under any Plan (`exatrain predict`, et.predict)
   tune          the cost model, dry run, calibration, the planner and the tuner
@@ -58,6 +60,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("data, models", ("exatrain.data", "exatrain.models")),
     # strategies: act on module types, never on particular workloads
     ("parallel", ("exatrain.parallel",)),
+    # how the tensors a strategy left behind are stepped: factory, schedule, norms, K-FAC
+    ("optim", ("exatrain.optim",)),
     # model + data + loss + metrics, built-in or the user's
     ("workloads", ("exatrain.workloads",)),
     # the population's pieces that train's config and the driver use

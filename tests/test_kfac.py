@@ -29,7 +29,8 @@ from torch import nn
 
 from exatrain.parallel import unwrap
 from exatrain.train.config import ConfigError, load_config
-from exatrain.train.kfac import KFAC as KFACOptimizer, KFACSettings, _damped_inverse, check_plan
+from exatrain.optim.kfac import KFAC as KFACOptimizer, KFACSettings, check_plan
+from exatrain.optim.kfac_factors import damped_inverse
 from exatrain.train.run import setup
 from exatrain.plan import Plan
 from harness import max_rel_err_state, run_ranks
@@ -56,16 +57,16 @@ def _report(trainer, mesh) -> dict:
     factor = 4 * (sum(width[k](l) if l.diag[k] else full(l, k) for l in layers for k in "AG")
                   + 2 * len(layers))
     eigen = 4 * sum(width[k](l) + (0 if l.diag[k] else full(l, k))
-                    for i, l in enumerate(layers) if opt.holds(i) for k in "AG")
+                    for i, l in enumerate(layers) if opt.grid.holds(i) for k in "AG")
     grad = 4 * sum(l.a * l.g for l in layers)
     return {"state": {k: v.detach().cpu().clone()
                       for k, v in unwrap(trainer.model).state_dict().items()},
             "memory": opt.memory_bytes(), "formula": opt.memory_formula(),
             "kfac_bytes": sum(mesh.ledger.bytes_by_axis(tag="kfac").values()),
             # 4 steps of factors and gradients; eigendecompositions at steps 1 and 4
-            "expected_bytes": 4 * factor + 2 * eigen * (opt.workers > 1)
-                              + 4 * grad * (opt.rows > 1),
-            "run_dir": str(trainer.run_dir), "workers": opt.workers, "rows": opt.rows}
+            "expected_bytes": 4 * factor + 2 * eigen * (opt.grid.workers > 1)
+                              + 4 * grad * (opt.grid.rows > 1),
+            "run_dir": str(trainer.run_dir), "workers": opt.grid.workers, "rows": opt.grid.rows}
 
 
 def kfac_runs(configs: dict, cut: str) -> dict:
@@ -243,14 +244,14 @@ def test_damped_inverse_in_float32_and_its_float64_fallback():
     torch.manual_seed(0)
     rows = torch.randn(64, 200) * torch.logspace(0, -4, 200)   # condition ~1e8 before damping
     factor = rows.T @ rows / 64
-    inverse = _damped_inverse(factor, 1e-3)
+    inverse = damped_inverse(factor, 1e-3)
     assert inverse.dtype == torch.float32
     exact = torch.linalg.inv(factor.double() + 1e-3 * torch.eye(200, dtype=torch.float64))
     assert float((inverse.double() - exact).norm() / exact.norm()) < 1e-4
     # singular in float32 (1 + 1e-10 rounds to 1), positive definite in float64: the float64
     # inverse, in float32
     singular = torch.ones(2, 2)
-    inverse = _damped_inverse(singular, 1e-10)
+    inverse = damped_inverse(singular, 1e-10)
     exact = torch.linalg.inv(singular.double() + 1e-10 * torch.eye(2, dtype=torch.float64))
     assert inverse.dtype == torch.float32
     torch.testing.assert_close(inverse.double(), exact, rtol=1e-4, atol=0)
@@ -267,7 +268,7 @@ def _kfac_inputs():
 
 def _kfac_reference(inverse="eigen", max_factor_dim=0) -> tuple[dict, float]:
     """One K-FAC step of `_SmallNet` from its definition, in float64, written apart from
-    `train/kfac.py`: per layer the factors A (input patches by F.unfold, a 1 for the bias) and
+    `optim/kfac*.py`: per layer the factors A (input patches by F.unfold, a 1 for the bias) and
     G (per-sample output gradients), each replaced by its diagonal when wider than
     `max_factor_dim` > 0, and the preconditioned gradient V solved on the Kronecker product,
 
@@ -392,11 +393,11 @@ def test_kfac_step_equals_its_formula(case):
     diagonal factors, and an AdamW base (there the reference is the gradient AdamW receives,
     ν·V, and AdamW's first step of it: `_check_step`).
 
-    Mutations of `train/kfac.py` run by hand (then reverted) and failing here: damping tripled
+    Mutations of `optim/kfac*.py` run by hand (then reverted) and failing here: damping tripled
     in the eigen path (`+ lam` → `+ 3 * lam`) and eigenvectors stored transposed
     (`Q.copy_(vecs)` → `Q.copy_(vecs.T)`): every eigen case (eigen-diagonal through G's
     eigenvectors); Cholesky's damping tripled (`sqrt(damping)` → `sqrt(3 * damping)` in
-    `_tikhonov`, or `factor + 3 * damping * eye` in `_damped_inverse`): every cholesky case; the KL clip dropped (`v = v * nu` → `v = v`): every
+    `_tikhonov`, or `factor + 3 * damping * eye` in `damped_inverse`): every cholesky case; the KL clip dropped (`v = v * nu` → `v = v`): every
     clipped case (the AdamW one by the gradient it receives)."""
     expected, kappa = _kfac_expected(case)
     _check_step(case, expected, *_kfac_step(case, kappa))
@@ -449,7 +450,7 @@ def test_kfac_at_its_defaults_trains_distributed_like_serial(tiny_config):
     within 1e-4 with float32 products (measured 3.5e-5), so that it is the rounding and nothing
     else."""
     from exatrain.bench.kfac_branches import norm_error
-    from exatrain.train.kfac import fast_bfloat16
+    from exatrain.optim.kfac_factors import fast_bfloat16
 
     base = ("optim.name='kfac'", "train.steps=4", "train.eval_every=0",
             "schedule.warmup_steps=0", "optim.kfac_inverse_every=3")
@@ -465,7 +466,7 @@ def test_kfac_at_its_defaults_trains_distributed_like_serial(tiny_config):
 
 
 def test_auto_products_are_bfloat16_where_the_device_multiplies_it_fast():
-    from exatrain.train.kfac import fast_bfloat16, resolve_matmul_dtype
+    from exatrain.optim.kfac_factors import fast_bfloat16, resolve_matmul_dtype
 
     cpu = torch.device("cpu")
     expected = torch.bfloat16 if fast_bfloat16(cpu) else torch.float32

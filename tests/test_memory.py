@@ -9,7 +9,8 @@ from torch import nn
 
 from exatrain.models.cosmoflow import CosmoFlow
 from exatrain.models.gpt import GPT, GPTConfig
-from exatrain.parallel.memory import apply_checkpointing_and_compile, find_blocks
+from exatrain.parallel.blocks import find_blocks
+from exatrain.parallel.compile import apply_checkpointing_and_compile
 from exatrain.train.config import ParallelOptions, load_config
 from exatrain.observe.memory_meters import StepPeak, state_bytes, zero_state_formula
 from exatrain.train.run import setup

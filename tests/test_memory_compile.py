@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from exatrain.models.gpt import GPT, GPTConfig, gpt_loss
-from exatrain.parallel.memory import apply_checkpointing_and_compile
+from exatrain.parallel.compile import apply_checkpointing_and_compile
 from exatrain.train.config import ParallelOptions
 from harness import max_rel_err_state, rel_err
 
@@ -42,7 +42,7 @@ def test_compiled_blocks_train_like_eager():
     graphs = counters["stats"]["unique_graphs"]
     losses, state = _train(compiled)
     # compiled code ran: Dynamo captured graphs (nn.Module.compile() on a block of torch's own
-    # classes captured none, silently; see parallel/memory.compile_in_place)
+    # classes captured none, silently; see parallel/compile.compile_in_place)
     assert counters["stats"]["unique_graphs"] > graphs
     assert rel_err(losses, ref_losses) <= 1e-5
     assert state.keys() == ref_state.keys()  # in-place compile: no `_orig_mod` in the names

@@ -93,18 +93,19 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale(corpus, tmp_path):
 def test_loss_scaler_grows_after_clean_steps_and_refuses_to_vanish():
     scaler = DynamicLossScaler(init_scale=8.0, growth_interval=2, min_scale=1.0)
     assert scaler.scale_loss(torch.tensor(1.5)).item() == 12.0
-    assert scaler.update(True) and scaler.scale == 8.0
-    assert scaler.update(True) and scaler.scale == 16.0
-    assert not scaler.update(False) and scaler.scale == 8.0
+    assert scaler.update(False) and scaler.scale == 8.0      # found_inf False: a clean step
+    assert scaler.update(False) and scaler.scale == 16.0
+    assert not scaler.update(True) and scaler.scale == 8.0   # not finite: skip, halve
     p = torch.nn.Parameter(torch.ones(3))
     p.grad = torch.full((3,), 8.0)
     scaler.unscale_([p])
     assert torch.equal(p.grad, torch.ones(3))
     with pytest.raises(FloatingPointError, match="loss scale fell below"):
         for _ in range(5):
-            scaler.update(False)
+            scaler.update(True)
     off = DynamicLossScaler(enabled=False)
-    assert off.scale_loss(torch.tensor(2.0)).item() == 2.0 and off.update(True)
+    assert off.scale_loss(torch.tensor(2.0)).item() == 2.0 and off.update(False)
+    assert not off.update(True)
 
 
 def test_norms_and_loss_stay_fp32_under_autocast():

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from exatrain.train.schedule import lr_at, scaled_lr
+from exatrain.optim.schedule import lr_at, scaled_lr
 
 
 def test_large_batch_scaling_rules():

@@ -26,7 +26,7 @@ from .parallel.pipe.split import PipeSplitError
 from .train.checkpoints.checkpoint import CheckpointError
 from .train.checkpoints.export import InitFromError
 from .train.fit import fit, launch
-from .train.kfac import KFAC, KFACSettings
+from .optim.kfac import KFAC, KFACSettings
 from .infer.predict import PredictError, predict
 from .train.job import ResumeError
 from .workloads.metrics import Mean, Ratio

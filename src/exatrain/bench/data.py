@@ -263,7 +263,7 @@ def loader_rate(workload, dataset, micro: int, workers: int, samples: int, repea
 
 def model_rate(workload, config, micro: int, steps: int = 6) -> float:
     """Samples/s of forward + backward + optimizer on one in-memory batch (one rank's share)."""
-    from ..train.trainer import build_optimizer
+    from ..optim.factory import build_optimizer
     batch = [workload.train_set[i] for i in range(micro)]
     x = workload.decode_inputs(torch.stack([b[0] for b in batch]))
     y = torch.stack([torch.as_tensor(b[1]) for b in batch])

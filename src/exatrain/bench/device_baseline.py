@@ -129,10 +129,10 @@ def _channels_last(t: torch.Tensor) -> torch.Tensor:
 
 
 def _optimizer(params, levers: Levers, optim) -> torch.optim.Optimizer:
-    impl = {"forloop": dict(foreach=False), "foreach": dict(foreach=True),
-            "fused": dict(fused=True)}[levers.optimizer]
-    return torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
-                             weight_decay=optim.weight_decay, **impl)
+    """AdamW at the config's hyperparameters on the lever's kernel (forloop, foreach, fused)."""
+    from ..optim.factory import build_optimizer
+    return build_optimizer(params, dataclasses.replace(optim, name="adamw"), optim.lr,
+                           impl=levers.optimizer)
 
 
 def train_plain(model: nn.Module, dataset, loss_fn, decode, levers: Levers, device, optim,

@@ -189,9 +189,9 @@ def _train_rank(config) -> dict:
 
 
 def _memory_rank(config, fractions) -> dict:
-    from ..train.kfac import KFAC, KFACSettings
+    from ..optim.kfac import KFAC, KFACSettings
     from ..train.run import setup
-    from ..train.trainer import build_optimizer
+    from ..optim.factory import build_optimizer
 
     mesh, trainer = setup(config)
     try:

@@ -58,7 +58,8 @@ def _rank_main(world: int, size: int, steps: int, warmup: int, batch: int) -> di
     from ..mesh import init
     from ..models.gpt import GPT, gpt_loss
     from ..parallel.data import data_parallel
-    from ..parallel.shard import ZeroDataParallel, build_optimizer_for, parallelize_shard
+    from ..optim.factory import build_optimizer_for
+    from ..parallel.shard import ZeroDataParallel, parallelize_shard
     from ..plan import Plan
     from ..train.config import ParallelOptions
     from ..observe.memory_meters import state_bytes

@@ -141,9 +141,9 @@ def checkpoint_and_compile_step(model, mesh, options, layout):
         return model
     scope = options.compile_scope
     if scope == "auto":
-        scope = _strategy("memory").auto_compile_scope(
+        scope = _strategy("compile").auto_compile_scope(
             model, fsdp=mesh.plan.shard > 1 and options.zero_stage == 3)
-    return _strategy("memory").apply_checkpointing_and_compile(model, options,
+    return _strategy("compile").apply_checkpointing_and_compile(model, options,
                                                               whole_model=scope == "model")
 
 

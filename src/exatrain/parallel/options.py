@@ -15,7 +15,7 @@ class ParallelOptions:
     offload: bool = False           # CPU offload of sharded parameters and optimizer state
     precision: str = "fp32"         # fp32 | bf16 | fp16 | fp8 (fp32 master weights, reductions)
     activation_checkpointing: str = "none"  # none | full | selective
-    compile: bool = False           # torch.compile the model (see parallel/memory.py)
+    compile: bool = False           # torch.compile the model (see parallel/compile.py)
     compile_backend: str = "inductor"  # torch.compile's backend (eager, aot_eager: debugging)
     cuda_graphs: bool = False       # GPU, with compile: the compiled code replays as CUDA graphs
                                     # (torch.compile mode "reduce-overhead"), no launch per kernel

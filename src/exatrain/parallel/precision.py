@@ -101,15 +101,15 @@ class DynamicLossScaler:
     the device.
 
     Every rank reaches the same verdict without a collective of its own: the finiteness test is
-    the global gradient norm that the Trainer computes anyway (`parallel.gradnorm`), which is the
+    the global gradient norm that the Trainer computes anyway (`optim.gradnorm`), which is the
     same number on every rank. Scales are powers of two, so scaling and unscaling are exact.
 
     The scale, the count of clean steps and the count of skipped steps are device tensors, and
     `update(found_inf)` with a device tensor changes them with torch's own kernel
     (`torch._amp_update_scale_`, what `torch.amp.GradScaler` uses): a step never waits for the
-    host to decide. `update(bool)` (a verdict already read on the host) returns whether the
-    optimizer should step. `scale`, `good_steps` and `skipped_steps` read the device (at log
-    steps); `check()` refuses a scale that fell below `min_scale`.
+    host to decide. `update(bool)` (a verdict already read on the host, True where not finite)
+    returns whether the optimizer should step. `scale`, `good_steps` and `skipped_steps` read
+    the device (at log steps); `check()` refuses a scale that fell below `min_scale`.
     """
 
     def __init__(self, enabled: bool = True, init_scale: float = 2.0 ** 16,
@@ -162,22 +162,23 @@ class DynamicLossScaler:
                     g.mul_(inverse.item())
 
     def update(self, found_inf):
-        """Record one step's verdict. `found_inf`: a device tensor (1.0 where the gradients were
-        not finite), changed on the device, returns None; or a host bool `grads_finite` (the
-        verdict already read), then returns whether the optimizer should step and refuses a scale
-        below `min_scale` at once."""
+        """Record one step's verdict, `found_inf`: 1 (True) where the gradients were not finite,
+        as `optim.gradnorm.found_nonfinite` and the fused optimizers' `found_inf` say it. A
+        device tensor is read on the device and returns None; a host bool (the verdict already
+        read) returns whether the optimizer should step, and refuses a scale below `min_scale`
+        at once."""
         host = isinstance(found_inf, bool)
         if not self.enabled:
-            return found_inf if host else None
-        flag = torch.tensor(0.0 if found_inf else 1.0, device=self.device) if host else \
+            return (not found_inf) if host else None
+        flag = torch.tensor(1.0 if found_inf else 0.0, device=self.device) if host else \
             found_inf.to(device=self.device, dtype=torch.float32)
         torch._amp_update_scale_(self._scale, self._good, flag, self.growth_factor,
                                  self.backoff_factor, self.growth_interval)
         self._skipped.add_(flag)
         if host:
-            if not found_inf:
+            if found_inf:
                 self.check()
-            return found_inf
+            return not found_inf
         return None
 
     def check(self) -> None:

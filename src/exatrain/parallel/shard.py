@@ -43,7 +43,7 @@ contiguous, as FSDP2 does), frees the full gradients, and reduce-scatters straig
 rank's persistent shard-gradient buffer. After `optimizer.step()` a step hook all-gathers the
 updated chunks back into the full parameters, bucket by bucket.
 
-Stage 3 (`_fully_shard`): FSDP2 `fully_shard` on each block (`parallel.memory.find_blocks`) and
+Stage 3 (`_fully_shard`): FSDP2 `fully_shard` on each block (`parallel.blocks.find_blocks`) and
 on the root, over the 1-D `shard` mesh. Its collectives go through `comm.fsdp` (counted in the
 ledger); with data > 1 the reduced gradient shards are all-reduced over `data` through
 `comm.all_reduce` in FSDP2's all-reduce hook. Under bf16/fp16, FSDP2 gathers parameters in the
@@ -65,8 +65,9 @@ import torch
 from torch import nn
 
 from ..comm import all_gather_into, all_reduce, reduce_scatter_into
+from ..comm.dtensor import local_tensor
 from ..mesh import Mesh
-from .memory import find_blocks
+from .blocks import find_blocks
 from .options import zero_stage_refusal
 from ..errors import ConfigError, ParallelizeError
 
@@ -116,7 +117,7 @@ class ZeroDataParallel(nn.Module):
     """ZeRO stage 1 or 2 around `module` (see the module docstring).
 
     The optimizer must step `shard_parameters()` and be registered with `bind_optimizer`
-    (`build_optimizer_for` does both). `no_sync()` accumulates full gradients locally.
+    (`optim.factory.build_optimizer_for` does both). `no_sync()` accumulates full gradients locally.
     """
 
     def __init__(self, module: nn.Module, mesh: Mesh, stage: int, offload: bool = False,
@@ -164,7 +165,7 @@ class ZeroDataParallel(nn.Module):
             else:
                 shard = nn.Parameter(own)  # shares the parameter's storage: no extra memory
                 host_grad = None
-            # the gradient chunks are split over `shard` and equal over `data` (parallel.gradnorm),
+            # the gradient chunks are split over `shard` and equal over `data` (optim.gradnorm),
             # and over the axes a tensor-parallel layer already split the parameter over
             shard.exatrain_norm_axes = norm_axes + tuple(getattr(p, "exatrain_norm_axes", ()))
             entries.append(_Entry(clean_fqn(name), p, chunk, lo, hi, p[0].numel(), shard,
@@ -338,7 +339,7 @@ class ZeroDataParallel(nn.Module):
         ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
         if not {id(e.shard) for e in self._entries} <= ids:
             raise ValueError("the optimizer must step exactly ZeroDataParallel.shard_parameters(); "
-                             "build it with exatrain.parallel.shard.build_optimizer_for.")
+                             "build it with exatrain.optim.factory.build_optimizer_for.")
         optimizer.register_step_post_hook(lambda opt, args, kwargs: self.gather_parameters())
 
     @torch.no_grad()
@@ -410,7 +411,7 @@ def zero_load_optimizer_state_dict(units: list[ZeroDataParallel], optimizer, loa
         st = optimizer.state[by_fqn[fqn].shard]
         for k, v in values.items():
             if isinstance(v, torch.Tensor):
-                local = v.to_local() if hasattr(v, "to_local") else v
+                local = local_tensor(v)
                 if k in st and isinstance(st[k], torch.Tensor):
                     if st[k].data_ptr() != local.data_ptr():
                         st[k].copy_(local)
@@ -420,21 +421,6 @@ def zero_load_optimizer_state_dict(units: list[ZeroDataParallel], optimizer, loa
                 st[k] = v
     for group, saved in zip(optimizer.param_groups, loaded["param_groups"]):
         group.update({k: v for k, v in saved.items() if k != "params"})
-
-
-def build_optimizer_for(model: nn.Module, build) -> torch.optim.Optimizer:
-    """`build(params)` over the tensors this model's optimizer must step, wired to the model.
-
-    Plain, DDP and FSDP2 models: the model's trainable parameters. ZeRO-1/2: the rank's shards,
-    with the post-step all-gather registered.
-    """
-    units = zero_units(model)
-    if units:
-        optimizer = build([p for unit in units for p in unit.shard_parameters()])
-        for unit in units:
-            unit.bind_optimizer(optimizer)
-        return optimizer
-    return build([p for p in model.parameters() if p.requires_grad])
 
 
 def zero_units(model: nn.Module) -> list[ZeroDataParallel]:
@@ -551,5 +537,5 @@ def parallelize_shard(model: nn.Module, mesh: Mesh, options, partial_axes=()) ->
                             bucket_cap_mb=options.bucket_cap_mb, partial_axes=partial_axes)
 
 
-__all__ = ["ZeroDataParallel", "build_optimizer_for", "clean_fqn", "parallelize_shard",
+__all__ = ["ZeroDataParallel", "clean_fqn", "parallelize_shard",
            "zero_load_optimizer_state_dict", "zero_optimizer_state_dict", "zero_units"]

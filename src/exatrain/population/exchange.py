@@ -28,22 +28,18 @@ from __future__ import annotations
 import torch
 
 from ..comm import Axis, exchange, nbytes
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The rank's own piece: a DTensor's local tensor (a view sharing its storage)."""
-    return t.to_local() if type(t).__name__ == "DTensor" else t
+from ..comm.dtensor import local_tensor
 
 
 def model_tensors(model: torch.nn.Module, optimizer=None) -> list[torch.Tensor]:
     """This rank's tensors that define the model (and the optimizer's state), in a fixed order."""
-    tensors = [_local(p.detach()) for p in model.parameters()]
-    tensors += [_local(b) for b in model.buffers()]
+    tensors = [local_tensor(p.detach()) for p in model.parameters()]
+    tensors += [local_tensor(b) for b in model.buffers()]
     if optimizer is not None:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 state = optimizer.state.get(p, {})
-                tensors += [_local(state[k]) for k in sorted(state)
+                tensors += [local_tensor(state[k]) for k in sorted(state)
                             if isinstance(state[k], torch.Tensor)]
     return tensors
 

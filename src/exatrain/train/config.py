@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..optim.kfac_settings import DEFAULTS as KFAC_DEFAULTS
 from ..parallel.options import BATCHNORM_MODES, ParallelOptions
 from ..plan import Plan
 from ..observe.options import MLPerfOptions, ObserveOptions
@@ -99,32 +100,34 @@ class OptimOptions:
     impl: str = "auto"          # auto | fused | foreach | forloop: torch.optim's kernel; auto =
                                 # fused where torch has it (one launch for every parameter, and
                                 # a non-finite step skipped on the device, not read by the host;
-                                # SGD on a CPU: for-loop, see train.trainer.optimizer_kernel)
-    # kfac: K-FAC preconditioning before `kfac_base` (see train.kfac and docs/how-to/kfac.md).
+                                # SGD on a CPU: for-loop, see optim.factory.optimizer_kernel)
+    # kfac: K-FAC preconditioning before `kfac_base` (see optim.kfac and docs/how-to/kfac.md).
     # The defaults are the recipe that reached the default job's target fastest (0.75x tuned
     # AdamW's seconds, nine seeds), with `lr` at its default 1e-3.
     kfac_base: str = "adamw"    # sgd | adamw: the first-order update of preconditioned gradients
                                 # (SGD at lr 0.02 never reached the default job's target)
-    kfac_damping: float = 0.03    # 0.1 preconditioned too weakly; 1e-3 (KAISA's) saturates the
-                                  # default CosmoFlow's tanh head
-    kfac_factor_decay: float = 0.95  # ξ of the factors' running average A ← ξ·A + (1-ξ)·A_step
-    kfac_factor_every: int = 2  # steps between factor updates (every step: the same curve, a
-                                # dearer step)
-    kfac_inverse_every: int = 10  # steps between inverse updates (eigendecompositions or
-                                  # Cholesky factorisations)
-    kfac_kl_clip: float = 1e-3  # κ of KL clipping: the preconditioned update is scaled by
-                                # min(1, sqrt(κ / (lr² Σ ⟨update, gradient⟩)))
-    kfac_grad_worker_fraction: float = 1.0  # 1/W: memory-optimal .. 1: communication-optimal
-    kfac_inverse: str = "cholesky"  # eigen | cholesky: damped inverses, n³/3 flops against eigh's
-                                    # ~9n³ (n = 3,456: 2.5 s against 66-142 s on 2 cores)
-    kfac_factor_positions: int = 64  # a conv's A from at most this many positions per sample
-                                     # (0 = all; a 32³ input has 32,768)
-    kfac_max_factor_dim: int = 1000  # a factor wider than this is kept diagonal (0 = all full):
-                                     # a 3D conv's A is C_in·27 wide, its preconditioning ~ C_in²
-    kfac_matmul_dtype: str = "auto"  # auto | float32 | bfloat16: factor and preconditioning
-                                     # products (auto: bfloat16 on a GPU of compute capability ≥ 8
-                                     # and a CPU with AVX512-BF16 or AMX, where it runs 2.2x
-                                     # float32's rate; float32 elsewhere; the state stays float32)
+    kfac_damping: float = KFAC_DEFAULTS.damping  # λ, Tikhonov damping: 0.1 preconditioned too
+        # weakly; 1e-3 (KAISA's) saturates the default CosmoFlow's tanh head
+    kfac_factor_decay: float = KFAC_DEFAULTS.factor_decay  # ξ of the factors' running average
+        # A ← ξ·A + (1-ξ)·A_step
+    kfac_factor_every: int = KFAC_DEFAULTS.factor_every  # steps between factor updates (every
+        # step: the same curve, a dearer step)
+    kfac_inverse_every: int = KFAC_DEFAULTS.inverse_every  # steps between inverse updates
+        # (eigendecompositions or Cholesky factorisations)
+    kfac_kl_clip: float = KFAC_DEFAULTS.kl_clip  # κ of KL clipping: the preconditioned update
+        # is scaled by min(1, sqrt(κ / (lr² Σ ⟨update, gradient⟩)))
+    kfac_grad_worker_fraction: float = KFAC_DEFAULTS.grad_worker_fraction  # 1/W:
+        # memory-optimal .. 1: communication-optimal
+    kfac_inverse: str = KFAC_DEFAULTS.inverse  # eigen | cholesky: damped inverses, n³/3 flops
+        # against eigh's ~9n³ (n = 3,456: 2.5 s against 66-142 s on 2 cores)
+    kfac_factor_positions: int = KFAC_DEFAULTS.factor_positions  # a conv's A from at most this
+        # many positions per sample (0 = all; a 32³ input has 32,768)
+    kfac_max_factor_dim: int = KFAC_DEFAULTS.max_factor_dim  # a factor wider than this is kept
+        # diagonal (0 = all full): a 3D conv's A is C_in·27 wide, its preconditioning ~ C_in²
+    kfac_matmul_dtype: str = KFAC_DEFAULTS.matmul_dtype  # auto | float32 | bfloat16: factor and
+        # preconditioning products (auto: bfloat16 on a GPU of compute capability ≥ 8 and a CPU
+        # with AVX512-BF16 or AMX, where it runs 2.2x float32's rate; float32 elsewhere; the
+        # state stays float32)
 
 
 @dataclass
@@ -373,7 +376,7 @@ def _validate_kfac(config: Config) -> None:
     """K-FAC runs under data and space only, without recomputation or fp16 loss scaling."""
     from types import SimpleNamespace
 
-    from .kfac import check_plan
+    from ..optim.kfac_settings import check_plan
     p = config.plan
     try:
         check_plan(SimpleNamespace(trainer=p.trainer, pipe=p.pipe, shard=p.shard,

@@ -16,7 +16,7 @@ whose gradients overflow is skipped and counted (`skipped_steps`).
 
 The host never waits for the device between read points (log, evaluation and checkpoint steps,
 every `STOP_CHECK_EVERY` steps with several ranks, the last step): a step leaves its loss, its
-global gradient norm and its non-finite verdict on the device (`monitor.step_meters`), its times
+global gradient norm and its non-finite verdict on the device (`observe.step_meters`), its times
 as CUDA events, and a non-finite step is skipped by the optimizer's own kernel (`found_inf`, as
 `torch.amp.GradScaler` does; fp16's loss scale is updated on the device too). A read point reads
 them all with one copy. What the run reports is what every step measured: per-interval medians,
@@ -51,22 +51,21 @@ from ..data.loader import (EpochSampler, Prefetcher, collate, loader_workers, no
                            run_loader)
 from ..mesh import Mesh
 from ..parallel.data import unwrap
-from ..parallel.gradnorm import clip_grad_norm_, decided_locally, found_nonfinite
+from ..optim.gradnorm import clip_grad_norm_, decided_locally, found_nonfinite
 from ..parallel.compile_stats import CompileCounter
 from ..parallel.options import cuda_graphs_refusal
 from ..parallel.layout import channels_last_input, input_memory_format
 from ..parallel.pipe.model import PipelineModel
-from ..parallel.shard import build_optimizer_for
 from ..workloads.base import Workload
 from .checkpoints import checkpoint
-from . import kfac
+from ..optim.factory import match_grad_layouts, optimizer_for, supports_found_inf
 from .config import Config, ConfigError, micro_batch_size
 from ..observe.cpu_peak import Peak, cpu_peak
 from ..observe.memory_meters import StepPeak, peak_memory_bytes, state_bytes
 from ..observe.observer import StepObserver
 from ..observe.step_meters import PendingSteps
 from ..parallel.precision import Precision, keep_norms_fp32, measured_matmul_flops
-from .schedule import lr_at, scaled_lr
+from ..optim.schedule import lr_at, scaled_lr
 from .resilience.faults import FaultInjector
 from .resilience.policies import SkipBadSamples, out_of_memory_advice, skip_nonfinite
 from .resilience.stop import StopOnSignal
@@ -93,55 +92,6 @@ class NonFiniteLoss(UserError, RuntimeError):
     What to do: lower `optim.lr`, add warm-up, or set `train.on_nonfinite = "skip"`; resume from
     the checkpoint the message names.
     """
-
-
-def build_optimizer(params, options, lr: float) -> torch.optim.Optimizer:
-    name = options.kfac_base if options.name == "kfac" else options.name  # K-FAC: see Trainer
-    params = list(params)
-    kernel = optimizer_kernel(params, getattr(options, "impl", "auto"), sgd=name == "sgd")
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=options.momentum,
-                               weight_decay=options.weight_decay, **kernel)
-    cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
-    return cls(params, lr=lr, betas=tuple(options.betas), eps=options.eps,
-               weight_decay=options.weight_decay, **kernel)
-
-
-def optimizer_kernel(params: list, impl: str, sgd: bool = False) -> dict:
-    """torch.optim's implementation for `optim.impl`: "auto" takes the fused kernel (one launch
-    for every parameter, and a step it can skip on the device) wherever torch has one for these
-    parameters (plain floating-point tensors on a GPU; on a CPU for Adam and AdamW), else
-    torch's own choice. On a CPU, SGD keeps the for-loop kernel: torch 2.13's fused CPU SGD
-    disagreed with it by 5e-4 (relative, one step) under 3D tensor parallelism with activation
-    checkpointing, where every parameter and gradient was contiguous (cause not found)."""
-    plain = all(type(p) in (torch.Tensor, nn.Parameter) and p.is_floating_point()
-                and p.device.type in ("cpu", "cuda") for p in params)
-    on_cpu = any(p.device.type == "cpu" for p in params)
-    if impl == "fused" or (impl == "auto" and plain and not (sgd and on_cpu)):
-        return {"fused": True}
-    return {"foreach": True} if impl == "foreach" else {"foreach": False} if impl == "forloop" \
-        else {}
-
-
-def match_grad_layouts(params) -> None:
-    """Give every gradient its parameter's strides. torch's fused optimizers walk parameter and
-    gradient memory in step, assuming the two are laid out alike, which autograd's gradients are
-    but gradients a strategy assigns need not be (seen with torch 2.13's fused CPU SGD and AdamW:
-    a transposed gradient gave updates off by 0.5-1.0). A host-side check of strides per
-    parameter; a copy only where they differ."""
-    for p in params:
-        g = p.grad
-        if g is not None and g.stride() != p.stride() and type(g) is torch.Tensor:
-            aligned = torch.empty_like(p)
-            aligned.copy_(g)
-            p.grad = aligned
-
-
-def supports_found_inf(optimizer) -> bool:
-    """Whether `optimizer.step()` honours `optimizer.found_inf` (skips on the device): torch's
-    fused Adam, AdamW and SGD do, as `torch.amp.GradScaler` relies on."""
-    return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD) and \
-        bool(optimizer.defaults.get("fused"))
 
 
 class Trainer:
@@ -173,11 +123,9 @@ class Trainer:
         self.total_steps = t.steps or t.epochs * self.steps_per_epoch
         s = config.schedule
         self.peak_lr = scaled_lr(config.optim.lr, t.batch_size, s.base_batch_size, s.lr_scaling)
-        self.optimizer = build_optimizer_for(
-            model, lambda params: build_optimizer(params, config.optim, self.peak_lr))
-        if config.optim.name == "kfac":  # preconditioning in front of the first-order update
-            self.optimizer = kfac.KFAC(model, self.optimizer, mesh, kfac.KFACSettings.from_options(
-                config.optim), config.train.grad_accum)
+        # K-FAC: preconditioning in front of the first-order update
+        self.optimizer = optimizer_for(model, config.optim, self.peak_lr, mesh,
+                                       config.train.grad_accum)
         refusal = cuda_graphs_refusal(mesh.plan, config.parallel, mesh.device.type,
                                       config.optim.name)
         if refusal:
@@ -403,7 +351,7 @@ class Trainer:
             raise self._nonfinite_error(self.step + 1, loss, norm)
         if self.scaler.enabled and not finite:
             self.last_state_bytes = state_bytes(self.model, self.optimizer)
-        return self.scaler.update(finite)
+        return self.scaler.update(not finite)
 
     def _nonfinite_error(self, step: int, loss: float, norm: float | None) -> "NonFiniteLoss":
         last = checkpoint.latest(self.run_dir) if self.run_dir else None
@@ -561,7 +509,7 @@ class Trainer:
     @functools.cached_property
     def peak(self) -> Peak:
         """MFU's denominator, once per run (the live log and the summary share it): on a CPU the
-        processor's peak (`monitor.cpu_peak`), elsewhere, or where the CPU does not say enough,
+        processor's peak (`observe.cpu_peak`), elsewhere, or where the CPU does not say enough,
         the measured matmul rate."""
         if self.mesh.device.type == "cpu":
             peak = cpu_peak(self.precision.dtype)

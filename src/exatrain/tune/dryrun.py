@@ -88,6 +88,8 @@ def _build(config, on_meta: bool):
 
 def dry_run(config, plan: Plan, rank: int, max_full_bytes: float = 4 * 2 ** 30) -> dict:
     """Run one step of rank `rank` of `plan` in this process (see the module doc)."""
+    from ..comm.dtensor import local_tensor
+    from ..optim.factory import build_optimizer
     from ..parallel import parallelize
     from ..parallel.options import ParallelOptions
     from ..observe.memory_meters import StepPeak, state_bytes
@@ -127,8 +129,9 @@ def dry_run(config, plan: Plan, rank: int, max_full_bytes: float = 4 * 2 ** 30) 
         if plan.tensor_degree > 1 and any(t.is_meta for t in net.parameters()):
             notes.append("parameters left on meta")
         x, y = _inputs(config, shape, mesh, per_rank)
-        optim = torch.optim.SGD(net.parameters(), lr=0.0) if config.optim.name == "sgd" else \
-            torch.optim.AdamW(net.parameters(), lr=0.0)
+        # the run's optimizer (its state is what the rank holds), over every parameter: a fake
+        # mesh runs no ZeRO all-gather after the step, and K-FAC's state is not modelled
+        optim = build_optimizer(net.parameters(), config.optim, 0.0)
         peak = StepPeak(mesh.device)
         mesh.ledger.reset()
         with peak.track():
@@ -140,7 +143,7 @@ def dry_run(config, plan: Plan, rank: int, max_full_bytes: float = 4 * 2 ** 30) 
         optim.step()
         state = state_bytes(net, optim)
         # what this rank holds: a DTensor's (FSDP2's) local shard, not its logical shape
-        shapes = {name: list((t.to_local() if hasattr(t, "to_local") else t).shape)
+        shapes = {name: list(local_tensor(t).shape)
                   for name, t in net.named_parameters()}
         return {"plan": str(plan), "rank": rank, "world": world, "coords": mesh.coords,
                 "samples_per_rank": per_rank, "input_shape": list(x.shape),

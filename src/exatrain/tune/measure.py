@@ -41,7 +41,7 @@ class _Case:
     def __init__(self, mesh, config, options: Options, serial: bool = False):
         from ..parallel import parallelize
         from ..parallel.options import ParallelOptions
-        from ..parallel.shard import build_optimizer_for
+        from ..optim.factory import build_optimizer_for
         from .dryrun import _build, _inputs
 
         self.mesh, self.config, self.serial = mesh, config, serial

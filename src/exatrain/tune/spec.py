@@ -281,7 +281,7 @@ def cosmoflow_spec(size: int, base_channels: int = 32, conv_layers: int = 5,
         example = torch.zeros(1, in_channels, size, size, size)
         layers = pipe_layers(meta_model, example)
         cuts, spatial = pipe_cuts(meta_model, example)
-    # blocks (checkpointing, `parallel.memory.find_blocks`): `features` and `head`
+    # blocks (checkpointing, `parallel.blocks.find_blocks`): `features` and `head`
     return ModelSpec(family="cosmoflow", name=f"CosmoFlow {size}^3", param_shapes=shapes,
                      flops_per_sample=flops, act_bytes_per_sample=float(act),
                      block_input_bytes=float(in_channels * size ** 3 * 4),

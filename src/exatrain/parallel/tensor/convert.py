@@ -421,7 +421,7 @@ def parallelize_tensor(model: nn.Module, mesh: Mesh, options=None, *, pairs: boo
                            conv_eligible=conv_selection(model, mesh.plan, options, example))
     root = state.apply(root)
     if checkpoint_and_compile and (options.activation_checkpointing != "none" or options.compile):
-        from ..memory import apply_checkpointing_and_compile
+        from ..compile import apply_checkpointing_and_compile
         root = apply_checkpointing_and_compile(root, options)
     root.exatrain_tensor = state
     root.no_sync = state.gradsync.no_sync

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ...comm.autograd import all_gather_dim
+from ...comm.dtensor import is_dtensor
 from ...errors import TensorSplitError
 
 Layout = tuple  # tuple[tuple[int, Axis], ...]
@@ -89,7 +90,7 @@ def full_state_dict(model: nn.Module, cpu: bool = True) -> dict[str, torch.Tenso
     out = {}
     for key, value in _state_tensors(model).items():
         layout = layout_of(value)
-        if type(value).__name__ == "DTensor":  # sharded over `shard` by FSDP2 (tensor × shard)
+        if is_dtensor(value):  # sharded over `shard` by FSDP2 (tensor × shard)
             value = value.full_tensor()
         full = gather_full(value, layout) if layout else value.detach().clone()
         out[key] = full.cpu() if cpu else full
@@ -185,7 +186,7 @@ def dtensor_state_dict(model: nn.Module, state: dict, mesh) -> dict:
         if isinstance(value, dict):
             return {k: wrap(v, split.get(k, param) if isinstance(k, str) else param)
                     for k, v in value.items()}
-        if isinstance(value, DTensor):
+        if is_dtensor(value):
             if (shard is None or param is None or value.shape != param.shape
                     or value.device_mesh.mesh_dim_names != ("shard",)):
                 return value

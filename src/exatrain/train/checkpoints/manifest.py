@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from ...comm.dtensor import is_dtensor
+
 MANIFEST = "manifest.json"
 FORMAT = 1
 
@@ -51,14 +53,13 @@ def tensor_crc(tensor: torch.Tensor) -> int:
 def local_chunks(state: dict, prefix: str) -> dict:
     """{key: {"shape", "dtype", "crc32": {offsets: crc}}} of the chunks this rank holds; a
     DTensor's chunk is keyed by its offsets in the full tensor, a plain tensor by "0,..."."""
-    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     out = {}
     for key, value in _flatten(state, prefix):
         if not isinstance(value, torch.Tensor):
             continue
-        if isinstance(value, DTensor):
+        if is_dtensor(value):
             _, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh,
                                                                value.placements)
             local = value.to_local()

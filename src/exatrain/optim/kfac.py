@@ -27,48 +27,17 @@ then scaled by ν = min(1, sqrt(κ / (η² Σ_layers ⟨V, ∇⟩))) (KL clippin
 learning rate) and handed to the first-order optimizer (SGD or AdamW) in place of ∇. Layers that
 are not Linear / Conv1-3d (norms, grouped convolutions) keep their plain gradient.
 
-Distribution (Pauloski et al., KAISA, SC21). The replica group is the `data` × `space` ranks
-(W of them); every other axis is refused by name (`check_plan`). Ranks are laid out as a grid of
-R = 1/f rows × n = f·W columns, f = `grad_worker_fraction` ∈ [1/W, 1]:
-
-  1. factors   every rank sums a aᵀ and g gᵀ over its own rows (its samples under `data`, its
-               spatial block's positions under `space`; a layer that runs replicated over the S
-               spatial ranks weighs its rows by 1/S), and ONE all-reduce over the replica group
-               sums all layers' factors and row counts (tag "kfac").
-  2. eigen     each layer belongs to one row of grad workers, chosen by greedy
-               longest-processing-time over the rows on cost d_A³ + d_G³; inside the row each of
-               its two factors is eigendecomposed by one member (LPT again), which broadcasts
-               Q and d to the row (tag "kfac").
-  3. gradient  the row's members precondition the layer's gradient; each member broadcasts V
-               down its column, so every other rank receives V from exactly one worker
-               (tag "kfac").
-
-f = 1/W (R = W rows of one rank) is memory-optimal: one rank holds each layer's second-order
-state, and every preconditioned gradient is broadcast every step. f = 1 (one row) is
-communication-optimal: every rank holds everything and step 3 sends nothing.
-
-Bytes per rank (ledger payload convention: all-reduce and broadcast count the tensor once), with
-a = d_A, g = d_G of layer ℓ and 4-byte floats:
-
-  factors (step 1, every `factor_every`)    4 · (Σ_ℓ (a² + g²) + 2L)       all-reduce, all ranks
-  eigen   (step 2, every `inverse_every`)   4 · Σ_{ℓ in my row} (a² + a + g² + g)   when n > 1
-  gradient (step 3, every step)             4 · Σ_ℓ g·a                    when R > 1
-
-(L layers; the 2L are each layer's two row counts, sent as floats in the same all-reduce.)
+The work is split over the replica ranks as KAISA does (Pauloski et al., SC21): the grid of grad
+workers, the three communication steps and their bytes per rank are in `optim.kfac_assign`; the
+settings and the plans K-FAC runs under in `optim.kfac_settings`; factor statistics (patches,
+the matmul dtype, damped inverses) in `optim.kfac_factors`.
 
 A factor wider than `max_factor_dim` is kept diagonal (Distributed Shampoo's fallback for wide
 dimensions): only its diagonal is summed, all-reduced (a floats, not a²) and inverted
 (elementwise), and its eigenvectors are the identity, so it costs a in place of a² (and of a² + a
-in the eigen broadcast), 2a in place of 2a² + a in the state below, and applying it costs g·a
+in the eigen broadcast), 2a in place of 2a² + a in the state held per rank (`optim.kfac_assign`), and applying it costs g·a
 flops instead of g·a². A 3D convolution's A is C_in·27 wide: in the default CosmoFlow the last
 two (1,728 and 3,456 wide) took ~90 % of the preconditioning flops.
-
-Second-order state held per rank (`memory_bytes`; the persistent tensors: running factors,
-eigenvectors, eigenvalues of the layers of its row):
-
-  4 · Σ_{ℓ in my row} (2a² + a + 2g² + g)          (2a for a diagonal A, 2g for a diagonal G)
-
-so the sum over ranks is n times the serial state, and each rank holds about f of it.
 
 The state lives in the optimizer's state dict under the weight's name (keys "kfac_A", "kfac_G",
 "kfac_QA", "kfac_dA", "kfac_QG", "kfac_dG" on the ranks that hold them, "kfac_steps" on all), so
@@ -90,61 +59,22 @@ on the others: refused when the optimizer is built (`check_model`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from ..comm import Axis, all_reduce, broadcast
+from ..comm import all_reduce, broadcast
 from ..mesh import Mesh
 from ..parallel.branches import SplitBranches
 from ..parallel.data import UnusedParameterError, unwrap
 from ..parallel.spatial.conv import SpatialConv
 from ..errors import ConfigError
+from .kfac_assign import WorkerGrid
+from .kfac_factors import KFACLayer, conv_patches, damped_inverse, preconditionable, \
+    resolve_matmul_dtype
+from .kfac_settings import KFACSettings, check_plan
 
-UNSUPPORTED_AXES = ("trainer", "pipe", "shard", "tensor")
-STATE_KEYS = ("kfac_A", "kfac_G", "kfac_QA", "kfac_dA", "kfac_QG", "kfac_dG")
-MATMUL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def fast_bfloat16(device: torch.device) -> bool:
-    """Whether `device` multiplies bfloat16 faster than float32: a CUDA GPU of compute
-    capability 8.0 or later (tensor cores), a CPU with AVX512-BF16 or AMX (measured on such a
-    2-core CPU: a 1,024² bfloat16 matmul at 211 GFLOP/s against float32's 94; without them
-    bfloat16 is emulated and slower)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_capability(device)[0] >= 8
-    if device.type != "cpu":
-        return False
-    try:
-        with open("/proc/cpuinfo") as info:
-            flags = next((line for line in info if line.startswith("flags")), "").split()
-    except OSError:   # not Linux: no way to tell, the safe choice
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_matmul_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`matmul_dtype` as a dtype; "auto": bfloat16 where `fast_bfloat16(device)`, else float32."""
-    if name == "auto":
-        return torch.bfloat16 if fast_bfloat16(device) else torch.float32
-    return MATMUL_DTYPES[name]
-
-
-def check_plan(plan, where: str = "") -> None:
-    """Refuse, by name, an axis K-FAC does not support yet (before any work starts)."""
-    degrees = {"trainer": plan.trainer, "pipe": plan.pipe, "shard": plan.shard,
-               "tensor": math.prod(plan.tensor) if isinstance(plan.tensor, tuple) else plan.tensor}
-    bad = {k: v for k, v in degrees.items() if v > 1}
-    if bad:
-        names = ", ".join(f"{k}={v}" for k, v in bad.items())
-        raise ConfigError(
-            f"{where}optim.name='kfac' supports the data and space axes only; the plan has {names}. "
-            f"Set {' and '.join(f'plan.{k}=1' for k in bad)} (put those ranks on plan.data), or "
-            f"use optim.name='adamw' or 'sgd'.")
+__all__ = ["KFAC", "KFACSettings", "check_model", "check_plan"]
 
 
 def check_model(module: nn.Module, where: str = "") -> None:
@@ -160,154 +90,6 @@ def check_model(module: nn.Module, where: str = "") -> None:
             f"every preconditioned layer on every data rank. Set parallel.branches='none' (K-FAC "
             f"then preconditions the branches under plain data parallelism), or use "
             f"optim.name='adamw' or 'sgd' with the branches split.")
-
-
-@dataclass(frozen=True)
-class KFACSettings:
-    """K-FAC's settings; the config keys `optim.kfac_*` of the same names.
-
-    Attributes:
-        damping: λ, added to the factors' eigenvalues (Tikhonov damping).
-        factor_decay: ξ of the factors' running average.
-        factor_every: steps between factor updates.
-        inverse_every: steps between eigendecompositions (or inverses).
-        kl_clip: κ of the KL clip of the preconditioned update.
-        grad_worker_fraction: f from 1/W (memory-optimal) to 1 (communication-optimal).
-        inverse: `"eigen"` or `"cholesky"` (damped inverses, for wide factors).
-        factor_positions: a convolution's A from at most this many positions per sample (0: all).
-        max_factor_dim: a factor wider than this is kept diagonal (0: all full).
-        matmul_dtype: `"float32"` or `"bfloat16"` for the factor and preconditioning products.
-    """
-
-    # The defaults are the recipe that reached the default CosmoFlow job's target fastest, in
-    # 0.75x tuned AdamW's seconds over nine seeds (docs/how-to/kfac.md, "Does it pay?").
-    damping: float = 0.03           # 0.1 preconditioned too weakly there; 1e-3 saturates its head
-    factor_decay: float = 0.95
-    factor_every: int = 2           # factors every other step: half their cost, the same curve
-    inverse_every: int = 10
-    kl_clip: float = 1e-3
-    grad_worker_fraction: float = 1.0
-    inverse: str = "cholesky"       # eigen | cholesky: damped inverses, n³/3 flops against eigh's
-                                    # ~9n³ (3D convolutions' factors are thousands wide)
-    factor_positions: int = 64      # a convolution's A from at most this many output positions
-                                    # per sample (strided); 0 = all
-    max_factor_dim: int = 1000      # a factor wider than this is kept diagonal; 0 = all full
-    matmul_dtype: str = "auto"      # auto | float32 | bfloat16: the factor products and the
-                                    # preconditioning products (the state stays float32); auto =
-                                    # bfloat16 where the device multiplies it fast
-
-    @classmethod
-    def from_options(cls, o) -> "KFACSettings":
-        return cls(o.kfac_damping, o.kfac_factor_decay, o.kfac_factor_every,
-                   o.kfac_inverse_every, o.kfac_kl_clip, o.kfac_grad_worker_fraction,
-                   o.kfac_inverse, o.kfac_factor_positions, o.kfac_max_factor_dim,
-                   o.kfac_matmul_dtype)
-
-
-# ---------------------------------------------------------------------- factor statistics
-def conv_patches(x: torch.Tensor, kernel, stride, dilation, pad_lo, pad_hi,
-                 cap: int = 0) -> torch.Tensor:
-    """The rows (samples × positions, C·K) of a convolution's input patches, in the order of
-    `weight.view(out, -1)`'s columns (1-3 spatial dims; zero padding lo/hi per dim). With
-    `cap` > 0 only every ⌈T/cap⌉-th of a sample's T output positions (in flat order), picked
-    from the unfolded view so only those patches are copied."""
-    nd = len(kernel)
-    pads = [p for lo, hi in zip(reversed(pad_lo), reversed(pad_hi)) for p in (lo, hi)]
-    if any(pads):
-        x = F.pad(x, pads)
-    for i in range(nd):
-        x = x.unfold(2 + i, dilation[i] * (kernel[i] - 1) + 1, stride[i])
-    if any(d > 1 for d in dilation):
-        x = x[(Ellipsis, *(slice(None, None, d) for d in dilation))]
-    c_k = x.shape[1] * math.prod(kernel)
-    grid = x.shape[2:2 + nd]
-    positions = math.prod(grid)
-    if 0 < cap < positions:   # the same strided positions of every sample
-        flat = torch.arange(0, positions, -(-positions // cap), device=x.device)
-        index = torch.unravel_index(flat, grid)
-        x = x[(slice(None), slice(None), *index)]           # (N, C, P, k1..knd)
-        return x.movedim(1, 2).reshape(-1, c_k)
-    # (N, C, o1..ond, k1..knd) -> (N, o1..ond, C, k1..knd)
-    order = [0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd)]
-    return x.permute(order).reshape(-1, c_k)
-
-
-def _damped_inverse(factor: torch.Tensor, damping: float) -> torch.Tensor:
-    """(F + damping·I)⁻¹ of a symmetric positive semi-definite factor, by Cholesky (n³/3 flops,
-    against eigh's ~9n³), on the factor's worker in the factor's precision (KAISA's default:
-    the damping bounds the condition number, and float32 halves the cost of the widest factor),
-    again in float64 if float32 rounding leaves it not positive definite."""
-    eye = torch.eye(factor.shape[0], dtype=factor.dtype, device=factor.device)
-    L, info = torch.linalg.cholesky_ex(factor + damping * eye)
-    if int(info) == 0:
-        return torch.cholesky_inverse(L)
-    f = factor.double() + damping * eye.double()
-    return torch.cholesky_inverse(torch.linalg.cholesky(f)).to(factor.dtype)
-
-
-class _Layer:
-    """One preconditioned layer: its parameters, sizes and the statistics of the current step."""
-
-    def __init__(self, name: str, module: nn.Module, max_dim: int = 0):
-        self.name, self.module = name, module
-        self.weight, self.bias = module.weight, module.bias
-        self.out = self.weight.shape[0]
-        self.a = self.weight[0].numel() + (self.bias is not None)
-        self.g = self.out
-        self.conv = not isinstance(module, nn.Linear)
-        # a factor wider than max_dim is kept diagonal (its vector of diagonal entries)
-        self.diag = {"A": 0 < max_dim < self.a, "G": 0 < max_dim < self.g}
-        self.reset()
-
-    def width(self, k: str) -> int:
-        return self.a if k == "A" else self.g
-
-    def factor_shape(self, k: str) -> tuple[int, ...]:
-        n = self.width(k)
-        return (n,) if self.diag[k] else (n, n)
-
-    def factor_numel(self, k: str) -> int:
-        """Floats of the factor (and of its eigenvectors or inverse, when it has them)."""
-        return math.prod(self.factor_shape(k))
-
-    def reset(self) -> None:
-        self.A_sum = self.G_sum = None
-        self.a_count = self.g_count = 0.0
-
-    def factor_cost(self, k: str) -> int:
-        n = self.width(k)
-        return n if self.diag[k] else n ** 3
-
-    @property
-    def cost(self) -> int:
-        return self.factor_cost("A") + self.factor_cost("G")
-
-    def state_numel(self) -> int:
-        """Floats of this layer's second-order state: per full factor the running factor, its
-        eigenvectors (or inverse) and eigenvalues (2n² + n); per diagonal factor the running
-        diagonal and its eigenvalues (or inverse diagonal) (2n)."""
-        return sum(2 * self.factor_numel(k) + (0 if self.diag[k] else self.width(k))
-                   for k in ("A", "G"))
-
-
-def _supported(module: nn.Module) -> bool:
-    if isinstance(module, nn.Linear):
-        return True
-    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d, SpatialConv)):
-        return module.groups == 1
-    return False
-
-
-def lpt(costs: list[float], bins: int) -> list[int]:
-    """Greedy longest-processing-time: item i -> bin, largest items first to the least loaded
-    bin (ties: the lowest bin, so every rank computes the same assignment)."""
-    load = [0.0] * bins
-    out = [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        b = min(range(bins), key=lambda j: (load[j], j))
-        out[i] = b
-        load[b] += costs[i]
-    return out
 
 
 # ---------------------------------------------------------------------- the optimizer
@@ -332,15 +114,7 @@ class KFAC(torch.optim.Optimizer):
     def __init__(self, model: nn.Module, inner: torch.optim.Optimizer, mesh: Mesh | None = None,
                  settings: KFACSettings = KFACSettings(), grad_accum: int = 1):
         s = settings
-        if not 0 < s.factor_decay < 1 or s.damping <= 0 or s.kl_clip <= 0 \
-                or s.factor_every < 1 or s.inverse_every < 1 or s.factor_positions < 0 \
-                or s.inverse not in ("eigen", "cholesky") or s.max_factor_dim < 0 \
-                or s.matmul_dtype not in (*MATMUL_DTYPES, "auto"):
-            raise ConfigError(f"K-FAC settings out of range: {s}; need 0 < factor_decay < 1, "
-                              "damping > 0, kl_clip > 0, factor_every ≥ 1, inverse_every ≥ 1, "
-                              "factor_positions ≥ 0, inverse 'eigen' or 'cholesky', "
-                              "max_factor_dim ≥ 0, matmul_dtype 'auto', 'float32' or "
-                              "'bfloat16'.")
+        s.check()
         self.inner, self.settings, self.grad_accum = inner, s, grad_accum
         self.matmul_dtype = resolve_matmul_dtype(
             s.matmul_dtype, next(model.parameters()).device if mesh is None else mesh.device)
@@ -351,40 +125,20 @@ class KFAC(torch.optim.Optimizer):
         if mesh is not None:
             check_plan(mesh.plan, where)
         check_model(module, where)   # before any collective: every rank refuses alike
-        self.axis = self._replica_axis(mesh)
-        W = self.axis.size
         self.space_size = mesh.axis("space").size if mesh is not None else 1
         self.device = mesh.device if mesh is not None else next(module.parameters()).device
         trainable = {id(p) for g in inner.param_groups for p in g["params"]}
-        self.layers = [_Layer(n, m, s.max_factor_dim) for n, m in module.named_modules()
-                       if _supported(m) and id(m.weight) in trainable
+        self.layers = [KFACLayer(n, m, s.max_factor_dim) for n, m in module.named_modules()
+                       if preconditionable(m) and id(m.weight) in trainable
                        and (m.bias is None or id(m.bias) in trainable)]
-        # the grid: R rows of n grad workers
-        f = s.grad_worker_fraction
-        n = max(1, round(f * W))
-        if not 1 / W - 1e-9 <= f <= 1 or W % n:
-            fractions = [k / W for k in range(1, W + 1) if W % k == 0]
-            raise ConfigError(f"kfac grad_worker_fraction={f} on {W} replica ranks: it must be one "
-                              f"of {fractions} (n/W with n dividing W).")
-        self.workers, self.rows = n, W // n
-        me = self.axis.rank
-        self.my_row, self.my_col = divmod(me, n)
-        self.row_axis, self.col_axis = self._grid_axes(mesh)
-        # each layer's row by LPT on its eigendecomposition cost; inside the row, each factor's
-        # eigendecomposition by LPT over the row's members
-        self.layer_row = lpt([l.cost for l in self.layers], self.rows)
-        self.factor_worker: dict[tuple[int, str], int] = {}
-        for row in range(self.rows):
-            mine = [i for i, r in enumerate(self.layer_row) if r == row]
-            items = [(i, k) for i in mine for k in ("A", "G")]
-            sizes = [self.layers[i].factor_cost(k) for i, k in items]
-            for item, w in zip(items, lpt(sizes, n)):
-                self.factor_worker[item] = w
+        # the grid: R rows of n grad workers (creating its groups is collective)
+        self.grid = WorkerGrid(mesh, [(l.factor_cost("A"), l.factor_cost("G"))
+                                      for l in self.layers], s.grad_worker_fraction)
         self.steps = 0
         self.kfac_state: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
         for i, layer in enumerate(self.layers):
             entry = {"kfac_steps": torch.zeros((), dtype=torch.int64)}
-            if self.holds(i):
+            if self.grid.holds(i):
                 for k in ("A", "G"):
                     shape = layer.factor_shape(k)
                     entry[f"kfac_{k}"] = torch.zeros(shape, device=self.device)
@@ -395,41 +149,6 @@ class KFAC(torch.optim.Optimizer):
         self._arm()
         self._handles = [l.module.register_forward_hook(self._forward_hook(l)) for l in self.layers]
 
-    # ------------------------------------------------------------------ layout
-    @staticmethod
-    def _replica_axis(mesh) -> Axis:
-        if mesh is None:
-            from ..comm import Ledger
-            return Axis("data", 1, 0, None, Ledger(), (0,))
-        return mesh.axis("data", "space")
-
-    def _grid_axes(self, mesh) -> tuple[Axis, Axis]:
-        """The row (grad workers) and column (gradient broadcast) groups of this rank; creating a
-        group is collective, so every rank creates every row and every column."""
-        n, R, ax = self.workers, self.rows, self.axis
-        ranks = ax.global_ranks
-
-        def groups(members_of, count, mine):
-            out = None
-            for k in range(count):
-                members = tuple(ranks[j] for j in members_of(k))
-                group = dist.new_group(list(members)) if 1 < len(members) < ax.size \
-                    else (ax.group if len(members) == ax.size else None)
-                if k == mine:
-                    out = Axis(ax.name, len(members), members.index(ranks[ax.rank]), group,
-                               ax.ledger, members)
-            return out
-
-        if ax.size == 1:
-            return ax, ax
-        row = groups(lambda k: range(k * n, (k + 1) * n), R, self.my_row)
-        col = groups(lambda c: range(c, ax.size, n), n, self.my_col)
-        return row, col
-
-    def holds(self, i: int) -> bool:
-        """Does this rank hold layer i's second-order state (is it one of its grad workers)?"""
-        return self.layer_row[i] == self.my_row
-
     def memory_bytes(self) -> int:
         """Second-order state this rank holds (counted from its tensors)."""
         return sum(t.numel() * t.element_size() for e in self.kfac_state.values()
@@ -438,10 +157,10 @@ class KFAC(torch.optim.Optimizer):
     def memory_formula(self) -> int:
         """4 · Σ_{ℓ in my row} (2a² + a + 2g² + g), the module doc's formula (2a for a diagonal
         A, 2g for a diagonal G)."""
-        return sum(4 * l.state_numel() for i, l in enumerate(self.layers) if self.holds(i))
+        return sum(4 * l.state_numel() for i, l in enumerate(self.layers) if self.grid.holds(i))
 
     # ------------------------------------------------------------------ statistics (hooks)
-    def _forward_hook(self, layer: _Layer):
+    def _forward_hook(self, layer: KFACLayer):
         def hook(module, inputs, output):
             if not (self._capture and module.training and torch.is_grad_enabled()):
                 return
@@ -487,7 +206,7 @@ class KFAC(torch.optim.Optimizer):
         low = rows.to(self.matmul_dtype)   # one rounded copy for both operands
         return self._mm(low.T, low)
 
-    def _grad_hook(self, layer: _Layer, grad: torch.Tensor, samples: int, weight: float):
+    def _grad_hook(self, layer: KFACLayer, grad: torch.Tensor, samples: int, weight: float):
         g = grad.detach().float()
         g = (g.movedim(1, -1) if layer.conv else g).reshape(-1, layer.out)
         # B·g: the per-sample gradient rows, scaled after the product (B² on a g×g matrix, not B
@@ -560,7 +279,7 @@ class KFAC(torch.optim.Optimizer):
         self._arm()
         return out
 
-    def _grad_matrix(self, layer: _Layer) -> torch.Tensor:
+    def _grad_matrix(self, layer: KFACLayer) -> torch.Tensor:
         w = layer.weight.grad.reshape(layer.out, -1)
         if layer.bias is None:
             return w
@@ -583,7 +302,7 @@ class KFAC(torch.optim.Optimizer):
             parts += [l.A_sum.flatten(), l.G_sum.flatten(),
                       torch.tensor([l.a_count, l.g_count], device=l.A_sum.device)]
         flat = torch.cat(parts).to(self.device)
-        all_reduce(flat, self.axis, tag="kfac")
+        all_reduce(flat, self.grid.axis, tag="kfac")
         at, decay = 0, self.settings.factor_decay
         for i, l in enumerate(self.layers):
             A = flat[at:at + l.factor_numel("A")].view(l.factor_shape("A"))
@@ -593,7 +312,7 @@ class KFAC(torch.optim.Optimizer):
             a_count, g_count = flat[at:at + 2].tolist()
             at += 2
             l.reset()
-            if not self.holds(i):
+            if not self.grid.holds(i):
                 continue
             e = self.kfac_state[l.weight]
             for key, new in (("kfac_A", A / a_count), ("kfac_G", G / g_count)):
@@ -605,13 +324,13 @@ class KFAC(torch.optim.Optimizer):
     def _eigen(self) -> None:
         """Step 2: each factor eigendecomposed by its worker, broadcast over the layer's row."""
         for i, l in enumerate(self.layers):
-            if not self.holds(i):
+            if not self.grid.holds(i):
                 continue
             e = self.kfac_state[l.weight]
             for k in ("A", "G"):
                 Q, d = e.get(f"kfac_Q{k}"), e[f"kfac_d{k}"]
-                src = self.factor_worker[(i, k)]
-                if self.row_axis.rank == src:
+                src = self.grid.factor_worker[(i, k)]
+                if self.grid.row_axis.rank == src:
                     factor = e[f"kfac_{k}"]
                     if l.diag[k]:   # eigenvalues: the diagonal; inverse: 1 / (diagonal + damping)
                         d.copy_(factor.clamp_min(0) if self.settings.inverse == "eigen"
@@ -622,13 +341,13 @@ class KFAC(torch.optim.Optimizer):
                         d.copy_(vals.clamp_min(0))
                     else:
                         d.fill_(self._tikhonov(e, k))
-                        Q.copy_(_damped_inverse(factor, float(d[0])))
-                if self.workers > 1:
+                        Q.copy_(damped_inverse(factor, float(d[0])))
+                if self.grid.workers > 1:
                     if Q is None:
-                        broadcast(d, self.row_axis, src=src, tag="kfac")
+                        broadcast(d, self.grid.row_axis, src=src, tag="kfac")
                         continue
                     buf = torch.cat([Q.flatten(), d])
-                    broadcast(buf, self.row_axis, src=src, tag="kfac")
+                    broadcast(buf, self.grid.row_axis, src=src, tag="kfac")
                     Q.copy_(buf[:Q.numel()].view_as(Q))
                     d.copy_(buf[Q.numel():])
 
@@ -637,7 +356,7 @@ class KFAC(torch.optim.Optimizer):
         out = []
         lam = self.settings.damping
         for i, (l, grad) in enumerate(zip(self.layers, grads)):
-            if self.holds(i):
+            if self.grid.holds(i):
                 e = self.kfac_state[l.weight]
                 QA, dA, QG, dG = e.get("kfac_QA"), e["kfac_dA"], e.get("kfac_QG"), e["kfac_dG"]
                 if self.settings.inverse == "eigen":   # (no Q: a diagonal factor's is I)
@@ -652,8 +371,8 @@ class KFAC(torch.optim.Optimizer):
                 v = v.contiguous()
             else:
                 v = torch.empty_like(grad)
-            if self.rows > 1:
-                broadcast(v, self.col_axis, src=self.layer_row[i], tag="kfac")
+            if self.grid.rows > 1:
+                broadcast(v, self.grid.col_axis, src=self.grid.layer_row[i], tag="kfac")
             out.append(v)
         return out
 

@@ -26,10 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import all_reduce
-
-
-def _is_dtensor(t) -> bool:
-    return type(t).__name__ == "DTensor"
+from ..comm.dtensor import is_dtensor
 
 
 def _by_device_and_dtype(grads) -> dict:
@@ -72,7 +69,7 @@ def _by_axes(parameters) -> tuple[list, dict, dict]:
             params.append(p)
         axes = getattr(p, "exatrain_norm_axes", ())
         key = tuple(axis.name for axis in axes) if axes else ()  # an Axis is not hashable
-        if _is_dtensor(p) or (g is not None and _is_dtensor(g)):
+        if is_dtensor(p) or (g is not None and is_dtensor(g)):
             if g is not None:
                 dtensor.setdefault(key, (axes, []))[1].append(g)
             continue
@@ -111,7 +108,7 @@ def clip_grad_norm_(parameters, max_norm: float = math.inf, across=None) -> torc
     # parameter is split over besides (FSDP2 over a tensor-parallel layer: shard + tensor axes)
     for axes, grads in dtensor_groups.values():
         norm = torch.nn.utils.get_total_norm(grads)
-        norm = norm.full_tensor() if _is_dtensor(norm) else norm
+        norm = norm.full_tensor() if is_dtensor(norm) else norm
         sq = norm.detach().double().to(device) ** 2
         for axis in axes:
             all_reduce(sq, axis, tag="metric")
@@ -131,7 +128,7 @@ def decided_locally(parameters, across=None) -> bool:
     whole gradient is here and, after the data-parallel all-reduce, the same on every rank (no
     `exatrain_norm_axes`, no DTensor, no `across`). Where it holds, `found_nonfinite` can stand
     in for the global norm's verdict; it holds for a run's whole life (the layout is fixed)."""
-    return across is None and not any(getattr(p, "exatrain_norm_axes", ()) or _is_dtensor(p)
+    return across is None and not any(getattr(p, "exatrain_norm_axes", ()) or is_dtensor(p)
                                       for p in parameters)
 
 
@@ -162,10 +159,10 @@ def _clip(params: list, total: torch.Tensor, max_norm: float, device) -> torch.T
     """Multiply the gradients by min(1, max_norm / total) on the device; return `total`."""
     if math.isfinite(max_norm) and params:
         factor = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        plain = (p.grad for p in params if not _is_dtensor(p.grad))
+        plain = (p.grad for p in params if not is_dtensor(p.grad))
         for (gdevice, dtype), group in _by_device_and_dtype(plain).items():
             torch._foreach_mul_(group, factor.to(device=gdevice, dtype=dtype))
         for p in params:
-            if _is_dtensor(p.grad):
+            if is_dtensor(p.grad):
                 p.grad.mul_(factor.to(dtype=p.grad.dtype).item())
     return total
