@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel.spatial.layers import SpatialConv
+from ..parallel.spatial.conv import SpatialConv
 
 MATMUL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
