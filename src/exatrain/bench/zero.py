@@ -5,8 +5,8 @@ two sequences per rank) trains with AdamW (fp32) on 2 and then 4 ranks. In each 
 variants start from the same weights and see the same batches:
 
   stage0   plain data parallelism (DDP with exatrain's ledger hook) over all ranks
-  stage1   ZeRO-1: optimizer state sharded                    (parallel.shard.ZeroDataParallel)
-  stage2   ZeRO-2: optimizer state and gradients sharded      (parallel.shard.ZeroDataParallel)
+  stage1   ZeRO-1: optimizer state sharded                    (parallel.zero.ZeroDataParallel) 
+  stage2   ZeRO-2: optimizer state and gradients sharded      (parallel.zero.ZeroDataParallel) 
   stage3   ZeRO-3: exatrain's FSDP2 layout, collectives through the ledger (parallel.shard)
   fsdp2    the baseline: torch's `fully_shard` on each block and the root, default settings
 
@@ -59,7 +59,8 @@ def _rank_main(world: int, size: int, steps: int, warmup: int, batch: int) -> di
     from ..models.gpt import GPT, gpt_loss
     from ..parallel.data import data_parallel
     from ..optim.factory import build_optimizer_for
-    from ..parallel.shard import ZeroDataParallel, parallelize_shard
+    from ..parallel.shard import parallelize_shard
+    from ..parallel.zero import ZeroDataParallel
     from ..plan import Plan
     from ..train.config import ParallelOptions
     from ..observe.memory_meters import state_bytes

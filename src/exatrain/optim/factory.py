@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..parallel.shard import zero_units
+from ..parallel.zero import zero_units
 from .kfac import KFAC, KFACSettings
 
 

@@ -153,7 +153,7 @@ def replicate_for_pipeline(stage: nn.Module, mesh, mean_axes: tuple[str, ...],
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The plain module inside any data-parallel wrapper (DDP, ZeRO-1/2); FSDP2 modules are their own."""
-    from .shard import ZeroDataParallel  # here: plain data parallelism need not load ZeRO
+    from .zero import ZeroDataParallel  # here: plain data parallelism need not load ZeRO
 
     while isinstance(model, (DistributedDataParallel, ZeroDataParallel)):
         model = model.module

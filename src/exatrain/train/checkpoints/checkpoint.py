@@ -25,7 +25,7 @@ save or at the end of `fit`. `Writer.blocked_s` is the time the training loop sp
 
 Model and optimizer state go through DCP's `get_state_dict`/`set_state_dict`, which key tensors by
 fully-qualified parameter name whatever wrapper (DDP, FSDP2) holds them, so a checkpoint written
-under one Plan loads under another. ZeRO-1/2 (`parallel.shard.ZeroDataParallel`), whose optimizer
+under one Plan loads under another. ZeRO-1/2 (`parallel.zero.ZeroDataParallel`), whose optimizer
 steps per-rank chunks rather than the model's parameters, writes the same layout itself: the full
 model state, and optimizer state keyed by parameter name as `Shard(0)` DTensors, exactly what
 FSDP2 (ZeRO-3) writes. DCP reads whatever pieces the loading Plan needs, so a checkpoint moves
@@ -241,7 +241,7 @@ def load(path: str | Path, model, optimizer, group=None) -> dict:
         optim_state["param_groups"] = live_groups
     state = {"model": model_state, "optim": optim_state}
     if zero:
-        from ...parallel.shard import zero_load_optimizer_state_dict
+        from ...parallel.zero import zero_load_optimizer_state_dict
         set_model_state_dict(unwrap(model), state["model"])
         zero_load_optimizer_state_dict(zero, optimizer, state["optim"])
         for unit in zero:
@@ -275,7 +275,7 @@ def load_model(path: str | Path, model, group=None) -> dict:
 
 def _zero_units(model) -> list:
     """The ZeRO-1/2 wrappers whose optimizer steps shards, not the model's parameters."""
-    from ...parallel.shard import zero_units
+    from ...parallel.zero import zero_units
     return zero_units(model)
 
 
@@ -285,7 +285,7 @@ def _state_dicts(model, optimizer) -> tuple[dict, dict]:
 
     zero = _zero_units(model)
     if zero:
-        from ...parallel.shard import zero_optimizer_state_dict
+        from ...parallel.zero import zero_optimizer_state_dict
         return get_model_state_dict(unwrap(model)), zero_optimizer_state_dict(zero, optimizer)
     return get_state_dict(model, optimizer)
 
