@@ -236,7 +236,7 @@ def graph():
 def test_the_graph_holds_the_package(graph):
     assert len(graph) > 150 and "exatrain.cli" in graph
     assert "exatrain.train.config" in graph["exatrain.train"]       # `from .config import ...`
-    assert "exatrain.comm" in graph["exatrain.train.trainer"]       # `from ..comm import ...`
+    assert "exatrain.comm" in graph["exatrain.train.records"]       # `from ..comm import ...`
 
 
 def test_every_module_has_a_layer_and_every_layer_modules(graph):

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import time
 from pathlib import Path
 
@@ -56,7 +55,8 @@ from ..population.partition import partition, split
 from .checkpoints import checkpoint
 from .config import Config, ConfigError
 from .job import ResumeError, build, join, prepare_run
-from .trainer import NonFiniteLoss, Trainer
+from .hooks import RunHooks
+from .trainer import Trainer
 
 
 def member_config(config: Config, trainer: int) -> Config:
@@ -76,109 +76,99 @@ def member_config(config: Config, trainer: int) -> Config:
     return member
 
 
-class PopulationTrainer(Trainer):
-    """One trainer of the population: a Trainer that holds tournaments in `after_step`."""
+class PopulationMember(RunHooks):
+    """One trainer of the population, composed into its Trainer (`Trainer.compose`): tournaments
+    after every `population.interval` steps, the throughput mode's target, and the member's
+    hyperparameters, records and checkpoint state.
 
-    def __init__(self, mesh: TrainerMesh, workload, config: Config, model, tournament_set,
-                 run_dir: Path, job_seed: int, console=None):
-        super().__init__(mesh, workload, config, model, run_dir=run_dir, console=console)
-        self.options = config.population
+    It is given what it uses: the trainer's mesh, the `[population]` options, the job's seed,
+    its tournament set, the model, optimizer and learning-rate schedule it exchanges and
+    retunes, and the Trainer's `evaluate(dataset)` and `log(record)`."""
+
+    def __init__(self, mesh: TrainerMesh, options, job_seed: int, tournament_set, *, model,
+                 optimizer, schedule, weight_decay: float, dropout: float, evaluate, log,
+                 workload_name: str,
+                 console=None):
+        self.options, self.mesh = options, mesh
         self.trainer_id, self.trainers = mesh.trainer, mesh.trainers
         self.trainer_axis = mesh.trainer_axis
         self.seed = job_seed  # the job's, shared by every trainer: pairings, selections
         self.tournament_set = tournament_set
-        self.hparams = hparams.Hyperparameters(self.peak_lr, config.optim.weight_decay,
-                                               float(getattr(config.model, "dropout", 0.0)))
+        self.model, self.optimizer, self.schedule = model, optimizer, schedule
+        self.evaluate, self.log, self.console = evaluate, log, console
+        self.workload_name = workload_name
+        self.hparams = hparams.Hyperparameters(schedule.peak_lr, weight_decay, dropout)
         self.hp_history = [{"step": 0, **self.hparams.as_dict()}]
         self.births = [0] * self.trainers   # evolution: the tournament each trainer was born at
         self.adoptions = 0                  # tournaments after which this trainer took a model
         self.transfers_sent = 0             # models this trainer sent (for the byte formula)
         self.reached: dict | None = None    # throughput mode: when the target was reached
         self.diverged_steps = 0             # steps skipped for a non-finite loss or gradient
+        self.step = 0                       # the trainer's steps done (after_step, load_state)
         self._started = time.perf_counter()
-        self.val_eval_s = 0.0               # time in validation passes since fit began
 
     @property
     def tournaments_on(self) -> bool:
         return self.trainers > 1 and self.options.strategy != "none"
 
+    @property
+    def handles_nonfinite(self) -> bool:
+        """With tournaments a diverged trainer skips its steps until a tournament replaces its
+        model (its NaN scores lose every one) instead of stopping the job; the Trainer then
+        reads the verdict every step."""
+        return self.tournaments_on
+
     # ------------------------------------------------------------------ hooks
-    def fit(self) -> dict:
+    def fit_begin(self) -> None:
         if self.tournaments_on:  # a metric the workload lacks fails now, not at the 1st tournament
             self._checked(self.score())
-        self._started, self.val_eval_s = time.perf_counter(), 0.0
-        return super().fit()
+        self._started = time.perf_counter()
 
     def _checked(self, scores: dict) -> dict:
         missing = [m for m in self.options.metric if m not in scores]
         if missing:  # the same verdict on every rank: they all computed the same metric names
             raise ConfigError(f"population.metric={self.options.metric}: the "
-                              f"{self.config.run.workload} workload reports {sorted(scores)}, not "
+                              f"{self.workload_name} workload reports {sorted(scores)}, not "
                               f"{missing}; pick from those.")
         return scores
 
-    def evaluate(self, dataset=None) -> dict[str, float]:
-        if dataset is not None:  # a tournament's scoring: part of training
-            return super().evaluate(dataset)
-        start = time.perf_counter()
-        try:
-            return super().evaluate()
-        finally:
-            self.val_eval_s += time.perf_counter() - start
-
-    def _log(self, record: dict) -> None:
+    def record_fields(self, validation_s: float) -> dict:
         # elapsed_s: wall time since fit began (tournaments and validation included), and
         # val_eval_s the part of it spent on validation passes, for time-to-quality
-        super()._log({**record, "trainer": self.trainer_id,
-                      "elapsed_s": time.perf_counter() - self._started,
-                      "val_eval_s": self.val_eval_s,
-                      **{f"hp_{k}": v for k, v in self.hparams.as_dict().items()}})
+        return {"trainer": self.trainer_id, "elapsed_s": time.perf_counter() - self._started,
+                "val_eval_s": validation_s,
+                **{f"hp_{k}": v for k, v in self.hparams.as_dict().items()}}
 
-    @property
-    def defers_verdict(self) -> bool:
-        """With tournaments a non-finite step is handled as it happens (below): read per step."""
-        return super().defers_verdict and not self.tournaments_on
+    def diverged(self) -> None:
+        self.diverged_steps += 1
 
-    def _train_step(self, batches, measure: bool = False) -> tuple[torch.Tensor, float]:
-        """A step; in a population a diverged trainer skips its steps until a tournament
-        replaces its model (its NaN scores lose every one) instead of stopping the job."""
-        try:
-            return super()._train_step(batches, measure)
-        except NonFiniteLoss:
-            if not self.tournaments_on:
-                raise
-            self.optimizer.zero_grad(set_to_none=True)
-            self.model.zero_grad(set_to_none=True)
-            self.diverged_steps += 1
-            return torch.tensor(math.nan), self.optimizer.param_groups[0]["lr"]
-
-    def after_step(self) -> None:
-        if self.tournaments_on and self.step % self.options.interval == 0:
-            self.tournament(self.step // self.options.interval)
+    def after_step(self, step: int, history: list[dict]) -> bool:
+        self.step = step
+        if self.tournaments_on and step % self.options.interval == 0:
+            self.tournament(step // self.options.interval)
         elif self.options.strategy == "none" and self.options.target and self.reached is None:
-            self._check_target()
+            return self._check_target(history)
+        return False
 
     def checkpoint_state(self) -> dict:
-        return {**super().checkpoint_state(),
-                "population": {"trainer": self.trainer_id, "hparams": self.hparams.as_dict(),
+        return {"population": {"trainer": self.trainer_id, "hparams": self.hparams.as_dict(),
                                "hp_history": self.hp_history, "births": self.births,
                                "adoptions": self.adoptions,
                                "transfers_sent": self.transfers_sent, "reached": self.reached,
                                "diverged_steps": self.diverged_steps}}
 
-    def resume(self, path: Path) -> dict:
-        state = super().resume(path)
+    def load_state(self, state: dict) -> None:
         saved = state["population"]
+        self.step = int(state["step"])
         self.set_hparams(hparams.Hyperparameters(**saved["hparams"]), record=False)
         self.hp_history, self.births = saved["hp_history"], saved["births"]
         self.adoptions, self.transfers_sent = saved["adoptions"], saved["transfers_sent"]
         self.reached, self.diverged_steps = saved["reached"], saved["diverged_steps"]
-        return state
 
     # ------------------------------------------------------------------ hyperparameters
     def set_hparams(self, hp: hparams.Hyperparameters, record: bool = True) -> None:
         self.hparams = hp
-        hp.apply(self)
+        hp.apply(self.schedule, self.optimizer, self.model)
         if record:
             self.hp_history.append({"step": self.step, **hp.as_dict()})
 
@@ -225,7 +215,7 @@ class PopulationTrainer(Trainer):
             scores = all_gather_object(local, self.trainer_axis, tag="score")
             event = self._truncation(index, scores) if strategy == "truncation" else \
                 self._evolution(index, scores)
-        self._log({"step": self.step, "tournament": index,
+        self.log({"step": self.step, "tournament": index,
                    **{f"tournament_{k}": v for k, v in local.items()}, **event})
         if self.console:  # rank 0: its own trainer's side of the tournament
             metric = self.options.metric[0]
@@ -284,17 +274,19 @@ class PopulationTrainer(Trainer):
                 "parent": parent, "replaced": [oldest]}
 
     # ------------------------------------------------------------------ throughput mode
-    def _check_target(self) -> None:
+    def _check_target(self, history: list[dict]) -> bool:
+        """Throughput mode: True (stop here: this model is trained) when the step's evaluation
+        reached `population.target`."""
         metric, direction = self.options.metric[0], self.options.direction[0]
-        last = self.history[-1] if self.history else {}
+        last = history[-1] if history else {}
         if last.get("step") != self.step or metric not in last:
-            return
+            return False
         value = last[metric]
         if value <= self.options.target if direction == "lower" else value >= self.options.target:
             self.reached = {"step": self.step, "wall_s": time.perf_counter() - self._started,
                             metric: value}
-            # stop here: this model is trained (fit's loop ends when step reaches total_steps)
-            self.total_steps = self.step
+            return True
+        return False
 
 
 # ---------------------------------------------------------------------- the job
@@ -312,10 +304,12 @@ def _common_checkpoint(trainer_dir: Path, mesh: TrainerMesh) -> Path:
     return root / max(common)
 
 
-def setup_population(config: Config, resume_dir: str | None = None) -> tuple:
+def setup_population(config: Config, resume_dir: str | None = None,
+                     job_figures: dict | None = None) -> tuple:
     """Join the job, build this rank's trainer (`job.build`, over its trainer's mesh: each
-    trainer's model seeded with its own seed, its own partition of the training set).
-    Returns (mesh, PopulationTrainer)."""
+    trainer's model seeded with its own seed, its own partition of the training set), a
+    `PopulationMember` composed into it. `job_figures`: how the ranks were started.
+    Returns (mesh, Trainer, PopulationMember)."""
     setup_times = {"init_start": time.time()}  # MLPerf's init and staging phases
     mesh = join(config)
     try:
@@ -350,13 +344,22 @@ def setup_population(config: Config, resume_dir: str | None = None) -> tuple:
             workload.train_set, held_out["set"] = split(workload.train_set, train, held)
             return workload
 
-        def make_trainer(view, workload, member, model, run_dir, console):
-            return PopulationTrainer(view, workload, member, model, held_out["set"],
-                                     run_dir=run_dir, job_seed=config.run.seed, console=console)
+        def make_trainer(view, workload, member, model, run_dir, console, **figures):
+            """The member's Trainer with its population hooks composed in."""
+            trainer = Trainer(view, workload, member, model, run_dir=run_dir, console=console,
+                              **figures)
+            trainer.compose(PopulationMember(
+                view, options, config.run.seed, held_out["set"], model=trainer.model,
+                optimizer=trainer.optimizer, schedule=trainer.schedule,
+                weight_decay=member.optim.weight_decay,
+                dropout=float(getattr(member.model, "dropout", 0.0)), evaluate=trainer.evaluate,
+                log=trainer.log, workload_name=member.run.workload, console=console))
+            return trainer
 
         built = build(member, view, make_workload, run_dir=trainer_dir, resume_from=resume_from,
-                      make_trainer=make_trainer, job_mesh=mesh, setup_times=setup_times)
-        return mesh, built.trainer
+                      make_trainer=make_trainer, job_mesh=mesh, setup_times=setup_times,
+                      job_figures=job_figures)
+        return mesh, built.trainer, built.trainer.hooks
     except BaseException:
         mesh.close()
         raise
@@ -412,21 +415,21 @@ def _report(run_dir: Path, options, records: list[dict]) -> dict:
     return summary
 
 
-def finish(mesh, trainer: PopulationTrainer, fit: dict) -> dict:
-    """Collective: final scores of every trainer, the best model exported, the report."""
-    options, view = trainer.options, trainer.mesh
-    run_dir = trainer.run_dir.parent
-    final = trainer.evaluate()
-    record = {"trainer": trainer.trainer_id, "final": final, "hparams": trainer.hparams.as_dict(),
-              "hp_history": trainer.hp_history, "steps": fit["steps"], "wall_s": fit["wall_s"],
-              "transfers_sent": trainer.transfers_sent, "reached": trainer.reached,
-              "diverged_steps": trainer.diverged_steps}
-    records = all_gather_object(record, trainer.trainer_axis)
+def finish(mesh, member: PopulationMember, final: dict, model, run_dir: Path, fit: dict,
+           job_figures: dict) -> dict:
+    """Collective: final scores of every trainer (`final`: this one's on the validation set),
+    the best `model` exported into the job's `run_dir`, the report."""
+    options, view = member.options, member.mesh
+    record = {"trainer": member.trainer_id, "final": final, "hparams": member.hparams.as_dict(),
+              "hp_history": member.hp_history, "steps": fit["steps"], "wall_s": fit["wall_s"],
+              "transfers_sent": member.transfers_sent, "reached": member.reached,
+              "diverged_steps": member.diverged_steps}
+    records = all_gather_object(record, member.trainer_axis)
     metric, direction = options.metric[0], options.direction[0]
     best = pairing.ranking([r["final"] for r in records], [metric], [direction])[0]
-    if trainer.trainer_id == best:
-        state = full_state_dict(trainer.model)
-        if trainer.is_main:
+    if member.trainer_id == best:
+        state = full_state_dict(model)
+        if mesh.rank == 0:
             torch.save(state, run_dir / "best_model.pt")
     sent = mesh.ledger.entries.get(("trainer", "send", "exchange"))
     counted = torch.tensor([float(sent.bytes if sent else 0)], dtype=torch.float64,
@@ -451,7 +454,7 @@ def finish(mesh, trainer: PopulationTrainer, fit: dict) -> dict:
     if options.strategy == "none":
         hours = max([r["wall_s"] for r in reached] or [summary["wall_s"]]) / 3600
         summary.update(models_reached_target=len(reached), models_per_hour=len(reached) / hours)
-    summary.update(trainer.job_figures)
+    summary.update(job_figures)
     if mesh.rank == 0:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
@@ -461,18 +464,18 @@ def run_population(config: Config, resume_dir: str | None = None,
                    job_figures: dict | None = None) -> dict:
     """Train a population per `config` on this rank; returns the population summary.
     `job_figures`: how the ranks were started (`run.job_figures`), in every summary."""
-    mesh, trainer = setup_population(config, resume_dir)
-    trainer.job_figures = job_figures or {}
+    mesh, trainer, member = setup_population(config, resume_dir, job_figures or {})
     try:
         mesh.barrier()  # every trainer starts its clock (elapsed_s) at the same moment
         fit = trainer.fit()
-        summary = finish(mesh, trainer, fit)
+        summary = finish(mesh, member, trainer.evaluate(), trainer.model, trainer.run_dir.parent,
+                         fit, job_figures or {})
     except BaseException as exc:
         # every trainer's tracked run: a trainer that trained well fails with its job (it
         # raises here too, at the next exchange with a trainer that failed)
-        trainer.observer.finished(None, exc)
+        trainer.finished(None, exc)
         raise
     finally:
         mesh.close()
-    trainer.observer.finished(fit)  # this trainer's own summary (RUN_DIR/trainer_KK)
+    trainer.finished(fit)  # this trainer's own summary (RUN_DIR/trainer_KK)
     return summary

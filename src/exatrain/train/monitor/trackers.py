@@ -154,20 +154,22 @@ def outcome(summary: dict | None, failure: BaseException | None,
     return Outcome("FAILED", 1)
 
 
-def run_tags(trainer) -> dict[str, str]:
+def run_tags(config, trainer_mesh) -> dict[str, str]:
+    """The tags of a run on `trainer_mesh` (a population member's: the job's mesh is its
+    parent)."""
     import torch
 
     from ...version import __version__
-    device = trainer.mesh.device
+    device = trainer_mesh.device
     name = device.type
     if device.type == "cuda":
         name = f"cuda:{torch.cuda.get_device_name(device)}"
-    mesh = getattr(trainer.mesh, "parent", trainer.mesh)  # a population's: the whole job's
+    mesh = getattr(trainer_mesh, "parent", trainer_mesh)  # a population's: the whole job's
     tags = {"plan": str(mesh.plan), "world_size": str(mesh.world_size),
             "exatrain": __version__, "torch": torch.__version__, "device": name,
-            "workload": trainer.config.run.workload}
-    if mesh is not trainer.mesh:  # one trainer of a population
-        tags.update(trainer=str(trainer.mesh.trainer), trainer_plan=str(trainer.mesh.plan))
+            "workload": config.run.workload}
+    if mesh is not trainer_mesh:  # one trainer of a population
+        tags.update(trainer=str(trainer_mesh.trainer), trainer_plan=str(trainer_mesh.plan))
     return tags
 
 
@@ -328,9 +330,9 @@ class Trackers:
     """The W&B and MLflow runs of one run directory (rank 0), each switched off at its first
     failure."""
 
-    def __init__(self, trainer, report=None):
-        options, config = trainer.config.observe, trainer.config
-        self.run_dir = Path(trainer.run_dir)
+    def __init__(self, config, mesh, run_dir, report=None):
+        options = config.observe
+        self.run_dir = Path(run_dir)
         self.report = report or (lambda text: print(text, file=sys.stderr, flush=True))
         path = self.run_dir / STATE
         state = json.loads(path.read_text()) if path.is_file() else {}
@@ -339,7 +341,7 @@ class Trackers:
         self.runs: dict = {}
         # a population's trainers (RUN_DIR/trainer_KK) are grouped by their job's directory
         group = self.run_dir.parent.name if self.run_dir.name.startswith("trainer_") else ""
-        tags, resolved = run_tags(trainer), config.to_dict()
+        tags, resolved = run_tags(config, mesh), config.to_dict()
         for name in ("wandb", "mlflow"):
             if name not in options.trackers:
                 continue
