@@ -108,7 +108,7 @@ def test_exatrain_run_applies_init_from_stage_to_and_precision(tiny_config, cosm
 
 
 def _population_rank(config) -> dict:
-    from exatrain.train.population import setup_population
+    from exatrain.population.run import setup_population
     mesh, trainer, member = setup_population(config)
     try:
         return {"trainer": member.trainer_id,

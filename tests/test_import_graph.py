@@ -18,10 +18,11 @@ never of a layer above; within a layer, the no-circle rule alone holds:
   data, models  readers, writers and the input path; plain PyTorch models (peers)
   parallel      parallelize and every strategy, precision, gradient norms, the optimizer factory
   workloads     built-in and user workloads: model + data + loss + metrics
-  population    the tournament pieces: [population] options, partitions, pairing, model
-                exchange, hyperparameters, plot (the population's driver is in train for now)
-  train         config, the Trainer, its monitor/, checkpoints/, resilience/, the run entry
-                point, fit, predict, K-FAC, and the population's driver (train/population.py)
+  population options  exatrain.population.options: the [population] section train's config reads
+  train         config, the Trainer, its monitor/, checkpoints/, resilience/, fit, predict, K-FAC
+  population    population training: partitions, pairing, model exchange, hyperparameters, plot,
+                the member composed into each Trainer and the driver (population.run)
+  run           exatrain.train.run, the run entry point: one job, or a population
   observe       reading a run back (report, figures, runs), preflight, startup timing
   tune          the cost model, dry run, calibration, the planner and the tuner
   exatrain      the public API (`import exatrain as et`): re-exports from every layer below
@@ -58,10 +59,14 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("parallel", ("exatrain.parallel",)),
     # model + data + loss + metrics, built-in or the user's
     ("workloads", ("exatrain.workloads",)),
-    # the population's pieces that train's config and the driver use
-    ("population", ("exatrain.population",)),
-    # the run: config, Trainer, monitor, checkpoints, resilience, run/fit/predict entry points
+    # the [population] options: train's config reads them
+    ("population options", ("exatrain.population.options",)),
+    # the run: config, Trainer, monitor, checkpoints, resilience, fit/predict entry points
     ("train", ("exatrain.train",)),
+    # population training, above the Trainer it composes: member, driver, their pieces
+    ("population", ("exatrain.population",)),
+    # the run entry point (`run_job`): one job, or a population's
+    ("run", ("exatrain.train.run",)),
     # reading a finished run, preflight checks, startup timing: above the run they look at
     ("observe", ("exatrain.observe",)),
     # the planner and the tuner: build configs and dry runs from every layer below

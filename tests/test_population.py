@@ -21,7 +21,7 @@ from exatrain.population.options import PopulationOptions
 from exatrain.population.partition import partition
 from exatrain.plan import Plan
 from exatrain.train.config import ConfigError
-from exatrain.train.population import run_population, setup_population
+from exatrain.population.run import run_population, setup_population
 from exatrain.train.run import run_job
 from harness import logged_losses, run_ranks
 

@@ -5,7 +5,7 @@
     stage the input -> seed -> workload -> run.init_from -> parallelize (+ fp32 norms)
     -> Trainer (its optimizer, precision, compile counters) -> staging/setup figures -> resume
 
-`exatrain run` (`run.setup`), the population's driver (`population.setup_population`) and
+`exatrain run` (`run.setup`), the population's driver (`population.run.setup_population`) and
 `et.fit` (`fit.fit`) all call it, so `run.init_from`, `data.stage_to` (and EXATRAIN_STAGE_TO),
 `parallel.precision`, `parallel.compile`, whole samples or blocks (`workload.spatial_io()`) and
 the pipeline's example batch mean the same through each. What differs is passed in: how the

@@ -54,7 +54,7 @@ def run_job(config: Config, resume_dir: str | None = None,
     `exatrain run`'s supervisor (`resilience.restart.supervise`), the restarts before this start."""
     figures = job_figures(restart_history)
     if config.plan.trainer > 1:
-        from .population import run_population
+        from ..population.run import run_population
         return run_population(config, resume_dir, figures)
     mesh, trainer = setup(config, resume_dir, figures)
     try:
