@@ -6,8 +6,9 @@ state held by the rank at the optimizer step of the log step (`state_bytes`), an
 of forward + backward above the resident state (`peak_activation_bytes`, measured by the CUDA
 allocator on GPUs every step, tracked per storage on CPU for one step of each `fit`).
 
-MFU's denominator (`peak`): on a CPU the processor's peak (`monitor.cpu_peak`), elsewhere, or
-where the CPU does not say enough, the measured rate of a matrix multiply in the step's dtype.
+MFU's denominator (`mfu_denominator`): on a CPU the processor's peak (`monitor.cpu_peak`),
+elsewhere, or where the CPU does not say enough, the measured rate of a matrix multiply in the
+step's dtype (a median of repeats, not a peak; the summary's `peak_flops_source` says which).
 """
 
 from __future__ import annotations
@@ -73,6 +74,21 @@ class Records:
             record.update(self.pipeline_timeline(step))
         return record
 
+    def run_figures(self, history: list[dict], run_times: dict, memory: dict) -> dict:
+        """The summary's figures of the run's steps: steady-state speed (the first steps pay for
+        warm-up: allocator, DDP bucket rebuild), the last loss and bytes per step (`history`),
+        `memory`, throughput and MFU, input wait. `run_times`: every step's "times", "waits"
+        and input "bytes"."""
+        batch, step_times = self.config.train.batch_size, run_times["times"]
+        steady = step_times[min(len(step_times) - 1, 2):] if step_times else [float("nan")]
+        samples_per_s = batch / statistics.median(steady)
+        return {"samples_per_s": samples_per_s, "step_s_median": statistics.median(steady),
+                "final_loss": next((h["loss"] for h in reversed(history) if "loss" in h), None),
+                "bytes_per_step": next((h["bytes_per_step"] for h in reversed(history)
+                                        if "bytes_per_step" in h), {}),
+                **memory, **self.throughput(samples_per_s),
+                **self.input_figures(step_times, run_times["waits"], run_times["bytes"])}
+
     def memory_figures(self, state: dict) -> dict:
         """This rank's model-state bytes at the last measured optimizer step (`state`) and its
         peak step memory."""
@@ -90,8 +106,9 @@ class Records:
         return measured_matmul_flops(self.mesh.device, self.precision.dtype)
 
     @functools.cached_property
-    def peak(self) -> Peak:
-        """MFU's denominator, once per run (the live log and the summary share it)."""
+    def mfu_denominator(self) -> Peak:
+        """MFU's denominator, once per run (the live log and the summary share it): a peak, or
+        the measured matmul rate."""
         if self.mesh.device.type == "cpu":
             peak = cpu_peak(self.precision.dtype)
             if peak is not None:
@@ -108,8 +125,9 @@ class Records:
         if self.workload.flops_per_sample and math.isfinite(samples_per_s):
             per_rank = self.workload.flops_per_sample * samples_per_s / self.mesh.world_size
             out.update(model_flops_per_s=per_rank * self.mesh.world_size,
-                       peak_flops_per_s=self.peak.flops, peak_flops_source=self.peak.source,
-                       mfu=per_rank / self.peak.flops,
+                       peak_flops_per_s=self.mfu_denominator.flops,
+                       peak_flops_source=self.mfu_denominator.source,
+                       mfu=per_rank / self.mfu_denominator.flops,
                        matmul_flops_per_s_measured=self.matmul_flops_measured)
         return out
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import statistics
 import time
 from pathlib import Path
 
@@ -191,7 +190,7 @@ class Trainer:
                                self.num_workers, self.run_dir)
         # exposed comm, ranges, profile, TensorBoard, MLPerf
         self.observer = StepObserver(config, mesh, self.run_dir, workload, self.steps_per_epoch,
-                                     self.total_steps, lambda: self.records.peak,
+                                     self.total_steps, lambda: self.records.mfu_denominator,
                                      setup_times=setup_times, profiler=profiler)
         self.decode = device_decode(workload, model)
         self.nonfinite_skips = NonfiniteSkips(t.on_nonfinite, t.max_nonfinite_skips,
@@ -492,21 +491,10 @@ class Trainer:
     # ------------------------------------------------------------------ the summary
     def _summary(self, eval_metrics: dict, wall: float, start: float) -> dict:
         """The run's summary (summary.json on rank 0)."""
-        # The first steps pay for warm-up (allocator, DDP bucket rebuild): leave them out.
-        t, step_times = self.config.train, self._run_times["times"]
-        steady = step_times[min(len(step_times) - 1, 2):] if step_times else [float("nan")]
         memory = self.records.memory_figures(self.last_state_bytes)
         summary = {**eval_metrics, **self.workload.baselines, "steps": self.step,
-                   "samples_per_s": t.batch_size / statistics.median(steady),
-                   "step_s_median": statistics.median(steady),
                    "world_size": self.mesh.world_size, "plan": str(self.mesh.plan),
-                   "final_loss": next((h["loss"] for h in reversed(self.history) if "loss" in h), None),
-                   "bytes_per_step": next((h["bytes_per_step"] for h in reversed(self.history)
-                                           if "bytes_per_step" in h), {}),
-                   **memory,
-                   **self.records.throughput(t.batch_size / statistics.median(steady)),
-                   **self.records.input_figures(step_times, self._run_times["waits"],
-                                                self._run_times["bytes"]),
+                   **self.records.run_figures(self.history, self._run_times, memory),
                    "precision": self.precision.name,
                    "stopped_by_signal": self.stopped_early,  # (a bandwidth drop's stop too)
                    "nonfinite_skipped": self.nonfinite_skipped,

@@ -42,12 +42,14 @@ from .trackers import rows
 
 class StepObserver:
     def __init__(self, config, mesh, run_dir, workload, steps_per_epoch: int, total_steps: int,
-                 peak, setup_times: dict | None = None, profiler=None):
-        """`peak`: () -> this device's `Peak` (MFU's denominator, measured when first asked);
+                 mfu_denominator, setup_times: dict | None = None, profiler=None):
+        """`mfu_denominator`: () -> this device's `Peak` (MFU's denominator: a peak, or the
+        measured matmul rate, measured when first asked);
         `setup_times`: the MLPerf set-up phases; `profiler`: one stepped after every step in
         place of `[observe] profile_steps`'s."""
         self.config, self.mesh, self.ledger, self.workload = config, mesh, mesh.ledger, workload
-        self.steps_per_epoch, self.total_steps, self.peak = steps_per_epoch, total_steps, peak
+        self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
+        self.mfu_denominator = mfu_denominator
         self.options = config.observe
         self.setup_times = setup_times or {}
         self.run_dir = run_dir
@@ -164,7 +166,7 @@ class StepObserver:
             record["busbw_GBps"] = {a: f["busbw"] / 1e9 for a, f in self.bandwidth.last.items()}
         flops = self.workload.flops_per_sample
         if flops and "samples_per_s" in record and "mfu" not in record:
-            record["mfu"] = flops * record["samples_per_s"] / self.peak().flops / \
+            record["mfu"] = flops * record["samples_per_s"] / self.mfu_denominator().flops / \
                 self.mesh.world_size
 
     def written(self, record: dict) -> None:
