@@ -9,7 +9,8 @@ raises `NonFiniteLoss` naming it. Otherwise the verdict is read on the host ever
 non-finite policy (`resilience.policies.NonfiniteSkips`) skips the step or it raises.
 
 Determinism: each step's random streams (dropout) are seeded from (seed, step, rank), so a
-resumed run replays them without stored RNG state.
+resumed run replays them without stored RNG state; `process_settings` gives the caller's random
+streams (and cuDNN's autotuning setting) back when the steps end.
 """
 
 from __future__ import annotations
@@ -164,3 +165,26 @@ class TrainStep:
             index = self.device.index
             torch.cuda.default_generators[torch.cuda.current_device() if index is None
                                           else index].manual_seed(seed)
+
+
+@contextlib.contextmanager
+def process_settings(device: torch.device, cudnn_benchmark: bool):
+    """Process-wide state the steps change, given back when they end: the global random
+    generators (each step seeds them, so dropout masks replay on resume; the caller's streams
+    return, so user code never sees them reset) and, on a GPU, cuDNN's autotuning
+    (`parallel.cudnn_benchmark`)."""
+    benchmark = torch.backends.cudnn.benchmark
+    with torch.random.fork_rng(devices=_rng_devices(device)):
+        if device.type == "cuda":
+            torch.backends.cudnn.benchmark = cudnn_benchmark
+        try:
+            yield
+        finally:
+            torch.backends.cudnn.benchmark = benchmark
+
+
+def _rng_devices(device: torch.device) -> list[int]:
+    """The CUDA devices whose generator states `fork_rng` saves: this rank's, or none on CPU."""
+    if device.type != "cuda":
+        return []
+    return [device.index if device.index is not None else torch.cuda.current_device()]

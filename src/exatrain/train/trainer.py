@@ -31,6 +31,9 @@ every step's loss in `step_losses`, a `NonFiniteLoss` naming the step. Optimizer
 device-side skip (K-FAC, foreach and for-loop kernels, FSDP2's DTensors),
 `train.on_nonfinite = "skip"` and hooks that handle a non-finite step themselves read the verdict
 every step instead (`defers_verdict`).
+
+Over 500 lines while the optimizer factory (`build_optimizer`, `optimizer_kernel`,
+`match_grad_layouts`, `supports_found_inf`) is still here; it belongs in `optim/factory.py`.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ from ..parallel.precision import Precision, keep_norms_fp32
 from .records import Interval, Records
 from .sampling import Sampling, device_decode
 from .schedule import scaled_lr
-from .step import LrSchedule, StepResult, TrainStep
+from .step import LrSchedule, StepResult, TrainStep, process_settings
 from .resilience.faults import FaultInjector
 from .resilience.policies import NonfiniteSkips, SkipBadSamples, out_of_memory_advice
 from .resilience.stop import StopOnSignal
@@ -302,7 +305,7 @@ class Trainer:
         watchdog = Watchdog(self.mesh.ledger, self.mesh.rank, self.run_dir,
                             self.config.run.timeout_s).start(self.mesh.world_size)
         try:
-            with _process_settings(self.mesh.device, self.config.parallel.cudnn_benchmark):
+            with process_settings(self.mesh.device, self.config.parallel.cudnn_benchmark):
                 while self.step < self.total_steps and not self._finished:
                     self._one_step(batches, pending, watchdog, progress)
                     eval_metrics = self._after_step(pending, stop, watchdog, progress) \
@@ -526,26 +529,3 @@ class Trainer:
         # the tracked runs (W&B, MLflow) end with the job, which may still fail after this fit
         # (a population's final exchange): its owner calls `finished`
         return summary
-
-
-@contextlib.contextmanager
-def _process_settings(device: torch.device, cudnn_benchmark: bool):
-    """Process-wide state the steps change, given back when they end: the global random
-    generators (each step seeds them, so dropout masks replay on resume; the caller's streams
-    return, so user code never sees them reset) and, on a GPU, cuDNN's autotuning
-    (`parallel.cudnn_benchmark`)."""
-    benchmark = torch.backends.cudnn.benchmark
-    with torch.random.fork_rng(devices=_rng_devices(device)):
-        if device.type == "cuda":
-            torch.backends.cudnn.benchmark = cudnn_benchmark
-        try:
-            yield
-        finally:
-            torch.backends.cudnn.benchmark = benchmark
-
-
-def _rng_devices(device: torch.device) -> list[int]:
-    """The CUDA devices whose generator states `fork_rng` saves: this rank's, or none on CPU."""
-    if device.type != "cuda":
-        return []
-    return [device.index if device.index is not None else torch.cuda.current_device()]
