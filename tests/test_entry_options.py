@@ -108,10 +108,10 @@ def test_exatrain_run_applies_init_from_stage_to_and_precision(tiny_config, cosm
 
 
 def _population_rank(config) -> dict:
-    from exatrain.train.population import setup_population
-    mesh, trainer = setup_population(config)
+    from exatrain.population.run import setup_population
+    mesh, trainer, member = setup_population(config)
     try:
-        return {"trainer": trainer.trainer_id,
+        return {"trainer": member.trainer_id,
                 **_check_trainer(trainer, Path(config.run.init_from), Path(config.data.stage_to))}
     finally:
         mesh.close()

@@ -20,12 +20,14 @@ never of a layer above; within a layer, the no-circle rule alone holds:
   optim         the optimizer factory, the learning-rate schedule, gradient norms and clipping,
                 distributed K-FAC
   workloads     built-in and user workloads: model + data + loss + metrics
-  population    the tournament pieces: [population] options, partitions, pairing, model
-                exchange, hyperparameters, plot (the population's driver is in train for now)
+  population options  exatrain.population.options: the [population] section train's config reads
   observe       what a run records and shows: step meters, memory meters, the observer, console,
                 summary fields, trackers, MLPerf log, report and figures, preflight, startup
-  train         config, the Trainer, checkpoints/, resilience/, the run entry point, fit,
-                and the population's driver (train/population.py)
+  train         config, the Trainer (its step, sampling, evaluation, records, hooks),
+                checkpoints/, resilience/, fit and the composition root (job)
+  population    population training: partitions, pairing, model exchange, hyperparameters, plot,
+                weak scaling, the member composed into each Trainer and the driver (population.run)
+  run           exatrain.train.run, the run entry point: one job, or a population
   infer         prediction over a data set under any Plan (`exatrain predict`, et.predict)
   tune          the cost model, dry run, calibration, the planner and the tuner
   exatrain      the public API (`import exatrain as et`): re-exports from every layer below
@@ -64,13 +66,17 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("optim", ("exatrain.optim",)),
     # model + data + loss + metrics, built-in or the user's
     ("workloads", ("exatrain.workloads",)),
-    # the population's pieces that train's config and the driver use
-    ("population", ("exatrain.population",)),
+    # the [population] options: train's config reads them
+    ("population options", ("exatrain.population.options",)),
     # what a run records and shows (meters, console, trackers, report, preflight): the Trainer
     # uses it, so it imports nothing of the run; what it needs of the run is passed in
     ("observe", ("exatrain.observe",)),
-    # the run: config, Trainer, checkpoints, resilience, the run and fit entry points
+    # the run: config, Trainer, checkpoints, resilience, fit, the composition root
     ("train", ("exatrain.train",)),
+    # population training, above the Trainer it composes: member, driver, their pieces
+    ("population", ("exatrain.population",)),
+    # the run entry point (`run_job`): one job, or a population's
+    ("run", ("exatrain.train.run",)),
     # prediction under any Plan: the run's checkpoints, laid out by train's composition root
     ("infer", ("exatrain.infer",)),
     # the planner and the tuner: build configs and dry runs from every layer below
@@ -245,7 +251,7 @@ def graph():
 def test_the_graph_holds_the_package(graph):
     assert len(graph) > 150 and "exatrain.cli" in graph
     assert "exatrain.train.config" in graph["exatrain.train"]       # `from .config import ...`
-    assert "exatrain.comm" in graph["exatrain.train.trainer"]       # `from ..comm import ...`
+    assert "exatrain.comm" in graph["exatrain.train.records"]       # `from ..comm import ...`
 
 
 def test_every_module_has_a_layer_and_every_layer_modules(graph):

@@ -420,7 +420,7 @@ def _staged_and_node_shuffled(config, node_of_rank):
     os.environ[HOST_ENV] = f"node{node_of_rank[rank]}"
     try:
         mesh, trainer = setup(config)
-        epoch = trainer._rank_indices(0, 0)
+        epoch = trainer.sampling.rank_indices(0, 0)
         summary = trainer.fit()
         mesh.close()
         return {"epoch": epoch, "steps_per_epoch": trainer.steps_per_epoch,
@@ -475,12 +475,12 @@ def _batches_across_the_epoch_end(config) -> dict:
         targets = torch.as_tensor(trainer.workload.train_set.targets())
         per_epoch = trainer.steps_per_epoch  # 42 samples, batches of 8: 5 steps
         start = per_epoch - 2
-        batches = trainer._batches(start)
+        batches = trainer.sampling.batches(start, trainer.decode)
         try:
             got = torch.cat([next(batches)[1] for _ in range(2 + per_epoch)])
         finally:
             batches.close()
-        order = trainer._rank_indices(0, start) + trainer._rank_indices(1, 0)
+        order = trainer.sampling.rank_indices(0, start) + trainer.sampling.rank_indices(1, 0)
         return {"workers": workers, "got": got, "expected": targets[order]}
     finally:
         mesh.close()

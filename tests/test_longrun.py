@@ -147,7 +147,10 @@ def test_failure_policies(tiny_config, tmp_path, one_thread):
         diverging(trainer, 2)
         summary = trainer.fit()
         assert summary["steps"] == 4 and summary["nonfinite_skipped"] == 1
-        advice = out_of_memory_advice(trainer, RuntimeError("CUDA out of memory"))
+        advice = out_of_memory_advice(mesh.plan, trainer.config.parallel, trainer.config.train,
+                                      trainer.micro, mesh.rank, trainer.step + 1,
+                                      trainer.last_state_bytes.get("total"),
+                                      RuntimeError("CUDA out of memory"))
         for hint in ("plan.shard", "zero_stage=3", "activation_checkpointing", "grad_accum",
                      "bf16"):
             assert hint in advice

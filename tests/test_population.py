@@ -21,7 +21,7 @@ from exatrain.population.options import PopulationOptions
 from exatrain.population.partition import partition
 from exatrain.plan import Plan
 from exatrain.train.config import ConfigError
-from exatrain.train.population import run_population, setup_population
+from exatrain.population.run import run_population, setup_population
 from exatrain.train.run import run_job
 from harness import logged_losses, run_ranks
 
@@ -124,16 +124,16 @@ def _digest(tensors) -> str:
 def _exchange_case(config):
     """Train 2 trainers (trainer 1 with a broken lr) 2 steps to one tournament; return this
     rank's digest of model + optimizer state, the bytes it sent and what it should have sent."""
-    mesh, trainer = setup_population(config)  # joins the process group the first case made
+    mesh, trainer, member = setup_population(config)  # joins the process group the first case made
     trainer.fit()
     tensors = model_tensors(trainer.model, trainer.optimizer)
     sent = mesh.ledger.entries[("trainer", "send", "exchange")].bytes
     view = trainer.mesh  # every group a strategy can ask for stays inside the trainer
     groups = {a: view.axis(a).global_ranks for a in ("data", "shard", "space", "tensor", "pipe")}
-    return mesh, {"trainer": trainer.trainer_id, "rank_in_trainer": trainer.mesh.rank,
+    return mesh, {"trainer": member.trainer_id, "rank_in_trainer": trainer.mesh.rank,
                   "world": view.world.global_ranks, "groups": groups,
                   "digest": _digest(tensors), "sent": sent, "expected": state_bytes(tensors),
-                  "lr": trainer.hparams.lr, "run_dir": str(trainer.run_dir.parent)}
+                  "lr": member.hparams.lr, "run_dir": str(trainer.run_dir.parent)}
 
 
 def _exchange_cases(configs):

@@ -126,14 +126,14 @@ def test_a_nonfinite_gradient_under_a_finite_loss_is_caught_without_the_norm(tin
     from exatrain.train import NonFiniteLoss
     config = _config(tiny_config, "plan.data=1", "run.nproc=1", "train.clip_grad_norm=0")
     mesh, trainer = setup(config)
-    assert trainer.defers_verdict and trainer._finiteness_only
+    assert trainer.defers_verdict and trainer.train_step.finiteness_only
     first = next(trainer.model.parameters())
     first.register_hook(lambda grad: grad * torch.inf if mesh.ledger.step == 2 else grad)
     try:
         with pytest.raises(NonFiniteLoss, match=r"step 2: loss [0-9.]+ / a gradient is not "
                                                 r"finite.*up to step 6"):
             trainer.fit()
-        assert trainer.last_grad_norm is None
+        assert trainer.last_step.grad_norm is None
         assert torch.isfinite(first).all()
     finally:
         mesh.close()

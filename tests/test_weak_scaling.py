@@ -17,7 +17,8 @@ from mlperf_logging.result_summarizer import result_summarizer
 
 from exatrain.population import weak_scaling
 from exatrain.train.config import ConfigError
-from exatrain.train.population import member_config, run_population
+from exatrain.population.member import member_config
+from exatrain.population.run import run_population
 from harness import run_ranks
 
 # the tiny run's target, as in test_population's throughput mode: every trainer's learning rate

@@ -125,9 +125,8 @@ def _exatrain(config, mesh, workload, warmup: int, steps: int, window=None) -> d
     model = parallelize(workload.model, mesh, config.parallel,
                         **workload.spatial_io())
     workload.model = model
-    trainer = Trainer(mesh, workload, config, model, run_dir=None)
-    if window is not None:
-        trainer.observer.profiler = window  # stepped after every step, stopped at the end
+    # `window`, when given, is stepped after every step and stopped at the end
+    trainer = Trainer(mesh, workload, config, model, run_dir=None, profiler=window)
     summary = trainer.fit()
     n = warmup + steps
     times, waits = trainer.step_times[:n], trainer.step_waits[:n]

@@ -86,7 +86,7 @@ def _run(args, work: Path) -> dict:
     from ..launch import spawn
     from ..models.cosmoflow import CosmoFlow
     from ..train.config import load_config
-    from ..train.population import run_population
+    from ..population.run import run_population
 
     k, b = args.trainers, args.batch
     size, steps = args.size or 16, args.steps or 80

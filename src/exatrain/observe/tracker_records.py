@@ -75,18 +75,20 @@ def outcome(summary: dict | None, failure: BaseException | None,
     return Outcome("FAILED", 1)
 
 
-def run_tags(trainer) -> dict[str, str]:
+def run_tags(config, trainer_mesh) -> dict[str, str]:
+    """The tags of a run on `trainer_mesh` (a population member's: the job's mesh is its
+    parent)."""
     import torch
 
     from ..version import __version__
-    device = trainer.mesh.device
+    device = trainer_mesh.device
     name = device.type
     if device.type == "cuda":
         name = f"cuda:{torch.cuda.get_device_name(device)}"
-    mesh = getattr(trainer.mesh, "parent", trainer.mesh)  # a population's: the whole job's
+    mesh = getattr(trainer_mesh, "parent", trainer_mesh)  # a population's: the whole job's
     tags = {"plan": str(mesh.plan), "world_size": str(mesh.world_size),
             "exatrain": __version__, "torch": torch.__version__, "device": name,
-            "workload": trainer.config.run.workload}
-    if mesh is not trainer.mesh:  # one trainer of a population
-        tags.update(trainer=str(trainer.mesh.trainer), trainer_plan=str(trainer.mesh.plan))
+            "workload": config.run.workload}
+    if mesh is not trainer_mesh:  # one trainer of a population
+        tags.update(trainer=str(trainer_mesh.trainer), trainer_plan=str(trainer_mesh.plan))
     return tags

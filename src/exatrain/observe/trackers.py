@@ -94,9 +94,9 @@ class Trackers:
     """The W&B and MLflow runs of one run directory (rank 0), each switched off at its first
     failure."""
 
-    def __init__(self, trainer, report=None):
-        options, config = trainer.config.observe, trainer.config
-        self.run_dir = Path(trainer.run_dir)
+    def __init__(self, config, mesh, run_dir, report=None):
+        options = config.observe
+        self.run_dir = Path(run_dir)
         self.report = report or (lambda text: print(text, file=sys.stderr, flush=True))
         path = self.run_dir / STATE
         state = json.loads(path.read_text()) if path.is_file() else {}
@@ -105,7 +105,7 @@ class Trackers:
         self.runs: dict = {}
         # a population's trainers (RUN_DIR/trainer_KK) are grouped by their job's directory
         group = self.run_dir.parent.name if self.run_dir.name.startswith("trainer_") else ""
-        tags, resolved = run_tags(trainer), config.to_dict()
+        tags, resolved = run_tags(config, mesh), config.to_dict()
         for name in ("wandb", "mlflow"):
             if name not in options.trackers:
                 continue

@@ -9,6 +9,9 @@ partition, meeting every `population.interval` steps for a tournament.
   exchange.py   point-to-point model transfer between corresponding ranks of two trainers
   hparams.py    a trainer's hyperparameters, applied to its optimizer and model, and mutation
   plot.py       every trainer's validation curve with the exchanges marked
+  member.py     one trainer's tournaments, composed into its Trainer (`PopulationMember`)
+  run.py        the driver: builds every rank's trainer, runs the population, writes its report
 
-The driver that runs the trainers and holds the tournaments is `exatrain.train.population`.
+`options.py` sits below `exatrain.train` (train's config reads the [population] section); the rest
+sits above it, and `exatrain.train.run` (the run entry point) above them all.
 """

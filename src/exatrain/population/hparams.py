@@ -1,6 +1,6 @@
 """A trainer's hyperparameters (peak learning rate, weight decay, dropout) and their mutation.
 
-The learning rate is the peak of the trainer's schedule (`Trainer.peak_lr`); the schedule's shape
+The learning rate is the peak of the trainer's schedule (`peak_lr`); the schedule's shape
 (warm-up, decay) is the job's. Weight decay goes into every optimizer parameter group; dropout
 into every dropout module of the model. Mutation multiplies each chosen value by one factor drawn
 from `population.mutation_factors` and clips it to its bounds (a value of 0 stays 0: weight decay
@@ -34,12 +34,13 @@ class Hyperparameters:
     def as_dict(self) -> dict:
         return asdict(self)
 
-    def apply(self, trainer) -> None:
-        """Make `trainer` (a Trainer) train with these values from its next step on."""
-        trainer.peak_lr = self.lr
-        for group in trainer.optimizer.param_groups:
+    def apply(self, schedule, optimizer, model) -> None:
+        """Train with these values from the next step on: the peak of `schedule` (its
+        `peak_lr`), the weight decay of every group of `optimizer`, the dropout of `model`."""
+        schedule.peak_lr = self.lr
+        for group in optimizer.param_groups:
             group["weight_decay"] = self.weight_decay
-        for module in trainer.model.modules():
+        for module in model.modules():
             if isinstance(module, nn.modules.dropout._DropoutNd):
                 module.p = self.dropout
 

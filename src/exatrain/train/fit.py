@@ -224,9 +224,9 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_set: Dataset, val_set:
         try:
             summary = trainer.fit()
         except BaseException as exc:
-            trainer.observer.finished(None, exc)  # a tracked run that failed says so
+            trainer.finished(None, exc)  # a tracked run that failed says so
             raise
-        trainer.observer.finished(summary)  # W&B, MLflow: the summary, pictures, logs; the end
+        trainer.finished(summary)  # W&B, MLflow: the summary, pictures, logs; the end
         if _script_summaries.get() is not None:  # for `exatrain run SCRIPT` to print
             _script_summaries.get().append(summary)
         return summary

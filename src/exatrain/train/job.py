@@ -5,7 +5,7 @@
     stage the input -> seed -> workload -> run.init_from -> parallelize (+ fp32 norms)
     -> Trainer (its optimizer, precision, compile counters) -> staging/setup figures -> resume
 
-`exatrain run` (`run.setup`), the population's driver (`population.setup_population`) and
+`exatrain run` (`run.setup`), the population's driver (`population.run.setup_population`) and
 `et.fit` (`fit.fit`) all call it, so `run.init_from`, `data.stage_to` (and EXATRAIN_STAGE_TO),
 `parallel.precision`, `parallel.compile`, whole samples or blocks (`workload.spatial_io()`) and
 the pipeline's example batch mean the same through each. What differs is passed in: how the
@@ -238,7 +238,7 @@ class Built:
 def build(config: Config, mesh, make_workload: Callable, *, run_dir: Path | None,
           resume_from: Path | None = None, stage: Callable = stage_input,
           make_trainer: Callable | None = None, job_mesh=None,
-          setup_times: dict | None = None) -> Built:
+          setup_times: dict | None = None, job_figures: dict | None = None) -> Built:
     """Collective: put a run together on this rank (see the module doc for the order).
 
     Args:
@@ -248,9 +248,11 @@ def build(config: Config, mesh, make_workload: Callable, *, run_dir: Path | None
         run_dir: the run directory the Trainer writes.
         resume_from: a checkpoint to resume; `run.init_from` is then not applied.
         stage: `(config, mesh) -> figures`, staging the input (over `job_mesh`).
-        make_trainer: `(mesh, workload, config, model, run_dir, console) -> Trainer`.
+        make_trainer: `(mesh, workload, config, model, run_dir=, console=, **figures) -> Trainer`,
+            `figures` being the Trainer's keywords setup_times, stage_figures and job_figures.
         job_mesh: the whole job's mesh (default `mesh`): it stages, and its rank 0 prints.
         setup_times: the MLPerf setup phases so far (e.g. init_start); staging's are added.
+        job_figures: how the ranks were started (`run.job_figures`), in the summary.
     """
     from ..launch import detect
     from ..observe.console import TrainConsole
@@ -272,11 +274,10 @@ def build(config: Config, mesh, make_workload: Callable, *, run_dir: Path | None
     workload.model = model  # drop the plain model: under tensor plans it is the full size
     console = TrainConsole() if job_mesh.rank == 0 else None
     make_trainer = make_trainer or Trainer
-    trainer = make_trainer(mesh, workload, config, model, run_dir=run_dir, console=console)
-    trainer.stage_figures = staged
     launch = detect()
-    trainer.observer.setup_times.update(times,
-                                        local_world_size=launch.local_world_size if launch else 1)
+    times["local_world_size"] = launch.local_world_size if launch else 1
+    trainer = make_trainer(mesh, workload, config, model, run_dir=run_dir, console=console,
+                           setup_times=times, stage_figures=staged, job_figures=job_figures)
     if resume_from:
         trainer.resume(resume_from)
         if console:

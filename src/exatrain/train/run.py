@@ -24,9 +24,10 @@ from .job import (ResumeError, build, find_resume_checkpoint, join,  # noqa: F40
 from .resilience.restart import cleanup_failed_start, record_failure, stable_run_dir
 
 
-def setup(config: Config, resume_dir: str | None = None) -> tuple:
-    """Join the job, build workload, model and Trainer on this rank (`job.build`). Returns
-    (mesh, trainer)."""
+def setup(config: Config, resume_dir: str | None = None,
+          job_figures: dict | None = None) -> tuple:
+    """Join the job, build workload, model and Trainer on this rank (`job.build`; `job_figures`:
+    how the ranks were started, for the summary). Returns (mesh, trainer)."""
     setup_times = {"init_start": time.time()}  # MLPerf's init and staging phases
     mesh = join(config)
     run_dir = None
@@ -38,7 +39,7 @@ def setup(config: Config, resume_dir: str | None = None) -> tuple:
         setup_times["staging_start"] = time.time()  # the data's preparation counts as staging
         workload_module, run_dir = prepare_run(config, mesh, resume_dir, stable)
         built = build(config, mesh, workload_module.build, run_dir=run_dir,
-                      resume_from=resume_from, setup_times=setup_times)
+                      resume_from=resume_from, setup_times=setup_times, job_figures=job_figures)
         return mesh, built.trainer
     except BaseException:
         if mesh.rank == 0 and run_dir is not None and not resume_dir and stable is None:
@@ -53,18 +54,18 @@ def run_job(config: Config, resume_dir: str | None = None,
     `exatrain run`'s supervisor (`resilience.restart.supervise`), the restarts before this start."""
     figures = job_figures(restart_history)
     if config.plan.trainer > 1:
-        from .population import run_population
+        from ..population.run import run_population
         return run_population(config, resume_dir, figures)
-    mesh, trainer = setup(config, resume_dir)
-    trainer.job_figures = figures
+    mesh, trainer = setup(config, resume_dir, figures)
     try:
         summary = trainer.fit()
-        trainer.observer.finished(summary)  # W&B, MLflow: the summary, pictures, logs; the end
+        trainer.finished(summary)  # W&B, MLflow: the summary, pictures, logs; the end
         return summary
     except BaseException as exc:
-        trainer.observer.finished(None, exc)  # a tracked run that failed says so
-        record_failure(trainer, exc)
-        cleanup_failed_start(trainer, resumed=resume_dir is not None)
+        trainer.finished(None, exc)  # a tracked run that failed says so
+        record_failure(trainer.run_dir, mesh.rank, mesh.ledger, trainer.step, exc)
+        cleanup_failed_start(trainer.run_dir, mesh.rank, trainer.step,
+                             resumed=resume_dir is not None)
         raise
     finally:
         mesh.close()

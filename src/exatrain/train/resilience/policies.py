@@ -66,26 +66,32 @@ class SkipBadSamples(Dataset):
                                     "error": f"{type(exc).__name__}: {exc}"}) + "\n")
 
 
-def skip_nonfinite(trainer, loss: float, grad_norm: float) -> bool:
-    """True when this non-finite step is to be skipped (the gradients are then cleared)."""
-    t = trainer.config.train
-    if t.on_nonfinite != "skip" or trainer.nonfinite_skipped >= t.max_nonfinite_skips:
-        return False
-    trainer.nonfinite_skipped += 1
-    trainer.optimizer.zero_grad(set_to_none=True)
-    trainer.model.zero_grad(set_to_none=True)
-    if trainer.is_main:
-        # the step number metrics.jsonl gives this step is trainer.step + 1
-        print(f"exatrain: step {trainer.step + 1}: loss {loss} / gradient norm {grad_norm} is not "
-              f"finite; update skipped ({trainer.nonfinite_skipped} of at most "
-              f"{t.max_nonfinite_skips}, train.max_nonfinite_skips)", file=sys.stderr, flush=True)
-    return True
+class NonfiniteSkips:
+    """`train.on_nonfinite`'s "skip": how many non-finite steps were skipped, and whether the
+    next one may be."""
+
+    def __init__(self, on_nonfinite: str, max_skips: int, is_main: bool):
+        self.on_nonfinite, self.max_skips, self.is_main = on_nonfinite, max_skips, is_main
+        self.skipped = 0
+
+    def skip(self, step: int, loss: float, grad_norm: float) -> bool:
+        """True when non-finite step `step` (1-based, as metrics.jsonl counts) is to be skipped
+        (its caller then clears the gradients)."""
+        if self.on_nonfinite != "skip" or self.skipped >= self.max_skips:
+            return False
+        self.skipped += 1
+        if self.is_main:
+            print(f"exatrain: step {step}: loss {loss} / gradient norm {grad_norm} is not "
+                  f"finite; update skipped ({self.skipped} of at most {self.max_skips}, "
+                  "train.max_nonfinite_skips)", file=sys.stderr, flush=True)
+        return True
 
 
-def out_of_memory_advice(trainer, exc: BaseException) -> str:
-    """The OOM message with the Plan axes and options that would lower memory, for this run."""
-    plan, options, t = trainer.mesh.plan, trainer.config.parallel, trainer.config.train
-    state = trainer.last_state_bytes.get("total")
+def out_of_memory_advice(plan, options, t, micro: int, rank: int, step: int,
+                         state: int | None, exc: BaseException) -> str:
+    """The OOM message with the Plan axes and options that would lower memory, for this run:
+    `options` its `[parallel]`, `t` its `[train]`, `micro` its micro-batch, `step` (1-based) the
+    step that failed, `state` the model state's bytes at the last measured step."""
     ideas = []
     if plan.shard == 1 or options.zero_stage < 3:
         ideas.append("shard the parameters, gradients and optimizer state: plan.shard=N with "
@@ -97,8 +103,8 @@ def out_of_memory_advice(trainer, exc: BaseException) -> str:
         ideas.append("parallel.activation_checkpointing=\"full\" (recompute activations)")
     if options.precision == "fp32":
         ideas.append("parallel.precision=\"bf16\" (half the activation bytes)")
-    ideas.append(f"a smaller micro-batch ({trainer.micro} samples now): raise train.grad_accum "
+    ideas.append(f"a smaller micro-batch ({micro} samples now): raise train.grad_accum "
                  f"(now {t.grad_accum}) at the same train.batch_size={t.batch_size}")
     held = f" This rank held {state / 2**30:.2f} GiB of model state at its last step." if state else ""
-    return (f"out of memory on rank {trainer.mesh.rank} at step {trainer.step + 1} under {plan}.{held} "
+    return (f"out of memory on rank {rank} at step {step} under {plan}.{held} "
             f"To lower memory: " + "; ".join(ideas) + f". ({exc})")

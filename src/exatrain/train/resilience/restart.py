@@ -36,25 +36,25 @@ def _timed_out(exc: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
-def record_failure(trainer, exc: BaseException) -> None:
-    run_dir = trainer.run_dir
+def record_failure(run_dir: Path | None, rank: int, ledger, steps_done: int,
+                   exc: BaseException) -> None:
+    """Rank `rank` failed with `exc` after `steps_done` steps: its traceback (and, when a
+    collective timed out, the flight record of `ledger`) into `run_dir`."""
     if run_dir is None or not run_dir.is_dir():
         return
-    rank = trainer.mesh.rank
     if _timed_out(exc):
-        write_record(run_dir, rank, trainer.mesh.ledger,
+        write_record(run_dir, rank, ledger,
                      f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
     if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: not a failure to log
         return
     (run_dir / f"error_rank{rank}.log").write_text(
-        f"rank {rank} failed at step {trainer.step + 1}:\n"
+        f"rank {rank} failed at step {steps_done + 1}:\n"
         + "".join(traceback.format_exception(exc)))
 
 
-def cleanup_failed_start(trainer, resumed: bool) -> None:
+def cleanup_failed_start(run_dir: Path | None, rank: int, steps_done: int, resumed: bool) -> None:
     """Rank 0 removes a run directory it created when the run failed before its first step."""
-    run_dir = trainer.run_dir
-    if resumed or trainer.step > 0 or not trainer.is_main or run_dir is None:
+    if resumed or steps_done > 0 or rank != 0 or run_dir is None:
         return
     if os.environ.get(RUN_DIR_ENV) or not run_dir.is_dir():
         return  # a directory the launcher named stays: its restarts and logs live there

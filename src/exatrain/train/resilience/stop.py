@@ -36,14 +36,12 @@ class StopOnSignal:
             signal.signal(sig, handler)
         self._previous = {}
 
-    def announce(self, trainer) -> None:
-        """Rank 0 says where the run stopped and how to go on."""
-        if trainer.is_main:
-            name = signal.Signals(self.signum).name if self.signum else \
-                "a bandwidth drop" if trainer.observer.stop_requested else "a signal on another rank"
-            print(f"exatrain: stopped by {name} after step {trainer.step} of "
-                  f"{trainer.total_steps}; checkpoint written. Resume with: "
-                  f"exatrain run --resume {trainer.run_dir}", flush=True)
+    def announce(self, step: int, total_steps: int, run_dir, bandwidth_drop: bool) -> None:
+        """Say where the run stopped and how to go on (rank 0 calls it)."""
+        name = signal.Signals(self.signum).name if self.signum else \
+            "a bandwidth drop" if bandwidth_drop else "a signal on another rank"
+        print(f"exatrain: stopped by {name} after step {step} of {total_steps}; checkpoint "
+              f"written. Resume with: exatrain run --resume {run_dir}", flush=True)
 
     def _handle(self, signum, _frame) -> None:
         self.signum = signum

@@ -1,0 +1,190 @@
+"""One optimizer step: forward and backward over the micro-batches, unscale, the finiteness
+verdict, the optimizer's step. `TrainStep` holds what a step uses and nothing else; the loop around
+it (`train.trainer`) decides the learning rate, when to read the device and what follows a step.
+
+Deferred verdict (`defers`): nothing is read from the device. A non-finite step is skipped by the
+optimizer's own kernel (`found_inf`, as `torch.amp.GradScaler` has fused optimizers do) and under
+`train.on_nonfinite = "stop"` every step after it too (`halted`), until the loop's next read point
+raises `NonFiniteLoss` naming it. Otherwise the verdict is read on the host every step and the
+non-finite policy (`resilience.policies.NonfiniteSkips`) skips the step or it raises.
+
+Determinism: each step's random streams (dropout) are seeded from (seed, step, rank), so a
+resumed run replays them without stored RNG state; `process_settings` gives the caller's random
+streams (and cuDNN's autotuning setting) back when the steps end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..parallel.data import unwrap
+from ..optim.gradnorm import clip_grad_norm_, decided_locally, found_nonfinite
+from ..parallel.pipe.model import PipelineModel
+from ..observe.memory_meters import state_bytes
+from ..optim.schedule import lr_at
+
+
+@dataclass
+class LrSchedule:
+    """The learning rate of each step: `peak_lr` (a population member's hyperparameter: it
+    changes between steps) shaped by the job's `[schedule]` (warm-up, decay)."""
+    peak_lr: float
+    total_steps: int
+    options: object  # config.schedule
+
+    def lr(self, step: int) -> float:
+        """The learning rate of optimizer step `step` (0-based)."""
+        o = self.options
+        return lr_at(step, self.peak_lr, self.total_steps, o.warmup_steps, o.decay,
+                     o.min_lr_ratio)
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor                # this rank's loss, on the device
+    grad_norm: torch.Tensor | None    # the global gradient norm (None where nothing needed it)
+    found_inf: torch.Tensor           # 1 where the step's gradients were not finite (device)
+    state_bytes: dict | None = None   # model-state bytes at the optimizer step, when measured
+
+
+class TrainStep:
+    def __init__(self, model, optimizer, workload, train_options, mesh, precision, scaler, phase,
+                 new_graph_iteration, nonfinite_skips, nonfinite_error, seed: int, align_grads):
+        # the workload's loss_fn is looked up at each step (it may be replaced between steps)
+        self.model, self.optimizer, self.workload = model, optimizer, workload
+        self.options, self.device, self.rank = train_options, mesh.device, mesh.rank
+        self.precision, self.scaler, self.phase = precision, scaler, phase
+        self.new_graph_iteration = new_graph_iteration
+        self.nonfinite_skips, self.nonfinite_error, self.seed = nonfinite_skips, nonfinite_error, seed
+        self.align_grads = align_grads  # gradients laid out as their parameters (fused kernels)
+        # what clipping and unscaling act on: the tensors the optimizer steps (ZeRO-1/2: shards)
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        # a CPU step that clips nothing and defers its verdict needs no norm, only finiteness:
+        # a fused check stands in for it where this rank's gradients decide (gradnorm)
+        self.finiteness_only = (self.device.type == "cpu" and train_options.clip_grad_norm <= 0
+                                and decided_locally(self.params, getattr(model, "norm_axis", None)))
+        self.halted = torch.zeros((), device=self.device)  # on_nonfinite = "stop", deferred
+
+    def __call__(self, batches, step: int, lr: float, defers: bool, measure: bool,
+                 peak) -> StepResult:
+        """Optimizer step `step` (0-based) at learning rate `lr`; `measure`: count the model
+        state's bytes; `peak`: the context that tracks this step's activation memory."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self._seed(step)
+        if not (self.model.training and unwrap(self.model).training):
+            self.model.train()  # (evaluation restores the mode: a walk per step costs CPU steps)
+        with peak:
+            loss = self._forward_backward(batches)
+        self.scaler.unscale_(self.params)
+        # the norm is global (the same on every rank): every rank reaches the same verdict
+        if self.finiteness_only and defers:
+            grad_norm = None  # not computed: nothing uses it (see found_nonfinite)
+            found_inf = found_nonfinite(self.params)
+            if found_inf is None:  # no gradients at all
+                found_inf = torch.zeros((), device=self.device)
+        else:
+            clip = self.options.clip_grad_norm
+            grad_norm = clip_grad_norm_(self.params, clip if clip > 0 else math.inf,
+                                        across=getattr(self.model, "norm_axis", None))
+            found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)
+        result = StepResult(loss, grad_norm, found_inf)
+        if defers:
+            skip = found_inf
+            if not self.scaler.enabled:  # stop: this step and every later one are skipped
+                self.halted = torch.maximum(self.halted, found_inf.to(self.halted.device))
+                skip = self.halted
+            self.scaler.update(found_inf)
+            with self.phase("optimizer"):
+                self._step_unless(skip)
+        elif self._decide_on_host(step, result):
+            with self.phase("optimizer"):
+                self.optimizer.step()
+        else:
+            self.model.zero_grad(set_to_none=True)
+        if measure:  # at the optimizer step: gradients still alive, optimizer state created
+            result.state_bytes = state_bytes(self.model, self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        return result
+
+    def _forward_backward(self, batches) -> torch.Tensor:
+        """Forward and backward of every micro-batch; this rank's loss (a device tensor)."""
+        accum = self.options.grad_accum
+        if isinstance(self.model, PipelineModel):  # micro-batches run by the schedule
+            x, y = next(batches)
+            return torch.as_tensor(self.model.train_step(
+                x, y, lambda output, target: self.workload.loss_fn(output.float(), target)))
+        loss_sum = None
+        for micro in range(accum):
+            x, y = next(batches)
+            sync = micro == accum - 1 or not hasattr(self.model, "no_sync")
+            with (self.model.no_sync() if not sync else contextlib.nullcontext()):
+                self.new_graph_iteration()
+                with self.precision.autocast(), self.phase("forward"):
+                    output = self.model(x)
+                loss = self.workload.loss_fn(output.float(), y)  # fp32 loss
+                if accum > 1:  # (a division by one would cost a kernel and a backward node)
+                    loss = loss / accum
+                with self.phase("backward"):
+                    self.scaler.scale_loss(loss).backward()
+            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+        return loss_sum
+
+    def _step_unless(self, skip: torch.Tensor) -> None:
+        """The optimizer's step, skipped by its own kernel where `skip` is 1 (no host read)."""
+        self.align_grads(self.params)
+        first = self.optimizer.param_groups[0]["params"][0]
+        self.optimizer.found_inf = skip.to(device=first.device, dtype=torch.float32)
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf
+
+    def _decide_on_host(self, step: int, result: StepResult) -> bool:
+        """The verdict read on the host (policies that act per step): True to step."""
+        finite = not bool(result.found_inf)
+        if not finite and not self.scaler.enabled:
+            loss, norm = float(result.loss), float(result.grad_norm)
+            if self.nonfinite_skips.skip(step + 1, loss, norm):
+                return False
+            raise self.nonfinite_error(step + 1, loss, norm)
+        if self.scaler.enabled and not finite:
+            result.state_bytes = state_bytes(self.model, self.optimizer)
+        return self.scaler.update(not finite)
+
+    def _seed(self, step: int) -> None:
+        """Seed this step's random streams (dropout) from (seed, step, rank): the CPU generator
+        and this rank's CUDA generator, directly (torch.manual_seed seeds every device type)."""
+        seed = hash((self.seed, step, self.rank)) % 2 ** 63
+        torch.default_generator.manual_seed(seed)
+        if self.device.type == "cuda":
+            index = self.device.index
+            torch.cuda.default_generators[torch.cuda.current_device() if index is None
+                                          else index].manual_seed(seed)
+
+
+@contextlib.contextmanager
+def process_settings(device: torch.device, cudnn_benchmark: bool):
+    """Process-wide state the steps change, given back when they end: the global random
+    generators (each step seeds them, so dropout masks replay on resume; the caller's streams
+    return, so user code never sees them reset) and, on a GPU, cuDNN's autotuning
+    (`parallel.cudnn_benchmark`)."""
+    benchmark = torch.backends.cudnn.benchmark
+    with torch.random.fork_rng(devices=_rng_devices(device)):
+        if device.type == "cuda":
+            torch.backends.cudnn.benchmark = cudnn_benchmark
+        try:
+            yield
+        finally:
+            torch.backends.cudnn.benchmark = benchmark
+
+
+def _rng_devices(device: torch.device) -> list[int]:
+    """The CUDA devices whose generator states `fork_rng` saves: this rank's, or none on CPU."""
+    if device.type != "cuda":
+        return []
+    return [device.index if device.index is not None else torch.cuda.current_device()]
