@@ -17,8 +17,8 @@ Trainer:
   each step's loss;
 - `[observe] trackers` "wandb", "mlflow" (`observe.trackers`, rank 0): the same numbers at
   the same steps in a W&B run (offline by default) and an MLflow run, resumed with the run;
-- `[mlperf] enabled`: the MLPerf HPC log (`train.mlperf`), and `train.target`: stop when reached;
-- bus bandwidth per mesh axis (`train.bandwidth`): `busbw_GBps/<axis>` in every logged record, a
+- `[mlperf] enabled`: the MLPerf HPC log (`observe.mlperf`), and `train.target`: stop when reached;
+- bus bandwidth per mesh axis (`observe.bandwidth`): `busbw_GBps/<axis>` in every logged record, a
   drop below a fraction of the axis's own median reported once (`bandwidth_drops` in the summary,
   `bandwidth_drop/<axis>` in TensorBoard), and with `on_bandwidth_drop = "stop"` a clean stop.
 """

@@ -1,7 +1,7 @@
 """What a run reports: the logging interval's training record, the run's throughput (tokens/s,
 model FLOP/s, MFU), its input wait, its memory figures and the pipeline's timeline.
 
-Memory (`train.memory`): logged records carry the bytes of parameters, gradients and optimizer
+Memory (`observe.memory_meters`): logged records carry the bytes of parameters, gradients and optimizer
 state held by the rank at the optimizer step of the log step (`state_bytes`), and the peak memory
 of forward + backward above the resident state (`peak_activation_bytes`, measured by the CUDA
 allocator on GPUs every step, tracked per storage on CPU for one step of each `fit`).

@@ -1,6 +1,6 @@
 """run_job: what every rank executes for `exatrain run` (under any launcher).
 
-Restarts (`train.restart`): a run directory that outlives its processes -- EXATRAIN_RUN_DIR (set by
+Restarts (`train.resilience.restart`): a run directory that outlives its processes -- EXATRAIN_RUN_DIR (set by
 `exatrain run --max-restarts`) or, under torchrun, one named by TORCHELASTIC_RUN_ID -- is resumed
 from its last complete checkpoint whenever the ranks start again.
 
