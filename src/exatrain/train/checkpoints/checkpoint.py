@@ -10,7 +10,7 @@ rank 0 write trainer_state.json, rename the folder to `step_N` and then replace 
 renames are atomic on POSIX file systems). A crash at any moment leaves either the previous good
 checkpoint or the new complete one under a final name, never a half-written one.
 
-Verification (`train.manifest`): rank 0 writes `manifest.json` (step, plan, config hash,
+Verification (`train.checkpoints.manifest`): rank 0 writes `manifest.json` (step, plan, config hash,
 versions, a SHA-256 per file and a CRC-32 per saved tensor chunk) into the partial folder before
 the rename, and `load` checks every file against it before DCP reads anything, so a truncated or
 altered checkpoint is refused by name. Nothing is unpickled from an unverified file.
