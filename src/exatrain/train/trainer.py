@@ -514,7 +514,10 @@ class Trainer:
                 "precision": self.precision.name,
                 "loss_scaler": self.scaler.state_dict(),
                 "skipped_steps": self.skipped_steps,
-                "nonfinite_skipped": self.nonfinite_skipped}
+                "nonfinite_skipped": self.nonfinite_skipped,
+                # the per-rank micro-batch that fitted: an elastic re-formation on fewer
+                # ranks accumulates rather than exceed it (resilience/elastic.py)
+                "micro_batch": self.micro}
 
     def _save(self) -> None:
         if self.run_dir:
