@@ -30,6 +30,8 @@ import gc
 import multiprocessing
 import os
 import queue
+import signal
+import sys
 import threading
 import time
 from typing import Callable, Iterator
@@ -297,12 +299,27 @@ def run_loader(dataset, sampler: Sampler, batch_size: int, workers: int, device:
                         timeout=timeout_s if workers > 0 else 0,
                         # its own generator: starting the loader must not draw from the global
                         # RNG, or dropout after a resume would differ
-                        generator=torch.Generator().manual_seed(seed))
+                        generator=torch.Generator().manual_seed(seed),
+                        worker_init_fn=leave_signals_to_the_rank)
     with no_inherited_garbage(workers):
         iterator = iter(loader)   # starts the workers
     if workers > 0:
         return _WorkerBatches(iterator, workers, timeout_s)
     return iterator
+
+
+def leave_signals_to_the_rank(worker_id: int) -> None:
+    """A loader worker leaves the signals a launcher sends to its rank's process group
+    (torchrun's agent when the nodes change, Slurm's wall-time warning: SIGTERM, SIGUSR1) to the
+    rank, which finishes its step, saves a checkpoint and then ends its workers itself: a worker
+    that died of the signal would fail that step. So the worker takes a process group of its
+    own, and, so that it never outlives its rank, on Linux the kernel kills it when the rank's
+    process ends (prctl PR_SET_PDEATHSIG)."""
+    os.setpgrp()
+    if sys.platform == "linux":
+        import ctypes
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 @contextlib.contextmanager

@@ -145,6 +145,13 @@ SUMMARY: tuple[Field, ...] = (
           "step resumed from and the failure", "exatrain run --max-restarts or nproc > 1"),
     Field("lost_steps", "", "steps trained again after restarts",
           "exatrain run --max-restarts or nproc > 1"),
+    Field("reformations", "", "per re-formation of an elastic job (each start after the "
+          "first): `world_sizes` [before, after], the new `plan`, `resumed_from_step`, "
+          "`steps_redone`, `seconds_lost` (from the resumed checkpoint to the first step "
+          "again), `grad_accum` and `micro_batch` (the global batch kept)",
+          "torchrun (e.g. --nnodes MIN:MAX) after a restart"),
+    Field("formations", "", "starts of an elastic job: the first and each re-formation",
+          "torchrun (e.g. --nnodes MIN:MAX)"),
 )
 
 POPULATION: tuple[Field, ...] = (

@@ -39,6 +39,7 @@ from ..parallel.precision import Precision, keep_norms_fp32
 from ..workloads import get_workload
 from .checkpoints import checkpoint
 from .config import Config
+from .resilience.elastic import plan_for_world
 
 
 class ResumeError(UserError, FileNotFoundError):
@@ -112,7 +113,8 @@ def join(config: Config):
     keep_freed_host_memory(config.run.host_memory)
 
     launch = detect()
-    plan = config.plan.resolve(launch.world_size if launch else 1)
+    # under torchrun --nnodes MIN:MAX a restart may find fewer (or more) ranks: data follows them
+    plan = plan_for_world(config.plan, launch.world_size if launch else 1)
     backend = None if config.run.backend == "auto" else config.run.backend
     return init(plan, backend=backend, timeout_s=config.run.timeout_s)
 

@@ -21,6 +21,7 @@ from .config import Config
 # ResumeError, pipeline_example and stage_input are still importable from here, as they were
 from .job import (ResumeError, build, find_resume_checkpoint, join,  # noqa: F401
                   pipeline_example, prepare_run, stage_input)
+from .resilience.elastic import Formation, elastic_launch
 from .resilience.restart import cleanup_failed_start, record_failure, stable_run_dir
 
 
@@ -38,8 +39,14 @@ def setup(config: Config, resume_dir: str | None = None,
         resume_from = find_resume_checkpoint(resume_dir) if resume_dir else None
         setup_times["staging_start"] = time.time()  # the data's preparation counts as staging
         workload_module, run_dir = prepare_run(config, mesh, resume_dir, stable)
+        # torchrun --nnodes MIN:MAX: this start is one formation of the run (its accumulation
+        # keeps the resumed micro-batch; the summary lists the re-formations)
+        formation = Formation.begin(run_dir, mesh, resume_from, config) if elastic_launch() \
+            else None
         built = build(config, mesh, workload_module.build, run_dir=run_dir,
                       resume_from=resume_from, setup_times=setup_times, job_figures=job_figures)
+        if formation is not None:
+            built.trainer.add_job_figures(formation.started(mesh.rank == 0))
         return mesh, built.trainer
     except BaseException:
         if mesh.rank == 0 and run_dir is not None and not resume_dir and stable is None:

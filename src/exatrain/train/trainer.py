@@ -227,6 +227,11 @@ class Trainer:
         """The job's end, told by its owner (see `StepObserver.finished`)."""
         self.observer.finished(summary, failure, self.stop_signum)
 
+    def add_job_figures(self, figures: dict) -> None:
+        """Figures of how the job started that are known only once the Trainer is built and
+        resumed (an elastic formation's re-formations, `resilience.elastic`): in the summary."""
+        self.job_figures = {**self.job_figures, **figures}
+
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
         # the second step: the first one also allocates what persists (communication buckets,
@@ -412,6 +417,9 @@ class Trainer:
                 "loss_scaler": self.scaler.state_dict(),
                 "skipped_steps": self.skipped_steps,
                 "nonfinite_skipped": self.nonfinite_skipped,
+                # the per-rank micro-batch that fitted: an elastic re-formation on fewer
+                # ranks accumulates rather than exceed it (resilience/elastic.py)
+                "micro_batch": self.micro,
                 **self.hooks.checkpoint_state()}
 
     def _save(self) -> None:

@@ -191,6 +191,16 @@ def truncate_metrics(path: Path, step: int) -> None:
     _write_atomic(path, "".join(line + "\n" for line in kept))
 
 
+def last_logged_step(run_dir: str | Path) -> int:
+    """The highest step in a run's metrics.jsonl (train.log_every=1: the last step completed);
+    0 without one."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    return max((json.loads(line).get("step", 0) for line in path.read_text().splitlines()
+                if line.strip()), default=0)
+
+
 def full_model_state(path: str | Path) -> dict[str, torch.Tensor]:
     """The full, unsharded model state dict of a checkpoint, read on one process (no process
     group): DCP reassembles every tensor from the chunks of whatever Plan wrote it. Verified

@@ -102,7 +102,7 @@ def supervise(run_job, config, nproc: int, resume_dir: str | None, max_restarts:
                 raise
             restarts += 1
             last = checkpoint.latest(run_dir)
-            history.append({"failed_after_step": _last_logged_step(run_dir),
+            history.append({"failed_after_step": checkpoint.last_logged_step(run_dir),
                             "resumed_from_step": int(last.name.removeprefix("step_")) if last else 0,
                             "failure": str(exc).splitlines()[0]})
             if last is None and (run_dir / "metrics.jsonl").exists():
@@ -118,13 +118,3 @@ def _end_tracked_runs(run_dir: Path) -> None:
         from ...observe.tracker_records import Outcome
         from ...observe.trackers import end_open_runs
         end_open_runs(run_dir, Outcome("FAILED", 1))
-
-
-def _last_logged_step(run_dir: Path) -> int:
-    """The highest step in metrics.jsonl (train.log_every=1: the last step completed)."""
-    import json
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return 0
-    return max((json.loads(line).get("step", 0) for line in path.read_text().splitlines()
-                if line.strip()), default=0)
