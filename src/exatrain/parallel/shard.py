@@ -34,14 +34,8 @@ Communication per optimizer step, per rank (ledger payload conventions, `comm.le
 Stage 1 could reduce-scatter (as the paper counts it); it all-reduces because it keeps the full
 gradients anyway, which lets the gradients stay in place as views of the reduced buffer.
 
-Stages 1 and 2 (`ZeroDataParallel`): gradients are collected per bucket (`parallel.bucket_cap_mb`,
-filled in reverse registration order, the order backward produces them) with post-accumulate-grad
-hooks; a bucket's collective is launched asynchronously as soon as its last gradient arrives, so
-communication overlaps the rest of backward; a callback at the end of backward waits for them.
-Stage 2 copies each bucket's gradients rank-major into a send buffer (each rank's chunks
-contiguous, as FSDP2 does), frees the full gradients, and reduce-scatters straight into the
-rank's persistent shard-gradient buffer. After `optimizer.step()` a step hook all-gathers the
-updated chunks back into the full parameters, bucket by bucket.
+Stages 1 and 2: `ZeroDataParallel` in `parallel.zero` (buckets filled in backward's order, each
+bucket's collective overlapping the rest of backward; the all-gather after the optimizer step).
 
 Stage 3 (`_fully_shard`): FSDP2 `fully_shard` on each block (`parallel.blocks.find_blocks`) and
 on the root, over the 1-D `shard` mesh. Its collectives go through `comm.fsdp` (counted in the
@@ -51,9 +45,7 @@ compute dtype and reduces gradients in fp32; norm layers are separate FSDP2 unit
 
 Offload (`parallel.offload`): stage 3 uses FSDP2's `CPUOffloadPolicy` (sharded parameters,
 gradients and optimizer state on the host, optimizer step on the CPU; `pin_memory` only with
-CUDA). Stages 1 and 2 keep the optimizer's fp32 copy of the rank's chunks, their gradients and
-the optimizer state on the host: the reduced gradient chunks are copied to the host, the
-optimizer steps there, and the new chunks are copied back before the all-gather.
+CUDA); stages 1 and 2 keep their chunks' optimizer step on the host (`parallel.zero`).
 """
 
 from __future__ import annotations
