@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..parallel.data import unwrap
+from ..optim.factory import match_grad_layouts
 from ..optim.gradnorm import clip_grad_norm_, decided_locally, found_nonfinite
 from ..parallel.pipe.model import PipelineModel
 from ..observe.memory_meters import state_bytes
@@ -53,14 +54,13 @@ class StepResult:
 
 class TrainStep:
     def __init__(self, model, optimizer, workload, train_options, mesh, precision, scaler, phase,
-                 new_graph_iteration, nonfinite_skips, nonfinite_error, seed: int, align_grads):
+                 new_graph_iteration, nonfinite_skips, nonfinite_error, seed: int):
         # the workload's loss_fn is looked up at each step (it may be replaced between steps)
         self.model, self.optimizer, self.workload = model, optimizer, workload
         self.options, self.device, self.rank = train_options, mesh.device, mesh.rank
         self.precision, self.scaler, self.phase = precision, scaler, phase
         self.new_graph_iteration = new_graph_iteration
         self.nonfinite_skips, self.nonfinite_error, self.seed = nonfinite_skips, nonfinite_error, seed
-        self.align_grads = align_grads  # gradients laid out as their parameters (fused kernels)
         # what clipping and unscaling act on: the tensors the optimizer steps (ZeRO-1/2: shards)
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         # a CPU step that clips nothing and defers its verdict needs no norm, only finiteness:
@@ -136,7 +136,7 @@ class TrainStep:
 
     def _step_unless(self, skip: torch.Tensor) -> None:
         """The optimizer's step, skipped by its own kernel where `skip` is 1 (no host read)."""
-        self.align_grads(self.params)
+        match_grad_layouts(self.params)  # gradients laid out as their parameters (fused kernels)
         first = self.optimizer.param_groups[0]["params"][0]
         self.optimizer.found_inf = skip.to(device=first.device, dtype=torch.float32)
         try:

@@ -50,7 +50,7 @@ from ..parallel.compile_stats import CompileCounter
 from ..parallel.options import cuda_graphs_refusal
 from ..workloads.base import Workload
 from .checkpoints import checkpoint
-from ..optim.factory import match_grad_layouts, optimizer_for, supports_found_inf
+from ..optim.factory import optimizer_for, supports_found_inf
 from .config import Config, ConfigError, micro_batch_size
 from .evaluation import Evaluation
 from .hooks import RunHooks
@@ -144,7 +144,7 @@ class Trainer:
         self.train_step = TrainStep(model, self.optimizer, workload, t, mesh,
                                     self.precision, self.scaler, self.observer.phase,
                                     new_graph_iteration, self.nonfinite_skips,
-                                    self._nonfinite_error, config.run.seed, match_grad_layouts)
+                                    self._nonfinite_error, config.run.seed)
         self._evaluate = Evaluation(mesh, workload, model, self.data_axis, self.micro,
                                     self.num_workers, self.precision, self.decode,
                                     new_graph_iteration)
