@@ -44,7 +44,11 @@ def _run(args) -> int:
             _print_summary(console, summary)
         return 0
     nproc = args.nproc or config.run.nproc
-    config.plan.resolve(nproc)  # refuse a Plan that does not fit before any rank starts
+    plan = config.plan
+    if config.fault_tolerance.enabled:  # the ranks started here are one replica group
+        from .train.resilience.replicas import group_plan_options
+        plan = group_plan_options(config)
+    plan.resolve(nproc)  # refuse a Plan that does not fit before any rank starts
     workload = get_workload(config.run.workload)
     console.print(f"[bold]exatrain run[/]: {config.run.workload} on {nproc} local rank(s)")
     workload.prepare(config, progress=_progress(console, "writing data"))  # once, here, before the ranks start

@@ -49,14 +49,19 @@ class StepResult:
     grad_norm: torch.Tensor | None    # the global gradient norm (None where nothing needed it)
     found_inf: torch.Tensor           # 1 where the step's gradients were not finite (device)
     state_bytes: dict | None = None   # model-state bytes at the optimizer step, when measured
+    healed_to: int | None = None      # replica groups: the step a peer's state brought us to
 
 
 class TrainStep:
     def __init__(self, model, optimizer, workload, train_options, mesh, precision, scaler, phase,
-                 new_graph_iteration, nonfinite_skips, nonfinite_error, seed: int, align_grads):
+                 new_graph_iteration, nonfinite_skips, nonfinite_error, seed: int, align_grads,
+                 replicas=None, seed_rank: int | None = None):
         # the workload's loss_fn is looked up at each step (it may be replaced between steps)
         self.model, self.optimizer, self.workload = model, optimizer, workload
-        self.options, self.device, self.rank = train_options, mesh.device, mesh.rank
+        self.options, self.device = train_options, mesh.device
+        self.rank = mesh.rank if seed_rank is None else seed_rank  # dropout's stream
+        # [fault_tolerance]: the replica axis (resilience.replicas.ReplicaGroups), else None
+        self.replicas = replicas
         self.precision, self.scaler, self.phase = precision, scaler, phase
         self.new_graph_iteration = new_graph_iteration
         self.nonfinite_skips, self.nonfinite_error, self.seed = nonfinite_skips, nonfinite_error, seed
@@ -79,7 +84,10 @@ class TrainStep:
         if not (self.model.training and unwrap(self.model).training):
             self.model.train()  # (evaluation restores the mode: a walk per step costs CPU steps)
         with peak:
-            loss = self._forward_backward(batches)
+            if self.replicas is None:
+                loss = self._forward_backward(batches)
+            else:
+                loss = self._replicated_forward_backward(batches)
         self.scaler.unscale_(self.params)
         # the norm is global (the same on every rank): every rank reaches the same verdict
         if self.finiteness_only and defers:
@@ -92,7 +100,8 @@ class TrainStep:
             grad_norm = clip_grad_norm_(self.params, clip if clip > 0 else math.inf,
                                         across=getattr(self.model, "norm_axis", None))
             found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)
-        result = StepResult(loss, grad_norm, found_inf)
+        result = StepResult(loss, grad_norm, found_inf,
+                            healed_to=self.replicas.take_heal() if self.replicas else None)
         if defers:
             skip = found_inf
             if not self.scaler.enabled:  # stop: this step and every later one are skipped
@@ -133,6 +142,20 @@ class TrainStep:
                     self.scaler.scale_loss(loss).backward()
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
         return loss_sum
+
+    def _replicated_forward_backward(self, batches) -> torch.Tensor:
+        """[fault_tolerance]: forward and backward, the gradients averaged over the replica
+        groups, until every group commits the attempt; a discarded attempt (a group died in it)
+        runs again on the same micro-batches, so no committed step is ever redone."""
+        micro = [next(batches) for _ in range(self.options.grad_accum)]
+        while True:
+            self.replicas.begin_step()  # the quorum (and a peer's heal) during the forward
+            loss = self._forward_backward(iter(micro))
+            self.replicas.reduce_gradients(self.params)
+            if self.replicas.should_commit():  # applies a peer's state first when healing
+                return loss
+            self.optimizer.zero_grad(set_to_none=True)
+            self.model.zero_grad(set_to_none=True)
 
     def _step_unless(self, skip: torch.Tensor) -> None:
         """The optimizer's step, skipped by its own kernel where `skip` is 1 (no host read)."""

@@ -47,6 +47,7 @@ from torch import nn
 from ..data.loader import loader_workers
 from ..mesh import Mesh
 from ..parallel.compile_stats import CompileCounter
+from ..parallel.data import unwrap
 from ..parallel.options import cuda_graphs_refusal
 from ..workloads.base import Workload
 from .checkpoints import checkpoint
@@ -100,12 +101,20 @@ class Trainer:
         # the batch is split over data replicas and over the ranks of a sharded group
         self.data_axis = mesh.axis("data", "shard") if mesh.plan.shard > 1 else mesh.axis("data")
         self.replicas = self.data_axis.size
-        self.micro = micro_batch_size(config, self.replicas)
+        # [fault_tolerance]: this group's side of the replica axis (None when off); the batch is
+        # then split over every group's replicas (its `sample_axis`), not only this group's
+        self.replica_groups = None
+        sample_axis = self.data_axis
+        if config.fault_tolerance.enabled:
+            from .resilience.replicas import ReplicaGroups
+            self.replica_groups = ReplicaGroups(config, mesh, self.data_axis)
+            sample_axis = self.replica_groups.sample_axis
+        self.micro = micro_batch_size(config, sample_axis.size)
         if t.on_bad_sample == "skip":
             workload.train_set = SkipBadSamples(workload.train_set, self.run_dir, mesh.rank)
         # loader workers per rank: train.num_workers, or (-1) from the cores the node's ranks share
         self.num_workers = loader_workers(t.num_workers)
-        self.sampling = Sampling(config, mesh, self.data_axis, workload.train_set, self.micro,
+        self.sampling = Sampling(config, mesh, sample_axis, workload.train_set, self.micro,
                                  self.num_workers)
         self.steps_per_epoch = self.sampling.steps_per_epoch
         if len(workload.val_set) < self.replicas:
@@ -144,7 +153,10 @@ class Trainer:
         self.train_step = TrainStep(model, self.optimizer, workload, t, mesh,
                                     self.precision, self.scaler, self.observer.phase,
                                     new_graph_iteration, self.nonfinite_skips,
-                                    self._nonfinite_error, config.run.seed, match_grad_layouts)
+                                    self._nonfinite_error, config.run.seed, match_grad_layouts,
+                                    replicas=self.replica_groups,
+                                    seed_rank=self.replica_groups.seed_rank
+                                    if self.replica_groups else None)
         self._evaluate = Evaluation(mesh, workload, model, self.data_axis, self.micro,
                                     self.num_workers, self.precision, self.decode,
                                     new_graph_iteration)
@@ -252,10 +264,15 @@ class Trainer:
         stop = StopOnSignal().install()
         watchdog = Watchdog(self.mesh.ledger, self.mesh.rank, self.run_dir,
                             self.config.run.timeout_s).start(self.mesh.world_size)
+        if self.replica_groups:  # [fault_tolerance]: join the other groups, last before stepping
+            self.replica_groups.start(self._replica_state, self._load_replica_state)
         try:
             with process_settings(self.mesh.device, self.config.parallel.cudnn_benchmark):
                 while self.step < self.total_steps and not self._finished:
-                    self._one_step(batches, pending, watchdog, progress)
+                    if self._one_step(batches, pending, watchdog, progress):
+                        # healed from a replica group: the samples go on from the new step
+                        batches.close()
+                        batches = self.sampling.batches(self.step, self.decode)
                     eval_metrics = self._after_step(pending, stop, watchdog, progress) \
                         or eval_metrics
             self.checkpoint_writer.wait()
@@ -266,12 +283,15 @@ class Trainer:
                 progress.close()
             batches.close()
             self.observer.close()  # the profile trace and event files of what ran
+            if self.replica_groups:
+                self.replica_groups.close()
         if not eval_metrics and not self.stopped_early:
             eval_metrics = self.evaluate()
         return self._summary(eval_metrics, time.perf_counter() - start, start)
 
-    def _one_step(self, batches, pending: PendingSteps, watchdog, progress) -> None:
-        """Step `self.step + 1`, its values left pending on the device (read at read points)."""
+    def _one_step(self, batches, pending: PendingSteps, watchdog, progress) -> bool:
+        """Step `self.step + 1`, its values left pending on the device (read at read points).
+        True when the step healed from a replica group (the step number jumped)."""
         self.mesh.ledger.step = self.step + 1  # the step number metrics.jsonl will give it
         self.faults.at_step(self.step + 1)
         watchdog.beat()
@@ -302,6 +322,8 @@ class Trainer:
         pending.add(result.loss, result.grad_norm, result.found_inf)
         wait, nbytes = batches.take()  # this step's input wait (host seconds) and bytes
         self.observer.step_end(self._read_now)
+        if result.healed_to is not None:  # [fault_tolerance]: a peer's step N was applied here
+            self.step = result.healed_to
         self.step += 1
         self._interval.waits.append(wait)
         self._run_times["waits"].append(wait)
@@ -309,6 +331,7 @@ class Trainer:
         self.input_bytes += nbytes
         if progress:
             progress.advance()
+        return result.healed_to is not None
 
     def _after_step(self, pending: PendingSteps, stop, watchdog, progress) -> dict | None:
         """What follows a step: read, log, evaluate, the hooks, stop, checkpoint. Returns the
@@ -422,6 +445,28 @@ class Trainer:
                 "micro_batch": self.micro,
                 **self.hooks.checkpoint_state()}
 
+    def _replica_state(self) -> dict:
+        """What a restarted replica group receives from a live one (resilience.replicas): the
+        model's state (copied: buffers change in the forward running beside the send), the
+        optimizer's and the step, at the start of step `step` (0-based)."""
+        return {"model": {k: v.detach().clone()
+                          for k, v in unwrap(self.model).state_dict().items()},
+                "optimizer": self.optimizer.state_dict(), "step": self.step,
+                "loss_scaler": self.scaler.state_dict(),
+                "nonfinite_skipped": self.nonfinite_skipped}
+
+    def _load_replica_state(self, state: dict) -> None:
+        """A live group's state, in place, before this group's first optimizer step after a
+        restart: that step applies the groups' average at the peer's step's learning rate."""
+        unwrap(self.model).load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler.enabled:
+            self.scaler.load_state_dict(state["loss_scaler"])
+        self.nonfinite_skips.skipped = int(state["nonfinite_skipped"])
+        self._lr = self.schedule.lr(int(state["step"]))
+        for group in self.optimizer.param_groups:
+            group["lr"] = self._lr
+
     def _save(self) -> None:
         if self.run_dir:
             self.checkpoint_writer.save(self.run_dir, self.step, self.model, self.optimizer,
@@ -475,6 +520,8 @@ class Trainer:
             if "time_to_train_s" in summary:
                 summary["time_to_train_s"] += self.stage_figures["stage_s"]
         summary.update(self.job_figures)
+        if self.replica_groups:
+            summary.update(self.replica_groups.figures())
         if self.is_main and self.run_dir:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         # the tracked runs (W&B, MLflow) end with the job, which may still fail after this fit
