@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -108,22 +109,34 @@ def test_two_groups_without_a_fault_equal_data_parallelism(cosmo_data, tmp_path)
         assert summary["ft_discarded_attempts"] == 0 and summary["ft_heals"] == []
 
 
+def _last_logged_step(out: Path) -> int:
+    steps = [json.loads(line).get("step", 0) for path in out.glob("*/metrics.jsonl")
+             for line in path.read_text().splitlines() if line.endswith("}")]
+    return max(steps, default=0)
+
+
 def test_a_killed_group_rejoins_from_its_peer_and_the_survivor_never_redoes_a_step(
         cosmo_data, tmp_path):
-    """Group 1 SIGKILLs itself as its step 8 starts and is started again; group 0 goes on alone
-    and the new group 1 heals from it (no checkpoint exists anywhere to read)."""
-    # wider convolutions: ~0.1 s steps, so that the survivor is still training when the
+    """Once both groups have trained past step 10 together, group 1's rank gets SIGKILL and
+    is started again; group 0 goes on alone and the new group 1 heals from it (no checkpoint
+    exists anywhere to read)."""
+    # wider convolutions: ~0.05 s steps, so that the survivor is still training when the
     # restarted group has imported torch and joined (seconds on a loaded machine)
-    steps, kill_at = 200, 8
+    steps, kill_after = 200, 10
     overrides = [*TINY, f"data.path={cosmo_data}", *FT, f"train.steps={steps}",
                  "model.base_channels=16"]
     address, stop = start_lighthouse(load_config(None, overrides), min_replicas=1)
     try:
         survivor = _group(0, tmp_path / "g0", address, overrides)
-        doomed = _group(1, tmp_path / "g1", address, overrides, faults=f"kill@0:{kill_at}")
-        killed_rc = doomed.wait(timeout=240)
+        doomed = _group(1, tmp_path / "g1", address, overrides)
+        deadline = time.time() + 240
+        while min(_last_logged_step(tmp_path / "g0"), _last_logged_step(tmp_path / "g1")) \
+                < kill_after and time.time() < deadline:
+            time.sleep(0.05)
+        killed_at_step = _last_logged_step(tmp_path / "g1")
+        doomed.send_signal(signal.SIGKILL)
         killed_at = time.time()
-        assert killed_rc == -9, (tmp_path / "g1" / "group.log").read_text()[-3000:]
+        assert doomed.wait(timeout=60) == -9
         (killed_dir,) = [p for p in (tmp_path / "g1").iterdir() if p.is_dir()]
         assert not (killed_dir / "checkpoints").exists()  # nothing a restart could read
         restarted = _group(1, tmp_path / "g1b", address, overrides)
@@ -131,6 +144,7 @@ def test_a_killed_group_rejoins_from_its_peer_and_the_survivor_never_redoes_a_st
         _wait(restarted, tmp_path / "g1b")
     finally:
         stop()
+    kill_at = killed_at_step
     first, second = _run_dir(tmp_path / "g0"), _run_dir(tmp_path / "g1b")
     logged = [json.loads(line)["step"] for line in (first / "metrics.jsonl").read_text()
               .splitlines() if "loss" in json.loads(line)]
@@ -144,8 +158,46 @@ def test_a_killed_group_rejoins_from_its_peer_and_the_survivor_never_redoes_a_st
     assert s0["ft_pause_s_max"] <= 5.0 + 2.0  # timeout_s + 2 s
     assert s0["ft_steps_with_groups_missing"] >= 1  # it did train alone
     (heal,) = s1["ft_heals"]
-    assert kill_at < heal["step"] < steps
-    rejoined = sorted(logged_losses(second))
-    assert rejoined[0] == heal["step"] + 1 and rejoined[-1] == steps
+    assert kill_at < heal["rejoined_at_step"] < steps
+    rejoined = sorted(logged_losses(second))  # its first step is the heal's
+    assert rejoined[0] == heal["rejoined_at_step"] and rejoined[-1] == steps
     a, b = _final_weights(first), _final_weights(second)
     assert all(torch.equal(a[k], b[k]) for k in a)  # the groups agree to the last bit
+
+
+def test_exatrain_run_starts_the_lighthouse_and_restarts_a_killed_group(cosmo_data, tmp_path):
+    """`exatrain run --nproc 2 --max-restarts 1` with 2 groups: its own lighthouse, group 1
+    SIGKILLed at step 6 and started again by the supervisor, healed from group 0. With
+    min_replicas = 2 the groups start together and group 0 waits for the restart (no step
+    alone), so the run is the uninterrupted one: both groups end with the same weights."""
+    args = [*TINY, f"data.path={cosmo_data}", *FT, "train.steps=30",
+            "fault_tolerance.min_replicas=2", f"run.out_dir={tmp_path}"]
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1", "EXATRAIN_INJECT_FAULTS": "kill@1:6"}
+    env.pop("TORCHFT_LIGHTHOUSE", None)
+    env.pop("REPLICA_GROUP_ID", None)
+    cmd = [sys.executable, "-m", "exatrain.cli", "run", "--nproc", "2", "--max-restarts", "1"]
+    for item in args:
+        cmd += ["--set", item]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (root,) = tmp_path.glob("cosmoflow-*")
+    assert sorted(p.name for p in root.iterdir()) == ["group_00", "group_01"]
+    (survivor,) = [p.parent for p in root.glob("group_00/*/summary.json")]
+    (rejoined,) = [p.parent for p in root.glob("group_01/*/summary.json")]
+    assert len([p for p in (root / "group_01").iterdir() if p.is_dir()]) == 2  # killed, restarted
+    s1 = json.loads((rejoined / "summary.json").read_text())
+    (heal,) = s1["ft_heals"]
+    assert heal["rejoined_at_step"] == 6 and s1["steps"] == 30  # the step it died in
+    logged = [json.loads(line)["step"] for line in (survivor / "metrics.jsonl").read_text()
+              .splitlines() if "loss" in json.loads(line)]
+    assert logged == list(range(1, 31))  # every step once, none redone
+    a, b = _final_weights(survivor), _final_weights(rejoined)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_fault_tolerance_off_does_not_import_torchft():
+    code = ("import sys, exatrain, exatrain.cli, exatrain.train.run, exatrain.train.trainer; "
+            "sys.exit('torchft' in sys.modules)")
+    env = {**os.environ, "PYTHONPATH": SRC}
+    assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 0

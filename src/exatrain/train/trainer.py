@@ -161,7 +161,8 @@ class Trainer:
                                     self.num_workers, self.precision, self.decode,
                                     new_graph_iteration)
         self.hooks = RunHooks()
-        self.faults = FaultInjector(mesh.rank, self.run_dir)
+        # (the job's rank: under [fault_tolerance] group k's ranks follow group k-1's)
+        self.faults = FaultInjector(self.train_step.rank, self.run_dir)
         self.checkpoint_writer = checkpoint.Writer(config.train.checkpoint_async)
         # the ranks that write a checkpoint together: the job, or one trainer of a population
         self.checkpoint_group = mesh.group

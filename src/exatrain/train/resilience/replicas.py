@@ -178,7 +178,9 @@ class ReplicaGroups:
         """A live peer's state, applied inside should_commit on a group that was behind."""
         self._load(state)
         self.healed_to = int(state["step"])
-        self.heals.append({"group": self.group, "step": self.healed_to, "at": time.time()})
+        # the step (numbered as metrics.jsonl numbers them) this group takes part in again
+        self.heals.append({"group": self.group, "rejoined_at_step": self.healed_to + 1,
+                           "at": time.time()})
 
     # ------------------------------------------------------------------ the step
     def begin_step(self) -> None:
