@@ -8,6 +8,10 @@ optimizer's own kernel (`found_inf`, as `torch.amp.GradScaler` has fused optimiz
 raises `NonFiniteLoss` naming it. Otherwise the verdict is read on the host every step and the
 non-finite policy (`resilience.policies.NonfiniteSkips`) skips the step or it raises.
 
+Replica groups (`[fault_tolerance]`, `resilience.replicas`): the micro-batches are taken once,
+and forward, backward and the average over the groups run until every group commits the attempt;
+the finiteness verdict and the optimizer step then act on the groups' average.
+
 Determinism: each step's random streams (dropout) are seeded from (seed, step, rank), so a
 resumed run replays them without stored RNG state; `process_settings` gives the caller's random
 streams (and cuDNN's autotuning setting) back when the steps end.

@@ -5,7 +5,7 @@ step) is followed by what the config asks of it: a read of the device's values, 
 evaluation, the hooks' turn (a population's tournaments), a stop agreement and a checkpoint. The
 pieces live beside it under train/: the sample order (`sampling`), the step (`step`), evaluation
 (`evaluation`), the records, throughput and memory figures (`records`), and the policies
-(`resilience`: non-finite steps, bad samples, stop signals, faults, the watchdog).
+(`resilience`: non-finite steps, bad samples, stop signals, faults, the watchdog, replica groups).
 
 Determinism: the model is initialised from `run.seed` identically on every rank; the sample order
 of epoch e is a permutation seeded by (seed, e); and the random state of each step (dropout) is
@@ -47,7 +47,6 @@ from torch import nn
 from ..data.loader import loader_workers
 from ..mesh import Mesh
 from ..parallel.compile_stats import CompileCounter
-from ..parallel.data import unwrap
 from ..parallel.options import cuda_graphs_refusal
 from ..workloads.base import Workload
 from .checkpoints import checkpoint
@@ -266,7 +265,8 @@ class Trainer:
         watchdog = Watchdog(self.mesh.ledger, self.mesh.rank, self.run_dir,
                             self.config.run.timeout_s).start(self.mesh.world_size)
         if self.replica_groups:  # [fault_tolerance]: join the other groups, last before stepping
-            self.replica_groups.start(self._replica_state, self._load_replica_state)
+            self.replica_groups.start(self.model, self.optimizer, self.scaler,
+                                      self.nonfinite_skips, self.schedule, lambda: self.step)
         try:
             with process_settings(self.mesh.device, self.config.parallel.cudnn_benchmark):
                 while self.step < self.total_steps and not self._finished:
@@ -445,28 +445,6 @@ class Trainer:
                 # ranks accumulates rather than exceed it (resilience/elastic.py)
                 "micro_batch": self.micro,
                 **self.hooks.checkpoint_state()}
-
-    def _replica_state(self) -> dict:
-        """What a restarted replica group receives from a live one (resilience.replicas): the
-        model's state (copied: buffers change in the forward running beside the send), the
-        optimizer's and the step, at the start of step `step` (0-based)."""
-        return {"model": {k: v.detach().clone()
-                          for k, v in unwrap(self.model).state_dict().items()},
-                "optimizer": self.optimizer.state_dict(), "step": self.step,
-                "loss_scaler": self.scaler.state_dict(),
-                "nonfinite_skipped": self.nonfinite_skipped}
-
-    def _load_replica_state(self, state: dict) -> None:
-        """A live group's state, in place, before this group's first optimizer step after a
-        restart: that step applies the groups' average at the peer's step's learning rate."""
-        unwrap(self.model).load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scaler.enabled:
-            self.scaler.load_state_dict(state["loss_scaler"])
-        self.nonfinite_skips.skipped = int(state["nonfinite_skipped"])
-        self._lr = self.schedule.lr(int(state["step"]))
-        for group in self.optimizer.param_groups:
-            group["lr"] = self._lr
 
     def _save(self) -> None:
         if self.run_dir:

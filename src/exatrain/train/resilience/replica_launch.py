@@ -18,7 +18,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from ..job import fresh_run_dir
 from .replicas import GROUP_ENV, LIGHTHOUSE_ENV, ReplicaGroupError, group_count, start_lighthouse

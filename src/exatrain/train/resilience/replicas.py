@@ -98,6 +98,29 @@ class SampleAxis:
     size: int
 
 
+def _heal_state(model, optimizer, scaler, nonfinite_skips, schedule, current_step):
+    """(save, load) of what a restarted group receives from a live one: the model's state
+    (copied: buffers change in the forward running beside the send), the optimizer's, the
+    loss scaler's, the non-finite count and the step about to run. `load` applies it in place
+    before the group's first optimizer step, which then applies the groups' average at the
+    peer's step's learning rate."""
+    def save() -> dict:
+        return {"model": {k: v.detach().clone() for k, v in unwrap(model).state_dict().items()},
+                "optimizer": optimizer.state_dict(), "step": current_step(),
+                "loss_scaler": scaler.state_dict(), "nonfinite_skipped": nonfinite_skips.skipped}
+
+    def load(state: dict) -> None:
+        unwrap(model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        if scaler.enabled:
+            scaler.load_state_dict(state["loss_scaler"])
+        nonfinite_skips.skipped = int(state["nonfinite_skipped"])
+        for group in optimizer.param_groups:
+            group["lr"] = schedule.lr(int(state["step"]))
+
+    return save, load
+
+
 class ReplicaGroups:
     """This rank's side of the replica axis: the torchft Manager and the step's three calls."""
 
@@ -132,10 +155,11 @@ class ReplicaGroups:
         self._steps_alone = 0              # committed steps with fewer groups than `groups`
 
     # ------------------------------------------------------------------ joining
-    def start(self, save, load) -> None:
+    def start(self, model, optimizer, scaler, nonfinite_skips, schedule, current_step) -> None:
         """Collective over the group: make the Manager (last, just before the first step: a
-        group heartbeating to the lighthouse is waited for). `save() -> state` and
-        `load(state)` are the trainer's state for a peer's heal."""
+        group heartbeating to the lighthouse is waited for). The rest is what a peer's heal
+        sends and sets: the Trainer's model, optimizer, loss scaler, non-finite count,
+        schedule (`lr(step)`) and `current_step()` (0-based: the step about to run)."""
         try:
             from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
         except ImportError as exc:
@@ -156,7 +180,8 @@ class ReplicaGroups:
         self._store = store  # held: the server lives as long as the Manager
         pg = ProcessGroupNCCL(timeout=timeout) if mesh.device.type == "cuda" \
             else ProcessGroupGloo(timeout=timeout)
-        self._load = load
+        save, self._load = _heal_state(model, optimizer, scaler, nonfinite_skips, schedule,
+                                       current_step)
         try:
             self.manager = Manager(
                 pg=pg, load_state_dict=None, state_dict=None, min_replica_size=f.min_replicas,
