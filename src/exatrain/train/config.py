@@ -145,8 +145,9 @@ class FaultToleranceOptions:
     groups: int = 0             # replica groups; 0 = plan.data (one data replica per group)
     lighthouse: str = "auto"    # torchft lighthouse "http://host:port"; auto = TORCHFT_LIGHTHOUSE,
                                 # as the launcher of the groups exports it
-    batch: str = "shrink"       # shrink: while a group is out the batch shrinks by its share
-                                # (the gradient is averaged over the groups present) | keep: not yet
+    batch: str = "keep"         # keep: the groups present also train on a missing group's
+                                # samples (the uninterrupted run's batch; slower meanwhile) |
+                                # shrink: the batch shrinks by the missing groups' share
     min_replicas: int = 1       # fewest groups that may commit a step
     timeout_s: float = 10.0     # collective, commit and heal timeout: a hung group costs this much
     quorum_timeout_s: float = 60.0  # how long one quorum request may wait (startup, a restart)
@@ -436,11 +437,8 @@ def _validate_fault_tolerance(config: Config) -> None:
         raise ConfigError(f"[fault_tolerance] with plan.trainer={p.trainer}, plan.pipe={p.pipe}: "
                           "replica groups run without populations and pipelines for now; set "
                           "both to 1, or fault_tolerance.enabled = false.")
-    if f.batch == "keep":
-        raise ConfigError('fault_tolerance.batch = "keep" (survivors computing a lost group\'s '
-                          'share of the batch) is not available yet; use batch = "shrink".')
-    if f.batch != "shrink":
-        raise ConfigError(f"fault_tolerance.batch={f.batch!r} must be 'shrink'.")
+    if f.batch not in ("keep", "shrink"):
+        raise ConfigError(f"fault_tolerance.batch={f.batch!r} must be 'keep' or 'shrink'.")
     if getattr(config.data, "shuffle", "global") == "node":
         raise ConfigError('[fault_tolerance] with data.shuffle = "node": a group\'s slice of '
                           'the batch is read from the whole set; use data.shuffle = "global".')

@@ -91,7 +91,7 @@ class TrainStep:
             if self.replicas is None:
                 loss = self._forward_backward(batches)
             else:
-                loss = self._replicated_forward_backward(batches)
+                loss = self._replicated_forward_backward(batches, step)
         self.scaler.unscale_(self.params)
         # the norm is global (the same on every rank): every rank reaches the same verdict
         if self.finiteness_only and defers:
@@ -124,17 +124,20 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         return result
 
-    def _forward_backward(self, batches) -> torch.Tensor:
-        """Forward and backward of every micro-batch; this rank's loss (a device tensor)."""
+    def _forward_backward(self, batches, count: int | None = None) -> torch.Tensor:
+        """Forward and backward of every micro-batch (`count`: of the step's own and a missing
+        replica group's, which add to the gradient alike); this rank's loss over its own
+        micro-batches (a device tensor)."""
         accum = self.options.grad_accum
         if isinstance(self.model, PipelineModel):  # micro-batches run by the schedule
             x, y = next(batches)
             return torch.as_tensor(self.model.train_step(
                 x, y, lambda output, target: self.workload.loss_fn(output.float(), target)))
         loss_sum = None
-        for micro in range(accum):
+        count = count or accum
+        for micro in range(count):
             x, y = next(batches)
-            sync = micro == accum - 1 or not hasattr(self.model, "no_sync")
+            sync = micro == count - 1 or not hasattr(self.model, "no_sync")
             with (self.model.no_sync() if not sync else contextlib.nullcontext()):
                 self.new_graph_iteration()
                 with self.precision.autocast(), self.phase("forward"):
@@ -144,17 +147,20 @@ class TrainStep:
                     loss = loss / accum
                 with self.phase("backward"):
                     self.scaler.scale_loss(loss).backward()
-            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+            if micro < accum:
+                loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
         return loss_sum
 
-    def _replicated_forward_backward(self, batches) -> torch.Tensor:
+    def _replicated_forward_backward(self, batches, step: int) -> torch.Tensor:
         """[fault_tolerance]: forward and backward, the gradients averaged over the replica
         groups, until every group commits the attempt; a discarded attempt (a group died in it)
         runs again on the same micro-batches, so no committed step is ever redone."""
         micro = [next(batches) for _ in range(self.options.grad_accum)]
         while True:
             self.replicas.begin_step()  # the quorum (and a peer's heal) during the forward
-            loss = self._forward_backward(iter(micro))
+            # batch = "keep": the micro-batches of groups missing from this step, covered here
+            adopted = self.replicas.adopted_micro_batches(step)
+            loss = self._forward_backward(iter(micro + adopted), len(micro) + len(adopted))
             self.replicas.reduce_gradients(self.params)
             if self.replicas.should_commit():  # applies a peer's state first when healing
                 return loss

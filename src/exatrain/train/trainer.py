@@ -266,7 +266,8 @@ class Trainer:
                             self.config.run.timeout_s).start(self.mesh.world_size)
         if self.replica_groups:  # [fault_tolerance]: join the other groups, last before stepping
             self.replica_groups.start(self.model, self.optimizer, self.scaler,
-                                      self.nonfinite_skips, self.schedule, lambda: self.step)
+                                      self.nonfinite_skips, self.schedule, lambda: self.step,
+                                      self.sampling, self.decode)
         try:
             with process_settings(self.mesh.device, self.config.parallel.cudnn_benchmark):
                 while self.step < self.total_steps and not self._finished:

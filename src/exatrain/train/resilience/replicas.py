@@ -11,6 +11,7 @@ Each optimizer step (`train.step.TrainStep` calls these, in this order):
 
     begin_step()        manager.start_quorum(): the quorum RPC, and a restarted group's heal,
                         run in torchft's thread while the forward pass runs
+    adopted_micro_batches()  keep: the missing groups' micro-batches this rank also runs
     reduce_gradients()  one flat copy of the gradients of the tensors the optimizer steps,
                         manager.allreduce (AVG over the groups taking part), copied back
     should_commit()     every group's verdict; False (a group died inside the step) and the
@@ -28,9 +29,14 @@ quorum: the model's state, the optimizer's, and the trainer's step, applied insi
 zeroed) but it applies the average, so from then on its weights equal the others'. No checkpoint
 is read. `healed_to` tells the loop which step it is at now.
 
-Batch while a group is out (`batch = "shrink"`): the gradient is the average over the groups
-present, so the step's batch shrinks by the missing groups' share; the sample order is the
-uninterrupted run's (each group reads its own slices of every global batch, `sample_axis`).
+Batch while a group is out: each group reads its own slices of every global batch
+(`sample_axis`), as the uninterrupted run's replicas do. `batch = "keep"` (the default): the
+groups present also run the missing groups' slices, as extra micro-batches read on the training
+thread (`adopted_micro_batches`; one 4·G-byte all-reduce per step says who is present), and the
+gradient is the sum over the groups divided by G: the uninterrupted run's gradient up to the
+order of the sums (dropout masks aside), at the cost of slower steps meanwhile. `batch =
+"shrink"`: the gradient is the mean over the groups present, so the step's batch shrinks by the
+missing groups' share.
 
 torchft is imported only here, and only when `[fault_tolerance]` is on (`pip install
 exatrain[ft]`).
@@ -47,6 +53,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
+from torch.distributed import ReduceOp
 
 from ...comm import broadcast_object
 from ...errors import UserError
@@ -155,11 +162,15 @@ class ReplicaGroups:
         self._steps_alone = 0              # committed steps with fewer groups than `groups`
 
     # ------------------------------------------------------------------ joining
-    def start(self, model, optimizer, scaler, nonfinite_skips, schedule, current_step) -> None:
+    def start(self, model, optimizer, scaler, nonfinite_skips, schedule, current_step,
+              sampling, decode) -> None:
         """Collective over the group: make the Manager (last, just before the first step: a
-        group heartbeating to the lighthouse is waited for). The rest is what a peer's heal
-        sends and sets: the Trainer's model, optimizer, loss scaler, non-finite count,
-        schedule (`lr(step)`) and `current_step()` (0-based: the step about to run)."""
+        group heartbeating to the lighthouse is waited for). Then what a peer's heal sends and
+        sets: the Trainer's model, optimizer, loss scaler, non-finite count, schedule
+        (`lr(step)`) and `current_step()` (0-based: the step about to run); and where a
+        missing group's samples come from (batch = "keep"): the Trainer's `sampling` and the
+        device `decode`."""
+        self._sampling, self._decode = sampling, decode
         try:
             from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
         except ImportError as exc:
@@ -211,9 +222,46 @@ class ReplicaGroups:
     def begin_step(self) -> None:
         self.manager.start_quorum()
 
+    def adopted_micro_batches(self, step: int) -> list:
+        """batch = "keep": the micro-batches of step `step` (0-based) that this rank covers for
+        the groups not taking part in it (dead, or healing). Which groups take part comes from
+        a one-hot per group, summed over the groups (a healing group's is zeroed by torchft):
+        missing group m falls to the (i mod alive)-th live group, i its place among the
+        missing, and to the same in-group data replica, so every in-group rank covers as many
+        micro-batches as its peers. "shrink": none."""
+        if self.options.batch != "keep":
+            return []
+        one_hot = torch.zeros(self.groups, device=self.mesh.device)
+        one_hot[self.group] = 1
+        self.manager.allreduce(one_hot, reduce_op=ReduceOp.SUM).wait()
+        present = one_hot.cpu()  # (a host read: the quorum is known by now anyway)
+        alive = [g for g in range(self.groups) if present[g] > 0]
+        missing = [g for g in range(self.groups) if present[g] == 0]
+        mine = [m for i, m in enumerate(missing) if alive and alive[i % len(alive)] == self.group]
+        per_group = self.sample_axis.size // self.groups
+        in_group = self.sample_axis.rank % per_group
+        return [batch for m in mine
+                for batch in self._read_slice(step, m * per_group + in_group)]
+
+    def _read_slice(self, step: int, position: int) -> list:
+        """Replica `position`'s micro-batches of step `step`, read here on the training thread
+        (only while a group is out), on the device and decoded."""
+        from torch.utils.data import default_collate
+        sampling = self._sampling
+        indices = sampling.slice_indices(step, position)
+        out = []
+        for start in range(0, len(indices), sampling.micro):
+            x, y = default_collate([sampling.train_set[i]
+                                    for i in indices[start:start + sampling.micro]])
+            x, y = x.to(self.mesh.device), y.to(self.mesh.device)
+            out.append((self._decode(x) if self._decode is not None else x, y))
+        return out
+
     def reduce_gradients(self, params) -> None:
         """Average the gradients of `params` (the tensors the optimizer steps, in the same order
-        in every group) over the groups taking part: one flat buffer, one all-reduce."""
+        in every group) over the groups: one flat buffer, one all-reduce. keep: the sum of each
+        group's gradient over the number of groups (the groups present cover the others'
+        samples); shrink: the mean over the groups taking part."""
         grads = []
         for p in params:
             g = p.grad
@@ -221,7 +269,12 @@ class ReplicaGroups:
                 g = p.grad = torch.zeros_like(p)
             grads.append(g.to_local() if hasattr(g, "to_local") else g)
         flat = torch.cat([g.reshape(-1) for g in grads])
-        self.manager.allreduce(flat).wait()  # errors are kept by torchft: the commit says no
+        if self.options.batch == "keep":
+            flat.div_(self.groups)
+            work = self.manager.allreduce(flat, reduce_op=ReduceOp.SUM)
+        else:
+            work = self.manager.allreduce(flat)  # AVG over the groups taking part
+        work.wait()  # errors are kept by torchft: the commit then says no
         offset = 0
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
