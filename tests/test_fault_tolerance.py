@@ -215,3 +215,16 @@ def test_fault_tolerance_off_does_not_import_torchft():
             "sys.exit('torchft' in sys.modules)")
     env = {**os.environ, "PYTHONPATH": SRC}
     assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 0
+
+
+def test_a_group_without_a_lighthouse_is_told_how_to_start_one(cosmo_data, tmp_path):
+    env = {**os.environ, "PYTHONPATH": SRC, "REPLICA_GROUP_ID": "0", "OMP_NUM_THREADS": "1"}
+    env.pop("TORCHFT_LIGHTHOUSE", None)
+    cmd = [sys.executable, "-m", "exatrain.cli", "run", "--nproc", "1"]
+    for item in [*TINY, f"data.path={cosmo_data}", *FT, "train.steps=2",
+                 f"run.out_dir={tmp_path}"]:
+        cmd += ["--set", item]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "TORCHFT_LIGHTHOUSE is not set: start a lighthouse (`torchft_lighthouse" \
+        in done.stderr, done.stderr[-2000:]
