@@ -148,7 +148,8 @@ class ReplicaGroups:
                 f"rank {mesh.rank}: fault_tolerance.lighthouse = \"auto\" but {LIGHTHOUSE_ENV} is "
                 "not set: start a lighthouse (`torchft_lighthouse --min_replicas "
                 f"{f.min_replicas} --bind [::]:29510`) and export {LIGHTHOUSE_ENV}="
-                "http://HOST:29510, or name it in fault_tolerance.lighthouse.")
+                "http://HOST:29510, or name it in fault_tolerance.lighthouse; or let `exatrain "
+                f"run --nproc N` (without {GROUP_ENV}) start the lighthouse and every group.")
         # the job's replicas: group k's data replica r is replica k·(data per group) + r
         self.sample_axis = SampleAxis(self.group * data_axis.size + data_axis.rank,
                                       self.groups * data_axis.size)
