@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -44,11 +45,30 @@ def _run(args) -> int:
             _print_summary(console, summary)
         return 0
     nproc = args.nproc or config.run.nproc
-    config.plan.resolve(nproc)  # refuse a Plan that does not fit before any rank starts
+    plan, supervise_groups = config.plan, None
+    if config.fault_tolerance.enabled:  # replica groups: each a job of its own
+        from .train.resilience.replicas import GROUP_ENV, group_count, group_plan_options
+        plan = group_plan_options(config)
+        if os.environ.get(GROUP_ENV) is None:  # this process starts every group (nproc in all)
+            from .train.resilience.replica_launch import supervise_groups
+            if args.resume:
+                raise ConfigError("--resume with [fault_tolerance]: a group's restart heals "
+                                  "from a live group; resume whole-job checkpoints without "
+                                  "fault_tolerance.enabled for now.")
+            nproc_group = nproc // group_count(config) or 1
+            plan.resolve(nproc_group)
+    if supervise_groups is None:
+        plan.resolve(nproc)  # refuse a Plan that does not fit before any rank starts
     workload = get_workload(config.run.workload)
     console.print(f"[bold]exatrain run[/]: {config.run.workload} on {nproc} local rank(s)")
     workload.prepare(config, progress=_progress(console, "writing data"))  # once, here, before the ranks start
-    if args.max_restarts > 0 or nproc > 1:
+    if supervise_groups is not None:  # one restart loop per replica group, and a lighthouse
+        argv = ["run", *([args.config] if args.config else [])]
+        for item in overrides:
+            argv += ["--set", item]
+        summary = supervise_groups(config, argv, nproc, args.max_restarts,
+                                   report=lambda text: console.print(text, highlight=False))
+    elif args.max_restarts > 0 or nproc > 1:
         from .train.resilience.restart import supervise
         summary = supervise(run_job, config, nproc, args.resume, args.max_restarts,
                             report=lambda text: console.print(text, highlight=False))

@@ -3,6 +3,7 @@ population's driver; checkpoints/ and resilience/. What a run records and shows 
 exatrain.observe (below), prediction in exatrain.infer (above)."""
 
 from .config import Config, ConfigError, load_config
-from .trainer import NonFiniteLoss, Trainer
+from .resilience.policies import NonFiniteLoss
+from .trainer import Trainer
 
 __all__ = ["Config", "ConfigError", "load_config", "NonFiniteLoss", "Trainer"]

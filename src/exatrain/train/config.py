@@ -139,10 +139,28 @@ class ScheduleOptions:
     base_batch_size: int = 0    # 0 = the configured batch size (no scaling)
 
 
+@dataclass
+class FaultToleranceOptions:
+    enabled: bool = False       # replica groups over `data` that survive a group's loss (torchft)
+    groups: int = 0             # replica groups; 0 = plan.data (one data replica per group)
+    lighthouse: str = "auto"    # torchft lighthouse "http://host:port"; auto = TORCHFT_LIGHTHOUSE,
+                                # as the launcher of the groups exports it
+    batch: str = "keep"         # keep: the groups present also train on a missing group's
+                                # samples (the uninterrupted run's batch; slower meanwhile) |
+                                # shrink: the batch shrinks by the missing groups' share
+    min_replicas: int = 1       # fewest groups that may commit a step
+    timeout_s: float = 10.0     # collective, commit and heal timeout: a hung group costs this much
+    quorum_timeout_s: float = 60.0  # how long one quorum request may wait (startup, a restart)
+    heartbeat_timeout_ms: int = 2000  # the lighthouse drops a silent group after this (a killed
+                                      # group costs the others about this); <= 1000 x timeout_s
+    wait_for_groups_s: float = 60.0  # the first step waits this long for every group to join
+
+
 FIXED_SECTIONS = {"run": RunOptions, "plan": PlanOptions, "train": TrainOptions,
                   "optim": OptimOptions, "schedule": ScheduleOptions,
                   "parallel": ParallelOptions, "population": PopulationOptions,
-                  "observe": ObserveOptions, "mlperf": MLPerfOptions}
+                  "observe": ObserveOptions, "mlperf": MLPerfOptions,
+                  "fault_tolerance": FaultToleranceOptions}
 
 
 @dataclass
@@ -162,6 +180,7 @@ class Config:
         population: `[population]`: tournament training.
         observe: `[observe]`: profiles, trackers, checks.
         mlperf: `[mlperf]`: MLPerf logging.
+        fault_tolerance: `[fault_tolerance]`: replica groups that survive a group's loss.
         model: `[model]`: the workload's model options.
         data: `[data]`: the workload's data options.
     """
@@ -177,6 +196,7 @@ class Config:
     population: PopulationOptions
     model: Any
     data: Any
+    fault_tolerance: FaultToleranceOptions = field(default_factory=FaultToleranceOptions)
 
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(getattr(self, name)) for name in
@@ -370,6 +390,8 @@ def validate(config: Config) -> None:
         validate_population(config.population, config.plan.trainer)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if config.fault_tolerance.enabled:
+        _validate_fault_tolerance(config)
 
 
 def _validate_kfac(config: Config) -> None:
@@ -395,6 +417,44 @@ def _validate_kfac(config: Config) -> None:
     if config.parallel.precision == "fp16":
         raise ConfigError("optim.name='kfac' with parallel.precision='fp16': the loss scale would "
                           "enter K-FAC's G factors. Use 'bf16' or 'fp32'.")
+
+
+def _validate_fault_tolerance(config: Config) -> None:
+    """[fault_tolerance]: what the replica groups (train.resilience.replicas) can run today."""
+    f, p = config.fault_tolerance, config.plan
+    if f.groups < 0 or (f.groups == 0 and p.data == 0):
+        raise ConfigError(f"fault_tolerance.groups={f.groups}: name the number of replica "
+                          "groups (>= 2), or set plan.data and leave groups = 0 (one per replica).")
+    groups = f.groups or p.data
+    if groups < 2:
+        raise ConfigError(f"fault_tolerance.groups={groups}: one group has no peer to heal "
+                          "from; use groups >= 2 (and plan.data a multiple of it).")
+    if p.data and p.data % groups:
+        fits = [g for g in range(2, p.data + 1) if p.data % g == 0]
+        raise ConfigError(f"plan.data = {p.data} does not split into fault_tolerance.groups = "
+                          f"{groups}; use groups = {' or '.join(map(str, fits)) or 'plan.data'}.")
+    if p.trainer > 1 or p.pipe > 1:
+        raise ConfigError(f"[fault_tolerance] with plan.trainer={p.trainer}, plan.pipe={p.pipe}: "
+                          "replica groups run without populations and pipelines for now; set "
+                          "both to 1, or fault_tolerance.enabled = false.")
+    if f.batch not in ("keep", "shrink"):
+        raise ConfigError(f"fault_tolerance.batch={f.batch!r} must be 'keep' or 'shrink'.")
+    if getattr(config.data, "shuffle", "global") == "node":
+        raise ConfigError('[fault_tolerance] with data.shuffle = "node": a group\'s slice of '
+                          'the batch is read from the whole set; use data.shuffle = "global".')
+    if not 1 <= f.min_replicas <= groups:
+        raise ConfigError(f"fault_tolerance.min_replicas={f.min_replicas} must be between 1 and "
+                          f"the {groups} groups.")
+    if f.timeout_s <= 0 or f.quorum_timeout_s <= 0 or f.heartbeat_timeout_ms <= 0:
+        raise ConfigError("fault_tolerance.timeout_s, quorum_timeout_s and heartbeat_timeout_ms "
+                          "must be positive.")
+    if f.heartbeat_timeout_ms > 1000 * f.timeout_s:
+        raise ConfigError(f"fault_tolerance.heartbeat_timeout_ms={f.heartbeat_timeout_ms} is "
+                          f"longer than timeout_s={f.timeout_s}: a dead group would fail the "
+                          "others' collectives first; lower it or raise timeout_s.")
+    if f.lighthouse != "auto" and not f.lighthouse.startswith(("http://", "https://")):
+        raise ConfigError(f"fault_tolerance.lighthouse={f.lighthouse!r} must be 'auto' or an "
+                          "address such as 'http://host:29510'.")
 
 
 def micro_batch_size(config: Config, replicas: int) -> int:

@@ -114,7 +114,11 @@ def join(config: Config):
 
     launch = detect()
     # under torchrun --nnodes MIN:MAX a restart may find fewer (or more) ranks: data follows them
-    plan = plan_for_world(config.plan, launch.world_size if launch else 1)
+    options = config.plan
+    if config.fault_tolerance.enabled:  # this replica group's ranks form a job of their own
+        from .resilience.replicas import group_plan_options
+        options = group_plan_options(config)
+    plan = plan_for_world(options, launch.world_size if launch else 1)
     backend = None if config.run.backend == "auto" else config.run.backend
     return init(plan, backend=backend, timeout_s=config.run.timeout_s)
 

@@ -91,6 +91,18 @@ class Sampling:
             out.extend(batch[first:first + per_replica].tolist())
         return out
 
+    def slice_indices(self, step: int, position: int) -> list[int]:
+        """The sample indices data replica `position` (of `data_axis.size`) trains on in step
+        `step` (0-based, counted over the run) under the global shuffle: another replica's
+        slice, for a replica group that covers a missing one (resilience.replicas)."""
+        batch_size = self.config.train.batch_size
+        per_replica = batch_size // self.data_axis.size
+        epoch, at = divmod(step, self.steps_per_epoch)
+        order = np.random.default_rng([self.config.run.seed, epoch]).permutation(
+            len(self.train_set))
+        batch = order[at * batch_size:(at + 1) * batch_size]
+        return batch[position * per_replica:(position + 1) * per_replica].tolist()
+
     def batches(self, start_step: int, decode) -> Prefetcher:
         """Micro-batches (x, y) on the device from `start_step` on, epoch after epoch: one loader
         for the whole run (workers start once), `train.prefetch` batches ahead, decoded on the

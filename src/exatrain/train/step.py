@@ -8,6 +8,10 @@ optimizer's own kernel (`found_inf`, as `torch.amp.GradScaler` has fused optimiz
 raises `NonFiniteLoss` naming it. Otherwise the verdict is read on the host every step and the
 non-finite policy (`resilience.policies.NonfiniteSkips`) skips the step or it raises.
 
+Replica groups (`[fault_tolerance]`, `resilience.replicas`): the micro-batches are taken once,
+and forward, backward and the average over the groups run until every group commits the attempt;
+the finiteness verdict and the optimizer step then act on the groups' average.
+
 Determinism: each step's random streams (dropout) are seeded from (seed, step, rank), so a
 resumed run replays them without stored RNG state; `process_settings` gives the caller's random
 streams (and cuDNN's autotuning setting) back when the steps end.
@@ -50,14 +54,19 @@ class StepResult:
     grad_norm: torch.Tensor | None    # the global gradient norm (None where nothing needed it)
     found_inf: torch.Tensor           # 1 where the step's gradients were not finite (device)
     state_bytes: dict | None = None   # model-state bytes at the optimizer step, when measured
+    healed_to: int | None = None      # replica groups: the step a peer's state brought us to
 
 
 class TrainStep:
     def __init__(self, model, optimizer, workload, train_options, mesh, precision, scaler, phase,
-                 new_graph_iteration, nonfinite_skips, nonfinite_error, seed: int):
+                 new_graph_iteration, nonfinite_skips, nonfinite_error, seed: int,
+                 replicas=None, seed_rank: int | None = None):
         # the workload's loss_fn is looked up at each step (it may be replaced between steps)
         self.model, self.optimizer, self.workload = model, optimizer, workload
-        self.options, self.device, self.rank = train_options, mesh.device, mesh.rank
+        self.options, self.device = train_options, mesh.device
+        self.rank = mesh.rank if seed_rank is None else seed_rank  # dropout's stream
+        # [fault_tolerance]: the replica axis (resilience.replicas.ReplicaGroups), else None
+        self.replicas = replicas
         self.precision, self.scaler, self.phase = precision, scaler, phase
         self.new_graph_iteration = new_graph_iteration
         self.nonfinite_skips, self.nonfinite_error, self.seed = nonfinite_skips, nonfinite_error, seed
@@ -79,7 +88,10 @@ class TrainStep:
         if not (self.model.training and unwrap(self.model).training):
             self.model.train()  # (evaluation restores the mode: a walk per step costs CPU steps)
         with peak:
-            loss = self._forward_backward(batches)
+            if self.replicas is None:
+                loss = self._forward_backward(batches)
+            else:
+                loss = self._replicated_forward_backward(batches, step)
         self.scaler.unscale_(self.params)
         # the norm is global (the same on every rank): every rank reaches the same verdict
         if self.finiteness_only and defers:
@@ -92,7 +104,8 @@ class TrainStep:
             grad_norm = clip_grad_norm_(self.params, clip if clip > 0 else math.inf,
                                         across=getattr(self.model, "norm_axis", None))
             found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)
-        result = StepResult(loss, grad_norm, found_inf)
+        result = StepResult(loss, grad_norm, found_inf,
+                            healed_to=self.replicas.take_heal() if self.replicas else None)
         if defers:
             skip = found_inf
             if not self.scaler.enabled:  # stop: this step and every later one are skipped
@@ -111,17 +124,20 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         return result
 
-    def _forward_backward(self, batches) -> torch.Tensor:
-        """Forward and backward of every micro-batch; this rank's loss (a device tensor)."""
+    def _forward_backward(self, batches, count: int | None = None) -> torch.Tensor:
+        """Forward and backward of every micro-batch (`count`: of the step's own and a missing
+        replica group's, which add to the gradient alike); this rank's loss over its own
+        micro-batches (a device tensor)."""
         accum = self.options.grad_accum
         if isinstance(self.model, PipelineModel):  # micro-batches run by the schedule
             x, y = next(batches)
             return torch.as_tensor(self.model.train_step(
                 x, y, lambda output, target: self.workload.loss_fn(output.float(), target)))
         loss_sum = None
-        for micro in range(accum):
+        count = count or accum
+        for micro in range(count):
             x, y = next(batches)
-            sync = micro == accum - 1 or not hasattr(self.model, "no_sync")
+            sync = micro == count - 1 or not hasattr(self.model, "no_sync")
             with (self.model.no_sync() if not sync else contextlib.nullcontext()):
                 self.new_graph_iteration()
                 with self.precision.autocast(), self.phase("forward"):
@@ -131,8 +147,25 @@ class TrainStep:
                     loss = loss / accum
                 with self.phase("backward"):
                     self.scaler.scale_loss(loss).backward()
-            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+            if micro < accum:
+                loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
         return loss_sum
+
+    def _replicated_forward_backward(self, batches, step: int) -> torch.Tensor:
+        """[fault_tolerance]: forward and backward, the gradients averaged over the replica
+        groups, until every group commits the attempt; a discarded attempt (a group died in it)
+        runs again on the same micro-batches, so no committed step is ever redone."""
+        micro = [next(batches) for _ in range(self.options.grad_accum)]
+        while True:
+            self.replicas.begin_step()  # the quorum (and a peer's heal) during the forward
+            # batch = "keep": the micro-batches of groups missing from this step, covered here
+            adopted = self.replicas.adopted_micro_batches(step)
+            loss = self._forward_backward(iter(micro + adopted), len(micro) + len(adopted))
+            self.replicas.reduce_gradients(self.params)
+            if self.replicas.should_commit():  # applies a peer's state first when healing
+                return loss
+            self.optimizer.zero_grad(set_to_none=True)
+            self.model.zero_grad(set_to_none=True)
 
     def _step_unless(self, skip: torch.Tensor) -> None:
         """The optimizer's step, skipped by its own kernel where `skip` is 1 (no host read)."""

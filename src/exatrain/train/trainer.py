@@ -5,7 +5,7 @@ step) is followed by what the config asks of it: a read of the device's values, 
 evaluation, the hooks' turn (a population's tournaments), a stop agreement and a checkpoint. The
 pieces live beside it under train/: the sample order (`sampling`), the step (`step`), evaluation
 (`evaluation`), the records, throughput and memory figures (`records`), and the policies
-(`resilience`: non-finite steps, bad samples, stop signals, faults, the watchdog).
+(`resilience`: non-finite steps, bad samples, stop signals, faults, the watchdog, replica groups).
 
 Determinism: the model is initialised from `run.seed` identically on every rank; the sample order
 of epoch e is a permutation seeded by (seed, e); and the random state of each step (dropout) is
@@ -63,22 +63,14 @@ from .sampling import Sampling, device_decode
 from ..optim.schedule import scaled_lr
 from .step import LrSchedule, StepResult, TrainStep, process_settings
 from .resilience.faults import FaultInjector
-from .resilience.policies import NonfiniteSkips, SkipBadSamples, out_of_memory_advice
+from .resilience.policies import (NonFiniteLoss, NonfiniteSkips, SkipBadSamples, nonfinite_error,
+                                  out_of_memory_advice)
 from .resilience.stop import StopOnSignal
 from .resilience.watchdog import Watchdog
-from ..errors import UserError
 
 
 STOP_CHECK_EVERY = 5  # steps between a multi-rank run's stop agreements (besides log steps); the
                       # bandwidth watch agrees at these read points too (its check_every: 5)
-
-
-class NonFiniteLoss(UserError, RuntimeError):
-    """Training produced a NaN or infinite loss or gradient; the last checkpoint is intact.
-
-    What to do: lower `optim.lr`, add warm-up, or set `train.on_nonfinite = "skip"`; resume from
-    the checkpoint the message names.
-    """
 
 
 class Trainer:
@@ -100,12 +92,20 @@ class Trainer:
         # the batch is split over data replicas and over the ranks of a sharded group
         self.data_axis = mesh.axis("data", "shard") if mesh.plan.shard > 1 else mesh.axis("data")
         self.replicas = self.data_axis.size
-        self.micro = micro_batch_size(config, self.replicas)
+        # [fault_tolerance]: this group's side of the replica axis (None when off); the batch is
+        # then split over every group's replicas (its `sample_axis`), not only this group's
+        self.replica_groups = None
+        sample_axis = self.data_axis
+        if config.fault_tolerance.enabled:
+            from .resilience.replicas import ReplicaGroups
+            self.replica_groups = ReplicaGroups(config, mesh, self.data_axis)
+            sample_axis = self.replica_groups.sample_axis
+        self.micro = micro_batch_size(config, sample_axis.size)
         if t.on_bad_sample == "skip":
             workload.train_set = SkipBadSamples(workload.train_set, self.run_dir, mesh.rank)
         # loader workers per rank: train.num_workers, or (-1) from the cores the node's ranks share
         self.num_workers = loader_workers(t.num_workers)
-        self.sampling = Sampling(config, mesh, self.data_axis, workload.train_set, self.micro,
+        self.sampling = Sampling(config, mesh, sample_axis, workload.train_set, self.micro,
                                  self.num_workers)
         self.steps_per_epoch = self.sampling.steps_per_epoch
         if len(workload.val_set) < self.replicas:
@@ -144,12 +144,16 @@ class Trainer:
         self.train_step = TrainStep(model, self.optimizer, workload, t, mesh,
                                     self.precision, self.scaler, self.observer.phase,
                                     new_graph_iteration, self.nonfinite_skips,
-                                    self._nonfinite_error, config.run.seed)
+                                    self._nonfinite_error, config.run.seed,
+                                    replicas=self.replica_groups,
+                                    seed_rank=self.replica_groups.seed_rank
+                                    if self.replica_groups else None)
         self._evaluate = Evaluation(mesh, workload, model, self.data_axis, self.micro,
                                     self.num_workers, self.precision, self.decode,
                                     new_graph_iteration)
         self.hooks = RunHooks()
-        self.faults = FaultInjector(mesh.rank, self.run_dir)
+        # (the job's rank: under [fault_tolerance] group k's ranks follow group k-1's)
+        self.faults = FaultInjector(self.train_step.rank, self.run_dir)
         self.checkpoint_writer = checkpoint.Writer(config.train.checkpoint_async)
         # the ranks that write a checkpoint together: the job, or one trainer of a population
         self.checkpoint_group = mesh.group
@@ -252,10 +256,17 @@ class Trainer:
         stop = StopOnSignal().install()
         watchdog = Watchdog(self.mesh.ledger, self.mesh.rank, self.run_dir,
                             self.config.run.timeout_s).start(self.mesh.world_size)
+        if self.replica_groups:  # [fault_tolerance]: join the other groups, last before stepping
+            self.replica_groups.start(self.model, self.optimizer, self.scaler,
+                                      self.nonfinite_skips, self.schedule, lambda: self.step,
+                                      self.sampling, self.decode)
         try:
             with process_settings(self.mesh.device, self.config.parallel.cudnn_benchmark):
                 while self.step < self.total_steps and not self._finished:
-                    self._one_step(batches, pending, watchdog, progress)
+                    if self._one_step(batches, pending, watchdog, progress):
+                        # healed from a replica group: the samples go on from the new step
+                        batches.close()
+                        batches = self.sampling.batches(self.step, self.decode)
                     eval_metrics = self._after_step(pending, stop, watchdog, progress) \
                         or eval_metrics
             self.checkpoint_writer.wait()
@@ -266,12 +277,15 @@ class Trainer:
                 progress.close()
             batches.close()
             self.observer.close()  # the profile trace and event files of what ran
+            if self.replica_groups:
+                self.replica_groups.close()
         if not eval_metrics and not self.stopped_early:
             eval_metrics = self.evaluate()
         return self._summary(eval_metrics, time.perf_counter() - start, start)
 
-    def _one_step(self, batches, pending: PendingSteps, watchdog, progress) -> None:
-        """Step `self.step + 1`, its values left pending on the device (read at read points)."""
+    def _one_step(self, batches, pending: PendingSteps, watchdog, progress) -> bool:
+        """Step `self.step + 1`, its values left pending on the device (read at read points).
+        True when the step healed from a replica group (the step number jumped)."""
         self.mesh.ledger.step = self.step + 1  # the step number metrics.jsonl will give it
         self.faults.at_step(self.step + 1)
         watchdog.beat()
@@ -302,6 +316,8 @@ class Trainer:
         pending.add(result.loss, result.grad_norm, result.found_inf)
         wait, nbytes = batches.take()  # this step's input wait (host seconds) and bytes
         self.observer.step_end(self._read_now)
+        if result.healed_to is not None:  # [fault_tolerance]: a peer's step N was applied here
+            self.step = result.healed_to
         self.step += 1
         self._interval.waits.append(wait)
         self._run_times["waits"].append(wait)
@@ -309,6 +325,7 @@ class Trainer:
         self.input_bytes += nbytes
         if progress:
             progress.advance()
+        return result.healed_to is not None
 
     def _after_step(self, pending: PendingSteps, stop, watchdog, progress) -> dict | None:
         """What follows a step: read, log, evaluate, the hooks, stop, checkpoint. Returns the
@@ -395,17 +412,9 @@ class Trainer:
         self._interval = Interval(self.mesh.ledger.snapshot())
         return record
 
-    def _nonfinite_error(self, step: int, loss: float, norm: float | None) -> "NonFiniteLoss":
-        last = checkpoint.latest(self.run_dir) if self.run_dir else None
-        what = f"gradient norm {norm}" if norm is not None else "a gradient"
-        return NonFiniteLoss(
-            f"step {step}: loss {loss} / {what} is not finite on rank "
-            f"{self.mesh.rank}. The optimizer skipped it"
-            + (f" and every step after it up to step {self.step}" if step < self.step else "")
-            + "; " + (f"the last good checkpoint is {last}. " if last
-                      else "no checkpoint was written yet. ")
-            + "Lower optim.lr, add schedule.warmup_steps, set train.clip_grad_norm, or check "
-              "the data for NaNs.")
+    def _nonfinite_error(self, step: int, loss: float, norm: float | None) -> NonFiniteLoss:
+        return nonfinite_error(step, loss, norm, self.mesh.rank, self.step,
+                               checkpoint.latest(self.run_dir) if self.run_dir else None)
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_state(self) -> dict:
@@ -475,6 +484,8 @@ class Trainer:
             if "time_to_train_s" in summary:
                 summary["time_to_train_s"] += self.stage_figures["stage_s"]
         summary.update(self.job_figures)
+        if self.replica_groups:
+            summary.update(self.replica_groups.figures())
         if self.is_main and self.run_dir:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         # the tracked runs (W&B, MLflow) end with the job, which may still fail after this fit

@@ -1,7 +1,8 @@
 """Injected faults for tests and `exatrain bench faults`: kill or hang a rank at a chosen step.
 
 EXATRAIN_INJECT_FAULTS="kill@1:5,hang@0:3,kill_in_save@1:4" -- kind@rank:step, comma-separated,
-with steps numbered as metrics.jsonl numbers them (the first step is 1):
+with steps numbered as metrics.jsonl numbers them (the first step is 1) and ranks as the job's
+(under [fault_tolerance], replica group k's ranks after group k-1's):
 
   kill          the rank SIGKILLs itself as step `step` starts (a node dying)
   hang          the rank stops taking part (sleeps) as step `step` starts (a rank that never joins)

@@ -24,7 +24,29 @@ import time
 
 from torch.utils.data import Dataset
 
-from ...errors import DataError
+from ...errors import DataError, UserError
+
+
+class NonFiniteLoss(UserError, RuntimeError):
+    """Training produced a NaN or infinite loss or gradient; the last checkpoint is intact.
+
+    What to do: lower `optim.lr`, add warm-up, or set `train.on_nonfinite = "skip"`; resume from
+    the checkpoint the message names.
+    """
+
+
+def nonfinite_error(step: int, loss: float, norm: float | None, rank: int, reached: int,
+                    last_checkpoint) -> NonFiniteLoss:
+    """The error for a non-finite `step` found on `rank` when the run had `reached` its step
+    (later, where the verdict was read at a read point), naming the last good checkpoint."""
+    what = f"gradient norm {norm}" if norm is not None else "a gradient"
+    return NonFiniteLoss(
+        f"step {step}: loss {loss} / {what} is not finite on rank {rank}. The optimizer skipped it"
+        + (f" and every step after it up to step {reached}" if step < reached else "")
+        + "; " + (f"the last good checkpoint is {last_checkpoint}. " if last_checkpoint
+                  else "no checkpoint was written yet. ")
+        + "Lower optim.lr, add schedule.warmup_steps, set train.clip_grad_norm, or check "
+          "the data for NaNs.")
 
 MAX_BAD_IN_A_ROW = 8
 
