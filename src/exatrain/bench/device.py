@@ -197,7 +197,8 @@ def _config(case, args, data_root: str, device: torch.device, precision: str):
 def run_case(case, args, data_root: str, device: torch.device, precision: str) -> dict:
     """Baseline, exatrain and the levers of one case; returns its flat figures."""
     from ..mesh import init
-    from ..parallel.precision import DTYPES, measured_matmul_flops
+    from ..observe.matmul_rate import measured_matmul_flops
+    from ..parallel.precision import DTYPES
     from ..plan import Plan
     from ..train.config import load_config
     from ..workloads import get_workload

@@ -1,7 +1,7 @@
 """Datasheet dense peak FLOP/s of known accelerators, per compute dtype: MFU's other denominator.
 
 `mfu_peak` divides model FLOP/s by the vendor's dense (no sparsity) tensor-core peak for the
-dtype the step computes in; `mfu_measured` (see `parallel.precision.measured_matmul_flops`)
+dtype the step computes in; `mfu_measured` (see `observe.matmul_rate.measured_matmul_flops`)
 divides by the rate a large square matmul reaches on this very device. The first is the number
 papers quote (torchtitan, MLPerf write-ups); the second says how much of what the chip can
 actually sustain the model uses.

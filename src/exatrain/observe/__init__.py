@@ -7,6 +7,7 @@ While a run trains:
   step_meters.py       step times, loss and gradient norm, kept on the device until a log step
   memory_meters.py     model-state bytes per rank and the peak of a step
   cpu_peak.py          a processor's peak FLOP/s (MFU on a CPU)
+  matmul_rate.py       a device's measured matrix-multiply rate (MFU where no peak applies)
   host_reads.py        reads of tensor values into Python on the training thread, counted
   bandwidth.py         bus bandwidth per mesh axis, watched step by step
   target.py            train to a target quality (`train.target`)

@@ -12,7 +12,7 @@ itself, and each factor is stated with where it came from (`Peak.source`, in the
   per cycle  from the instruction-set flags of /proc/cpuinfo, for the step's dtype, assuming the
            vector units named in `_fp32_per_cycle`; an FMA counts as two FLOPs
 
-The measured rate of a matrix multiply (`parallel.precision.measured_matmul_flops`) is reported
+The measured rate of a matrix multiply (`observe.matmul_rate.measured_matmul_flops`) is reported
 beside it: what this rank sustains, where the peak says what the silicon could do.
 """
 

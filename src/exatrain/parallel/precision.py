@@ -20,14 +20,10 @@ matrix products in float8; `parallel/float8.py`). In bf16 and fp16:
                    whose global gradient norm is not finite is skipped and the scale halved; after
                    `growth_interval` clean steps it doubles. bf16 has fp32's exponent range and
                    needs no scaling.
-
-`measured_matmul_flops` times a square matrix multiply in a given dtype: the denominator of MFU
-as "model FLOPs per second over this device's measured matmul rate".
 """
 
 from __future__ import annotations
 
-import time
 
 import torch
 from torch import nn
@@ -198,47 +194,3 @@ class DynamicLossScaler:
         self.scale = float(state["scale"])
         self._good.fill_(int(state["good_steps"]))
         self._skipped.fill_(int(state.get("skipped_steps", 0)))
-
-
-def measured_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32,
-                          n: int | None = None, seconds: float = 0.1) -> float:
-    """FLOP/s of an n×n by n×n matrix multiply in `dtype` on `device`, median of repeats.
-
-    The denominator for MFU: what this device sustains on the op that dominates the model,
-    measured rather than taken from a datasheet. n grows from 256 by doubling up to `n`
-    (default 8192 on a GPU, 1024 on a CPU) while one multiply takes under a twentieth of
-    `seconds`: a dtype the device has no fast kernel for (float16 on most CPUs: 1 GFLOP/s here,
-    where a 1024² multiply took 2 s) is measured in about `seconds`, not in many.
-    """
-    device = torch.device(device)
-    n_max = n or (8192 if device.type == "cuda" else 1024)
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    def operands(size):
-        return (torch.randn(size, size, device=device).to(dtype),
-                torch.randn(size, size, device=device).to(dtype))
-
-    n = min(256, n_max)
-    a, b = operands(n)
-    a @ b  # warm-up
-    while True:
-        sync()
-        t0 = time.perf_counter()
-        a @ b
-        sync()
-        if n >= n_max or time.perf_counter() - t0 >= seconds / 20:
-            break
-        n = min(2 * n, n_max)
-        a, b = operands(n)
-        a @ b  # warm-up at the new size
-    times, start = [], time.perf_counter()
-    while len(times) < 3 or (time.perf_counter() - start < seconds and len(times) < 50):
-        t0 = time.perf_counter()
-        a @ b
-        sync()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return 2 * n ** 3 / times[len(times) // 2]

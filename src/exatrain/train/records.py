@@ -23,7 +23,7 @@ import torch
 
 from ..comm import all_gather_object
 from ..parallel.pipe.model import PipelineModel
-from ..parallel.precision import measured_matmul_flops
+from ..observe.matmul_rate import measured_matmul_flops
 from .config import Config
 from ..observe.cpu_peak import Peak, cpu_peak
 from ..observe.memory_meters import peak_memory_bytes
