@@ -232,6 +232,10 @@ CASES = {
     "PlanError": (lambda t, u, c: ["run", "--nproc", "2", *u("ok", "plan.data=3")],
                   ["needs 3 ranks but the job has 2", "Use data=2"]),
     "PredictError": (lambda t, u, c: ["predict", str(t)], ["{tmp}", "not a run directory"]),
+    "ReplicaGroupError": (lambda t, u, c: ["run", "--nproc", "1",
+                                           *u("ok", "fault_tolerance.enabled=true",
+                                              "fault_tolerance.groups=2", "plan.data=2")],
+                          ["REPLICA_GROUP_ID = 0..1", "got '5'", "its own REPLICA_GROUP_ID"]),
     "ResumeError": (lambda t, u, c: ["run", "--resume", str(t)],
                     ["--resume {tmp}", "no complete checkpoint", "start a new run"]),
     "SpatialSplitError": (lambda t, u, c: ["run", "--nproc", "2",
@@ -245,6 +249,7 @@ CASES = {
                              ["spare.weight", "requires_grad_(False)"]),
 }
 ENV = {"InjectError": {"EXATRAIN_INJECT_FAULTS": "boom"},
+       "ReplicaGroupError": {"REPLICA_GROUP_ID": "5"},   # a group id beyond the groups
        "LaunchError": {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": ""}}
 SPAWNED = {"ModelInputError", "PipeSplitError", "SpatialSplitError", "TensorSplitError", "UnusedParameterError"}
 

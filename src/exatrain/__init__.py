@@ -29,6 +29,7 @@ from .train.fit import fit, launch
 from .optim.kfac import KFAC, KFACSettings
 from .infer.predict import PredictError, predict
 from .train.job import ResumeError
+from .train.resilience.replicas import ReplicaGroupError
 from .workloads.metrics import Mean, Ratio
 from .workloads.user import Task
 from .version import __version__
@@ -64,5 +65,6 @@ __all__ = ["Branches", "Config", "KFAC", "KFACSettings", "Mean", "Mesh", "Plan",
            "UserError", "ArgumentError", "CheckpointError", "ConfigError", "DataError",
            "GraphFileError", "InitFromError", "InjectError", "LaunchError", "LoaderTimeout",
            "MissingFileError", "ModelInputError", "ModelOptionError", "NonFiniteLoss",
-           "ParallelizeError", "PipeSplitError", "PlanError", "PredictError", "ResumeError",
+           "ParallelizeError", "PipeSplitError", "PlanError", "PredictError", "ReplicaGroupError",
+           "ResumeError",
            "SpatialSplitError", "StagingError", "TensorSplitError", "UnusedParameterError"]
