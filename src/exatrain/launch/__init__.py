@@ -1,4 +1,13 @@
-"""Launching: recognise the job's launcher, or spawn local ranks."""
+"""Launching: recognise the job's launcher, or spawn local ranks.
+
+  env           rank and rendezvous from torchrun, Slurm, Flux, LSF, mpirun, or none
+  local         spawn N local ranks (`exatrain run --nproc N`, the test harness)
+  batch         ready batch scripts (`--print-batch-script slurm|flux`)
+  gpus          which GPU a rank uses, as centres bind them
+  signals, teardown, host_memory   early stop signals, an orderly end, freed host memory kept
+
+Imports: the foundations only; it knows no mesh.
+"""
 
 from .env import LaunchEnv, LaunchError, detect, expand_nodelist
 from .local import spawn

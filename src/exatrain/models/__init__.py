@@ -1,4 +1,10 @@
-"""Plain PyTorch models of the field's benchmark workloads; they know nothing of parallelism."""
+"""Plain PyTorch models of the field's benchmark workloads; they know nothing of parallelism.
+
+  cosmoflow, deeplab (DeepCAM at MLPerf's definition), deepcam (the small net), vit, gpt, gcn,
+  schnet, dimenet (DimeNet++), branches (et.Branches), image_pool (DeepLab's image feature)
+
+Imports: torch only (and the foundations); never a strategy.
+"""
 
 from .branches import Branches
 from .cosmoflow import CosmoFlow

@@ -1,4 +1,12 @@
-"""Workloads: one module per model family, each with ModelOptions, DataOptions and build()."""
+"""Workloads: one module per model family, each with ModelOptions, DataOptions and build().
+
+  cosmoflow, deepcam, vit, gpt, gcn, qm9   the built-in workloads
+  base          what a workload hands the Trainer: model, data sets, loss, validation statistics
+  metrics       validation metrics declared once, reduced exactly over batches and data axes
+  user          a user's own model and data (et.fit, `exatrain run SCRIPT`)
+
+Imports: data, models, parallel, optim and the foundations; never train or above.
+"""
 
 from __future__ import annotations
 

@@ -5,6 +5,8 @@
                  which stages a rank holds; each schedule's bubble formula
   stage.py       a PipelineStage with counted sends (ledger, `pipe` axis) and a timeline
   model.py       PipelineModel: this rank's stages under serial names; train_step / eval_batch
+
+Imports: comm, mesh and the rest of parallel (the shard step's ZeRO per stage).
 """
 
 from __future__ import annotations
