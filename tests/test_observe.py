@@ -9,8 +9,10 @@ first evaluation).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import matplotlib.image
 import pytest
@@ -87,11 +89,11 @@ def test_profile_trace_has_the_named_ranges(runs):
                 "comm.all_reduce.data.grad"} <= names, sorted(n for n in names if n)[:20]
 
 
-def test_mlperf_log_passes_the_format_rules(runs, tmp_path):
-    log = f"{runs[2]['run_dir']}/mlperf.log"
+def _check_mlperf_log(log, cwd) -> None:
+    """MLPerf's own checker (HPC ruleset 3.0.0) passes `log` but for the quality target."""
     done = subprocess.run([sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage",
-                           "hpc", "--ruleset", "3.0.0", log], capture_output=True, text=True,
-                          cwd=tmp_path)  # it writes compliance_checker.log where it runs
+                           "hpc", "--ruleset", "3.0.0", str(log)], capture_output=True, text=True,
+                          cwd=cwd)  # it writes compliance_checker.log where it runs
     text = done.stdout + done.stderr
     failed = [line for line in text.splitlines() if "Failed" in line or "ERROR" in line
               and "FAILED" not in line]
@@ -99,7 +101,48 @@ def test_mlperf_log_passes_the_format_rules(runs, tmp_path):
     # universes): that single quality check is the only one allowed to fail
     assert failed == ["WARNING -  Failed checks for eval_error : v['value'] <= 0.124 and "
                       "v['value'] > 0."], text
+
+
+def _keys(log) -> list[str]:
+    return [json.loads(line.split(":::MLLOG ", 1)[1])["key"] for line in open(log)]
+
+
+def test_mlperf_log_passes_the_format_rules(runs, tmp_path):
+    log = f"{runs[2]['run_dir']}/mlperf.log"
+    _check_mlperf_log(log, tmp_path)
     assert "run_stop" in open(log).read() and '"status": "success"' in open(log).read()
+
+
+def _run_with_faults(faults: str, config):
+    """One rank's run with `faults` injected (set in the rank: the ranks' processes outlive a
+    test)."""
+    from exatrain.train.resilience.faults import ENV
+
+    os.environ[ENV] = faults
+    try:
+        return run_job(config)
+    finally:
+        del os.environ[ENV]
+
+
+def test_a_stopped_and_resumed_run_writes_one_mlperf_log_the_checker_passes(tiny_config,
+                                                                             tmp_path):
+    config = tiny_config("train.steps=6", "train.eval_every=2", "train.checkpoint_every=0",
+                         "mlperf.enabled=true")
+    # SIGTERM to rank 1 at step 3: a checkpoint and a clean stop
+    stopped = run_ranks(2, _run_with_faults, "term@1:3", config)[0]
+    assert stopped["stopped_by_signal"] and stopped["steps"] == 3
+    log = Path(stopped["run_dir"]) / "mlperf.log"
+    assert _keys(log)[-1] == "run_stop"  # the stopped segment ended its log (status aborted)
+    first = _keys(log)
+    resumed = run_ranks(2, run_job, config, stopped["run_dir"])[0]
+    assert resumed["steps"] == 6 and not resumed["stopped_by_signal"]
+    keys = _keys(log)
+    assert keys[:len(first) - 1] == first[:-1]  # the first segment's lines stand, but its run_stop
+    assert keys.count("run_start") == keys.count("run_stop") == keys.count("init_stop") == 1
+    assert keys.count("run_resumed") == 1 and keys[-1] == "run_stop"
+    assert keys.count("eval_stop") == 3  # steps 2, 4 and 6
+    _check_mlperf_log(log, tmp_path)
 
 
 def _valid_png(path) -> None:

@@ -9,12 +9,22 @@ status "success" when `train.target` was reached, "aborted" otherwise. Epoch num
 fractional (step / steps per epoch) and start at 1, as the reference implementations count.
 
 Time to train is `run_stop - run_start`, the figure MLPerf ranks by.
+
+A resumed run (`exatrain run --resume RUN_DIR`, or a restart) continues the log it finds: the
+checker accepts one `run_start` and one `run_stop` per log, so the first segment's keys up to
+`run_start` stand, a `run_stop` written when an earlier segment stopped is taken back (the run did
+not end there), and the resumed segment writes a `run_resumed` event (a key of exatrain's own, which
+the checker passes over) and its blocks. Time to train then runs from the first `run_start`: the
+time lost to the interruption counts, as it would on the clock MLPerf ranks by.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
+from pathlib import Path
 
 from mlperf_logging.mllog import constants as C
 from mlperf_logging.mllog.mllog import MLLogger
@@ -23,14 +33,51 @@ from mlperf_logging.mllog.mllog import MLLogger
 QUALITY = {"cosmoflow": ("eval_error", "val_mae"), "deepcam": (C.EVAL_ACCURACY, "val_mean_iou")}
 
 
+PREFIX = ":::MLLOG "
+
+
 def _ms(seconds: float) -> int:
     return int(seconds * 1000)
+
+
+def _key(line: str) -> str | None:
+    """The key of one `:::MLLOG` line (None for any other line)."""
+    if not line.startswith(PREFIX):
+        return None
+    try:
+        return json.loads(line[len(PREFIX):]).get("key")
+    except json.JSONDecodeError:
+        return None  # a line cut short by a crash mid-write
+
+
+def continue_log(path) -> float | None:
+    """Prepare an earlier segment's log at `path` for a resumed run; returns its `run_start` (s
+    since the epoch), or None when there is no run to continue (no file, or no `run_start` in it:
+    then the file is emptied, as a fresh run's log starts).
+
+    Trailing `run_stop` lines (and a line cut short by a crash) are removed: the run goes on."""
+    path = Path(path)
+    lines = path.read_text().splitlines() if path.exists() else []
+    starts = [line for line in lines if _key(line) == C.RUN_START]
+    if not starts:
+        if lines:
+            path.write_text("")
+        return None
+    while lines and _key(lines[-1]) in (C.RUN_STOP, None):
+        lines.pop()
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(line + "\n" for line in lines))
+    os.replace(partial, path)  # all or nothing: a crash here leaves the earlier log whole
+    return json.loads(starts[0][len(PREFIX):])["time_ms"] / 1000
 
 
 class MLPerfLog:
     """One run's MLPerf log; every call names its time explicitly, so phases can be back-dated."""
 
     def __init__(self, path, options, workload: str, nodes: int, accelerators_per_node: int):
+        # a resumed run's log goes on from its earlier segment's (see the module docstring)
+        self.run_start_s: float | None = continue_log(path)
+        self.resumed = self.run_start_s is not None
         logger = logging.Logger(f"exatrain.mlperf.{path}")  # private: not the shared root logger
         handler = logging.FileHandler(path, mode="a")
         handler.setFormatter(logging.Formatter("%(message)s"))
@@ -40,7 +87,6 @@ class MLPerfLog:
         self.benchmark = options.benchmark or workload
         self.quality = QUALITY.get(self.benchmark, ("eval_error", ""))
         self.options, self.nodes, self.per_node = options, nodes, accelerators_per_node
-        self.run_start_s: float | None = None
         self.block_first_epoch = 1.0
 
     def _event(self, key, value=None, metadata=None, at=None):
@@ -48,7 +94,11 @@ class MLPerfLog:
                        time_ms=_ms(at if at is not None else time.time()))
 
     def begin(self, setup_times: dict, hyper: dict) -> None:
-        """Everything up to `run_start`: submission keys, init and staging phases, hyperparameters."""
+        """Everything up to `run_start`: submission keys, init and staging phases, hyperparameters;
+        for a resumed run, which has written them, a `run_resumed` event."""
+        if self.resumed:
+            self._event("run_resumed", True)
+            return
         now = time.time()
         init_start = setup_times.get("init_start", now)
         o = self.options
