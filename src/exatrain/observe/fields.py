@@ -169,12 +169,11 @@ POPULATION: tuple[Field, ...] = (
     Field("best_model", "", "path of the best trainer's final weights"),
     Field("models_reached_target", "", "trainers that reached the target",
           "population.strategy = \"none\""),
-    Field("models_per_hour", "", "trainers reaching the target per hour",
-          "population.strategy = \"none\""),
     Field("models_per_minute", "models/min", "MLPerf HPC's weak-scaling score: models that "
-          "reached the target over the minutes from the first instance's run_start to the last "
-          "one's run_stop, read from their MLPerf logs",
-          "population.strategy = \"none\", mlperf.enabled"),
+          "reached the target over the minutes from the first instance's start to the last "
+          "one's stop; with mlperf.enabled read from their MLPerf logs (run_start, run_stop), "
+          "else from the trainers' clocks",
+          "population.strategy = \"none\""),
     Field("time_to_train_all_s", "s", "from the first instance's run_start to the last "
           "run_stop of those that reached the target (MLPerf's time_to_train_all)",
           "population.strategy = \"none\", mlperf.enabled"),

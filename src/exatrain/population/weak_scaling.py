@@ -70,6 +70,14 @@ def read_log(path: Path) -> dict:
     return found
 
 
+def models_per_minute(models: int, span_s: float) -> float:
+    """MLPerf HPC's weak-scaling figure: `models` trained to the target over the `span_s` seconds
+    from the first start to the last stop among them (0 when none reached it)."""
+    if not models:
+        return 0.0
+    return models / (span_s / 60) if span_s > 0 else float("inf")
+
+
 def score(paths: list[Path]) -> dict:
     """MLPerf HPC's weak-scaling score of a set of instance logs (module docstring)."""
     logs = [read_log(p) for p in paths]
@@ -85,9 +93,9 @@ def score(paths: list[Path]) -> dict:
     if done:
         span_s = (max(p["run_stop_ms"] for p in done) - min(p["run_start_ms"] for p in done)) / 1e3
         out.update(time_to_train_all_s=span_s,
-                   models_per_minute=len(done) / (span_s / 60) if span_s > 0 else float("inf"))
+                   models_per_minute=models_per_minute(len(done), span_s))
     else:
-        out.update(time_to_train_all_s=None, models_per_minute=0.0)
+        out.update(time_to_train_all_s=None, models_per_minute=models_per_minute(0, 0.0))
     return out
 
 
