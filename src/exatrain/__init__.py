@@ -6,6 +6,8 @@
     model = et.parallelize(et.models.CosmoFlow(size=32), mesh)
 """
 
+from typing import TYPE_CHECKING
+
 from . import data, models
 # every error of the user's making, to catch as one class (et.UserError) or by its kind
 from .comm.inject import InjectError
@@ -33,6 +35,9 @@ from .train.resilience.replicas import ReplicaGroupError
 from .workloads.metrics import Mean, Ratio
 from .workloads.user import Task
 from .version import __version__
+
+if TYPE_CHECKING:  # plans()'s annotations name torch's types
+    import torch
 
 
 def plans(model: "torch.nn.Module", example: "torch.Tensor | None" = None,

@@ -12,7 +12,7 @@ from rich.console import Console
 
 
 def _run(args) -> int:
-    from .launch import detect, spawn
+    from .launch import detect
     from .launch.signals import hold_early_signals
 
     if detect() is not None and not args.print_batch_script:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import importlib
 import math
 import os
 
@@ -227,7 +228,7 @@ def init(plan: Plan, backend: str | None = None, timeout_s: float = 600.0) -> Me
         # TCPStore server) past destroy_process_group to the interpreter's finalization, where
         # their threads are joined in no order (launch.teardown). torch imports it lazily, with
         # torch._dynamo, after init when nothing has imported it before.
-        from torch.distributed.nn import functional  # noqa: F401
+        importlib.import_module("torch.distributed.nn.functional")
         if launch:
             launch.export(os.environ)
             init_method = "env://"

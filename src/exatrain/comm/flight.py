@@ -17,6 +17,7 @@ that wrote no record) are the ones that did not arrive.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import time
@@ -29,7 +30,7 @@ def flight_dir(run_dir: str | Path) -> Path:
 
 def _torch_flight_recorder() -> object:
     try:
-        import torch.distributed  # noqa: F401  (loads the c10d extension)
+        importlib.import_module("torch.distributed")  # loads the c10d extension
         from torch._C._distributed_c10d import _dump_fr_trace_json
         return json.loads(_dump_fr_trace_json())
     except Exception as exc:  # an older torch, or the recorder is off: the ledger still speaks

@@ -21,6 +21,8 @@ parallel styles).
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 from torch import nn
 
@@ -43,7 +45,7 @@ def float8_refusal(device, model: nn.Module | None = None, tensor_degree: int = 
         return (f"parallel.precision='fp8' needs compute capability 8.9 or newer (Ada, Hopper); "
                 f"{torch.cuda.get_device_name(device)} is sm_{capability[0]}{capability[1]}: {fix}.")
     try:
-        import torchao.float8  # noqa: F401
+        importlib.import_module("torchao.float8")  # is it installed, and does it load?
     except ImportError:
         return ("parallel.precision='fp8' trains with torchao's float8 layers: "
                 "`pip install torchao` (on an offline machine, carry its wheel), or " + fix + ".")

@@ -103,10 +103,9 @@ def _fully_shard(model: nn.Module, mesh: Mesh, options, partial_axes=()) -> nn.M
             fully_shard(norms, mp_policy=fp32, **kwargs)
     fully_shard(model, mp_policy=mp, **kwargs)
 
-    hook = None
-    if data_axis.size > 1:
-        def hook(reduced: torch.Tensor) -> None:  # hybrid: sum the shard's gradients over data
-            all_reduce(reduced, data_axis, tag="grad")  # (and over the partial axes: space)
+    def sum_over_data(reduced: torch.Tensor) -> None:  # hybrid: sum the shard's gradients
+        all_reduce(reduced, data_axis, tag="grad")      # over data (and the partial axes: space)
+    hook = sum_over_data if data_axis.size > 1 else None
     for module in model.modules():
         if isinstance(module, FSDPModule):  # grouped units share a state: setting twice is harmless
             module.set_custom_all_gather(LedgerAllGather(shard_axis))

@@ -19,10 +19,14 @@ from .checkpoints import checkpoint
 from .config import Config
 # the composition root and setup steps shared with the population's driver and et.fit;
 # ResumeError, pipeline_example and stage_input are still importable from here, as they were
-from .job import (ResumeError, build, find_resume_checkpoint, join,  # noqa: F401
-                  pipeline_example, prepare_run, stage_input)
+from .job import (ResumeError, build, find_resume_checkpoint, join, pipeline_example,
+                  prepare_run, stage_input)
 from .resilience.elastic import Formation, elastic_launch
 from .resilience.restart import cleanup_failed_start, record_failure, stable_run_dir
+
+__all__ = ["setup", "run_job", "job_figures",
+           # from .job, importable here as they were
+           "ResumeError", "find_resume_checkpoint", "pipeline_example", "stage_input"]
 
 
 def setup(config: Config, resume_dir: str | None = None,

@@ -63,7 +63,7 @@ def plan_for_world(options, world_size: int) -> Plan:
         axes = ", ".join(f"{a}={getattr(fixed, a)}" for a in ("trainer", "pipe", "shard", "space",
                                                               "tensor")
                          if getattr(fixed, a) not in (1, (1, 1, 1)))
-        hint = (f"set plan.data = 0 so that the data replicas follow the world"
+        hint = ("set plan.data = 0 so that the data replicas follow the world"
                 if options.data else
                 f"only the data replicas shrink; {axes or 'the other axes'} need a multiple of "
                 f"{fixed.world_size} ranks: keep at least that many (torchrun --nnodes MIN:MAX "
