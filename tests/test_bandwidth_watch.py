@@ -46,6 +46,14 @@ def test_a_slowed_axis_is_reported_once_within_ten_steps(tiny_config):
     assert {"data", "shard"} <= set(records[0]["busbw_GBps"])
 
 
+def test_one_rank_slow_on_shard_is_not_echoed_on_data(tiny_config):
+    """Rank 1's shard link slowed: its data peer (rank 3) then waits for it in every data
+    all-reduce, yet only shard is reported: rank 1, arriving last, sees data's transfer normal."""
+    summary = run_ranks(4, slowed_run, _config(tiny_config), f"1:0.3:shard:{SLOW_FROM}")[0]
+    assert [d["axis"] for d in summary["bandwidth_drops"]] == ["shard"], summary["bandwidth_drops"]
+    assert SLOW_FROM <= summary["bandwidth_drops"][0]["step"] < SLOW_FROM + 10
+
+
 def test_no_drop_in_an_unslowed_run(tiny_config):
     summary = run_ranks(4, slowed_run, _config(tiny_config), "")[0]
     assert summary["bandwidth_drops"] == []
@@ -101,3 +109,32 @@ def test_watch_logic_reports_one_drop_within_the_patience_and_check_interval():
     drops = _watch_steps(normal + [0.5] * 12)  # 50x slower from step 13 on
     assert [(d["axis"], d["op"], d["step"]) for d in drops] == [("data", "all_reduce", 15)]
     assert drops[0]["busbw_GBps"] < 0.1 * drops[0]["reference_GBps"]
+
+
+def _facts(global_rank: int, seconds: list[float], dropped: bool, peers=(0, 1)) -> dict:
+    """One rank's gathered facts for the `data` axis: 1 MB of bus bytes in each low step,
+    `seconds` blocked, a reference of 1 GB/s (a normal step: 1 ms)."""
+    return {"global_rank": global_rank, "dropped": ["data"] if dropped else [],
+            "recent": {"data": [(s, 1e6) for s in seconds]}, "peers": {"data": list(peers)},
+            "last": {"data": {"busbw": 1e6 / seconds[-1], "reference": 1e9}}}
+
+
+def test_a_late_rank_is_no_drop_of_the_link_but_a_slow_link_on_any_rank_is():
+    from exatrain.observe.bandwidth import link_dropped
+
+    waited, arrived_last = [1.2, 1.2, 1.2], [0.001, 0.0012, 0.0009]
+    # rank 1 was descheduled (a loaded machine) for three steps: rank 0 waited for it, and rank 1
+    # itself, arriving last, saw a normal transfer: the link is fine
+    assert not link_dropped("data", [_facts(0, waited, True), _facts(1, arrived_last, False)], 0.1)
+    # the transfer itself slow: both ranks blocked long (rank 1 a little less), at every step
+    slow = [0.9, 1.0, 0.8]
+    assert link_dropped("data", [_facts(0, waited, True), _facts(1, slow, True)], 0.1)
+    # the late rank's step differs from step to step: each step's shortest time is the link's
+    mixed0, mixed1 = [1.2, 0.001, 1.2], [0.001, 1.2, 0.001]
+    assert not link_dropped("data", [_facts(0, mixed0, True), _facts(1, mixed1, True)], 0.1)
+    # two groups on the axis: a late rank in one, a slow link in the other: a drop
+    groups = [_facts(0, waited, True, (0, 2)), _facts(2, arrived_last, False, (0, 2)),
+              _facts(1, slow, True, (1, 3)), _facts(3, slow, True, (1, 3))]
+    assert link_dropped("data", groups, 0.1)
+    # a peer whose facts are missing: reported (better than missing a slow link)
+    assert link_dropped("data", [_facts(0, waited, True)], 0.1)

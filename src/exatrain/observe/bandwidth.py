@@ -12,10 +12,17 @@ not bandwidth) are left out. An axis's reference is the median busbw of its last
 steps, after `warmup` steps; a step below `fraction` times that reference is low, and is not added
 to the reference. Every `check_every` steps the ranks agree (one MAX all-reduce of one int32 over
 the world, tag "control", 4 bytes per rank) whether any rank has seen `patience` low steps in a
-row on some axis (at the Trainer's first read point after those steps); if so, one all-gather of each rank's facts (host, blocked seconds per axis over
-the low steps) names the axis, its busiest operation and the ranks that waited longest, once per
-axis per run. A drop is thus reported at most patience + check_every steps after it begins, plus the steps to
-the next read point.
+row on some axis (at the Trainer's first read point after those steps); if so, one all-gather of
+each rank's facts (host, blocked seconds and bus bytes per axis over the low steps, the ranks it
+shares each axis with) names the axis, its busiest operation and the ranks that waited longest,
+once per axis per run. A drop is thus reported at most patience + check_every steps after it
+begins, plus the steps to the next read point.
+
+A rank's blocked time includes waiting for a peer that arrives late (a descheduled process, a slow
+node's compute); the peer that arrives last waits for the transfer alone. So a drop is the link's
+only when, in some group of the axis, each low step's shortest time among the group's ranks is
+still low (`link_dropped`); a late rank alone makes its peers look slow, not itself, and is no
+bandwidth drop (the low steps are then forgotten).
 
 `observe.on_bandwidth_drop`: "warn" (default) reports and goes on; "stop" also asks the Trainer to
 checkpoint and stop after this step, as a wall-time signal does (train.stop).
@@ -46,7 +53,8 @@ class BandwidthWatch:
         self.mesh, self.ledger, self.options, self.is_main = mesh, mesh.ledger, options, is_main
         self.reference: dict[str, deque] = defaultdict(lambda: deque(maxlen=options.bandwidth_window))
         self.low: dict[str, int] = defaultdict(int)      # consecutive low steps per axis
-        self.waits: dict[str, deque] = defaultdict(lambda: deque(maxlen=options.bandwidth_patience))
+        # the last `patience` judged steps per axis: (seconds blocked, bus bytes)
+        self.recent: dict[str, deque] = defaultdict(lambda: deque(maxlen=options.bandwidth_patience))
         self.last: dict[str, dict] = {}                  # the newest step's figures per axis
         self.steps = 0
         self.reported: set[str] = set()
@@ -83,7 +91,7 @@ class BandwidthWatch:
                 continue
             busbw = nbytes / seconds
             self.last[axis] = {"busbw": busbw, "op": max(by_op[axis], key=by_op[axis].get)}
-            self.waits[axis].append(seconds)
+            self.recent[axis].append((seconds, nbytes))
             ref = self.reference[axis]
             if self.steps > o.bandwidth_warmup and len(ref) >= o.bandwidth_patience and \
                     busbw < o.bandwidth_drop_fraction * statistics.median(ref):
@@ -103,17 +111,33 @@ class BandwidthWatch:
         return sorted(a for a, n in self.low.items()
                       if n >= self.options.bandwidth_patience and a not in self.reported)
 
+    def _peers(self) -> dict[str, list[int]]:
+        """Per axis, the ranks this one has exchanged with on it (its group; for point-to-point
+        its partners), itself included, as world ranks."""
+        out: dict[str, set] = defaultdict(set)
+        for axis, peers in self.ledger.calls_on:
+            if len(peers) > 1:
+                out[axis].update(peers)
+        return {axis: sorted(peers) for axis, peers in out.items()}
+
     def _agree(self, step: int) -> list[dict]:
         flag = torch.tensor([1 if self._dropped() else 0], dtype=torch.int32, device=self.mesh.device)
         all_reduce(flag, self.mesh.world, op=torch.distributed.ReduceOp.MAX, tag="control")
         if not flag.item():
             return []
+        world = self.mesh.world
         mine = {"rank": self.mesh.rank, "host": socket.gethostname(), "dropped": self._dropped(),
-                "waits": {a: sum(w) for a, w in self.waits.items()}, "last": self.last}
-        every = all_gather_object(mine, self.mesh.world)
+                "waits": {a: sum(s for s, _ in w) for a, w in self.recent.items()},
+                "last": self.last, "recent": {a: list(w) for a, w in self.recent.items()},
+                "global_rank": world.global_rank(world.rank),
+                "peers": self._peers()}
+        every = all_gather_object(mine, world)
         axes = sorted({a for r in every for a in r["dropped"]})
         now = []
         for axis in axes:
+            if not link_dropped(axis, every, self.options.bandwidth_drop_fraction):
+                self.low[axis] = 0  # a late rank, not the link: every rank forgets alike
+                continue
             seen = [r for r in every if axis in r["last"] and "reference" in r["last"][axis]]
             first = seen[0]["last"][axis] if seen else every[0]["last"].get(axis, {})
             longest = sorted((r for r in every if axis in r["waits"]),
@@ -128,7 +152,7 @@ class BandwidthWatch:
             now.append(drop)
             self.reported.add(axis)
         self.drops.extend(now)
-        if self.options.on_bandwidth_drop == "stop":
+        if now and self.options.on_bandwidth_drop == "stop":
             self.stop_requested = True
         if self.is_main:
             for d in now:
@@ -136,6 +160,25 @@ class BandwidthWatch:
                                      "(observe.on_bandwidth_drop = \"stop\")"
                                      if self.stop_requested else ""), file=sys.stderr, flush=True)
         return now
+
+
+def link_dropped(axis: str, every: list[dict], fraction: float) -> bool:
+    """Whether the low steps some rank saw on `axis` were the link's: for a rank that saw them
+    (in `every`, each rank's gathered facts), each of those steps' shortest blocked time among
+    the ranks of its group on the axis -- the one that arrived last, who waited for the transfer
+    alone -- still gives a bus bandwidth below `fraction` of that rank's reference. True as well
+    when a group's facts are incomplete (better a report than a missed slow link)."""
+    by_rank = {r["global_rank"]: r for r in every}
+    for flagged in (r for r in every if axis in r["dropped"]):
+        members = [by_rank.get(p) for p in flagged["peers"].get(axis, ())]
+        if not members or any(m is None or not m["recent"].get(axis) for m in members):
+            return True
+        reference = flagged["last"][axis]["reference"]
+        steps = min(len(m["recent"][axis]) for m in members)
+        if all(flagged["recent"][axis][-k][1] / min(m["recent"][axis][-k][0] for m in members)
+               < fraction * reference for k in range(1, steps + 1)):
+            return True
+    return False
 
 
 def describe(drop: dict) -> str:
