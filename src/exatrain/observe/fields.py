@@ -56,7 +56,8 @@ SUMMARY: tuple[Field, ...] = (
     Field("target_reached_step", "", "the step of the first evaluation that met it",
           "the target was reached"),
     Field("time_to_train_s", "s", "seconds from the start of training (staging included) to the "
-          "evaluation that met the target", "the target was reached"),
+          "evaluation that met the target; with mlperf.enabled run_stop - run_start of the MLPerf "
+          "log, for a resumed run from its first run_start", "the target was reached"),
     # speed
     Field("samples_per_s", "samples/s", "training samples per second, whole job, median of the "
           "steady steps (the first two left out)"),
