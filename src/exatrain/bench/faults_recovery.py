@@ -24,8 +24,12 @@ Figures per way (prefixes `uninterrupted_`, `plain_`, `elastic_`, `torchft_`; th
 runs of elastic and torchft: `elastic_no_failure_`, `torchft_no_failure_`):
 
   wall_s          the launch's wall time, process start to exit (imports and launchers included)
-  wall_lost_s     wall_s minus the fault-free run's under the same launcher (plain restart:
-                  the uninterrupted run; the launchers' own cost is in the fault-free rows)
+  tail_s          from the moment the last step before the failure (`--kill-step` - 1) was
+                  first logged to the launch's exit: the failure, the recovery, the steps left
+  wall_lost_s     tail_s minus the fault-free run's under the same launcher (plain restart: the
+                  uninterrupted run's). Measured from that step, not from the start, so that
+                  the start-up of the processes, which varies by seconds on a loaded machine,
+                  is left out; the launchers' own cost is in the fault-free rows' wall_s
   steps_redone    steps trained twice: plain restart and elastic, the last step logged before
                   the failure minus the checkpoint step resumed (summary `lost_steps`,
                   formations.jsonl `steps_redone`); torchft, steps group 0 (the survivor) logged
@@ -68,6 +72,7 @@ TITLES = {"uninterrupted": "uninterrupted", "plain": "plain restart",
           "elastic_no_failure": "elastic, no failure", "elastic": "elastic: a node lost",
           "torchft_no_failure": "torchft, no failure", "torchft": "torchft: a group lost"}
 LIMIT_S = 600.0
+POLL_S = 0.05
 
 
 def kill_step(steps: int, every: int, chosen: int) -> int:
@@ -101,19 +106,34 @@ def _start(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def _wait(procs: list[subprocess.Popen], logs: list[Path], what: str) -> None:
-    deadline = time.monotonic() + LIMIT_S
-    for proc, log in zip(procs, logs):
-        try:
-            rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            rc = "no exit within the time"
-        if rc != 0:
-            for other in procs:
-                _kill_group(other)
-            tail = log.read_text()[-3000:] if log.is_file() else ""
-            raise RuntimeError(f"bench faults --recovery: the {what} run ended with {rc}; "
-                               f"its log {log}:\n{tail}")
+def _follow(procs: dict, what: str, root: Path, metrics: str, mark: int,
+            on_poll=None) -> tuple[float, float]:
+    """Wait until every process of `procs` ({log path: process}) has exited with 0, polling
+    every POLL_S: (the time the last one exited, the time step `mark` was first logged in a
+    file matching the glob `metrics` under `root`). `on_poll()` runs at each poll and may take
+    processes out of `procs` (a node killed on purpose)."""
+    deadline, marked = time.monotonic() + LIMIT_S, None
+    logged = f'"step": {mark}, "loss"'   # metrics.jsonl's line of a training step
+    while procs:
+        if marked is None and any(logged in p.read_text() for p in root.glob(metrics)):
+            marked = time.monotonic()
+        if on_poll is not None:
+            on_poll()
+        for log, proc in list(procs.items()):
+            rc = proc.poll()
+            if rc == 0:
+                del procs[log]
+            elif rc is not None or time.monotonic() > deadline:
+                for other in procs.values():
+                    _kill_group(other)
+                raise RuntimeError(f"bench faults --recovery: the {what} run ended with "
+                                   f"{rc if rc is not None else 'no exit in time'}; its log "
+                                   f"{log}:\n{log.read_text()[-3000:]}")
+        time.sleep(POLL_S)
+    if marked is None:
+        raise RuntimeError(f"bench faults --recovery: the {what} run never logged step {mark}; "
+                           f"its files: {root}/{metrics}")
+    return time.monotonic(), marked
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -124,21 +144,24 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _run_cli(name: str, out: Path, overrides: list[str], faults: str = "") -> float:
-    """`exatrain run --nproc 2 --max-restarts 1` with `overrides`: its wall seconds."""
+def _run_cli(name: str, out: Path, overrides: list[str], mark: int, faults: str = "") -> tuple:
+    """`exatrain run --nproc 2 --max-restarts 1` with `overrides`: (its start, its end, when
+    step `mark` was first logged), in time.monotonic() seconds."""
     (out / name).mkdir(parents=True)
     log = out / f"{name}.log"
     cmd = [sys.executable, "-m", "exatrain.cli", "run", "--nproc", "2", "--max-restarts", "1",
            *_sets([*overrides, f"run.out_dir={out / name}"])]
+    metrics = "*/group_00/*/metrics.jsonl" if "fault_tolerance.enabled=true" in overrides \
+        else "*/metrics.jsonl"
     began = time.monotonic()
-    _wait([_start(cmd, _env(faults), log)], [log], TITLES[name])
-    return time.monotonic() - began
+    return (began, *_follow({log: _start(cmd, _env(faults), log)}, TITLES[name],
+                            out / name, metrics, mark))
 
 
-def _run_elastic(name: str, out: Path, overrides: list[str], fail_at: int = 0) -> float:
+def _run_elastic(name: str, out: Path, overrides: list[str], mark: int, fail_at: int = 0) -> tuple:
     """Two torchrun agents (`--nnodes 1:2`, one rank each) on 127.0.0.1; with `fail_at`, rank 1
     stops as step `fail_at` starts and its agent's whole process group is killed (the node is
-    lost). Its wall seconds, to the surviving agents' exit."""
+    lost). (Its start, the surviving agents' exit, when step `mark` was first logged.)"""
     port = _free_port()
     run_dir = out / name / "cosmoflow-recovery"
 
@@ -156,19 +179,15 @@ def _run_elastic(name: str, out: Path, overrides: list[str], fail_at: int = 0) -
     (out / name).mkdir(parents=True)
     began = time.monotonic()
     # node 0 starts first: the lower process id, so rank 0 in the rendezvous's order
-    nodes = [_start(agent(i), env, log) for i, log in enumerate(logs)]
-    if fail_at:
-        marker = run_dir / "faults" / f"hang@1:{fail_at}"
-        deadline = time.monotonic() + LIMIT_S
-        while not marker.exists():
-            if time.monotonic() > deadline or any(n.poll() is not None for n in nodes):
-                _wait(nodes, logs, TITLES[name])  # raises with the log of the one that ended
-                raise RuntimeError(f"bench faults --recovery: rank 1 never reached step {fail_at}")
-            time.sleep(0.05)
-        _kill_group(nodes[1])
-        nodes, logs = nodes[:1], logs[:1]
-    _wait(nodes, logs, TITLES[name])
-    return time.monotonic() - began
+    nodes = {log: _start(agent(i), env, log) for i, log in enumerate(logs)}
+    lost = logs[1]
+
+    def lose_node_1() -> None:   # rank 1 has stopped at step fail_at: its node dies
+        if fail_at and lost in nodes and (run_dir / "faults" / f"hang@1:{fail_at}").exists():
+            _kill_group(nodes.pop(lost))
+
+    return (began, *_follow(nodes, TITLES[name], run_dir, "metrics.jsonl", mark,
+                        lose_node_1))
 
 
 def _free_port() -> int:
@@ -220,46 +239,54 @@ def measure(data: Path, out: Path, steps: int, every: int, fail_at: int, timeout
     the lost node before it gives up): the flat figures, `<way>_<figure>`."""
     job = [*JOB, f"data.path={data}", f"train.steps={steps}", f"train.checkpoint_every={every}",
            "train.checkpoint_keep=2", f"run.timeout_s={timeout_s}"]
-    walls = {"uninterrupted": _run_cli("uninterrupted", out, job),
-             "plain": _run_cli("plain", out, job, f"kill@1:{fail_at}"),
-             "elastic_no_failure": _run_elastic("elastic_no_failure", out, job),
-             "elastic": _run_elastic("elastic", out, job, fail_at),
-             "torchft_no_failure": _run_cli("torchft_no_failure", out, [*job, *FAULT_TOLERANCE]),
-             "torchft": _run_cli("torchft", out, [*job, *FAULT_TOLERANCE], f"kill@1:{fail_at}")}
+    mark = fail_at - 1   # the last step before the failure
+    times = {"uninterrupted": _run_cli("uninterrupted", out, job, mark),
+             "plain": _run_cli("plain", out, job, mark, f"kill@1:{fail_at}"),
+             "elastic_no_failure": _run_elastic("elastic_no_failure", out, job, mark),
+             "elastic": _run_elastic("elastic", out, job, mark, fail_at),
+             "torchft_no_failure": _run_cli("torchft_no_failure", out, [*job, *FAULT_TOLERANCE],
+                                            mark),
+             "torchft": _run_cli("torchft", out, [*job, *FAULT_TOLERANCE], mark,
+                                 f"kill@1:{fail_at}")}
     baseline = {"uninterrupted": "uninterrupted", "plain": "uninterrupted",
                 "elastic_no_failure": "elastic_no_failure", "elastic": "elastic_no_failure",
                 "torchft_no_failure": "torchft_no_failure", "torchft": "torchft_no_failure"}
     result = {"steps": steps, "checkpoint_every": every, "kill_step": fail_at, "nproc": 2,
               "timeout_s": timeout_s, "job": " ".join(JOB)}
     for name in WAYS:
-        figures = {"wall_s": walls[name], "wall_lost_s": walls[name] - walls[baseline[name]],
+        began, ended, marked = times[name]
+        _, twin_ended, twin_marked = times[baseline[name]]
+        figures = {"wall_s": ended - began, "tail_s": ended - marked,
+                   "wall_lost_s": (ended - marked) - (twin_ended - twin_marked),
                    **_figures(name, out)}
         result.update({f"{name}_{key}": value for key, value in figures.items()})
     return result
 
 
 def table_rows(result: dict) -> list[list[str]]:
-    """The comparison as rows of text: way, recoveries, steps redone, wall, wall lost, last
-    step, final loss, val_mae."""
+    """The comparison as rows of text, one per way, in the order of `header`."""
     rows = []
     for name in WAYS:
         r = {figure: result[f"{name}_{figure}"] for figure in
-             ("recoveries", "steps_redone", "wall_s", "wall_lost_s", "steps", "final_loss",
-              "val_mae")}
+             ("recoveries", "steps_redone", "wall_s", "tail_s", "wall_lost_s", "steps",
+              "final_loss", "val_mae")}
         faulty = name in ("plain", "elastic", "torchft")
         rows.append([TITLES[name], str(r["recoveries"]) if faulty else "–",
                      str(r["steps_redone"]) if faulty else "–", f"{r['wall_s']:.1f} s",
-                     f"{r['wall_lost_s']:+.1f} s" if faulty else "–", str(r["steps"]),
-                     f"{r['final_loss']:.4f}", f"{r['val_mae']:.4f}"])
+                     f"{r['tail_s']:.1f} s", f"{r['wall_lost_s']:+.1f} s" if faulty else "–",
+                     str(r["steps"]), f"{r['final_loss']:.4f}", f"{r['val_mae']:.4f}"])
     return rows
 
 
-HEADER = ["run", "recoveries", "steps redone", "wall", "wall lost", "last step", "final loss",
-          "val_mae"]
+def header(result: dict) -> list[str]:
+    return ["run", "recoveries", "steps redone", "launch wall",
+            f"step {result['kill_step'] - 1} → end", "wall lost", "last step", "final loss",
+            "val_mae"]
 
 
 def markdown_table(result: dict) -> str:
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    columns = header(result)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(result)]
     return "\n".join(lines)
 
@@ -270,7 +297,7 @@ def print_table(result: dict) -> None:
 
     table = Table(title=f"one failure at step {result['kill_step']} of {result['steps']} "
                         f"(checkpoint every {result['checkpoint_every']}), 2 ranks")
-    for i, column in enumerate(HEADER):
+    for i, column in enumerate(header(result)):
         table.add_column(column, justify="left" if i == 0 else "right")
     for row in table_rows(result):
         table.add_row(*row)
