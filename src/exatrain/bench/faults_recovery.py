@@ -102,8 +102,9 @@ def _sets(items: list[str]) -> list[str]:
 def _start(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
     """A process in a session of its own (so that its whole group can be killed), logging to
     `log`."""
-    return subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    with open(log, "w") as out:   # the process keeps its own copy of the file
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
 
 
 def _follow(procs: dict, what: str, root: Path, metrics: str, mark: int,
