@@ -62,16 +62,19 @@ def _run(args) -> int:
     workload = get_workload(config.run.workload)
     console.print(f"[bold]exatrain run[/]: {config.run.workload} on {nproc} local rank(s)")
     workload.prepare(config, progress=_progress(console, "writing data"))  # once, here, before the ranks start
+
+    def plain(text: str) -> None:  # a restart's report quotes errors: "[/x/pair.cc:537]" is
+        console.print(text, highlight=False, markup=False)  # no markup
+
     if supervise_groups is not None:  # one restart loop per replica group, and a lighthouse
         argv = ["run", *([args.config] if args.config else [])]
         for item in overrides:
             argv += ["--set", item]
-        summary = supervise_groups(config, argv, nproc, args.max_restarts,
-                                   report=lambda text: console.print(text, highlight=False))
+        summary = supervise_groups(config, argv, nproc, args.max_restarts, report=plain)
     elif args.max_restarts > 0 or nproc > 1:
         from .train.resilience.restart import supervise
         summary = supervise(run_job, config, nproc, args.resume, args.max_restarts,
-                            report=lambda text: console.print(text, highlight=False))
+                            report=plain)
     else:
         summary = run_job(config, args.resume)
     _draw_timeline(summary.get("run_dir"))

@@ -19,6 +19,9 @@ Figures:
   checkpoint_s          time the training loop is blocked per synchronous save (reference)
   checkpoint_s_async    the same with async_save (the kills run's last attempt)
   checkpoint_bytes      bytes of one checkpoint (model + optimizer + manifest)
+
+`--recovery` runs instead what one failure costs under a plain restart, an elastic re-formation
+and torchft's replica groups, beside the uninterrupted run (bench/faults_recovery.py).
 """
 
 from __future__ import annotations
@@ -36,9 +39,19 @@ TINY = ["model.size=16", "model.conv_layers=4", "model.base_channels=4", "data.s
 def add_arguments(parser) -> None:
     parser.add_argument("--kills", type=int, default=3, help="rank kills to inject")
     parser.add_argument("--nproc", type=int, default=2, help="ranks")
-    parser.add_argument("--every", type=int, default=2, help="checkpoint every N steps")
-    parser.add_argument("--timeout", type=float, default=5.0, help="run.timeout_s of the hang run")
+    parser.add_argument("--every", type=int, default=0,
+                        help="checkpoint every N steps (0: 2, with --recovery 10)")
+    parser.add_argument("--timeout", type=float, default=0.0,
+                        help="run.timeout_s of the hang run (0: 5), with --recovery of every "
+                             "run (0: 10)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill steps and ranks")
+    parser.add_argument("--recovery", action="store_true",
+                        help="instead: one failure under a plain restart, an elastic "
+                             "re-formation and torchft's replica groups, beside the "
+                             "uninterrupted run (default 40 steps)")
+    parser.add_argument("--kill-step", type=int, default=0,
+                        help="with --recovery: the step the failure hits (0: half a checkpoint "
+                             "interval past the middle checkpoint)")
 
 
 def _kill_plan(kills: int, steps: int, every: int, nproc: int, seed: int) -> list[tuple]:
@@ -65,6 +78,8 @@ def _checkpoint_bytes(run_dir: Path) -> int:
 
 
 def run(args) -> dict:
+    if args.recovery:
+        return _recovery(args)
     import os
 
     from ..data.cosmoflow_synth import write_cosmoflow
@@ -78,6 +93,7 @@ def run(args) -> dict:
 
     steps = args.steps or 4 * args.kills + 6
     nproc = args.nproc
+    args.every, args.timeout = args.every or 2, args.timeout or 5.0
     plan = _kill_plan(args.kills, steps, args.every, nproc, args.seed)
     with tempfile.TemporaryDirectory(prefix="exatrain-bench-faults-") as tmp:
         tmp = Path(tmp)
@@ -124,3 +140,20 @@ def run(args) -> dict:
                 "kill_plan": ",".join(f"{k}@{r}:{s}" for k, r, s in plan), "steps": steps,
                 "nproc": nproc, "flight_records": ",".join(records),
                 "hang_diagnosis": diagnosis.splitlines()[0] if diagnosis else ""}
+
+
+def _recovery(args) -> dict:
+    from ..data.cosmoflow_synth import write_cosmoflow
+    from .faults_recovery import kill_step, measure, print_table
+
+    if args.nproc != 2:
+        raise ValueError(f"--recovery runs on 2 ranks (two nodes, two replica groups), not "
+                         f"--nproc {args.nproc}; leave --nproc out.")
+    steps, every = args.steps or 40, args.every or 10
+    with tempfile.TemporaryDirectory(prefix="exatrain-bench-recovery-") as tmp:
+        tmp = Path(tmp)
+        write_cosmoflow(tmp / "data", samples=48, size=16, seed=3)
+        result = measure(tmp / "data", tmp, steps, every, kill_step(steps, every, args.kill_step),
+                         args.timeout or 10.0)
+    print_table(result)
+    return result
