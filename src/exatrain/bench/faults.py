@@ -102,7 +102,7 @@ def run(args) -> dict:
         def config(name: str, *extra: str):
             return load_config(None, [*TINY, f"data.path={tmp / 'data'}", f"run.out_dir={tmp / name}",
                                       f"train.steps={steps}", f"train.checkpoint_every={args.every}",
-                                      f"train.checkpoint_keep=3", *extra])
+                                      "train.checkpoint_keep=3", *extra])
 
         reference = supervise(run_job, config("reference"), nproc, None, 0, report=lambda _: None)
         os.environ[ENV] = ",".join(f"{kind}@{rank}:{step}" for kind, rank, step in plan)
