@@ -16,6 +16,9 @@ Every H inner steps the groups synchronise through the torchft Manager:
                     b ← μ·b + Δ̄   (b = Δ̄ at the first synchronisation)
                     θ_global ← θ_global − η·(Δ̄ + μ·b)
 
+Only parameters are synchronised: buffers (BatchNorm's running statistics) stay each group's
+own, so evaluation in different groups may differ slightly.
+
 Both are torchft's own (`torchft.local_sgd.LocalSGD`, `DiLoCo` with one fragment): they hook the
 inner optimizer's `step` (a post-step hook counts the steps and synchronises on the H-th), which
 is where exatrain's step ends, whichever kernel steps (a step skipped on the device by

@@ -96,9 +96,20 @@ def start_lighthouse(config, min_replicas: int | None = None):
     from torchft.coordination import LighthouseServer
     f = config.fault_tolerance
     server = LighthouseServer(bind="[::]:0", min_replicas=min_replicas or f.min_replicas,
-                              join_timeout_ms=f.heartbeat_timeout_ms,
+                              join_timeout_ms=join_timeout_ms(f),
                               heartbeat_timeout_ms=f.heartbeat_timeout_ms)
     return server.address(), server.shutdown
+
+
+def join_timeout_ms(options) -> int:
+    """The lighthouse's join timeout: how long a group asking for a quorum waits for live groups
+    that have not asked yet. Per step they ask within a step. Under local_sgd / diloco they ask
+    once per sync_every steps, and a live group that never asked in the window would go on
+    alone with the same period for ever (two quorums of one, never meeting: measured), so the
+    window is half the quorum timeout and a synchronisation period must be shorter."""
+    if options.sync == "step":
+        return options.heartbeat_timeout_ms
+    return int(500 * options.quorum_timeout_s)
 
 
 @dataclass(frozen=True)
