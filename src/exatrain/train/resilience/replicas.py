@@ -334,11 +334,13 @@ class ReplicaGroups:
         beyond the median step, heals, steps committed with groups missing."""
         gaps = [b - a for a, b in zip(self._commit_times, self._commit_times[1:])]
         pause = max(gaps) - statistics.median(gaps) if gaps else 0.0
+        if self.periodic:  # (no per-step commits to count: the synchronisations instead)
+            return {"ft_groups": self.groups, "ft_group": self.group, "ft_heals": self.heals,
+                    **self.periodic.figures()}
         return {"ft_groups": self.groups, "ft_group": self.group,
                 "ft_discarded_attempts": self.discarded, "ft_pause_s_max": pause,
                 "ft_heals": self.heals, "ft_steps_with_groups_missing": self._steps_alone,
-                "ft_batch": self.options.batch,
-                **(self.periodic.figures() if self.periodic else {})}
+                "ft_batch": self.options.batch}
 
     def close(self) -> None:
         if self.periodic is not None:
