@@ -146,6 +146,12 @@ SUMMARY: tuple[Field, ...] = (
           "step resumed from and the failure", "exatrain run --max-restarts or nproc > 1"),
     Field("lost_steps", "", "steps trained again after restarts",
           "exatrain run --max-restarts or nproc > 1"),
+    Field("ft_sync", "", "how the replica groups synchronise: local_sgd or diloco",
+          "[fault_tolerance] sync = local_sgd | diloco"),
+    Field("ft_sync_every", "", "optimizer steps between the groups' synchronisations",
+          "[fault_tolerance] sync = local_sgd | diloco"),
+    Field("ft_syncs", "", "synchronisations committed (a heal counts those it caught up on)",
+          "[fault_tolerance] sync = local_sgd | diloco"),
     Field("reformations", "", "per re-formation of an elastic job (each start after the "
           "first): `world_sizes` [before, after], the new `plan`, `resumed_from_step`, "
           "`steps_redone`, `seconds_lost` (from the resumed checkpoint to the first step "

@@ -148,12 +148,19 @@ class FaultToleranceOptions:
     batch: str = "keep"         # keep: the groups present also train on a missing group's
                                 # samples (the uninterrupted run's batch; slower meanwhile) |
                                 # shrink: the batch shrinks by the missing groups' share
+                                # (sync = "step"; local_sgd, diloco: a missing group's skipped)
     min_replicas: int = 1       # fewest groups that may commit a step
     timeout_s: float = 10.0     # collective, commit and heal timeout: a hung group costs this much
     quorum_timeout_s: float = 60.0  # how long one quorum request may wait (startup, a restart)
     heartbeat_timeout_ms: int = 2000  # the lighthouse drops a silent group after this (a killed
                                       # group costs the others about this); <= 1000 x timeout_s
     wait_for_groups_s: float = 60.0  # the first step waits this long for every group to join
+    sync: str = "step"          # step: gradients averaged every step | slow links: local_sgd
+                                # (parameters averaged) or diloco (an outer Nesterov step on the
+                                # averaged change) every sync_every steps
+    sync_every: int = 20        # local_sgd | diloco: optimizer steps between synchronisations
+    outer_lr: float = 0.7       # diloco: the outer SGD's learning rate (the DiLoCo paper's)
+    outer_momentum: float = 0.9  # diloco: the outer SGD's Nesterov momentum (0: plain SGD)
 
 
 FIXED_SECTIONS = {"run": RunOptions, "plan": PlanOptions, "train": TrainOptions,
@@ -452,9 +459,33 @@ def _validate_fault_tolerance(config: Config) -> None:
         raise ConfigError(f"fault_tolerance.heartbeat_timeout_ms={f.heartbeat_timeout_ms} is "
                           f"longer than timeout_s={f.timeout_s}: a dead group would fail the "
                           "others' collectives first; lower it or raise timeout_s.")
+    _validate_sync(f)
     if f.lighthouse != "auto" and not f.lighthouse.startswith(("http://", "https://")):
         raise ConfigError(f"fault_tolerance.lighthouse={f.lighthouse!r} must be 'auto' or an "
                           "address such as 'http://host:29510'.")
+
+
+SYNC_MODES = ("step", "local_sgd", "diloco")
+
+
+def _validate_sync(f: FaultToleranceOptions) -> None:
+    """fault_tolerance.sync and its settings (train.resilience.replica_sync)."""
+    if f.sync not in SYNC_MODES:
+        close = difflib.get_close_matches(str(f.sync), SYNC_MODES, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"fault_tolerance.sync={f.sync!r} is not a synchronisation mode; "
+                          f"{hint}use one of {', '.join(map(repr, SYNC_MODES))}.")
+    if f.sync != "step" and (isinstance(f.sync_every, bool) or not isinstance(f.sync_every, int)
+                             or f.sync_every < 1):
+        raise ConfigError(f"fault_tolerance.sync_every={f.sync_every!r}: the optimizer steps "
+                          f"between synchronisations under sync = {f.sync!r} must be an integer "
+                          ">= 1 (e.g. 20; 1 synchronises every step).")
+    if f.sync == "diloco" and not f.outer_lr > 0:
+        raise ConfigError(f"fault_tolerance.outer_lr={f.outer_lr}: DiLoCo's outer learning "
+                          "rate must be positive (the DiLoCo paper uses 0.7).")
+    if f.sync == "diloco" and not 0 <= f.outer_momentum < 1:
+        raise ConfigError(f"fault_tolerance.outer_momentum={f.outer_momentum}: DiLoCo's outer "
+                          "Nesterov momentum must be in [0, 1) (the DiLoCo paper uses 0.9).")
 
 
 def micro_batch_size(config: Config, replicas: int) -> int:

@@ -10,7 +10,9 @@ non-finite policy (`resilience.policies.NonfiniteSkips`) skips the step or it ra
 
 Replica groups (`[fault_tolerance]`, `resilience.replicas`): the micro-batches are taken once,
 and forward, backward and the average over the groups run until every group commits the attempt;
-the finiteness verdict and the optimizer step then act on the groups' average.
+the finiteness verdict and the optimizer step then act on the groups' average. Under
+`fault_tolerance.sync = "local_sgd" | "diloco"` the step is the plain one, and the groups
+synchronise inside the optimizer's step every `sync_every` steps (`resilience.replica_sync`).
 
 Determinism: each step's random streams (dropout) are seeded from (seed, step, rank), so a
 resumed run replays them without stored RNG state; `process_settings` gives the caller's random
@@ -88,7 +90,8 @@ class TrainStep:
         if not (self.model.training and unwrap(self.model).training):
             self.model.train()  # (evaluation restores the mode: a walk per step costs CPU steps)
         with peak:
-            if self.replicas is None:
+            if self.replicas is None or not self.replicas.per_step:
+                # (local_sgd, diloco: the groups synchronise in the optimizer's step hook)
                 loss = self._forward_backward(batches)
             else:
                 loss = self._replicated_forward_backward(batches, step)
@@ -104,8 +107,7 @@ class TrainStep:
             grad_norm = clip_grad_norm_(self.params, clip if clip > 0 else math.inf,
                                         across=getattr(self.model, "norm_axis", None))
             found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)
-        result = StepResult(loss, grad_norm, found_inf,
-                            healed_to=self.replicas.take_heal() if self.replicas else None)
+        result = StepResult(loss, grad_norm, found_inf)
         if defers:
             skip = found_inf
             if not self.scaler.enabled:  # stop: this step and every later one are skipped
@@ -119,6 +121,8 @@ class TrainStep:
                 self.optimizer.step()
         else:
             self.model.zero_grad(set_to_none=True)
+        if self.replicas:  # after the optimizer step: local_sgd and diloco heal inside it
+            result.healed_to = self.replicas.take_heal()
         if measure:  # at the optimizer step: gradients still alive, optimizer state created
             result.state_bytes = state_bytes(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)

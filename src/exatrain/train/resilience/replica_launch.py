@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ...launch.local import free_port
 from ..job import fresh_run_dir
-from .replicas import GROUP_ENV, LIGHTHOUSE_ENV, ReplicaGroupError, group_count
+from .replicas import GROUP_ENV, LIGHTHOUSE_ENV, ReplicaGroupError, group_count, join_timeout_ms
 
 POLL_S = 0.2
 LIGHTHOUSE_START_S = 30.0
@@ -43,7 +43,7 @@ def _start_lighthouse(config, log: Path):
     port = free_port()
     proc = subprocess.Popen(
         [program, "--min_replicas", str(f.min_replicas), "--bind", f"[::]:{port}",
-         "--join_timeout_ms", str(f.heartbeat_timeout_ms),
+         "--join_timeout_ms", str(join_timeout_ms(f)),
          "--heartbeat_timeout_ms", str(f.heartbeat_timeout_ms)],
         stdout=open(log, "w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + LIGHTHOUSE_START_S

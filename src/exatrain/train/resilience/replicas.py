@@ -38,6 +38,10 @@ order of the sums (dropout masks aside), at the cost of slower steps meanwhile. 
 "shrink"`: the gradient is the mean over the groups present, so the step's batch shrinks by the
 missing groups' share.
 
+Groups on slow links (`sync = "local_sgd" | "diloco"`): no per-step calls at all; the groups
+synchronise every `sync_every` optimizer steps instead (`replica_sync.PeriodicSync`, made in
+`start`), and `take_heal` still says when a heal moved the step on.
+
 torchft is imported only here, and only when `[fault_tolerance]` is on (`pip install
 exatrain[ft]`).
 """
@@ -92,9 +96,20 @@ def start_lighthouse(config, min_replicas: int | None = None):
     from torchft.coordination import LighthouseServer
     f = config.fault_tolerance
     server = LighthouseServer(bind="[::]:0", min_replicas=min_replicas or f.min_replicas,
-                              join_timeout_ms=f.heartbeat_timeout_ms,
+                              join_timeout_ms=join_timeout_ms(f),
                               heartbeat_timeout_ms=f.heartbeat_timeout_ms)
     return server.address(), server.shutdown
+
+
+def join_timeout_ms(options) -> int:
+    """The lighthouse's join timeout: how long a group asking for a quorum waits for live groups
+    that have not asked yet. Per step they ask within a step. Under local_sgd / diloco they ask
+    once per sync_every steps, and a live group that never asked in the window would go on
+    alone with the same period for ever (two quorums of one, never meeting: measured), so the
+    window is half the quorum timeout and a synchronisation period must be shorter."""
+    if options.sync == "step":
+        return options.heartbeat_timeout_ms
+    return int(500 * options.quorum_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -155,6 +170,9 @@ class ReplicaGroups:
                                       self.groups * data_axis.size)
         self.seed_rank = self.group * mesh.world_size + mesh.rank  # dropout: the job's rank
         self.manager = None
+        # sync = "step": the step's calls below; else every sync_every steps (replica_sync)
+        self.per_step = f.sync == "step"
+        self.periodic = None
         self.healed_to: int | None = None  # set by a heal, taken by the loop (take_heal)
         self.heals: list[dict] = []
         self.discarded = 0                 # attempts not committed (a group died inside)
@@ -204,12 +222,18 @@ class ReplicaGroups:
                 replica_id=f"exatrain_group_{self.group}",
                 # every group starts from the same seeded weights: no sync at step 0 (torchft's
                 # would heal all but one group there, leaving their step-1 gradients out)
-                init_sync=False)
+                init_sync=False,
+                # per step: the quorum runs beside the forward; DiLoCo needs it synchronous
+                # (and LocalSGD heals then before its average, so the healed group takes part)
+                use_async_quorum=self.per_step)
         except RuntimeError as exc:
             raise ReplicaGroupError(
                 f"rank {mesh.rank} of replica group {self.group}: the torchft Manager could not "
                 f"start ({exc}). Is the lighthouse at {self.lighthouse} running?") from exc
         self.manager.register_state_dict_fn("exatrain", self._apply_heal, save)
+        if not self.per_step:
+            from .replica_sync import PeriodicSync
+            self.periodic = PeriodicSync(f, self.manager, unwrap(model), optimizer, mesh.device)
 
     def _apply_heal(self, state) -> None:
         """A live peer's state, applied inside should_commit on a group that was behind."""
@@ -310,12 +334,17 @@ class ReplicaGroups:
         beyond the median step, heals, steps committed with groups missing."""
         gaps = [b - a for a, b in zip(self._commit_times, self._commit_times[1:])]
         pause = max(gaps) - statistics.median(gaps) if gaps else 0.0
+        if self.periodic:  # (no per-step commits to count: the synchronisations instead)
+            return {"ft_groups": self.groups, "ft_group": self.group, "ft_heals": self.heals,
+                    **self.periodic.figures()}
         return {"ft_groups": self.groups, "ft_group": self.group,
                 "ft_discarded_attempts": self.discarded, "ft_pause_s_max": pause,
                 "ft_heals": self.heals, "ft_steps_with_groups_missing": self._steps_alone,
                 "ft_batch": self.options.batch}
 
     def close(self) -> None:
+        if self.periodic is not None:
+            self.periodic.close()
         if self.manager is not None:
             self.manager.shutdown(wait=False)
             self.manager = None
