@@ -203,6 +203,9 @@ def test_exatrain_run_starts_the_lighthouse_and_restarts_a_killed_group(cosmo_da
     s1 = json.loads((rejoined / "summary.json").read_text())
     (heal,) = s1["ft_heals"]
     assert heal["rejoined_at_step"] == 6 and s1["steps"] == 30  # the step it died in
+    from exatrain.observe.fields import lookup
+    undocumented = [k for k in s1 if lookup(k) is None]
+    assert not undocumented, f"summary keys with no row in exatrain.observe.fields: {undocumented}"
     logged = [json.loads(line)["step"] for line in (survivor / "metrics.jsonl").read_text()
               .splitlines() if "loss" in json.loads(line)]
     assert logged == list(range(1, 31))  # every step once, none redone

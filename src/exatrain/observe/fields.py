@@ -146,6 +146,24 @@ SUMMARY: tuple[Field, ...] = (
           "step resumed from and the failure", "exatrain run --max-restarts or nproc > 1"),
     Field("lost_steps", "", "steps trained again after restarts",
           "exatrain run --max-restarts or nproc > 1"),
+    Field("ft_groups", "", "replica groups of the job", "[fault_tolerance] enabled"),
+    Field("ft_group", "", "this run directory's replica group (0-based)", "[fault_tolerance] enabled"),
+    Field("ft_heals", "", "per heal of this group: the step it rejoined at (its state copied "
+          "from a live group, no checkpoint read) and when", "[fault_tolerance] enabled"),
+    Field("ft_discarded_attempts", "", "step attempts not committed because a group failed "
+          "inside them (the same micro-batches ran again)", "[fault_tolerance] sync = step"),
+    Field("ft_pause_s_max", "s", "the longest wait between committed steps beyond the median "
+          "step: what a failed group cost this one", "[fault_tolerance] sync = step"),
+    Field("ft_steps_with_groups_missing", "", "steps committed while a group was out",
+          "[fault_tolerance] sync = step"),
+    Field("ft_batch", "", "keep or shrink: whether the groups present covered a missing "
+          "group's samples", "[fault_tolerance] sync = step"),
+    Field("ft_restarts", "", "times a failed replica group was started again",
+          "[fault_tolerance] under exatrain run"),
+    Field("ft_restart_history", "", "per group restart: the group, its exit and when",
+          "[fault_tolerance] under exatrain run"),
+    Field("ft_run_root", "", "the run directory holding every group's `group_KK/`",
+          "[fault_tolerance] under exatrain run"),
     Field("ft_sync", "", "how the replica groups synchronise: local_sgd or diloco",
           "[fault_tolerance] sync = local_sgd | diloco"),
     Field("ft_sync_every", "", "optimizer steps between the groups' synchronisations",

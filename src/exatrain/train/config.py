@@ -154,7 +154,6 @@ class FaultToleranceOptions:
     quorum_timeout_s: float = 60.0  # how long one quorum request may wait (startup, a restart)
     heartbeat_timeout_ms: int = 2000  # the lighthouse drops a silent group after this (a killed
                                       # group costs the others about this); <= 1000 x timeout_s
-    wait_for_groups_s: float = 60.0  # the first step waits this long for every group to join
     sync: str = "step"          # step: gradients averaged every step | slow links: local_sgd
                                 # (parameters averaged) or diloco (an outer Nesterov step on the
                                 # averaged change) every sync_every steps
