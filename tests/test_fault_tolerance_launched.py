@@ -209,3 +209,35 @@ def test_torchrun_per_group_rank_0_killed_mid_step_restarts_and_heals(cosmo_data
           f"{KILL_AT} for group 1's restart; weights {s0['weights_err_vs_uninterrupted']:.1e} "
           f"from the uninterrupted run's")
     _against_the_uninterrupted_run(s0)
+
+
+def test_replica_group_batch_scripts_place_the_groups_and_sbatch_reads_them(slurm, tmp_path,
+                                                                            capsys):
+    """Where `--print-batch-script slurm` puts 2 replica groups: on 2 nodes, one whole node each
+    (every GPU of it, --gpu-bind=none); on 1 node, side by side, half the tasks each and one
+    GPU per task (no GPU twice). sbatch --test-only accepts the one-node script (this machine's
+    Slurm has one node). A site's lighthouse in the config: the script starts none. Node counts
+    the groups cannot share evenly, and Flux, are refused by name."""
+    from exatrain.cli import main
+
+    ft = ["--set", "fault_tolerance.enabled=true", "--set", "plan.data=2"]
+    common = ["run", "--print-batch-script", "slurm", "--gpus-per-node", "4", *ft]
+    assert main([*common, "--nodes", "2"]) == 0
+    script = capsys.readouterr().out
+    assert "group 0 1 4 0 &" in script and "group 1 1 4 1 &" in script
+    assert "--gpu-bind=none" in script and "--gpus-per-task" not in script
+    assert main([*common, "--nodes", "1", "--partition", "debug"]) == 0
+    script = capsys.readouterr().out
+    assert "group 0 1 2 0 &" in script and "group 1 1 2 0 &" in script
+    assert "--gpus-per-task=1" in script and "torchft_lighthouse --min_replicas 1" in script
+    (tmp_path / "job.sh").write_text(script)
+    tried = subprocess.run(["sbatch", "--test-only", "job.sh"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+    assert "to start at" in tried.stderr, tried.stderr
+    assert main([*common, "--set", 'fault_tolerance.lighthouse="http://lh.site:29510"']) == 0
+    script = capsys.readouterr().out
+    assert "torchft_lighthouse" not in script and "# the lighthouse: http://lh.site:29510" in script
+    assert main([*common, "--nodes", "3"]) == 2
+    assert "--nodes 3 does not split into 2 replica groups" in capsys.readouterr().err
+    assert main(["run", "--print-batch-script", "flux", *ft]) == 2
+    assert "only the Slurm script starts replica groups" in capsys.readouterr().err
