@@ -31,8 +31,8 @@ from exatrain.launch.local import free_port  # noqa: E402
 STEPS, KILL_AT = 500, 100
 # two groups of one rank; min_replicas = 1: the first group ready starts alone (measured: up to
 # ~50 steps before the other, which heals from it as it starts: the kill comes after that), and
-# when a group dies the survivor goes on alone, covering the dead group's samples (batch = "keep"), so the run is the
-# uninterrupted one; wider convolutions (~0.05 s steps, twice that alone) keep it training while
+# when a group dies the survivor goes on alone, covering the dead group's samples (batch =
+# "keep"), so the run is the uninterrupted one; wider convolutions (~0.05 s steps, twice that alone) keep it training while
 # the killed group is started again (seconds: srun or torchrun, and the import of torch)
 FT = ["fault_tolerance.enabled=true", "plan.data=2", "fault_tolerance.min_replicas=1",
       "fault_tolerance.timeout_s=5.0", "fault_tolerance.heartbeat_timeout_ms=2000",
@@ -172,8 +172,8 @@ def test_torchrun_per_group_rank_0_killed_mid_step_restarts_and_heals(cosmo_data
 
     The uninterrupted run reached step 500 with weights W; this run reaches step 500 with W on
     both groups (bar 1e-6; measured 0). Lost: no step redone by group 0; its pause when group 1
-    died (`ft_pause_s_max`, measured 2.2 s: the lighthouse's heartbeat timeout; bar timeout_s + 2 s),
-    at most one discarded attempt; group 1's own work, replaced by the heal."""
+    died (`ft_pause_s_max`, measured 2.2 s: the lighthouse's heartbeat timeout; bar timeout_s +
+    2 s), at most one discarded attempt; group 1's own work, replaced by the heal."""
     port = free_port()
     lighthouse = _lighthouse(port, tmp_path / "lighthouse.log")
     procs = []
