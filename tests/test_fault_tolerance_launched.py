@@ -32,8 +32,9 @@ STEPS, KILL_AT = 500, 100
 # two groups of one rank; min_replicas = 1: the first group ready starts alone (measured: up to
 # ~50 steps before the other, which heals from it as it starts: the kill comes after that), and
 # when a group dies the survivor goes on alone, covering the dead group's samples (batch =
-# "keep"), so the run is the uninterrupted one; wider convolutions (~0.05 s steps, twice that alone) keep it training while
-# the killed group is started again (seconds: srun or torchrun, and the import of torch)
+# "keep"), so the run is the uninterrupted one; wider convolutions (~0.05 s steps, twice that
+# alone) keep it training while the killed group is started again (seconds: srun or torchrun,
+# and the import of torch)
 FT = ["fault_tolerance.enabled=true", "plan.data=2", "fault_tolerance.min_replicas=1",
       "fault_tolerance.timeout_s=5.0", "fault_tolerance.heartbeat_timeout_ms=2000",
       "train.checkpoint_every=0", "model.batchnorm=false", "model.base_channels=16"]
