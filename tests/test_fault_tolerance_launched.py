@@ -54,9 +54,9 @@ def _ft_env(**extra) -> dict:
     return env
 
 
-def _uninterrupted(cosmo_data, out: Path) -> dict:
+def _uninterrupted(cosmo_data, out: Path, *extra: str) -> dict:
     """The same job without [fault_tolerance]: `exatrain run --nproc 2`, data=2; its weights."""
-    plain = [s for s in FT if not s.startswith("fault_tolerance")]
+    plain = [s for s in FT if not s.startswith("fault_tolerance")] + list(extra)
     done = subprocess.run([sys.executable, "-m", "exatrain.cli", "run", "--nproc", "2",
                            *_args(cosmo_data, out, *plain)], env=_ft_env(), capture_output=True,
                           text=True, timeout=300)
@@ -238,3 +238,49 @@ def test_replica_group_batch_scripts_place_the_groups_and_sbatch_reads_them(slur
     assert "--nodes 3 does not split into 2 replica groups" in capsys.readouterr().err
     assert main(["run", "--print-batch-script", "flux", *ft]) == 2
     assert "only the Slurm script starts replica groups" in capsys.readouterr().err
+
+
+def test_sbatch_replica_groups_checkpoint_on_the_wall_time_warning_and_requeue(slurm, cosmo_data,
+                                                                              tmp_path):
+    """The replica groups' script with a one-minute wall time and the warning 40 s before it:
+    Slurm sends USR1 to the batch shell 20-50 s in, while both groups wait at step 3 (each
+    group's rank waits there for a signal); the script passes it to every group's step
+    (`scancel --signal=USR1`), starts no group again, and requeues the job; each group
+    checkpoints, and the requeued job resumes every group from its own checkpoint and finishes.
+
+    The uninterrupted run reached step 6 with weights W; both groups end at step 6 with W (bar
+    1e-6). Lost: the time of the requeue (Slurm holds a requeued job 6 s here); no step."""
+    steps = 6
+    args = _args(cosmo_data, tmp_path / "runs", *FT, "model.base_channels=4",
+                 f"train.steps={steps}")
+    made = subprocess.run([sys.executable, "-m", "exatrain.cli", "run", "--print-batch-script",
+                           "slurm", "--time", "1", "--signal-before", "40", "--tasks-per-node",
+                           "2", *args], cwd=tmp_path, env=_ft_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    (tmp_path / "job.sh").write_text(made.stdout)
+    env = _ft_env(EXATRAIN_INJECT_FAULTS="wait_signal@0:3,wait_signal@1:3",
+                  MASTER_PORT=str(free_port()), LIGHTHOUSE_PORT=str(free_port()))
+    sub = subprocess.run(["sbatch", "--parsable", "job.sh"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip().split(";")[0]
+    from test_slurm import wait_for_job
+    state = wait_for_job(job, timeout_s=400)
+    output = (tmp_path / f"cosmoflow-{job}.out").read_text()
+    assert state == "COMPLETED", output[-5000:]
+    assert "wall time near" in output and "failed (exit" not in output, output[-5000:]
+    root = tmp_path / "runs" / f"cosmoflow-{job}"
+    weights = []
+    for group in ("group_00", "group_01"):
+        summary = json.loads((root / group / "summary.json").read_text())
+        assert summary["steps"] == steps and summary["requeues"] >= 1, summary
+        assert not summary["stopped_by_signal"]
+        trained = _trained_steps(root / group)
+        assert trained == list(range(trained[0], steps + 1))  # no step twice
+        weights.append(final_weights(root / group))
+    reference = _uninterrupted(cosmo_data, tmp_path / "plain", "model.base_channels=4",
+                               f"train.steps={steps}")
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in reference)
+    err = max(rel_err(weights[0][k], reference[k]) for k in reference)
+    assert err <= 1e-6, f"final weights {err:.1e} from the uninterrupted run's"
