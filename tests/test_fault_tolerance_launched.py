@@ -284,3 +284,28 @@ def test_sbatch_replica_groups_checkpoint_on_the_wall_time_warning_and_requeue(s
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in reference)
     err = max(rel_err(weights[0][k], reference[k]) for k in reference)
     assert err <= 1e-6, f"final weights {err:.1e} from the uninterrupted run's"
+
+
+def test_the_tutorials_replica_group_batch_line_makes_a_script_sbatch_accepts(slurm, tmp_path,
+                                                                             capsys):
+    """The long-run tutorial's `--print-batch-script slurm` line for replica groups (the one
+    with --max-restarts), run through the real command line with the example config given
+    2 replica groups, scaled to this machine's one node (the groups side by side, one stand-in
+    GPU per task): a script of 2 group steps, restarted up to 3 times, that sbatch accepts."""
+    from exatrain.cli import main
+    from test_slurm import doc_batch_lines
+
+    (words,) = [w for where, w in doc_batch_lines() if "--max-restarts" in w]
+    local = {"--nodes": "1", "--account": "test", "--cpus-per-task": "1"}
+    words = [str(Path(__file__).resolve().parents[1] / "examples" / "cosmoflow.toml")
+             if w.endswith(".toml") else local.get(words[i - 1], w) for i, w in enumerate(words)]
+    words += ["--partition", "debug", "--set", "fault_tolerance.enabled=true", "--set",
+              "plan.data=2"]
+    assert main(words) == 0
+    script = capsys.readouterr().out
+    assert "group 0 1 2 0 &" in script and "group 1 1 2 0 &" in script, script
+    assert "(up to 3 times)" in script and "--gpus-per-task=1" in script
+    (tmp_path / "job.sh").write_text(script)
+    tried = subprocess.run(["sbatch", "--test-only", "job.sh"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+    assert "to start at" in tried.stderr, tried.stderr
