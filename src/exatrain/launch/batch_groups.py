@@ -52,6 +52,8 @@ group() {{
       {gpu_flags}{python} -m exatrain.cli run {config}
     status=$?
     [[ $status == 0 ]] && return 0
+    # finished (a summary not stopped by a signal), signalled only as it ended: done
+    grep -q '"stopped_by_signal": false' "$dir/summary.json" 2>/dev/null && return 0
     # stopped on the wall-time warning (or by scancel --signal): the requeue starts it again
     [[ -f $run_root/wall_time_warning ]] && return $status
     grep -q '"stopped_by_signal": true' "$dir/summary.json" 2>/dev/null && return $status
