@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -28,10 +29,11 @@ pytest.importorskip("torchft", reason="[fault_tolerance] needs torchft (pip inst
 
 from exatrain.launch.local import free_port  # noqa: E402
 
-STEPS, KILL_AT = 500, 100
-# two groups of one rank; min_replicas = 1: the first group ready starts alone (measured: up to
-# ~50 steps before the other, which heals from it as it starts: the kill comes after that), and
-# when a group dies the survivor goes on alone, covering the dead group's samples (batch =
+STEPS, TOGETHER = 500, 20
+# two groups of one rank; min_replicas = 1: the first group ready starts alone (measured: 0 to
+# 225 steps before the other on a loaded machine; the other heals from it as it starts), so the
+# kill comes once both have trained TOGETHER steps side by side; when a group dies the survivor
+# goes on alone, covering the dead group's samples (batch =
 # "keep"), so the run is the uninterrupted one; wider convolutions (~0.05 s steps, twice that
 # alone) keep it training while the killed group is started again (seconds: srun or torchrun,
 # and the import of torch)
@@ -70,7 +72,51 @@ def _trained_steps(run_dir: Path) -> list[int]:
             .splitlines() if "loss" in json.loads(line)]
 
 
-def _check_survivor_and_rejoined(survivor: Path, rejoined: Path, reference: dict) -> dict:
+def _last_step(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    lines = [l for l in path.read_text().splitlines() if l.endswith("}") and '"loss"' in l]
+    return json.loads(lines[-1])["step"] if lines else 0
+
+
+def _when_both_train(dirs, alive, timeout_s: float = 300) -> int:
+    """Wait until the two groups' run directories (callables: the path, or None while not made)
+    have trained TOGETHER steps side by side; the step group 1 logged last."""
+    deadline = time.monotonic() + timeout_s
+    first = None
+    while True:
+        paths = [d() for d in dirs]
+        steps = [_last_step(p) if p is not None else 0 for p in paths]
+        if min(steps) > 0 and first is None:
+            first = max(steps)  # both are training from here on
+        if first is not None and min(steps) >= first + TOGETHER:
+            return steps[1]
+        assert time.monotonic() < deadline, f"the groups did not train together: {steps}"
+        assert alive(), "a launcher ended before the kill"
+        time.sleep(0.05)
+
+
+def _kill_rank(**env: str) -> int:
+    """SIGKILL the training process whose environment holds every `env` pair (a group's rank,
+    not its launcher: its command line runs exatrain.cli, not srun or torch.distributed.run);
+    its pid."""
+    wanted = [f"{k}={v}".encode() for k, v in env.items()]
+    for proc in Path("/proc").iterdir():
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if all(w in environ for w in wanted) and b"exatrain.cli" in argv \
+                and b"srun" not in argv[0] and b"torch.distributed.run" not in argv:
+            os.kill(int(proc.name), signal.SIGKILL)
+            return int(proc.name)
+    pytest.fail(f"no process with {env}")
+
+
+def _check_survivor_and_rejoined(survivor: Path, rejoined: Path, reference: dict,
+                                 killed_after: int) -> dict:
     """The survivor trained every step once, some alone, pausing about the heartbeat timeout;
     the killed group healed from it after the step it died in; both end with the uninterrupted
     run's weights. Returns the survivor's summary."""
@@ -80,38 +126,41 @@ def _check_survivor_and_rejoined(survivor: Path, rejoined: Path, reference: dict
     assert trained == list(range(trained[0], STEPS + 1)), \
         "the survivor redid a step (or lost one): it should have trained each step once"
     # (a group that starts a few steps after the other heals from it as it starts: step > 1)
-    assert all(h["rejoined_at_step"] == trained[0] < KILL_AT for h in s0["ft_heals"])
+    assert all(h["rejoined_at_step"] == trained[0] <= killed_after for h in s0["ft_heals"])
     assert s0["steps"] == STEPS
     assert s0["ft_steps_with_groups_missing"] >= 1  # it went on alone
     assert s0["ft_discarded_attempts"] <= 1 and s0["ft_pause_s_max"] <= 5.0 + 2.0
     (heal,) = s1["ft_heals"]  # the restarted group healed once, from the live one
-    assert KILL_AT <= heal["rejoined_at_step"] < STEPS and s1["steps"] == STEPS, s1["ft_heals"]
+    assert killed_after < heal["rejoined_at_step"] < STEPS and s1["steps"] == STEPS, \
+        (killed_after, s1["ft_heals"])
     a, b = final_weights(survivor), final_weights(rejoined)
     assert all(torch.equal(a[k], b[k]) for k in a)  # the groups agree to the last bit
     err = max(rel_err(a[k], reference[k]) for k in reference)
     assert err <= 1e-6, f"final weights {err:.1e} from the uninterrupted run's"  # measured: 0
-    s0["rejoined_at_step"] = heal["rejoined_at_step"]
+    s0["rejoined_at_step"], s0["killed_after"] = heal["rejoined_at_step"], killed_after
     return s0
 
 
 def _report(launcher: str, s0: dict) -> None:
     print(f"{launcher}: group 0 redid 0 steps, paused {s0['ft_pause_s_max']:.1f} s, discarded "
           f"{s0['ft_discarded_attempts']} attempt(s), trained "
-          f"{s0['ft_steps_with_groups_missing']} steps alone; group 1 killed at step {KILL_AT}, "
+          f"{s0['ft_steps_with_groups_missing']} steps alone; group 1 killed after step "
+          f"{s0['killed_after']}, "
           f"back at step {s0['rejoined_at_step']}; weights equal the uninterrupted run's")
 
 
 def test_sbatch_replica_groups_restart_a_killed_group_which_heals(slurm, cosmo_data, tmp_path):
     """The script `--print-batch-script slurm` writes for 2 replica groups of 1 rank on one node:
     its lighthouse on the batch host, one srun step per group. Group 1's rank SIGKILLs itself as
-    step 100 starts; srun ends the step, the script's loop for group 1 starts it again, and the
+    Once both groups have trained 20 steps side by side, group 1's rank gets SIGKILL (from the
+    test, mid-step); srun ends the step, the script's loop for group 1 starts it again, and the
     new step heals from group 0, which went on alone meanwhile.
 
     The uninterrupted run (`exatrain run --nproc 2` without fault tolerance) reached step 500
     with weights W; this run reaches step 500 with W on both groups (bar 1e-6; measured 0: with
     two groups the sums are exact). Lost: no step redone by group 0; its pause when group 1 died
     (`ft_pause_s_max`, measured 2.0 s: the heartbeat timeout); group 1's own work, replaced by
-    the heal (measured: back 100-200 steps later, 5-10 s after the kill, on a loaded machine)."""
+    the heal (measured: back 30-225 steps later, 2-10 s after the kill, on a loaded machine)."""
     made = subprocess.run([sys.executable, "-m", "exatrain.cli", "run", "--print-batch-script",
                            "slurm", "--time", "10", "--tasks-per-node", "2",
                            *_args(cosmo_data, tmp_path / "runs", *FT)],
@@ -122,24 +171,30 @@ def test_sbatch_replica_groups_restart_a_killed_group_which_heals(slurm, cosmo_d
     assert script.count("\ngroup ") == 2 and "torchft_lighthouse --min_replicas 1" in script
     (tmp_path / "job.sh").write_text(script)
     # ports of their own: other jobs of this machine's Slurm may use the defaults
-    env = _ft_env(EXATRAIN_INJECT_FAULTS=f"kill@1:{KILL_AT}", MASTER_PORT=str(free_port()),
-                  LIGHTHOUSE_PORT=str(free_port()))
+    env = _ft_env(MASTER_PORT=str(free_port()), LIGHTHOUSE_PORT=str(free_port()))
     sub = subprocess.run(["sbatch", "--parsable", "job.sh"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=60)
     assert sub.returncode == 0, sub.stderr
     job = sub.stdout.strip().split(";")[0]
+    root = tmp_path / "runs" / f"cosmoflow-{job}"
     from test_slurm import wait_for_job
+    try:
+        killed_after = _when_both_train([lambda: root / "group_00", lambda: root / "group_01"],
+                                        alive=lambda: True)
+        _kill_rank(REPLICA_GROUP_ID="1", EXATRAIN_RUN_DIR=str(root / "group_01"))
+    except BaseException:
+        subprocess.run(["scancel", job])
+        raise
     state = wait_for_job(job, timeout_s=400)
     output = (tmp_path / f"cosmoflow-{job}.out").read_text()
     assert state == "COMPLETED", output
     assert "replica group 1 failed (exit" in output and "starting it again (1/3)" in output, output
     assert "replica group 0 failed" not in output, output
-    root = tmp_path / "runs" / f"cosmoflow-{job}"
     assert sorted(p.name for p in root.iterdir()) == ["group_00", "group_01", "lighthouse.log"]
     assert "Quorum" in (root / "lighthouse.log").read_text()  # the script's lighthouse ran
-    assert (root / "group_01" / "faults" / f"kill@1:{KILL_AT}").exists()  # the kill fired
     reference = _uninterrupted(cosmo_data, tmp_path / "plain")
-    s0 = _check_survivor_and_rejoined(root / "group_00", root / "group_01", reference)
+    s0 = _check_survivor_and_rejoined(root / "group_00", root / "group_01", reference,
+                                      killed_after)
     _report("Slurm", s0)
 
 
@@ -166,10 +221,10 @@ def test_torchrun_per_group_rank_0_killed_mid_step_restarts_and_heals(cosmo_data
     """The long-run tutorial's torchrun lines: the lighthouse first, then one `torchrun
     --standalone --nproc-per-node 1 --max-restarts 1` per group with REPLICA_GROUP_ID and
     TORCHFT_LIGHTHOUSE. Group 1's rank 0 -- the process that hosts torchft's ManagerServer, the
-    lighthouse's client, which heartbeats to it for the group -- SIGKILLs itself as step 100
-    starts, while group 0 is inside step 100 (its quorum and gradient exchange). torchrun's agent
-    starts the rank again (same run directory: the fault fires once); the new rank heals from
-    group 0, which went on alone meanwhile.
+    lighthouse's client, which heartbeats to it for the group -- gets SIGKILL from the test once
+    both groups have trained 20 steps side by side, mid-step (a step takes most of the time
+    between steps). torchrun's agent starts the rank again (same run directory); the new rank
+    heals from group 0, which went on alone meanwhile.
 
     The uninterrupted run reached step 500 with weights W; this run reaches step 500 with W on
     both groups (bar 1e-6; measured 0). Lost: no step redone by group 0; its pause when group 1
@@ -180,8 +235,7 @@ def test_torchrun_per_group_rank_0_killed_mid_step_restarts_and_heals(cosmo_data
     procs = []
     try:
         for k in (0, 1):
-            env = _ft_env(REPLICA_GROUP_ID=str(k), TORCHFT_LIGHTHOUSE=f"http://localhost:{port}",
-                          EXATRAIN_INJECT_FAULTS=f"kill@1:{KILL_AT}")
+            env = _ft_env(REPLICA_GROUP_ID=str(k), TORCHFT_LIGHTHOUSE=f"http://localhost:{port}")
             line = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                     "--nproc-per-node", "1", "--max-restarts", "1", "--monitor-interval", "0.2",
                     "-m", "exatrain.cli", "run",
@@ -189,6 +243,15 @@ def test_torchrun_per_group_rank_0_killed_mid_step_restarts_and_heals(cosmo_data
             procs.append(subprocess.Popen(line, env=env, cwd=tmp_path,
                                           stdout=(tmp_path / f"group{k}.log").open("w"),
                                           stderr=subprocess.STDOUT))
+
+        def run_dir(k):
+            found = list((tmp_path / f"group{k}").glob("*/metrics.jsonl"))
+            return found[0].parent if found else None
+
+        killed_after = _when_both_train([lambda: run_dir(0), lambda: run_dir(1)],
+                                        alive=lambda: all(p.poll() is None for p in procs))
+        # group 1's rank 0 (RANK=0 of its world; the torchrun agent has no RANK)
+        _kill_rank(REPLICA_GROUP_ID="1", RANK="0", TORCHFT_LIGHTHOUSE=f"http://localhost:{port}")
         codes = [p.wait(timeout=400) for p in procs]
     finally:
         for p in procs:
@@ -200,10 +263,10 @@ def test_torchrun_per_group_rank_0_killed_mid_step_restarts_and_heals(cosmo_data
     assert codes == [0, 0], logs
     (survivor,) = (tmp_path / "group0").iterdir()
     (rejoined,) = (tmp_path / "group1").iterdir()  # torchrun's run id: one directory, two starts
-    assert (rejoined / "faults" / f"kill@1:{KILL_AT}").exists()  # the kill fired
+    assert "(exitcode: -9) local_rank: 0" in (tmp_path / "group1.log").read_text()  # SIGKILL
     assert "Quorum" in (tmp_path / "lighthouse.log").read_text()
     reference = _uninterrupted(cosmo_data, tmp_path / "plain")
-    s0 = _check_survivor_and_rejoined(survivor, rejoined, reference)
+    s0 = _check_survivor_and_rejoined(survivor, rejoined, reference, killed_after)
     assert s0["launcher"] == "torchrun"
     _report("torchrun", s0)
 
