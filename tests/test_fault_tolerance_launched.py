@@ -372,3 +372,39 @@ def test_the_tutorials_replica_group_batch_line_makes_a_script_sbatch_accepts(sl
     tried = subprocess.run(["sbatch", "--test-only", "job.sh"], cwd=tmp_path,
                            capture_output=True, text=True, timeout=60)
     assert "to start at" in tried.stderr, tried.stderr
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a defect of the per-step heal: with min_replicas = 2 the restarted group's first attempt "
+    "is discarded after torchft has already applied the heal (it loads the peer's state in "
+    "should_commit, before the vote); the group then retries as a full participant with the "
+    "micro-batches of its own old step (0), not of the healed one, so the step's average holds "
+    "a gradient of the wrong samples (torchft's log: the second quorum has both groups at the "
+    "peer's step; measured: losses part from the uninterrupted run's from the step after the "
+    "heal, final weights 0.48 relative from it after 8 steps)"))
+def test_exatrain_run_heal_while_the_survivor_waits_equals_the_uninterrupted_run(cosmo_data,
+                                                                                 tmp_path):
+    """`exatrain run --nproc 2 --max-restarts 1`, 2 groups, min_replicas = 2 (the survivor
+    waits for the restarted group instead of going on alone), group 1's rank SIGKILLs itself as
+    step 4 starts: the uninterrupted run (the same job without fault tolerance) reached step 8
+    with weights W; both groups should end at step 8 with W (bar 1e-6)."""
+    steps = 8
+    sets = [*[s for s in FT if "min_replicas" not in s], "fault_tolerance.min_replicas=2",
+            "fault_tolerance.quorum_timeout_s=120.0", "model.base_channels=4",
+            f"train.steps={steps}"]
+    env = _ft_env(EXATRAIN_INJECT_FAULTS="kill@1:4")
+    done = subprocess.run([sys.executable, "-m", "exatrain.cli", "run", "--nproc", "2",
+                           "--max-restarts", "1", *_args(cosmo_data, tmp_path / "ft", *sets)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (root,) = (tmp_path / "ft").iterdir()
+    (survivor,) = [p.parent for p in root.glob("group_00/*/summary.json")]
+    (rejoined,) = [p.parent for p in root.glob("group_01/*/summary.json")]
+    (heal,) = json.loads((rejoined / "summary.json").read_text())["ft_heals"]
+    assert heal["rejoined_at_step"] == 4
+    a, b = final_weights(survivor), final_weights(rejoined)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    reference = _uninterrupted(cosmo_data, tmp_path / "plain", "model.base_channels=4",
+                               f"train.steps={steps}")
+    err = max(rel_err(a[k], reference[k]) for k in reference)
+    assert err <= 1e-6, f"final weights {err:.1e} from the uninterrupted run's"
