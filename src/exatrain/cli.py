@@ -164,10 +164,15 @@ def _print_batch_script(args, config) -> int:
                           account=args.account or "", partition=args.partition or "",
                           qos=args.qos or "", constraint=args.constraint or "",
                           sbatch_args=args.sbatch_arg or [])
+    groups = 0
+    if config.fault_tolerance.enabled:  # one srun step per replica group, and a lighthouse
+        from .train.resilience.replicas import group_count
+        groups = group_count(config)
     try:
         text = batch_script(args.print_batch_script, args.config or "", config, nodes, per_node,
                             time=args.time, warn_s=args.signal_before, overrides=args.set or [],
-                            resources=resources)
+                            resources=resources, replica_groups=groups,
+                            group_restarts=args.max_restarts or 3)
     except ValueError as exc:
         print(f"exatrain run: {exc}", file=sys.stderr)
         return 2
@@ -274,7 +279,9 @@ def _run_arguments(run: argparse.ArgumentParser) -> None:
                      "trace of STEPS steps on every rank into RUN_DIR/profile/ (observe.profile_*)")
     run.add_argument("--max-restarts", type=int, default=0, metavar="N",
                      help="when a rank dies, restart all ranks from the last checkpoint, up to N "
-                          "times (under torchrun: use torchrun --max-restarts)")
+                          "times (under torchrun: use torchrun --max-restarts); with "
+                          "[fault_tolerance], restart a failed replica group up to N times (in a "
+                          "batch script: default 3)")
     run.add_argument("--print-batch-script", choices=("slurm", "flux"),
                      help="print a batch script for this config (wall-time signal, requeue) and exit")
     run.add_argument("--nodes", type=int, default=1, help="nodes, for --print-batch-script")

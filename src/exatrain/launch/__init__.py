@@ -3,6 +3,8 @@
   env           rank and rendezvous from torchrun, Slurm, Flux, LSF, mpirun, or none
   local         spawn N local ranks (`exatrain run --nproc N`, the test harness)
   batch         ready batch scripts (`--print-batch-script slurm|flux`)
+  batch_groups  the Slurm script of a job of replica groups ([fault_tolerance]): a lighthouse,
+                a step and a restart loop per group
   gpus          which GPU a rank uses, as centres bind them
   signals, teardown, host_memory   early stop signals, an orderly end, freed host memory kept
 

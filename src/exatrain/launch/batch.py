@@ -10,7 +10,8 @@ step has ended, a run that stopped on a signal (the wall-time warning, or `scanc
 sent to the ranks) but did not finish requeues the job: same SLURM_JOB_ID, so the same run
 directory, and SLURM_RESTART_COUNT, which the run's summary reports as `requeues`. So does a
 step that ended without a summary after the warning came (the warning reached ranks still
-starting). A run that crashed without a warning is not requeued. Flux has no requeue: resubmit the same script (the
+starting). A run that crashed without a warning is not requeued. With `[fault_tolerance]` the Slurm
+script starts a lighthouse and one step per replica group instead (`batch_groups`). Flux has no requeue: resubmit the same script (the
 run directory is named after the run, not the job id), or wrap it in a loop.
 
 Every `#SBATCH` line has its own comment line above it (a comment on the same line is not
@@ -26,6 +27,7 @@ import sys
 from dataclasses import dataclass, field
 
 from ..errors import ArgumentError
+from .batch_groups import replica_groups_body
 
 
 @dataclass
@@ -136,11 +138,18 @@ flux run --nodes={nodes} --ntasks={ntasks} --tasks-per-node={tasks_per_node} \\
 
 def batch_script(kind: str, config_path: str, config, nodes: int, tasks_per_node: int,
                  time: str = "04:00:00", warn_s: int = 180, python: str | None = None,
-                 overrides: list[str] | tuple = (), resources: Resources | None = None) -> str:
+                 overrides: list[str] | tuple = (), resources: Resources | None = None,
+                 replica_groups: int = 0, group_restarts: int = 3) -> str:
     """The script's text. `python`: the interpreter the ranks run (default: this one, so the
-    job runs the environment that wrote the script); `overrides`: `--set` values passed on."""
+    job runs the environment that wrote the script); `overrides`: `--set` values passed on;
+    `replica_groups`: with `[fault_tolerance]`, the groups (one step each, `batch_groups`),
+    each started again up to `group_restarts` times."""
     if kind not in ("slurm", "flux"):
         raise ArgumentError(f"--print-batch-script {kind!r}: choose slurm or flux.")
+    if replica_groups and kind == "flux":
+        raise ArgumentError("--print-batch-script flux with [fault_tolerance]: only the Slurm "
+                            "script starts replica groups; under Flux start a lighthouse and one "
+                            "`flux run` per group as the long-run tutorial shows.")
     name = re.sub(r"[^\w.-]", "_", config.run.name or config.run.workload)  # a word in the script
     res = resources or Resources()
     if res.gpus_per_node and tasks_per_node > res.gpus_per_node:
@@ -166,4 +175,10 @@ def batch_script(kind: str, config_path: str, config, nodes: int, tasks_per_node
                                "its peers on the node for direct GPU-to-GPU copies")
     else:
         gpu = dict(gpu_bind="", gpu_comment="no GPUs asked for: ranks on CPUs (gloo)")
+    if replica_groups:
+        head[1] += (f"\n# [fault_tolerance]: a lighthouse and {replica_groups} replica groups, "
+                    "one srun step each, a failed group started again")
+        return "\n".join(head) + "\n" + replica_groups_body(
+            config, replica_groups, nodes, tasks_per_node, group_restarts, res.gpus_per_node,
+            words)
     return "\n".join(head) + "\n" + SLURM_BODY.format(**words, **gpu)
