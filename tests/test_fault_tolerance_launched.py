@@ -374,14 +374,6 @@ def test_the_tutorials_replica_group_batch_line_makes_a_script_sbatch_accepts(sl
     assert "to start at" in tried.stderr, tried.stderr
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a defect of the per-step heal: with min_replicas = 2 the restarted group's first attempt "
-    "is discarded after torchft has already applied the heal (it loads the peer's state in "
-    "should_commit, before the vote); the group then retries as a full participant with the "
-    "micro-batches of its own old step (0), not of the healed one, so the step's average holds "
-    "a gradient of the wrong samples (torchft's log: the second quorum has both groups at the "
-    "peer's step; measured: losses part from the uninterrupted run's from the step after the "
-    "heal, final weights 0.48 relative from it after 8 steps)"))
 def test_exatrain_run_heal_while_the_survivor_waits_equals_the_uninterrupted_run(cosmo_data,
                                                                                  tmp_path):
     """`exatrain run --nproc 2 --max-restarts 1`, 2 groups, min_replicas = 2 (the survivor

@@ -170,6 +170,14 @@ class TrainStep:
                 return loss
             self.optimizer.zero_grad(set_to_none=True)
             self.model.zero_grad(set_to_none=True)
+            healed = self.replicas.healed_to
+            if healed is not None and healed != step:
+                # a peer's state was applied although the attempt was discarded: the retry is
+                # the peer's step, and this group takes part in it, so it must train on that
+                # step's micro-batches, not on those of the step it was at
+                step = healed
+                self._seed(step)
+                micro = self.replicas.own_micro_batches(step)
 
     def _step_unless(self, skip: torch.Tensor) -> None:
         """The optimizer's step, skipped by its own kernel where `skip` is 1 (no host read)."""

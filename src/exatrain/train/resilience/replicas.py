@@ -268,6 +268,11 @@ class ReplicaGroups:
         return [batch for m in mine
                 for batch in self._read_slice(step, m * per_group + in_group)]
 
+    def own_micro_batches(self, step: int) -> list:
+        """This rank's own micro-batches of step `step` (0-based): a heal that lands in a
+        discarded attempt moves the retry to the peer's step."""
+        return self._read_slice(step, self.sample_axis.rank)
+
     def _read_slice(self, step: int, position: int) -> list:
         """Replica `position`'s micro-batches of step `step`, read here on the training thread
         (only while a group is out), on the device and decoded."""
