@@ -5,6 +5,7 @@
   batch         ready batch scripts (`--print-batch-script slurm|flux`)
   batch_groups  the Slurm script of a job of replica groups ([fault_tolerance]): a lighthouse,
                 a step and a restart loop per group
+  lighthouse    torchft's lighthouse as exatrain starts it: the program and its flags
   gpus          which GPU a rank uses, as centres bind them
   signals, teardown, host_memory   early stop signals, an orderly end, freed host memory kept
 

@@ -24,10 +24,9 @@ summary after the warning), as the single-step script does.
 from __future__ import annotations
 
 import shlex
-import shutil
-from pathlib import Path
 
 from ..errors import ArgumentError
+from .lighthouse import lighthouse_flags, lighthouse_program
 
 BODY = """
 # the run directory outlives requeues; replica group g runs in RUN/group_GG
@@ -100,8 +99,7 @@ LIGHTHOUSE = """# torchft's lighthouse on this (the batch) host: it keeps the qu
 # lighthouse instead: submit with TORCHFT_LIGHTHOUSE=http://HOST:PORT in the environment
 if [[ -z ${{TORCHFT_LIGHTHOUSE:-}} ]]; then
   lighthouse_port=${{LIGHTHOUSE_PORT:-29510}}
-  {program} --min_replicas {min_replicas} --bind "[::]:$lighthouse_port" \\
-    --join_timeout_ms {heartbeat_ms} --heartbeat_timeout_ms {heartbeat_ms} > "$run_root/lighthouse.log" 2>&1 &
+  {program} --bind "[::]:$lighthouse_port" {flags} > "$run_root/lighthouse.log" 2>&1 &
   LIGHTHOUSE_PID=$!
   export TORCHFT_LIGHTHOUSE="http://$(hostname):$lighthouse_port"
   for _ in $(seq 300); do  # up to 30 s: the groups connect to it as they start
@@ -110,17 +108,6 @@ if [[ -z ${{TORCHFT_LIGHTHOUSE:-}} ]]; then
     sleep 0.1
   done
 fi"""
-
-
-def lighthouse_program(python: str) -> str:
-    """`torchft_lighthouse` beside `python` (the ranks' environment), else on PATH."""
-    beside = Path(python).parent / "torchft_lighthouse"
-    found = str(beside) if beside.exists() else shutil.which("torchft_lighthouse")
-    if found is None:
-        raise ArgumentError(f"[fault_tolerance]: torchft_lighthouse is not installed beside "
-                            f"{python}; `pip install 'exatrain[ft]'` there, or name a site's "
-                            f"lighthouse with fault_tolerance.lighthouse.")
-    return found
 
 
 def placement(groups: int, nodes: int, tasks_per_node: int) -> list[tuple[int, int, int]]:
@@ -151,9 +138,14 @@ def replica_groups_body(config, groups: int, nodes: int, tasks_per_node: int, re
     if f.lighthouse != "auto":
         lighthouse = f"# the lighthouse: {f.lighthouse} (fault_tolerance.lighthouse)"
     else:
-        program = lighthouse_program(shlex.split(words["python"])[0])
-        lighthouse = LIGHTHOUSE.format(program=shlex.quote(program), min_replicas=f.min_replicas,
-                                       heartbeat_ms=f.heartbeat_timeout_ms)
+        python = shlex.split(words["python"])[0]
+        program = lighthouse_program(python)
+        if program is None:
+            raise ArgumentError(f"[fault_tolerance]: torchft_lighthouse is not installed beside "
+                                f"{python}; `pip install 'exatrain[ft]'` there, or name a site's "
+                                f"lighthouse with fault_tolerance.lighthouse.")
+        lighthouse = LIGHTHOUSE.format(program=shlex.quote(program),
+                                       flags=" ".join(lighthouse_flags(f)))
     if not gpus_per_node:
         gpu_flags = ""
     elif nodes >= groups:  # whole nodes: each rank sees its node's GPUs, takes LOCAL_RANK's

@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from ...launch.lighthouse import lighthouse_flags, lighthouse_program
 from ...launch.local import free_port
 from ..job import fresh_run_dir
-from .replicas import GROUP_ENV, LIGHTHOUSE_ENV, ReplicaGroupError, group_count, join_timeout_ms
+from .replicas import GROUP_ENV, LIGHTHOUSE_ENV, ReplicaGroupError, group_count
 
 POLL_S = 0.2
 LIGHTHOUSE_START_S = 30.0
@@ -35,16 +35,13 @@ def _start_lighthouse(config, log: Path):
     """torchft's lighthouse as a process of its own (`torchft_lighthouse`, beside this Python),
     logging to `log`: (its address, the process), once it accepts connections."""
     f = config.fault_tolerance
-    program = Path(sys.executable).parent / "torchft_lighthouse"
-    program = str(program) if program.exists() else shutil.which("torchft_lighthouse")
+    program = lighthouse_program(sys.executable)
     if program is None:
         raise ReplicaGroupError("[fault_tolerance]: torchft_lighthouse is not installed beside "
                                 f"{sys.executable}; `pip install 'exatrain[ft]'`.")
     port = free_port()
     proc = subprocess.Popen(
-        [program, "--min_replicas", str(f.min_replicas), "--bind", f"[::]:{port}",
-         "--join_timeout_ms", str(join_timeout_ms(f)),
-         "--heartbeat_timeout_ms", str(f.heartbeat_timeout_ms)],
+        [program, "--bind", f"[::]:{port}", *lighthouse_flags(f)],
         stdout=open(log, "w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + LIGHTHOUSE_START_S
     while time.monotonic() < deadline and proc.poll() is None:

@@ -44,7 +44,7 @@ Failures and heals (torchft's semantics):
   takes part in that synchronisation with them, so from then on it equals the others. Its inner
   steps since it started are discarded; `ReplicaGroups.take_heal` moves its step number on.
 * The groups meet at a synchronisation only if the lighthouse waits for a live group that has
-  not asked yet (`replicas.join_timeout_ms`: half of quorum_timeout_s, so a synchronisation
+  not asked yet (`launch.lighthouse.join_timeout_ms`: half of quorum_timeout_s, so a synchronisation
   period must be shorter). With the per-step window (heartbeat_timeout_ms) a restarted group
   and a survivor whose synchronisations fell out of phase each went on alone, measured.
 * A missing group's samples are not trained on by anyone (`fault_tolerance.batch` applies to

@@ -61,6 +61,7 @@ from torch.distributed import ReduceOp
 
 from ...comm import broadcast_object
 from ...errors import UserError
+from ...launch.lighthouse import join_timeout_ms
 from ...parallel.data import unwrap
 
 GROUP_ENV = "REPLICA_GROUP_ID"          # which replica group this process belongs to (0-based)
@@ -99,17 +100,6 @@ def start_lighthouse(config, min_replicas: int | None = None):
                               join_timeout_ms=join_timeout_ms(f),
                               heartbeat_timeout_ms=f.heartbeat_timeout_ms)
     return server.address(), server.shutdown
-
-
-def join_timeout_ms(options) -> int:
-    """The lighthouse's join timeout: how long a group asking for a quorum waits for live groups
-    that have not asked yet. Per step they ask within a step. Under local_sgd / diloco they ask
-    once per sync_every steps, and a live group that never asked in the window would go on
-    alone with the same period for ever (two quorums of one, never meeting: measured), so the
-    window is half the quorum timeout and a synchronisation period must be shorter."""
-    if options.sync == "step":
-        return options.heartbeat_timeout_ms
-    return int(500 * options.quorum_timeout_s)
 
 
 @dataclass(frozen=True)
