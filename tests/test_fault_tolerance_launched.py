@@ -168,7 +168,7 @@ def test_sbatch_replica_groups_restart_a_killed_group_which_heals(slurm, cosmo_d
                           timeout=120)
     assert made.returncode == 0, made.stderr
     script = made.stdout
-    assert script.count("\ngroup ") == 2 and "torchft_lighthouse --min_replicas 1" in script
+    assert script.count("\ngroup ") == 2 and "torchft_lighthouse --bind \"[::]:$lighthouse_port\" --min_replicas 1" in script
     (tmp_path / "job.sh").write_text(script)
     # ports of their own: other jobs of this machine's Slurm may use the defaults
     env = _ft_env(MASTER_PORT=str(free_port()), LIGHTHOUSE_PORT=str(free_port()))
@@ -289,7 +289,7 @@ def test_replica_group_batch_scripts_place_the_groups_and_sbatch_reads_them(slur
     assert main([*common, "--nodes", "1", "--partition", "debug"]) == 0
     script = capsys.readouterr().out
     assert "group 0 1 2 0 &" in script and "group 1 1 2 0 &" in script
-    assert "--gpus-per-task=1" in script and "torchft_lighthouse --min_replicas 1" in script
+    assert "--gpus-per-task=1" in script and "torchft_lighthouse --bind \"[::]:$lighthouse_port\" --min_replicas 1" in script
     (tmp_path / "job.sh").write_text(script)
     tried = subprocess.run(["sbatch", "--test-only", "job.sh"], cwd=tmp_path,
                            capture_output=True, text=True, timeout=60)
@@ -395,6 +395,47 @@ def test_exatrain_run_heal_while_the_survivor_waits_equals_the_uninterrupted_run
     (heal,) = json.loads((rejoined / "summary.json").read_text())["ft_heals"]
     assert heal["rejoined_at_step"] == 4
     a, b = final_weights(survivor), final_weights(rejoined)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    reference = _uninterrupted(cosmo_data, tmp_path / "plain", "model.base_channels=4",
+                               f"train.steps={steps}")
+    err = max(rel_err(a[k], reference[k]) for k in reference)
+    assert err <= 1e-6, f"final weights {err:.1e} from the uninterrupted run's"
+
+
+def test_exatrain_run_resume_continues_every_group_and_an_older_checkpoint_heals(cosmo_data,
+                                                                                  tmp_path):
+    """`exatrain run --nproc 2` with 2 groups (min_replicas = 2), checkpoints every 2 steps;
+    both groups' ranks get SIGTERM as step 5 starts (a wall-time warning): each finishes step 5,
+    checkpoints and stops. Group 1's step-5 checkpoint is then deleted (a node's disk lost), and
+    `exatrain run --resume RUN_DIR` resumes group 0 from step 5 and group 1 from step 4: group 1
+    is behind, so it heals from group 0 (the state after step 5) and takes part from step 6. The
+    uninterrupted run reached step 8 with weights W; both groups end at step 8 with W (bar
+    1e-6). Lost: group 1's step 5, recovered from group 0, not recomputed."""
+    steps = 8
+    sets = [*[s for s in FT if "min_replicas" not in s], "fault_tolerance.min_replicas=2",
+            "fault_tolerance.quorum_timeout_s=120.0", "model.base_channels=4",
+            "train.checkpoint_every=2", f"train.steps={steps}"]
+    cmd = [sys.executable, "-m", "exatrain.cli", "run", "--nproc", "2"]
+    done = subprocess.run([*cmd, *_args(cosmo_data, tmp_path / "ft", *sets)],
+                          env=_ft_env(EXATRAIN_INJECT_FAULTS="term@0:5,term@1:5"),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (root,) = (tmp_path / "ft").iterdir()
+    (first,) = [p.parent for p in root.glob("group_00/*/config.toml")]
+    (second,) = [p.parent for p in root.glob("group_01/*/config.toml")]
+    assert _last_step(first) == _last_step(second) == 5
+    shutil.rmtree(second / "checkpoints" / "step_00000005")
+    (second / "checkpoints" / "latest").unlink(missing_ok=True)
+
+    done = subprocess.run([*cmd, "--resume", str(root)], env=_ft_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _trained_steps(first) == list(range(1, steps + 1))  # each step once
+    (heal,) = json.loads((second / "summary.json").read_text())["ft_heals"]
+    assert heal["rejoined_at_step"] == 6, heal
+    # its step 5 came from group 0 (the state after it); it took part in step 6's average
+    assert _trained_steps(second) == [1, 2, 3, 4, 6, 7, 8]
+    a, b = final_weights(first), final_weights(second)
     assert all(torch.equal(a[k], b[k]) for k in a)
     reference = _uninterrupted(cosmo_data, tmp_path / "plain", "model.base_channels=4",
                                f"train.steps={steps}")

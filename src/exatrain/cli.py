@@ -51,10 +51,6 @@ def _run(args) -> int:
         plan = group_plan_options(config)
         if os.environ.get(GROUP_ENV) is None:  # this process starts every group (nproc in all)
             from .train.resilience.replica_launch import supervise_groups
-            if args.resume:
-                raise ConfigError("--resume with [fault_tolerance]: a group's restart heals "
-                                  "from a live group; resume whole-job checkpoints without "
-                                  "fault_tolerance.enabled for now.")
             nproc_group = nproc // group_count(config) or 1
             plan.resolve(nproc_group)
     if supervise_groups is None:
@@ -67,10 +63,11 @@ def _run(args) -> int:
         console.print(text, highlight=False, markup=False)  # no markup
 
     if supervise_groups is not None:  # one restart loop per replica group, and a lighthouse
-        argv = ["run", *([args.config] if args.config else [])]
+        argv = ["run", *([config_path] if config_path else [])]  # (--resume: the run's config)
         for item in overrides:
             argv += ["--set", item]
-        summary = supervise_groups(config, argv, nproc, args.max_restarts, report=plain)
+        summary = supervise_groups(config, argv, nproc, args.max_restarts, report=plain,
+                                   resume=args.resume)
     elif args.max_restarts > 0 or nproc > 1:
         from .train.resilience.restart import supervise
         summary = supervise(run_job, config, nproc, args.resume, args.max_restarts,

@@ -77,12 +77,22 @@ def find_resume_checkpoint(run_dir: str | Path) -> Path:
     path = checkpoint.latest(run_dir)
     if path is None and (run_dir / "trainer_00").is_dir():  # a population: one run per trainer
         path = checkpoint.latest(run_dir / "trainer_00")
+    if path is None and (run_dir / "group_00").is_dir():  # replica groups: a run per group start
+        path = latest_group_checkpoint(run_dir / "group_00")
     if path is None:
         raise ResumeError(
             f"--resume {run_dir}: it holds no complete checkpoint (looked in "
             f"{checkpoint.checkpoint_dir(run_dir)}). Checkpoints are written every "
             f"train.checkpoint_every steps and at the end; start a new run instead.")
     return path
+
+
+def latest_group_checkpoint(group_dir: Path) -> Path | None:
+    """The newest complete checkpoint of a replica group (`[fault_tolerance]`): each start of
+    the group has its own run directory under `RUN/group_KK/`."""
+    found = [p for p in map(checkpoint.latest, group_dir.iterdir() if group_dir.is_dir() else [])
+             if p is not None]
+    return max(found, key=lambda p: p.stat().st_mtime, default=None)
 
 
 def pipeline_example(workload, config: Config, plan) -> "torch.Tensor | None":

@@ -22,9 +22,11 @@ import sys
 import time
 from pathlib import Path
 
+import tomli_w
+
 from ...launch.lighthouse import lighthouse_flags, lighthouse_program
 from ...launch.local import free_port
-from ..job import fresh_run_dir
+from ..job import fresh_run_dir, latest_group_checkpoint
 from .replicas import GROUP_ENV, LIGHTHOUSE_ENV, ReplicaGroupError, group_count
 
 POLL_S = 0.2
@@ -55,17 +57,26 @@ def _start_lighthouse(config, log: Path):
                             f"{LIGHTHOUSE_START_S:.0f} s; its log: {log}.")
 
 
-def supervise_groups(config, argv: list[str], nproc: int, max_restarts: int, report) -> dict:
+def supervise_groups(config, argv: list[str], nproc: int, max_restarts: int, report,
+                     resume: str | None = None) -> dict:
     """Run the groups of `config` from the command line `argv` (`exatrain run ...` arguments,
-    without the program); `nproc`: the job's local ranks, split evenly over the groups."""
+    without the program); `nproc`: the job's local ranks, split evenly over the groups.
+    `resume`: the run directory of an earlier run of these groups (`exatrain run --resume`):
+    each group's first start resumes from its own newest checkpoint (a group that has none
+    starts fresh and heals from the others; one whose checkpoint is older than the others'
+    heals too)."""
     groups = group_count(config)
     if nproc % groups:
         raise ReplicaGroupError(f"--nproc {nproc} does not split into fault_tolerance.groups = "
                                 f"{groups}; use a multiple of {groups}.")
     named = config.fault_tolerance.lighthouse
     address = named if named != "auto" else os.environ.get(LIGHTHOUSE_ENV)
-    root = fresh_run_dir(config)
-    root.mkdir(parents=True)
+    if resume:
+        root = Path(resume)
+    else:
+        root = fresh_run_dir(config)
+        root.mkdir(parents=True)
+        (root / "config.toml").write_text(tomli_w.dumps(config.to_dict()))  # for --resume
     lighthouse = None
     if not address:  # the local launcher's own lighthouse: a process, its log in the run
         address, lighthouse = _start_lighthouse(config, root / "lighthouse.log")
@@ -80,6 +91,9 @@ def supervise_groups(config, argv: list[str], nproc: int, max_restarts: int, rep
         env = {**os.environ, GROUP_ENV: str(k), LIGHTHOUSE_ENV: address}
         args = [sys.executable, "-m", "exatrain.cli", *argv, "--nproc", str(nproc // groups),
                 "--max-restarts", "0", "--set", f"run.out_dir={out}"]
+        resumed = latest_group_checkpoint(out) if resume and not starts[k] else None
+        if resumed is not None:  # (a restart after a failure heals from a live group instead)
+            args += ["--resume", str(resumed.parent.parent)]
         log = open(out / f"start_{starts[k]}.log", "w")
         starts[k] += 1
         return subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -221,6 +221,12 @@ class ReplicaGroups:
                 f"rank {mesh.rank} of replica group {self.group}: the torchft Manager could not "
                 f"start ({exc}). Is the lighthouse at {self.lighthouse} running?") from exc
         self.manager.register_state_dict_fn("exatrain", self._apply_heal, save)
+        resumed = current_step()
+        if resumed:  # from a checkpoint: torchft counts commits from there, so that a group
+            # that resumed from an older checkpoint than the others is behind them, and heals
+            commits = resumed if self.per_step else resumed // f.sync_every
+            self.manager.load_state_dict({"step": commits,
+                                          "batches_committed": commits * self.groups})
         if not self.per_step:
             from .replica_sync import PeriodicSync
             self.periodic = PeriodicSync(f, self.manager, unwrap(model), optimizer, mesh.device)
