@@ -195,7 +195,8 @@ def test_exatrain_run_starts_the_lighthouse_and_restarts_a_killed_group(cosmo_da
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     (root,) = tmp_path.glob("cosmoflow-*")
-    assert sorted(p.name for p in root.iterdir()) == ["group_00", "group_01", "lighthouse.log"]
+    assert sorted(p.name for p in root.iterdir()) == ["config.toml", "group_00", "group_01",
+                                                     "lighthouse.log"]
     assert "Quorum" in (root / "lighthouse.log").read_text()  # it ran, and kept its log there
     (survivor,) = [p.parent for p in root.glob("group_00/*/summary.json")]
     (rejoined,) = [p.parent for p in root.glob("group_01/*/summary.json")]
