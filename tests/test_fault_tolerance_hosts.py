@@ -100,7 +100,10 @@ def test_a_dead_host_loses_its_group_the_other_trains_on_and_the_group_rejoins(c
     survivor, rejoined = _run_dir(tmp_path / "g0"), _run_dir(tmp_path / "g1b")
     logged = [json.loads(line)["step"] for line in (survivor / "metrics.jsonl").read_text()
               .splitlines() if "loss" in json.loads(line)]
-    assert logged == list(range(1, STEPS + 1)), "group 0 redid (or skipped) a step"
+    # group 0 redid no step and skipped none from the kill on; its log may begin after step 1
+    # when host 2's group was ready first (group 0 then healed from it as it started)
+    assert logged == sorted(set(logged)) and logged[-1] == STEPS, "group 0 redid a step"
+    assert set(range(killed_at_step, STEPS + 1)) <= set(logged), "group 0 skipped a step"
     s0 = json.loads((survivor / "summary.json").read_text())
     s1 = json.loads((rejoined / "summary.json").read_text())
     (heal,) = s1["ft_heals"]

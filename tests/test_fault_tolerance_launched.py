@@ -123,10 +123,13 @@ def _check_survivor_and_rejoined(survivor: Path, rejoined: Path, reference: dict
     s0 = json.loads((survivor / "summary.json").read_text())
     s1 = json.loads((rejoined / "summary.json").read_text())
     trained = _trained_steps(survivor)
-    assert trained == list(range(trained[0], STEPS + 1)), \
-        "the survivor redid a step (or lost one): it should have trained each step once"
-    # (a group that starts a few steps after the other heals from it as it starts: step > 1)
-    assert all(h["rejoined_at_step"] == trained[0] <= killed_after for h in s0["ft_heals"])
+    assert trained == sorted(set(trained)) and trained[-1] == STEPS, \
+        "the survivor redid a step: it should have trained each step once"
+    assert set(range(killed_after, STEPS + 1)) <= set(trained), \
+        "the survivor lost a step after the kill: it should have trained on alone"
+    # (a group that starts a few steps after the other heals from it as it starts: its log
+    # begins later, or skips the step it healed in, always before the kill)
+    assert all(h["rejoined_at_step"] <= killed_after for h in s0["ft_heals"])
     assert s0["steps"] == STEPS
     assert s0["ft_steps_with_groups_missing"] >= 1  # it went on alone
     assert s0["ft_discarded_attempts"] <= 1 and s0["ft_pause_s_max"] <= 5.0 + 2.0
@@ -340,7 +343,9 @@ def test_sbatch_replica_groups_checkpoint_on_the_wall_time_warning_and_requeue(s
         assert summary["steps"] == steps and summary["requeues"] >= 1, summary
         assert not summary["stopped_by_signal"]
         trained = _trained_steps(root / group)
-        assert trained == list(range(trained[0], steps + 1))  # no step twice
+        # no step twice; a group that started after the other healed from it (its first
+        # steps received, not trained), so its log may begin later or skip the step it healed in
+        assert trained == sorted(set(trained)) and trained[-1] == steps, trained
         weights.append(final_weights(root / group))
     reference = _uninterrupted(cosmo_data, tmp_path / "plain", "model.base_channels=4",
                                f"train.steps={steps}")
