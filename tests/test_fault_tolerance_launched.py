@@ -379,6 +379,18 @@ def test_the_tutorials_replica_group_batch_line_makes_a_script_sbatch_accepts(sl
     assert "to start at" in tried.stderr, tried.stderr
 
 
+def _assert_both_equal_the_uninterrupted_run(first: Path, second: Path, cosmo_data,
+                                             tmp_path: Path, steps: int) -> None:
+    """Both groups' final weights agree to the last bit and equal those of the same job
+    without [fault_tolerance] (base_channels 4, `steps` steps; bar 1e-6)."""
+    a, b = final_weights(first), final_weights(second)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    reference = _uninterrupted(cosmo_data, tmp_path / "plain", "model.base_channels=4",
+                               f"train.steps={steps}")
+    err = max(rel_err(a[k], reference[k]) for k in reference)
+    assert err <= 1e-6, f"final weights {err:.1e} from the uninterrupted run's"
+
+
 def test_exatrain_run_heal_while_the_survivor_waits_equals_the_uninterrupted_run(cosmo_data,
                                                                                  tmp_path):
     """`exatrain run --nproc 2 --max-restarts 1`, 2 groups, min_replicas = 2 (the survivor
@@ -399,12 +411,7 @@ def test_exatrain_run_heal_while_the_survivor_waits_equals_the_uninterrupted_run
     (rejoined,) = [p.parent for p in root.glob("group_01/*/summary.json")]
     (heal,) = json.loads((rejoined / "summary.json").read_text())["ft_heals"]
     assert heal["rejoined_at_step"] == 4
-    a, b = final_weights(survivor), final_weights(rejoined)
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    reference = _uninterrupted(cosmo_data, tmp_path / "plain", "model.base_channels=4",
-                               f"train.steps={steps}")
-    err = max(rel_err(a[k], reference[k]) for k in reference)
-    assert err <= 1e-6, f"final weights {err:.1e} from the uninterrupted run's"
+    _assert_both_equal_the_uninterrupted_run(survivor, rejoined, cosmo_data, tmp_path, steps)
 
 
 def test_exatrain_run_resume_continues_every_group_and_an_older_checkpoint_heals(cosmo_data,
@@ -440,9 +447,4 @@ def test_exatrain_run_resume_continues_every_group_and_an_older_checkpoint_heals
     assert heal["rejoined_at_step"] == 6, heal
     # its step 5 came from group 0 (the state after it); it took part in step 6's average
     assert _trained_steps(second) == [1, 2, 3, 4, 6, 7, 8]
-    a, b = final_weights(first), final_weights(second)
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    reference = _uninterrupted(cosmo_data, tmp_path / "plain", "model.base_channels=4",
-                               f"train.steps={steps}")
-    err = max(rel_err(a[k], reference[k]) for k in reference)
-    assert err <= 1e-6, f"final weights {err:.1e} from the uninterrupted run's"
+    _assert_both_equal_the_uninterrupted_run(first, second, cosmo_data, tmp_path, steps)
