@@ -166,3 +166,13 @@ def test_without_the_baseline_only_exatrains_figures_are_written(tmp_path):
     assert result["cosmoflow_exatrain_peak_memory_bytes"] > 0
     assert not any(k.startswith("cosmoflow_baseline_") for k in result)
     assert result["cosmoflow_vs_baseline"] is None and result["cosmoflow_loss_max_rel_diff"] is None
+
+
+def test_deepcam_reference_network_trains_the_same_loss_in_both_paths(tmp_path):
+    """The full-size case runs MLPerf's network, whose loss weighs classes by f^(-1/8) over the
+    pixel count; the plain loop must train that loss too (it once kept the small net's)."""
+    result = bench(tmp_path, "--cases", "deepcam", "--warmup", "1", "--steps", "2", "--rounds",
+                   "1", "--set", 'model.variant="reference"', "--set", "model.width_multiplier=0.25")
+    base, ours = result["deepcam_baseline_losses"], result["deepcam_exatrain_losses"]
+    assert result["deepcam_loss_max_rel_diff"] <= 1e-5, (base, ours)
+    assert ours[0] != ours[-1]

@@ -225,7 +225,7 @@ def run_case(case, args, data_root: str, device: torch.device, precision: str) -
         plain_model = copy.deepcopy(workload.model)  # the weights both paths start from
         _phase(case.name, "model built", started)
         flops, tokens = workload.flops_per_sample, workload.tokens_per_sample
-        loss_fn, decode = plain_loss(case, workload), workload.decode
+        loss_fn, decode = plain_loss(case, workload, config), workload.decode
         train_set = workload.train_set
         measured = {}
 

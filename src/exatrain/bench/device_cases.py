@@ -140,7 +140,7 @@ def data_path(root: str, case: Case) -> str:
     return f"{root}/{case.workload}-{tag}"
 
 
-def plain_loss(case: Case, workload):
+def plain_loss(case: Case, workload, config):
     """The baseline's loss for the case: plain PyTorch, equal at one process to the workload's."""
     from ..models.gpt import gpt_loss
     from ..models.vit import relative_l2_loss
@@ -150,11 +150,22 @@ def plain_loss(case: Case, workload):
         return relative_l2_loss
     if case.workload == "gpt":
         return gpt_loss
+    # DeepCAM's two variants weigh and average the pixels differently (workloads/deepcam.py):
+    # "reference" MLPerf's w_c = f_c^(-1/8) over the pixel count, "small" normalised inverse
+    # square roots over the pixels' summed weights (F.cross_entropy's weighted mean)
     from ..models.deepcam import class_weights_from_frequencies
+    from ..workloads.deepcam import mlperf_class_weights
     freqs = workload.train_set.class_frequencies
-    weights = None if freqs is None else class_weights_from_frequencies(freqs)
+    reference = config.model.variant == "reference"
+    if reference:
+        weights = mlperf_class_weights(freqs)
+    else:
+        weights = None if freqs is None else class_weights_from_frequencies(freqs)
 
-    def weighted_cross_entropy(logits, labels):  # the weighted mean over every pixel
+    def weighted_cross_entropy(logits, labels):
+        labels = labels.long()
         w = None if weights is None else weights.to(device=logits.device, dtype=logits.dtype)
-        return F.cross_entropy(logits, labels.long(), weight=w)
+        if reference:  # the weighted sum over the pixel count
+            return F.cross_entropy(logits, labels, weight=w, reduction="sum") / labels.numel()
+        return F.cross_entropy(logits, labels, weight=w)
     return weighted_cross_entropy
