@@ -10,9 +10,11 @@ from exatrain.data.cosmoflow_synth import write_cosmoflow
 from exatrain.data.text import write_text_corpus
 from exatrain.launch.host_memory import keep_freed_host_memory
 from exatrain.train.config import load_config
+from harness import true_fp32_on_cuda
 
 # the test process allocates like a rank of `exatrain run` (run.host_memory = "keep")
 keep_freed_host_memory()
+true_fp32_on_cuda()  # serial references on a shared GPU in true float32, as the ranks
 
 TINY = ["model.size=16", "model.conv_layers=4", "model.base_channels=4", "data.size=16",
         "data.generate=false", "train.batch_size=8", "train.log_every=1", "optim.lr=0.003"]

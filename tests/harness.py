@@ -24,6 +24,28 @@ import torch
 from exatrain.launch.local import RankFailed, free_port, rank_context
 
 
+def true_fp32_on_cuda() -> None:
+    """With EXATRAIN_SHARE_GPU=1 the ranks and the serial reference compute on the GPU: compare
+    them in true float32 (cuDNN's convolutions default to TF32, which moves a loss by ~1e-4,
+    above the 1e-5 these tests hold)."""
+    if os.environ.get("EXATRAIN_SHARE_GPU") == "1":
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def on_cpu(value):
+    """A rank's result with its tensors on the CPU: compared with the serial run's there."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: on_cpu(v) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(on_cpu(v) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(on_cpu(v) for v in value)
+    return value
+
+
 def _worker(rank: int, world_size: int, tasks, results) -> None:
     import torch as _torch
 
@@ -33,6 +55,7 @@ def _worker(rank: int, world_size: int, tasks, results) -> None:
     # a rank that misses its deadline prints every thread's stack before it is killed
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     keep_freed_host_memory()  # as `exatrain run` sets up each rank (run.host_memory = "keep")
+    true_fp32_on_cuda()
     while True:
         task = tasks.get()
         if task is None:
@@ -42,7 +65,7 @@ def _worker(rank: int, world_size: int, tasks, results) -> None:
                           LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port))
         try:
-            results.put((rank, "ok", fn(*args), "", 0.0))
+            results.put((rank, "ok", on_cpu(fn(*args)), "", 0.0))
         except BaseException as exc:  # report every failure, with its time: the first is the cause
             try:
                 results.put((rank, "error", exc, traceback.format_exc(), time.time()))

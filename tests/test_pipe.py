@@ -110,6 +110,7 @@ def _cnn_steps(pipe: int, schedule: str = "1f1b"):
     model = _sequential_cnn()
     x, y = torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,))
     mesh = et.init(et.Plan(pipe=pipe))
+    x, y = x.to(mesh.device), y.to(mesh.device)  # a GPU's, with EXATRAIN_SHARE_GPU=1
     try:
         options = ParallelOptions(pipe_schedule=schedule, microbatches=4)
         piped = et.parallelize(model, mesh, options, example=x)
@@ -124,7 +125,8 @@ def _cnn_steps(pipe: int, schedule: str = "1f1b"):
                 losses.append(piped.train_step(x, y, nn.functional.cross_entropy))
             opt.step()
             opt.zero_grad()
-        return {"losses": losses, "state": {k: v.clone() for k, v in unwrap(piped).state_dict().items()}}
+        return {"losses": losses,
+                "state": {k: v.detach().cpu() for k, v in unwrap(piped).state_dict().items()}}
     finally:
         mesh.close()
 
