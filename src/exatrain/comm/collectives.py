@@ -106,25 +106,62 @@ def broadcast(tensor: torch.Tensor, axis: Axis, src: int = 0, tag: str = ""):
         return dist.broadcast(tensor, src=axis.global_rank(src), group=axis.group)
 
 
+def stages_through_host(tensor: torch.Tensor, group) -> bool:
+    """Whether a point-to-point transfer of `tensor` must go through a host copy: gloo's send and
+    recv read and write the tensor's memory from the CPU, so a CUDA tensor (ranks sharing one GPU
+    over gloo, `EXATRAIN_SHARE_GPU=1`) would be read through a device pointer and crash the rank."""
+    return tensor.is_cuda and dist.get_backend(group) == "gloo"
+
+
+class _Staged:
+    """A transfer through host copies: `wait()` finishes it, then copies each received host
+    buffer into its device tensor; the host copies live as long as the handle."""
+
+    def __init__(self, work, staged: list[tuple[torch.Tensor, torch.Tensor | None]]):
+        self._work, self._staged = work, staged   # (host copy, device tensor; None: a send)
+
+    def wait(self, *args, **kwargs):
+        done = self._work.wait(*args, **kwargs)
+        for host, target in self._staged:
+            if target is not None:
+                target.copy_(host)
+        return done
+
+    def __getattr__(self, name):  # is_completed, get_future, ... act on the real handle
+        return getattr(self._work, name)
+
+
 def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
-             axis: Axis, tag: str = "") -> list:
+             axis: Axis, tag: str = "", through_host=stages_through_host) -> list:
     """Batched non-blocking point-to-point: `sends`/`recvs` are (tensor, peer position on axis).
 
     Returns the request handles; call `.wait()` on each before reading the received tensors.
+    CUDA tensors over gloo travel through host copies (`stages_through_host`): one device-to-host
+    copy per send before the transfer, one host-to-device copy per receive in its `wait()`; the
+    bytes on the wire are the same.
     """
-    ops = []
-    for tensor, peer in sends:
-        axis.ledger.record(axis.name, "send", nbytes(tensor), tag,
-                           peers=(axis.global_rank(peer),))
-        ops.append(dist.P2POp(dist.isend, tensor, axis.global_rank(peer), group=axis.group))
-    for tensor, peer in recvs:
-        axis.ledger.record(axis.name, "recv", nbytes(tensor), tag,
-                           peers=(axis.global_rank(peer),))
-        ops.append(dist.P2POp(dist.irecv, tensor, axis.global_rank(peer), group=axis.group))
+    ops, staged = [], []   # staged[i]: op i's (host copy, device tensor or None for a send)
+    for tensors, op, kind in ((sends, dist.isend, "send"), (recvs, dist.irecv, "recv")):
+        for tensor, peer in tensors:
+            axis.ledger.record(axis.name, kind, nbytes(tensor), tag,
+                               peers=(axis.global_rank(peer),))
+            host = None
+            if through_host(tensor, axis.group) and kind == "send":
+                host = tensor.to("cpu", copy=True)
+            elif through_host(tensor, axis.group):
+                host = torch.empty(tensor.shape, dtype=tensor.dtype)
+            staged.append(None if host is None else (host, None if kind == "send" else tensor))
+            ops.append(dist.P2POp(op, tensor if host is None else host, axis.global_rank(peer),
+                                  group=axis.group))
     if not ops:
         return []
     with comm_range(axis.ledger, axis.name, "exchange", tag):
         works = dist.batch_isend_irecv(ops)
+    if any(staged):
+        if len(works) == len(ops):  # gloo: one handle per op
+            works = [w if s is None else _Staged(w, [s]) for w, s in zip(works, staged)]
+        else:  # one handle for the whole batch
+            works = [_Staged(works[0], [s for s in staged if s is not None]), *works[1:]]
     return [timed(w, axis.ledger, axis.name, "exchange", tag) for w in works]
 
 
