@@ -124,3 +124,15 @@ def test_refusals(tmp_path):
     (tmp_path / "other.json").write_text(json.dumps({"dp_step_s": 1.0}))
     with pytest.raises(ArgumentError, match="bench device"):
         read_bench([str(tmp_path / "other.json")])
+
+
+def test_each_batch_size_of_a_case_is_its_own_record():
+    """The planner check measures a case at two batch sizes (on the H200: GPT 1.3b at 4 and 8);
+    both are compared, where the two once collapsed into the later file's."""
+    h200 = Path(__file__).parents[1] / "docs" / "benchmarks" / "results" / "h200-2026-11-27"
+    records, _ = read_bench([str(h200 / "plan-gpt_1b-b4.json"), str(h200 / "plan-gpt_1b-b8.json"),
+                             str(h200 / "plan-gpt_125m-b8.json")])
+    assert sorted((r.case, r.batch) for r in records) == [("gpt_125m", 8), ("gpt_1b", 4),
+                                                           ("gpt_1b", 8)]
+    again, _ = read_bench([str(h200 / "plan-gpt_1b-b8.json")] * 2)
+    assert len(again) == 1  # the same run in two files counts once

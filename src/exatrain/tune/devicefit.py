@@ -80,8 +80,9 @@ def _value(text: object) -> str:
 
 def read_bench(paths: list[str]) -> tuple[list[Recorded], list[tuple[str, str]]]:
     """The recorded cases of `exatrain bench device` JSON files, and (case, why) of those left
-    out. A case in two files: the later file's."""
-    found: dict[str, Recorded] = {}
+    out. One record per case, batch and settings (`--set`): a planner check measures each case
+    at two batch sizes; the same run in two files: the later file's."""
+    found: dict[tuple, Recorded] = {}
     skipped: dict[str, str] = {}
     for path in paths:
         p = Path(path)
@@ -104,12 +105,12 @@ def read_bench(paths: list[str]) -> tuple[list[Recorded], list[tuple[str, str]]]
             if step is None:
                 step = batch / data[f"{name}_exatrain_samples_per_s"]
             peak = data.get(f"{name}_exatrain_peak_memory_bytes")
-            found[name] = Recorded(name, batch, float(step), None if peak is None else float(peak),
+            sets = tuple(sorted(data.get(f"{name}_sets", {}).items()))
+            found[name, batch, sets] = Recorded(name, batch, float(step), None if peak is None else float(peak),
                                    str(data.get("precision", "fp32")),
                                    bool(data.get("compile", False)),
                                    data.get(f"{name}_params"), str(data.get("device", "?")),
-                                   str(data.get("torch", "?")), str(p),
-                                   tuple(sorted(data.get(f"{name}_sets", {}).items())))
+                                   str(data.get("torch", "?")), str(p), sets)
     return list(found.values()), sorted(skipped.items())
 
 
