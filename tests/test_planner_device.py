@@ -136,3 +136,25 @@ def test_each_batch_size_of_a_case_is_its_own_record():
                                                            ("gpt_1b", 8)]
     again, _ = read_bench([str(h200 / "plan-gpt_1b-b8.json")] * 2)
     assert len(again) == 1  # the same run in two files counts once
+
+
+def test_the_h200_table_of_the_planner_page_is_what_the_comparison_gives():
+    """docs/benchmarks/planner.md's H200 rows and MAPEs, from the recorded JSONs (not copied)."""
+    root = Path(__file__).parents[1]
+    h200 = root / "docs" / "benchmarks" / "results" / "h200-2026-11-27"
+    result = compare(read_bench([str(p) for p in sorted(h200.glob("plan-*.json"))])[0],
+                     load_system("h100-infiniband"))
+    page = (root / "docs" / "benchmarks" / "planner.md").read_text()
+    section = page[page.index("### Beside an H200"):]
+    names = {"gpt_125m": "GPT 125m", "gpt_1b": "GPT 1.3b"}
+    for row in result["rows"]:
+        cells = (f"| {names[row['case']]} | {row['batch']} | "
+                 f"{row['step_predicted_s'] * 1e3:.0f} ms | {row['step_measured_s'] * 1e3:.1f} ms | "
+                 f"{row['step_error'] * 100:+.1f} % | "
+                 f"{row['memory_predicted_bytes'] / 2**30:.1f} GiB | "
+                 f"{row['memory_measured_bytes'] / 2**30:.1f} GiB | "
+                 f"{row['memory_error'] * 100:+.1f} % |").replace("-", "−")
+        assert cells in section, cells
+    assert f"Step MAPE **{result['step_mape']:.1f} %**, memory MAPE " \
+           f"**{result['memory_mape']:.1f} %**" in section
+    assert f"in-sample, {result['step_mape_held_out']:.1f} % leave-one-out" in section

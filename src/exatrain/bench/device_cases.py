@@ -9,11 +9,8 @@ Full sizes (one 80 GB GPU):
   deepcam     MLPerf HPC's DeepCAM network (model.variant = "reference": DeepLabv3+ on the
               modified aligned Xception, 56.5 M parameters, 6.55e11 forward FLOPs a sample) on
               MLPerf's whole 768 × 1152 × 16 fields, batch 8, 48 samples (57 MB and ~9 s of one
-              core each to generate, once per data directory). Batch 8 by estimate, not yet
-              measured on a GPU: the layer outputs of one sample's forward are 1.35 G elements
-              (5.4 GB in fp32, counted on the meta device), so eight samples' saved activations
-              (≤ 43 GB, less under bf16 autocast) and 0.9 GB of weights and AdamW state fit one
-              80 GB GPU with room for the compiled kernels' workspaces; 16 would not in fp32.
+              core each to generate, once per data directory). Batch 8 peaked at 20.5 GiB
+              on an H200 (bf16 autocast, compiled; 2026-11-27).
               Beside NVIDIA's published per-GPU rate, what differs (`DEEPCAM_DIFFERENCES`,
               in the JSON as deepcam_published_differences): the network and input size are
               MLPerf's; NVIDIA's figure is a time-to-train run on many GPUs (local batch of a
