@@ -7,6 +7,9 @@
 #                                           #    GPT 125m (+ CUDA graphs beside it), ViT, DeepCAM
 #                                           #    (their data written on the CPU cores meanwhile),
 #                                           #    then one case of each axis on CUDA tensors
+#   bash scripts/gpu-figures.sh lease       # one call for a 15-minute lease once `once` has run:
+#                                           #    one case of each axis on CUDA tensors, then GPT
+#                                           #    1.3b in bf16 beside fp8 (torchao carried in .whl/)
 #   bash scripts/gpu-figures.sh planner     # the planner beside the device: GPT 125m, 350m, 1.3b and
 #                                           #    CosmoFlow 128³ at two batch sizes each, then
 #                                           #    `exatrain plan --calibrate-from` on them
@@ -96,6 +99,16 @@ bench_case() {  # bench_case NAME LIMIT_S [bench args]: one case, baseline and e
         --warmup 3 --steps 12 --data-dir "$DATA" --json "$OUT/bench-$c.json" "$@"
 }
 
+multirank_cases() {  # one distributed-equals-serial case per axis, ranks sharing the GPU over gloo
+    step multirank "$1" env EXATRAIN_SHARE_GPU=1 EXATRAIN_TEST_RANK_TIMEOUT_S="${RANK_TIMEOUT_S:-40}" \
+        python3 -m pytest -q -p no:cacheprovider -rf --durations=0 \
+        tests/test_data_parallel.py::test_data_parallel_equals_serial \
+        tests/test_shard.py::test_zero_stages_equal_serial \
+        tests/test_spatial_training.py::test_cosmoflow_space_times_data_equals_serial \
+        tests/test_pipe.py::test_sequential_cnn_every_schedule_equals_serial \
+        tests/test_tensor_training.py::test_tensor_plans_train_like_serial
+}
+
 finish() {  # on every exit, also after the watchdog: the table, one archive of the logs
     trap - EXIT TERM
     (( WATCHDOG > 0 )) && kill "$WATCHDOG" 2>/dev/null   # never `kill 0`: the whole group
@@ -121,24 +134,20 @@ once)  # one call: the figures never taken on a GPU first, cheapest data first
     fi
     step binding 60 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_binding.py
     bench_case gpt_125m 220 --alt-set parallel.cuda_graphs=true
-    # one distributed-equals-serial case per axis, ranks sharing the GPU over gloo
-    step multirank 150 env EXATRAIN_SHARE_GPU=1 EXATRAIN_TEST_RANK_TIMEOUT_S="${RANK_TIMEOUT_S:-40}" \
-        python3 -m pytest -q -p no:cacheprovider -rf --durations=0 \
-        tests/test_data_parallel.py::test_data_parallel_equals_serial \
-        tests/test_shard.py::test_zero_stages_equal_serial \
-        tests/test_spatial_training.py::test_cosmoflow_space_times_data_equals_serial \
-        tests/test_pipe.py::test_sequential_cnn_every_schedule_equals_serial \
-        tests/test_tensor_training.py::test_tensor_plans_train_like_serial
+    multirank_cases 150
     # the writer alone: a bare `wait` would also wait for the watchdog, until the budget ends
     (( DRY )) || wait "$PREPARE"
     bench_case vit 130
     bench_case deepcam 90   # what is left; else a second call: CASES=deepcam:90 ... bench
     ;;
+lease)  # the axes first (a minute or two), then fp8 with what is left
+    multirank_cases 150
+    bench_case gpt_1b 360 --steps 200 --alt-set 'parallel.precision="fp8"' ;;
 planner)  # the planner's one-GPU check: 4 models at 2 batch sizes, exatrain's path alone
     # (step time and peak memory), then `exatrain plan --calibrate-from` on what came back
-    for run in gpt_1b:4:gpt_1b:80 gpt_1b:8:gpt_1b:80 gpt_125m:8:gpt_125m:55 \
+    for run in ${RUNS:-gpt_1b:4:gpt_1b:80 gpt_1b:8:gpt_1b:80 gpt_125m:8:gpt_125m:55 \
                gpt_125m:16:gpt_125m:55 gpt_125m:4:gpt_350m:55 gpt_125m:8:gpt_350m:55 \
-               cosmoflow:16:cosmoflow:55 cosmoflow:32:cosmoflow:55; do  # case:batch:name:limit
+               cosmoflow:16:cosmoflow:55 cosmoflow:32:cosmoflow:55}; do  # case:batch:name:limit
         IFS=: read -r c b name limit <<< "$run"
         extra=(); [[ $name == gpt_350m ]] && extra=(--set 'model.preset="350m"')
         step "plan-$name-b$b" "$limit" python3 -m exatrain.cli bench device --sizes "$SIZES" \
@@ -188,5 +197,5 @@ multirank)  # the distributed-equals-serial cases of every axis, ranks sharing t
         grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/multirank-${pair%%:*}.log" \
             | cut -c1-300 >> "$OUT/summary.txt"
     done ;;
-*) echo "usage: $0 once|planner|fp8|step|bench|levers|multirank [--dry-run]" >&2; exit 2 ;;
+*) echo "usage: $0 once|lease|planner|fp8|step|bench|levers|multirank [--dry-run]" >&2; exit 2 ;;
 esac
