@@ -19,6 +19,8 @@ Memory per rank (bytes), for Ψ parameters held by the rank (after the tensor an
                    and `fp32_grads` describe runs whose layers differ from exatrain's
   transient        backward's gradients of the largest saved activation and of its input, less
                    the activations saved after it (freed by the time backward reaches it)
+  the loss         what the loss saves stays fp32 under bf16 / fp16 (the step casts the output
+                   up before the loss), and so do the gradients of its largest tensor
   comm buffers     one gradient bucket copy (tensor's GradSync), two gathered blocks (ZeRO-3,
                    prefetch); DDP, ZeRO-1 and ZeRO-2 need none beyond the gradients
   ZeRO-3 peak      the peak is at the end of forward, when no gradient exists yet (gradients
@@ -134,11 +136,18 @@ def activation_bytes(spec: ModelSpec, plan: Plan, options: Options, stage: int =
         if plan.tensor_3d:
             act /= plan.tensor[2]
     act /= plan.space_degree
+    in_flight = 1
     if plan.pipe > 1:
         # GPipe keeps every micro-batch; 1F1B's stage s warms up with p - s of them
         in_flight = m if options.schedule == "gpipe" else min(m, plan.pipe - stage)
         act = act / plan.pipe * in_flight
-    return act * scale * mb
+    # the loss's tensors are fp32 under every precision (the step casts the output up first):
+    # what `scale` took from them, on the stage that computes the loss; the loss stays whole
+    # under tensor (its logits are gathered), split only over space
+    upcast = 0.0
+    if stage == plan.pipe - 1:
+        upcast = spec.loss_act_bytes * (1 - scale) * in_flight / plan.space_degree
+    return act * scale * mb + upcast * mb
 
 
 def _memory(spec: ModelSpec, plan: Plan, options: Options, shapes: list, stage_index: int) -> dict:
@@ -171,8 +180,10 @@ def _memory(spec: ModelSpec, plan: Plan, options: Options, shapes: list, stage_i
         # DDP and ZeRO-1 reduce the gradients in place (gradient_as_bucket_view); ZeRO-2's send
         # buffer replaces the full gradients it frees
         buffers = 0.0
-    # backward holds the gradient of the largest activation and of its input at once
-    transient = 2 * spec.largest_act_bytes * PRECISION_BYTES[options.precision] / 4 \
+    # backward holds the gradient of the largest activation and of its input at once; in fp32
+    # where the largest is the loss's (GPT's log-softmax over the vocabulary)
+    largest_scale = 1.0 if spec.largest_in_loss else PRECISION_BYTES[options.precision] / 4
+    transient = 2 * spec.largest_act_bytes * largest_scale \
         * samples_per_rank(plan, options) / microbatches(plan, options) / plan.space_degree
     # ... by then backward has freed what was saved after the largest (a CNN's first layer is its
     # largest: the deeper layers' activations are gone when its gradients exist)

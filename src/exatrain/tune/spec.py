@@ -33,10 +33,13 @@ from torch import nn
 from ..errors import ConfigError
 
 
-def trace_saved_bytes(model: nn.Module, inputs, loss_fn, largest: list | None = None) -> int:
+def trace_saved_bytes(model: nn.Module, inputs, loss_fn, largest: list | None = None,
+                      in_loss: list | None = None) -> int:
     """Bytes of the distinct non-parameter tensors autograd saves for one forward + loss
     (when `largest` is given, appended to it: the largest one's bytes, and the bytes saved after
-    it, which backward has freed by the time it reaches the largest; the last of equal ones)."""
+    it, which backward has freed by the time it reaches the largest; the last of equal ones;
+    when `in_loss` is given, appended to it: the bytes the loss saved, and whether the largest
+    is among them)."""
     params = {id(p) for p in model.parameters()}
     saved: dict[int, int] = {}
     keep = []
@@ -49,13 +52,18 @@ def trace_saved_bytes(model: nn.Module, inputs, loss_fn, largest: list | None = 
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss_fn(model(*inputs))
+        output = model(*inputs)
+        before_loss = len(saved)
+        loss_fn(output)
+    sizes = list(saved.values())   # in the order they were saved
+    top = max(sizes, default=0)
+    at = max((i for i, n in enumerate(sizes) if n == top), default=0)
     if largest is not None:
-        sizes = list(saved.values())   # in the order they were saved
-        top = max(sizes, default=0)
-        at = max((i for i, n in enumerate(sizes) if n == top), default=0)
         largest.append(top)
         largest.append(sum(sizes[at + 1:]))
+    if in_loss is not None:
+        in_loss.append(sum(sizes[before_loss:]))
+        in_loss.append(bool(sizes) and at >= before_loss)
     return sum(saved.values())
 
 
@@ -145,6 +153,11 @@ class ModelSpec:
     largest_act_bytes: float = 0.0       # the largest saved tensor per sample (backward's
                                          # gradient of it and its input are alive at once)
     after_largest_bytes: float = 0.0     # saved after it (freed before backward reaches it)
+    # what the loss saves per sample, and whether the largest saved tensor is the loss's: the
+    # step computes the loss on the output cast to fp32 (`train.step`), so these stay 4 bytes an
+    # element under bf16 / fp16 (GPT's log-softmax over the vocabulary: the largest tensor)
+    loss_act_bytes: float = 0.0
+    largest_in_loss: bool = False
     # per pipe layer j: the shapes (batch 1) of what a stage starting at layer j receives
     # (`parallel.pipe.split.live_across`, the strategy's own cut), and how many convolution /
     # pooling layers layer j holds (the spatial strategy's halo layers, in execution order)
@@ -201,7 +214,8 @@ def gpt_spec(cfg, name: str = "") -> ModelSpec:
             torch.manual_seed(0)
             model = GPT(cfg.replace(n_layer=layers, dropout=0.0))
             idx = torch.zeros(1, cfg.block_size, dtype=torch.long)
-            return trace_saved_bytes(model, (idx,), lambda logits: gpt_loss(logits, idx), biggest)
+            return trace_saved_bytes(model, (idx,), lambda logits: gpt_loss(logits, idx), biggest,
+                                     loss)
 
     def ops(layers: int) -> int:
         with _fake_mode():
@@ -210,6 +224,7 @@ def gpt_spec(cfg, name: str = "") -> ModelSpec:
             return count_ops(model, (idx,), lambda logits: gpt_loss(logits, idx))
 
     biggest: list = []
+    loss: list = []
     per = len(_gpt_block_shapes(cfg))
     one, two = saved(1), saved(2)
     ops_one, ops_two = ops(1), ops(2)
@@ -234,6 +249,7 @@ def gpt_spec(cfg, name: str = "") -> ModelSpec:
         heads=cfg.n_head, widths=(cfg.n_embd, cfg.mlp_hidden), tokens=cfg.block_size,
         tensor_split_fraction=split, largest_act_bytes=float(max(biggest[0::2])),
         after_largest_bytes=float(biggest[1]), pipe_layers=layers,
+        loss_act_bytes=float(loss[0]), largest_in_loss=bool(loss[1]),
         pipe_cut_shapes=cuts, pipe_layer_spatial=spatial,
         ops_per_step=float(ops_one + (cfg.n_layer - 1) * (ops_two - ops_one)),
         extra={"n_embd": cfg.n_embd, "vocab_size": cfg.vocab_size, "n_layer": cfg.n_layer,
@@ -269,7 +285,8 @@ def cosmoflow_spec(size: int, base_channels: int = 32, conv_layers: int = 5,
         x = torch.zeros(1, in_channels, size, size, size)
         y = torch.zeros(1, 4)
         biggest: list = []
-        act = trace_saved_bytes(model, (x,), lambda out: F.mse_loss(out, y), biggest)
+        loss: list = []
+        act = trace_saved_bytes(model, (x,), lambda out: F.mse_loss(out, y), biggest, loss)
         flops = conv_flops(model, x)
         shapes = [tuple(p.shape) for p in model.parameters()]
         features = len(list(model.features.parameters()))
@@ -289,6 +306,7 @@ def cosmoflow_spec(size: int, base_channels: int = 32, conv_layers: int = 5,
                      blocks=2, block_ranges=[(0, features), (features, len(shapes))],
                      compute_kind="conv", spatial_shape=(size, size, size),
                      largest_act_bytes=float(biggest[0]), after_largest_bytes=float(biggest[1]),
+                     loss_act_bytes=float(loss[0]), largest_in_loss=bool(loss[1]),
                      pipe_layers=layers,
                      pipe_cut_shapes=cuts, pipe_layer_spatial=spatial, ops_per_step=float(ops),
                      extra={"size": size, "in_channels": in_channels,
@@ -313,7 +331,8 @@ def vit_spec(img_size: tuple, patch_size: int = 8, channels: int = 3, embed_dim:
     with _fake_mode():
         x = torch.zeros(1, channels, *img_size)
         biggest: list = []
-        act = trace_saved_bytes(model, (x,), lambda out: relative_l2_loss(out, x), biggest)
+        loss: list = []
+        act = trace_saved_bytes(model, (x,), lambda out: relative_l2_loss(out, x), biggest, loss)
         ops = count_ops(model, (x,), lambda out: relative_l2_loss(out, x))
         shapes = [tuple(p.shape) for p in model.parameters()]
         names = [n for n, _ in model.named_parameters()]
@@ -330,6 +349,7 @@ def vit_spec(img_size: tuple, patch_size: int = 8, channels: int = 3, embed_dim:
                      blocks=depth, block_ranges=ranges, heads=num_heads,
                      widths=(embed_dim, int(embed_dim * mlp_ratio)), tokens=tokens,
                      largest_act_bytes=float(biggest[0]), after_largest_bytes=float(biggest[1]),
+                     loss_act_bytes=float(loss[0]), largest_in_loss=bool(loss[1]),
                      ops_per_step=float(ops),
                      extra={"n_embd": embed_dim, "img_size": tuple(img_size)})
 
@@ -349,7 +369,8 @@ def user_spec(model: nn.Module, example: torch.Tensor, loss_fn=None, name: str =
     convs = [m for m in model.modules() if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d))]
     with _fake_mode():
         biggest: list = []
-        act = trace_saved_bytes(model, (x,), loss, biggest)
+        in_loss: list = []
+        act = trace_saved_bytes(model, (x,), loss, biggest, in_loss)
         flops = conv_flops(model, x)
         ops = count_ops(model, (x,), loss)
         with torch.no_grad():
@@ -371,6 +392,8 @@ def user_spec(model: nn.Module, example: torch.Tensor, loss_fn=None, name: str =
                      boundary_bytes=input_bytes, blocks=1, block_ranges=[(0, len(shapes))],
                      compute_kind=kind, spatial_shape=spatial,
                      largest_act_bytes=float(biggest[0]) if biggest else 0.0,
+                     loss_act_bytes=float(in_loss[0]) if in_loss else 0.0,
+                     largest_in_loss=bool(in_loss[1]) if in_loss else False,
                      after_largest_bytes=float(biggest[1]) if biggest else 0.0,
                      ops_per_step=float(ops), extra=extra)
 
