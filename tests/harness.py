@@ -15,9 +15,12 @@ import atexit
 import faulthandler
 import os
 import queue
+import shutil
 import signal
+import tempfile
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -46,14 +49,19 @@ def on_cpu(value):
     return value
 
 
-def _worker(rank: int, world_size: int, tasks, results) -> None:
+def _worker(rank: int, world_size: int, tasks, results, stacks: str) -> None:
     import torch as _torch
 
     from exatrain.launch.host_memory import keep_freed_host_memory
 
     _torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    # a rank that misses its deadline prints every thread's stack before it is killed
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # a rank that misses its deadline writes every thread's stack before it is killed, and a
+    # rank that crashes in native code (a segfault, an abort) writes its Python stack: into a
+    # file of its own, which the failure's message carries (a forked rank's stderr is the
+    # forkserver's, which no test captures)
+    stack_file = open(stacks, "w")  # noqa: SIM115 -- open for the process's lifetime
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    faulthandler.enable(file=stack_file, all_threads=True)
     keep_freed_host_memory()  # as `exatrain run` sets up each rank (run.host_memory = "keep")
     true_fp32_on_cuda()
     while True:
@@ -92,7 +100,9 @@ class _Pool:
         # not daemonic: a rank's data loader starts worker processes, as under a real launcher
         # (the pools are killed at exit by _close_pools, which runs before multiprocessing's own
         # exit handler joins children)
-        self.procs = [ctx.Process(target=_worker, args=(r, world_size, self.tasks[r], self.results),
+        self.stacks = Path(tempfile.mkdtemp(prefix=f"exatrain-ranks{world_size}-"))
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, self.tasks[r], self.results,
+                                                        str(self.stacks / f"rank{r}.txt")),
                                   daemon=False) for r in range(world_size)]
         for p in self.procs:
             p.start()
@@ -103,21 +113,26 @@ class _Pool:
             q.put((fn, args, port))
         out: dict[int, tuple] = {}
         deadline = time.monotonic() + timeout_s
+        grace_until = None   # once a rank failed, the others get grace_s to report theirs
         while len(out) < self.world_size:
             failed = any(o[0] == "error" for o in out.values())
-            wait = grace_s if failed else deadline - time.monotonic()
-            try:
-                rank, status, value, tb, when = self.results.get(timeout=max(0.1, wait))
+            if failed and grace_until is None:
+                grace_until = time.monotonic() + grace_s
+            until = grace_until if failed else deadline
+            try:  # in slices of a second: a rank that died is noticed at once, not at the deadline
+                rank, status, value, tb, when = self.results.get(
+                    timeout=max(0.1, min(until - time.monotonic(), 1.0)))
                 out[rank] = (status, value, tb, when)
             except queue.Empty:
                 dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in out]
-                if failed or dead or time.monotonic() >= deadline:
+                if dead or time.monotonic() >= until:
                     if not failed and not dead:
                         self.dump_stacks()
+                    what = f"rank {dead[0]} died ({self.exit_status(dead[0])})" if dead else \
+                        f"no result within {timeout_s:.0f} s (a rank is stuck in a collective)"
+                    what += self.stacks_text()
                     self.close()
                     if not failed:
-                        what = f"rank {dead[0]} died" if dead else \
-                            f"no result within {timeout_s:.0f} s (a rank is stuck in a collective)"
                         raise RankFailed(dead[0] if dead else -1, f"{fn.__name__}: {what}")
                     break
         errors = sorted((o[3], r) for r, o in out.items() if o[0] == "error")
@@ -137,6 +152,21 @@ class _Pool:
                 os.kill(p.pid, signal.SIGUSR1)
         time.sleep(1.0)
 
+    def exit_status(self, rank: int) -> str:
+        code = self.procs[rank].exitcode
+        if code is not None and code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        return f"exit code {code}"
+
+    def stacks_text(self) -> str:
+        """What the ranks' fault handlers wrote: a crashed rank's stack, a stuck rank's threads."""
+        parts = []
+        for path in sorted(self.stacks.glob("rank*.txt")):
+            text = path.read_text(errors="replace").strip()
+            if text:
+                parts.append(f"\n--- {path.stem}'s stacks ---\n{text[-6000:]}")
+        return "".join(parts)
+
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
@@ -153,6 +183,7 @@ class _Pool:
                 p.kill()
         for p in self.procs:
             p.join(5)
+        shutil.rmtree(self.stacks, ignore_errors=True)
 
 
 _pools: dict[int, _Pool] = {}  # test-session cache of rank pools, keyed by world size
