@@ -143,7 +143,7 @@ def test_the_h200_table_of_the_planner_page_is_what_the_comparison_gives():
     root = Path(__file__).parents[1]
     h200 = root / "docs" / "benchmarks" / "results" / "h200-2026-11-27"
     result = compare(read_bench([str(p) for p in sorted(h200.glob("plan-*.json"))])[0],
-                     load_system("h100-infiniband"))
+                     load_system("h200-infiniband"))
     page = (root / "docs" / "benchmarks" / "planner.md").read_text()
     section = page[page.index("### Beside an H200"):]
     names = {"gpt_125m": "GPT 125m", "gpt_1b": "GPT 1.3b"}
