@@ -10,13 +10,16 @@ constant), so its relative error measures only noise.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from exatrain.launch.local import RankFailed
 from exatrain.parallel import unwrap
+from exatrain.parallel.pipe.model import transport_refusal
 from exatrain.train.config import load_config
 from exatrain.train.run import run_job, setup
 from harness import interrupted_copy, logged_losses, rel_err, run_ranks
@@ -133,6 +136,10 @@ def _cnn_steps(pipe: int, schedule: str = "1f1b"):
 
 def test_sequential_cnn_every_schedule_equals_serial():
     serial = _cnn_steps(1)
+    if os.environ.get("EXATRAIN_SHARE_GPU") == "1":  # CUDA tensors over gloo: refused by name
+        with pytest.raises(RankFailed, match=r"plan.pipe = 2 on CUDA tensors over gloo"):
+            run_ranks(2, _cnn_steps, 2, "1f1b")
+        return
     for schedule in SCHEDULES:
         ranks = run_ranks(2, _cnn_steps, 2, schedule)
         state = {**ranks[0]["state"], **ranks[1]["state"]}
@@ -140,6 +147,16 @@ def test_sequential_cnn_every_schedule_equals_serial():
         assert rel_err(torch.tensor(ranks[0]["losses"]), torch.tensor(serial["losses"])) <= 1e-5
         for key, value in serial["state"].items():
             assert rel_err(state[key], value) <= 1e-5, (schedule, key)
+
+
+def test_a_pipeline_of_cuda_tensors_over_gloo_is_refused_by_name():
+    """Ranks sharing one GPU talk over gloo, whose send and receive read host memory: a pipeline
+    of CUDA activations would crash its ranks, so it is refused before the first step."""
+    why = transport_refusal("cuda", "gloo", stages=2, rank=3)
+    assert why.startswith("rank 3: plan.pipe = 2 on CUDA tensors over gloo")
+    assert "unset EXATRAIN_SHARE_GPU" in why
+    for allowed in (("cpu", "gloo", 2), ("cuda", "nccl", 2), ("cuda", "gloo", 1)):
+        assert transport_refusal(*allowed, rank=0) is None, allowed
 
 
 def resumes_alike(corpus, tmp_path, common, written: tuple, resumed: dict) -> None:

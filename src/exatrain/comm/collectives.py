@@ -106,11 +106,17 @@ def broadcast(tensor: torch.Tensor, axis: Axis, src: int = 0, tag: str = ""):
         return dist.broadcast(tensor, src=axis.global_rank(src), group=axis.group)
 
 
+def host_only_p2p(device_type: str, backend: str) -> bool:
+    """Whether point-to-point transfers of `device_type` tensors over `backend` must go through
+    host memory: gloo's send and recv read and write the tensor's memory from the CPU, so a CUDA
+    tensor (ranks sharing one GPU over gloo, `EXATRAIN_SHARE_GPU=1`) would be read through a
+    device pointer and crash the rank (seen on an H200: the rank died in its first halo exchange)."""
+    return device_type == "cuda" and backend == "gloo"
+
+
 def stages_through_host(tensor: torch.Tensor, group) -> bool:
-    """Whether a point-to-point transfer of `tensor` must go through a host copy: gloo's send and
-    recv read and write the tensor's memory from the CPU, so a CUDA tensor (ranks sharing one GPU
-    over gloo, `EXATRAIN_SHARE_GPU=1`) would be read through a device pointer and crash the rank."""
-    return tensor.is_cuda and dist.get_backend(group) == "gloo"
+    """Whether `exchange` sends `tensor` through a host copy (`host_only_p2p`)."""
+    return tensor.is_cuda and host_only_p2p("cuda", dist.get_backend(group))
 
 
 class _Staged:

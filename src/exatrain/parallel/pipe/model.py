@@ -24,13 +24,15 @@ no run-time shape exchange between ranks.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ...comm import Axis, all_reduce
+from ...comm.collectives import host_only_p2p
 from ..data import unwrap
 from .schedules import bubble_formula, build_schedule
-from ...errors import ConfigError
+from ...errors import ConfigError, ParallelizeError
 
 
 def _as_tuple(x):
@@ -99,6 +101,19 @@ def stage_shapes(modules: list[nn.Module], micro: torch.Tensor, autocast) -> lis
     return shapes
 
 
+def transport_refusal(device_type: str, backend: str, stages: int, rank: int) -> str | None:
+    """Why the pipeline cannot run here, or None: torch.distributed.pipelining posts its
+    receives into the stages' own device buffers, so a backend whose point-to-point reads host
+    memory only (`host_only_p2p`: gloo) cannot carry CUDA activations."""
+    if stages > 1 and host_only_p2p(device_type, backend):
+        return (f"rank {rank}: plan.pipe = {stages} on CUDA tensors over {backend} (ranks sharing "
+                f"one GPU, EXATRAIN_SHARE_GPU=1): {backend}'s send and receive read tensor "
+                "memory from the CPU, and the pipeline's transfers would crash the rank. Run one "
+                "rank per GPU over NCCL (unset EXATRAIN_SHARE_GPU and launch as many ranks as "
+                "GPUs), or the pipeline on the CPU.")
+    return None
+
+
 class PipelineModel(nn.Module):
     """This rank's stages of a pipeline; `train_step` / `eval_batch` run the schedule."""
 
@@ -121,6 +136,11 @@ class PipelineModel(nn.Module):
         self.batch = example.shape[0]
         # here, not at import: torch.distributed.pipelining is ~800 files a job without a pipe
         # axis need not open (the Trainer imports this module for an isinstance test)
+        refusal = transport_refusal(device.type, dist.get_backend(axis.group) if axis.size > 1
+                                    else "", self.num_stages, dist.get_rank() if axis.size > 1
+                                    else 0)
+        if refusal:
+            raise ParallelizeError(refusal)
         from .stage import CountedStage, Timeline
         self.timeline = Timeline(axis.rank, device)
         self.stages = [CountedStage(wrapped[i], i, self.num_stages, device, shapes[i][0],
