@@ -134,13 +134,13 @@ class PipelineModel(nn.Module):
         self.gradient_syncs = [sync for w in self.stage_wrappers for sync in _deferred_syncs(w)]
         check_microbatches(example.shape[0], microbatches)
         self.batch = example.shape[0]
-        # here, not at import: torch.distributed.pipelining is ~800 files a job without a pipe
-        # axis need not open (the Trainer imports this module for an isinstance test)
         refusal = transport_refusal(device.type, dist.get_backend(axis.group) if axis.size > 1
                                     else "", self.num_stages, dist.get_rank() if axis.size > 1
                                     else 0)
         if refusal:
             raise ParallelizeError(refusal)
+        # here, not at import: torch.distributed.pipelining is ~800 files a job without a pipe
+        # axis need not open (the Trainer imports this module for an isinstance test)
         from .stage import CountedStage, Timeline
         self.timeline = Timeline(axis.rank, device)
         self.stages = [CountedStage(wrapped[i], i, self.num_stages, device, shapes[i][0],
