@@ -106,11 +106,11 @@ def read_bench(paths: list[str]) -> tuple[list[Recorded], list[tuple[str, str]]]
                 step = batch / data[f"{name}_exatrain_samples_per_s"]
             peak = data.get(f"{name}_exatrain_peak_memory_bytes")
             sets = tuple(sorted(data.get(f"{name}_sets", {}).items()))
-            found[name, batch, sets] = Recorded(name, batch, float(step), None if peak is None else float(peak),
-                                   str(data.get("precision", "fp32")),
-                                   bool(data.get("compile", False)),
-                                   data.get(f"{name}_params"), str(data.get("device", "?")),
-                                   str(data.get("torch", "?")), str(p), sets)
+            found[name, batch, sets] = Recorded(
+                name, batch, float(step), None if peak is None else float(peak),
+                str(data.get("precision", "fp32")), bool(data.get("compile", False)),
+                data.get(f"{name}_params"), str(data.get("device", "?")),
+                str(data.get("torch", "?")), str(p), sets)
     return list(found.values()), sorted(skipped.items())
 
 
