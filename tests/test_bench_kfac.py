@@ -36,9 +36,11 @@ def test_bench_kfac_writes_sane_figures():
         assert result[f"cosmoflow_{o}_step_s"] > 0
         assert len(result[f"cosmoflow_{o}_steps_to_target_per_seed"]) == 2
         assert len(result[f"cosmoflow_{o}_curves"]) == 2
-    # K-FAC's step (factors and an eigendecomposition every step here) costs well over SGD's:
-    # measured 4.9-72x; a K-FAC that skipped its work would sit near 1
-    assert result["cosmoflow_kfac_step_overhead"] > 1.5
+    # K-FAC did its work: every step preconditioned, a decomposition every step (inverse_every 1);
+    # the overhead is a timing, so only its definition is checked here
+    assert result["cosmoflow_kfac_preconditioned_steps"] == 2
+    assert result["cosmoflow_kfac_decompositions"] == 2
+    assert result["cosmoflow_kfac_step_overhead"] > 0
     assert result["cosmoflow_kfac_step_overhead"] == pytest.approx(
         result["cosmoflow_kfac_step_s"] / result["cosmoflow_sgd_step_s"])
     assert 0 < result["cosmoflow_kfac_vs_adamw_p_value"] <= 1

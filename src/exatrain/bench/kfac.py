@@ -32,6 +32,9 @@ workload W and optimizer O:
   W_kfac_reached_every_seed  whether every K-FAC run reached the target; `kfac_settings` the
                           optim.kfac_* values it ran with
   W_kfac_bytes_per_step   the K-FAC collectives the ledger counted, per step
+  W_kfac_preconditioned_steps, W_kfac_decompositions  the first seed's steps K-FAC
+                          preconditioned and the factor refreshes it ran (steps / inverse_every
+                          when it did all its work)
 
 and `second_order_bytes_per_rank_f<f>`: the largest K-FAC state any rank holds, for every
 grad_worker_fraction f the 2 ranks allow (1/2: memory-optimal, 1: communication-optimal), counted
@@ -181,8 +184,11 @@ def _train_rank(config) -> dict:
                 seconds += config.train.batch_size * n / h["samples_per_s"]
             if "val_mae" in h:
                 curve.append((h["step"], seconds, h["val_mae"]))
+        kfac = getattr(trainer.optimizer, "decompositions", None)
         return {"curve": curve, "step_s": summary["step_s_median"],
                 "baseline_mae": summary.get("baseline_mae"),
+                "kfac_decompositions": kfac, "kfac_preconditioned_steps":
+                    getattr(trainer.optimizer, "steps", None) if kfac is not None else None,
                 "kfac_bytes_per_step": sum(kfac_bytes.values()) / max(1, summary["steps"])}
     finally:
         mesh.close()
@@ -356,6 +362,8 @@ def run(args, launch=None) -> dict:
                 if "kfac" not in runs:
                     continue
                 result[f"{workload}_kfac_bytes_per_step"] = runs["kfac"][0]["kfac_bytes_per_step"]
+                for figure in ("decompositions", "preconditioned_steps"):
+                    result[f"{workload}_kfac_{figure}"] = runs["kfac"][0][f"kfac_{figure}"]
                 if "sgd" in runs:
                     result[f"{workload}_kfac_step_overhead"] = (result[f"{workload}_kfac_step_s"]
                                                                 / result[f"{workload}_sgd_step_s"])

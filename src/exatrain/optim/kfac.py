@@ -135,6 +135,7 @@ class KFAC(torch.optim.Optimizer):
         self.grid = WorkerGrid(mesh, [(l.factor_cost("A"), l.factor_cost("G"))
                                       for l in self.layers], s.grad_worker_fraction)
         self.steps = 0
+        self.decompositions = 0   # factor refreshes (eigen or Cholesky) this process ran
         self.kfac_state: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
         for i, layer in enumerate(self.layers):
             entry = {"kfac_steps": torch.zeros((), dtype=torch.int64)}
@@ -261,6 +262,7 @@ class KFAC(torch.optim.Optimizer):
             self._update_factors()
         if self.steps % s.inverse_every == 0:
             self._eigen()
+            self.decompositions += 1
         lr = self.inner.param_groups[0]["lr"]
         grads = [self._grad_matrix(l) for l in self.layers]
         preconditioned = self._precondition(grads)
