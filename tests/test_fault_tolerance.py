@@ -165,6 +165,11 @@ def test_a_killed_group_rejoins_from_its_peer_and_the_survivor_never_redoes_a_st
     assert kill_at < heal["rejoined_at_step"] < steps
     rejoined = sorted(logged_losses(second))  # its first step is the heal's
     assert rejoined[0] == heal["rejoined_at_step"] and rejoined[-1] == steps
+    # the rate each logged step trained at: the rejoined group's, from its healed first step
+    # on, is the survivor's (the heal sets it; the log once showed the schedule's step 0)
+    rates = [{r["step"]: r["lr"] for r in map(json.loads, (d / "metrics.jsonl").read_text()
+                                              .splitlines()) if "lr" in r} for d in (first, second)]
+    assert rates[1] and all(rates[1][k] == rates[0][k] for k in rates[1]), rates
     a, b = _final_weights(first), _final_weights(second)
     assert all(torch.equal(a[k], b[k]) for k in a)  # the groups agree to the last bit
     # batch = "keep": group 0 trained on group 1's samples while it was out, so the run is the

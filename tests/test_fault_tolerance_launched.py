@@ -349,9 +349,13 @@ def test_sbatch_replica_groups_checkpoint_on_the_wall_time_warning_and_requeue(s
         weights.append(final_weights(root / group))
     reference = _uninterrupted(cosmo_data, tmp_path / "plain", "model.base_channels=4",
                                f"train.steps={steps}")
-    assert all(torch.equal(weights[0][k], weights[1][k]) for k in reference)
-    err = max(rel_err(weights[0][k], reference[k]) for k in reference)
-    assert err <= 1e-6, f"final weights {err:.1e} from the uninterrupted run's"
+    between = max(rel_err(weights[0][k], weights[1][k]) for k in reference)
+    errs = [max(rel_err(w[k], reference[k]) for k in reference) for w in weights]
+    story = "\n".join(l for l in output.splitlines() if "quorum" in l or "heal" in l or "step " in l)
+    assert between == 0 and max(errs) <= 1e-6, (
+        f"groups {between:.1e} apart, {errs[0]:.1e} and {errs[1]:.1e} from the uninterrupted "
+        f"run's weights; steps trained {[_trained_steps(root / g) for g in ('group_00', 'group_01')]}"
+        f"\n{story[-6000:]}")
 
 
 def test_the_tutorials_replica_group_batch_line_makes_a_script_sbatch_accepts(slurm, tmp_path,

@@ -318,6 +318,7 @@ class Trainer:
         self.observer.step_end(self._read_now)
         if result.healed_to is not None:  # [fault_tolerance]: a peer's step N was applied here
             self.step = result.healed_to
+            self._lr = self.schedule.lr(self.step)  # the rate the heal set, as logged
         self.step += 1
         self._interval.waits.append(wait)
         self._run_times["waits"].append(wait)
