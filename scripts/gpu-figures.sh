@@ -157,7 +157,8 @@ planner)  # the planner's one-GPU check: 4 models at 2 batch sizes, exatrain's p
     (( DRY )) || (cd "$OUT" && mkdir -p plan && mv plan-*.json plan/ 2>/dev/null; \
         sheet=h100-infiniband; grep -q H200 device.txt && sheet=h200-infiniband; \
         timeout 60 python3 -m exatrain.cli plan --calibrate-from plan/*.json \
-        --system $sheet > calibrate.log 2>&1; tar czf plan.tgz plan && rm -rf plan) ;;
+        --system $sheet --calibrate-out "$sheet-measured.toml" > calibrate.log 2>&1; \
+        tar czf plan.tgz plan && rm -rf plan) ;;
 fp8)  # GPT 1.3b in bf16 and with float8 Linears, 200 steps each: tokens/s and the two loss
       # curves (carry torchao: pip download --no-deps torchao==0.18.0 -d .whl, see the header)
     bench_case gpt_1b 420 --steps 200 --alt-set 'parallel.precision="fp8"' ;;

@@ -3,6 +3,8 @@ config builder, and a one-thread switch for in-process training tests."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -18,6 +20,20 @@ true_fp32_on_cuda()  # serial references on a shared GPU in true float32, as the
 
 TINY = ["model.size=16", "model.conv_layers=4", "model.base_channels=4", "data.size=16",
         "data.generate=false", "train.batch_size=8", "train.log_every=1", "optim.lr=0.003"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def own_systems_folder(tmp_path_factory):
+    """The planner's user systems folder for this session: the tests neither read a system the
+    user calibrated (a cpu-local of their own would change every prediction) nor write into
+    their ~/.config."""
+    before = os.environ.get("EXATRAIN_SYSTEMS_DIR")
+    os.environ["EXATRAIN_SYSTEMS_DIR"] = str(tmp_path_factory.mktemp("systems"))
+    yield
+    if before is None:
+        os.environ.pop("EXATRAIN_SYSTEMS_DIR", None)
+    else:
+        os.environ["EXATRAIN_SYSTEMS_DIR"] = before
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ from exatrain.tune.cost import Options, predict
 from exatrain.tune.commands import calibrate_from_command
 from exatrain.tune.devicefit import CASES, UNKNOWN, case_config, compare, read_bench
 from exatrain.tune.spec import spec_from_config
-from exatrain.tune.systems import load_system
+from exatrain.tune.systems import SYSTEMS_DIR, load_system
 
 RESULTS = Path(__file__).parents[1] / "docs" / "benchmarks" / "results" / "h100-step"
 RECORDED = [RESULTS / "bench-cosmoflow.json", RESULTS / "bench-deepcam.json",
@@ -158,3 +158,23 @@ def test_the_h200_table_of_the_planner_page_is_what_the_comparison_gives():
     assert f"Step MAPE **{result['step_mape']:.1f} %**, memory MAPE " \
            f"**{result['memory_mape']:.1f} %**" in section
     assert f"in-sample, {result['step_mape_held_out']:.1f} % leave-one-out" in section
+
+
+def test_calibrate_from_writes_into_the_users_systems_folder_never_into_the_package(
+        tmp_path, monkeypatch, capsys):
+    """A site install keeps the package read-only: without --calibrate-out the fitted system goes
+    to the user's systems folder, where --system finds it by name before the shipped files."""
+    mine = tmp_path / "systems"
+    monkeypatch.setenv("EXATRAIN_SYSTEMS_DIR", str(mine))
+    shipped = {p.name: p.read_bytes() for p in SYSTEMS_DIR.glob("*.toml")}
+    assert main(["plan", "--calibrate-from", *map(str, RECORDED), "--system",
+                 "h100-infiniband"]) == 0
+    written = mine / "h100-infiniband-measured.toml"
+    assert written.is_file()
+    assert "plan with --system h100-infiniband-measured" in capsys.readouterr().out
+    assert {p.name: p.read_bytes() for p in SYSTEMS_DIR.glob("*.toml")} == shipped
+    # a user's file of a shipped name is the one a name loads
+    written.write_text(written.read_text().replace('description = "', 'description = "mine: ', 1))
+    assert load_system("h100-infiniband-measured").description.startswith("mine: ")
+    assert not load_system(str(SYSTEMS_DIR / "h100-infiniband-measured.toml")).description \
+        .startswith("mine: ")

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from .systems import SYSTEMS_DIR
+from .systems import user_systems_dir
 
 
 def _median_time(fn, repeat: int, warmup: int = 2) -> float:
@@ -293,7 +293,7 @@ def calibrate(out: str = "", quick: bool = False, shapes: bool = True) -> Path:
         fitted = fitted_system(from_dict(system), fit)
         system["efficiency"] = dict(fitted.efficiency)
         system["overheads"] = {**fit["overheads"], "step_error": error / 100}
-    path = Path(out) if out else SYSTEMS_DIR / "cpu-local.toml"
+    path = Path(out) if out else user_systems_dir() / "cpu-local.toml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(b"# Written by `exatrain plan --calibrate`; edit or re-measure freely.\n" +
                      tomli_w.dumps(system).encode())

@@ -53,7 +53,7 @@ def plan_command(args) -> int:
     if args.calibrate:
         from .calibrate import calibrate
         path = calibrate(out=args.calibrate_out, quick=args.quick)
-        print(f"wrote {path}")
+        print(f"wrote {path}{_use_it(path)}")
         return 0
     if args.calibrate_from:
         return calibrate_from_command(args)
@@ -125,6 +125,13 @@ def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:+.1f} %"
 
 
+def _use_it(path) -> str:
+    """How the plan command names a system file it wrote."""
+    from .systems import system_file
+    named = system_file(path.stem).resolve() == path.resolve()
+    return f" (plan with --system {path.stem if named else path})"
+
+
 def calibrate_from_command(args) -> int:
     """`exatrain plan --calibrate-from BENCH.json ... --system SYSTEM` (`tune.devicefit`)."""
     from rich.console import Console
@@ -188,7 +195,7 @@ def calibrate_from_command(args) -> int:
     if result["not_held_out"]:
         console.print("not held out (the only case of its compute kind, fitted exactly): " +
                       ", ".join(result["not_held_out"]), highlight=False)
-    console.print(f"wrote {path}", highlight=False)
+    console.print(f"wrote {path}{_use_it(path)}", highlight=False)
     return 0
 
 
@@ -422,7 +429,9 @@ def add_parsers(sub) -> None:
     plan.add_argument("--calibrate", action="store_true", help="measure this machine into a "
                                                                "system file")
     plan.add_argument("--calibrate-out", default="", help="system file to write (default: "
-                      "systems/cpu-local.toml; with --calibrate-from systems/SYSTEM-measured.toml)")
+                      "cpu-local.toml, with --calibrate-from SYSTEM-measured.toml, in your "
+                      "systems folder: $EXATRAIN_SYSTEMS_DIR or ~/.config/exatrain/systems, "
+                      "where --system NAME finds it)")
     plan.add_argument("--calibrate-from", nargs="+", metavar="BENCH_JSON", help="`exatrain "
                       "bench device` JSON files: predict their one-GPU cases on --system, set "
                       "prediction beside measurement, fit the system's compute efficiency to "

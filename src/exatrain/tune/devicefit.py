@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import ArgumentError, MissingFileError
-from .systems import SYSTEMS_DIR
+from .systems import system_file, user_systems_dir
 
 # name -> (workload, the bench's `--sizes full` overrides that shape the model and the batch)
 CASES = {
@@ -199,17 +199,12 @@ def compare(records: list[Recorded], system) -> dict:
         "calibrated_system": calibrated_system}
 
 
-def system_path(name_or_path: str) -> Path:
-    path = Path(name_or_path)
-    return path if path.suffix else SYSTEMS_DIR / f"{name_or_path}.toml"
-
-
 def write_system(result: dict, base: str, out: str = "") -> Path:
     """The base system's file with the fitted [efficiency], named `<base>-measured`, the cases
     it was fitted on under [measured.cases], and step_error: the leave-one-out MAPE where a case
     could be held out."""
     import tomli_w
-    raw = tomllib.loads(system_path(base).read_text())
+    raw = tomllib.loads(system_file(base).read_text())
     name = f"{raw['name']}-measured"
     devices = sorted({r["device"] for r in result["rows"]})
     raw["name"] = name
@@ -230,7 +225,7 @@ def write_system(result: dict, base: str, out: str = "") -> Path:
     if result["step_mape_held_out"] is not None:
         raw["overheads"] = {**raw.get("overheads", {}),
                             "step_error": result["step_mape_held_out"] / 100}
-    path = Path(out) if out else SYSTEMS_DIR / f"{name}.toml"
+    path = Path(out) if out else user_systems_dir() / f"{name}.toml"
     path.parent.mkdir(parents=True, exist_ok=True)
     held = (f"its leave-one-out MAPE over {result['held_out_cases']} case(s)"
             if result["step_mape_held_out"] is not None else "none: too few cases to hold one out")

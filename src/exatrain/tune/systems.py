@@ -29,20 +29,44 @@ latency dominates, so a ring's n-1 latency steps would grossly overcharge thousa
     send / recv                α + B / β
 
 with α the link latency of the message's size regime (`Link.alpha`) and β its bandwidth ×
-efficiency. A user adds a system by writing a file
-next to the others, or passing a path to `--system`.
+efficiency. A user adds a system by writing a file into the user's systems folder
+(`user_systems_dir`: $EXATRAIN_SYSTEMS_DIR, else ~/.config/exatrain/systems), or by passing a
+path to `--system`. A name is looked up there first, then among the files shipped with the
+package; `exatrain plan --calibrate` and `--calibrate-from` write there, never into the installed
+package (which a site install keeps read-only).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ArgumentError, MissingFileError
 
-SYSTEMS_DIR = Path(__file__).parent / "systems"
+SYSTEMS_DIR = Path(__file__).parent / "systems"   # the files shipped with the package
+SYSTEMS_ENV = "EXATRAIN_SYSTEMS_DIR"
+
+
+def user_systems_dir() -> Path:
+    """The user's systems: $EXATRAIN_SYSTEMS_DIR, else $XDG_CONFIG_HOME/exatrain/systems
+    (~/.config/exatrain/systems)."""
+    if os.environ.get(SYSTEMS_ENV):
+        return Path(os.environ[SYSTEMS_ENV])
+    config = os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config"
+    return Path(config) / "exatrain" / "systems"
+
+
+def system_file(name_or_path: str) -> Path:
+    """A system's file: a path as given (it has a suffix), else the user's file of that name,
+    else the shipped one (which may not exist: the caller says so)."""
+    path = Path(name_or_path)
+    if path.suffix:
+        return path
+    mine = user_systems_dir() / f"{name_or_path}.toml"
+    return mine if mine.is_file() else SYSTEMS_DIR / f"{name_or_path}.toml"
 
 
 @dataclass(frozen=True)
@@ -138,14 +162,13 @@ def from_dict(raw: dict, where: str = "system") -> System:
 
 
 def available() -> list[str]:
-    return sorted(p.stem for p in SYSTEMS_DIR.glob("*.toml"))
+    return sorted({p.stem for d in (user_systems_dir(), SYSTEMS_DIR) for p in d.glob("*.toml")})
 
 
 def load_system(name_or_path: str) -> System:
-    """A system by name (a file in `systems/`) or by path to a TOML file."""
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = SYSTEMS_DIR / f"{name_or_path}.toml"
+    """A system by name (the user's file of that name, else the shipped one) or by path to a
+    TOML file."""
+    path = system_file(name_or_path)
     if not path.is_file():
         hint = " Run `exatrain plan --calibrate` to measure this machine into cpu-local." \
             if name_or_path == "cpu-local" else ""
