@@ -3,6 +3,15 @@
 An `Axis` bundles what a collective needs: the process group, this rank's position in it, and the
 ledger to record into. Axes of size 1 cost nothing: every collective on them returns at once and
 records nothing. Asynchronous calls return the backend's work handle (or None for size 1).
+
+CUDA tensors over gloo (ranks sharing one GPU, `EXATRAIN_SHARE_GPU=1`; NCCL refuses two ranks
+on one device). Read from torch 2.13's ProcessGroupGloo: broadcast, all-reduce, reduce,
+all-gather (and all_gather_into_tensor, which chunks into it), gather, scatter and all-to-all
+have CUDA paths (device-to-host staging inside gloo); reduce_scatter_tensor is an all-reduce
+there, so it runs too, at the cost of a full all-reduce. Two kinds have no device check and
+hand the CPU a device pointer: point-to-point send/recv (a rank died in its first halo exchange
+on an H200) and the coalesced all-gathers. This module uses no coalesced all-gather, and
+`exchange` sends CUDA tensors through host copies (`host_only_p2p`).
 """
 
 from __future__ import annotations
