@@ -13,6 +13,9 @@
 #   bash scripts/gpu-figures.sh planner     # the planner beside the device: GPT 125m, 350m, 1.3b and
 #                                           #    CosmoFlow 128³ at two batch sizes each, then
 #                                           #    `exatrain plan --calibrate-from` on them
+#   bash scripts/gpu-figures.sh graphs      # GPT 125m and CosmoFlow: the whole step as one CUDA
+#                                           #    graph (cuda_graphs_scope = "step") beside the
+#                                           #    compiled step without graphs, and the plain loop
 #   bash scripts/gpu-figures.sh fp8         # GPT 1.3b: bf16 beside float8 Linears (torchao carried
 #                                           #    as a wheel in .whl/, installed by this script)
 #   bash scripts/gpu-figures.sh step        # 0. the step's figures in one ~7-minute call: CosmoFlow,
@@ -159,6 +162,11 @@ planner)  # the planner's one-GPU check: 4 models at 2 batch sizes, exatrain's p
         timeout 60 python3 -m exatrain.cli plan --calibrate-from plan/*.json \
         --system $sheet --calibrate-out "$sheet-measured.toml" > calibrate.log 2>&1; \
         tar czf plan.tgz plan && rm -rf plan) ;;
+graphs)  # the whole step recorded (alt) beside the compiled step without graphs (exatrain)
+    for pair in ${CASES:-gpt_125m:150 cosmoflow:150}; do
+        bench_case "${pair%%:*}" "${pair#*:}" --alt-set parallel.cuda_graphs=true \
+            --alt-set 'parallel.cuda_graphs_scope="step"'
+    done ;;
 fp8)  # GPT 1.3b in bf16 and with float8 Linears, 200 steps each: tokens/s and the two loss
       # curves (carry torchao: pip download --no-deps torchao==0.18.0 -d .whl, see the header)
     bench_case gpt_1b 420 --steps 200 --alt-set 'parallel.precision="fp8"' ;;
@@ -199,5 +207,5 @@ multirank)  # the distributed-equals-serial cases of every axis, ranks sharing t
         grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/multirank-${pair%%:*}.log" \
             | cut -c1-300 >> "$OUT/summary.txt"
     done ;;
-*) echo "usage: $0 once|lease|planner|fp8|step|bench|levers|multirank [--dry-run]" >&2; exit 2 ;;
+*) echo "usage: $0 once|lease|planner|graphs|fp8|step|bench|levers|multirank [--dry-run]" >&2; exit 2 ;;
 esac

@@ -76,7 +76,9 @@ def apply_checkpointing_and_compile(model: nn.Module, options, whole_model: bool
         from .precision import keep_norms_fp32
         keep_norms_fp32(model)
     mode = options.activation_checkpointing
-    graphs = getattr(options, "cuda_graphs", False)
+    # (the whole step's graph records compiled code as it is: no graphs of its own inside)
+    graphs = getattr(options, "cuda_graphs", False) and \
+        getattr(options, "cuda_graphs_scope", "compiled") == "compiled"
     for parent, name, block in blocks:
         if mode != "none":
             block = checkpoint_block(block, mode, keep_running_stats=not options.compile)

@@ -17,8 +17,10 @@ class ParallelOptions:
     activation_checkpointing: str = "none"  # none | full | selective
     compile: bool = False           # torch.compile the model (see parallel/compile.py)
     compile_backend: str = "inductor"  # torch.compile's backend (eager, aot_eager: debugging)
-    cuda_graphs: bool = False       # GPU, with compile: the compiled code replays as CUDA graphs
-                                    # (torch.compile mode "reduce-overhead"), no launch per kernel
+    cuda_graphs: bool = False       # GPU: replay recorded CUDA graphs, no launch per kernel
+    cuda_graphs_scope: str = "compiled"  # compiled: the compiled regions (torch.compile mode
+                                    # "reduce-overhead"); step: the whole step, forward, backward,
+                                    # clipping and the fused optimizer, one graph (train/step_graph)
     compile_scope: str = "auto"     # model | blocks | auto: the whole model (stage) as one frame,
                                     # or each block; auto = blocks under FSDP2 (its hooks sit on
                                     # blocks) and for 4+ repeated blocks (transformers), else model
@@ -67,13 +69,28 @@ def cuda_graphs_refusal(plan, options, device_type: str, optimizer: str = "") ->
     a CPU; compile off; pipeline schedules (stages exchange activations with point-to-point
     sends between regions, micro-batch after micro-batch); FSDP2 (its hooks gather and free
     weights around every block); K-FAC (its hooks keep every layer's inputs and output
-    gradients for the step's preconditioner, which the next replay overwrites)."""
+    gradients for the step's preconditioner, which the next replay overwrites).
+
+    `cuda_graphs_scope = "step"` records the whole step (train/step_graph.py), compiled or not,
+    on one rank: a plan of several ranks is refused (their gradient collectives run between
+    the graphs of the compiled scope instead)."""
     if not getattr(options, "cuda_graphs", False):
         return None
     fix = "Set parallel.cuda_graphs=false"
     if device_type != "cuda":
         return (f"parallel.cuda_graphs needs a GPU; this run's device is {device_type!r}, where "
                 f"there is no graph to replay. {fix} (parallel.compile alone works here).")
+    if getattr(options, "cuda_graphs_scope", "compiled") == "step":
+        if plan.world_size > 1:
+            return (f"{plan}: parallel.cuda_graphs_scope='step' records the whole step on one "
+                    f"rank; this plan's {plan.world_size} ranks exchange gradients inside it. "
+                    "Set parallel.cuda_graphs_scope='compiled' (graphs of the compiled regions, "
+                    f"any data-parallel plan), or {fix.lower()[0]}{fix[1:]}.")
+        if optimizer == "kfac":
+            return ("parallel.cuda_graphs does not run with optim.name='kfac' (its hooks keep "
+                    f"each layer's inputs, which the next replay overwrites). {fix}, or use "
+                    "adamw or sgd.")
+        return None
     if not options.compile:
         return ("parallel.cuda_graphs replays compiled code: set parallel.compile=true as well, "
                 f"or {fix.lower()[0]}{fix[1:]}.")

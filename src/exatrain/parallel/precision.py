@@ -84,9 +84,11 @@ class Precision:
     def mixed(self) -> bool:
         return self.dtype != torch.float32
 
-    def autocast(self):
-        """Context for the forward pass (not the loss, not backward)."""
-        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.mixed)
+    def autocast(self, cache: bool = True):
+        """Context for the forward pass (not the loss, not backward). `cache`: keep each
+        weight's low-precision copy for the region (off where a CUDA graph records the step)."""
+        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.mixed,
+                              cache_enabled=cache)
 
     def loss_scaler(self, device: torch.device | str = "cpu") -> "DynamicLossScaler":
         return DynamicLossScaler(enabled=self.dtype == torch.float16, device=device)

@@ -324,6 +324,8 @@ def validate(config: Config) -> None:
                "parallel.compile_scope": (config.parallel.compile_scope,
                                           ("auto", "model", "blocks")),
                "parallel.channels_last": (config.parallel.channels_last, ("auto", "on", "off")),
+               "parallel.cuda_graphs_scope": (config.parallel.cuda_graphs_scope,
+                                              ("compiled", "step")),
                "train.on_nonfinite": (t.on_nonfinite, ("stop", "skip")),
                "train.on_bad_sample": (t.on_bad_sample, ("stop", "skip"))}
     if hasattr(config.data, "shuffle"):

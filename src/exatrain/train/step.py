@@ -62,7 +62,7 @@ class StepResult:
 class TrainStep:
     def __init__(self, model, optimizer, workload, train_options, mesh, precision, scaler, phase,
                  new_graph_iteration, nonfinite_skips, nonfinite_error, seed: int,
-                 replicas=None, seed_rank: int | None = None):
+                 replicas=None, seed_rank: int | None = None, autocast_cache: bool = True):
         # the workload's loss_fn is looked up at each step (it may be replaced between steps)
         self.model, self.optimizer, self.workload = model, optimizer, workload
         self.options, self.device = train_options, mesh.device
@@ -71,6 +71,7 @@ class TrainStep:
         self.replicas = replicas
         self.precision, self.scaler, self.phase = precision, scaler, phase
         self.new_graph_iteration = new_graph_iteration
+        self.autocast_cache = autocast_cache  # off when the step is recorded (train.step_graph)
         self.nonfinite_skips, self.nonfinite_error, self.seed = nonfinite_skips, nonfinite_error, seed
         # what clipping and unscaling act on: the tensors the optimizer steps (ZeRO-1/2: shards)
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -84,11 +85,24 @@ class TrainStep:
                  peak) -> StepResult:
         """Optimizer step `step` (0-based) at learning rate `lr`; `measure`: count the model
         state's bytes; `peak`: the context that tracks this step's activation memory."""
+        self.begin(step, lr)
+        return self.run(batches, step, defers, measure, peak)
+
+    def begin(self, step: int, lr: float) -> None:
+        """The host's settings of step `step`: the learning rate (written into a tensor learning
+        rate, which a recorded step reads), the random streams, training mode."""
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
         self._seed(step)
         if not (self.model.training and unwrap(self.model).training):
             self.model.train()  # (evaluation restores the mode: a walk per step costs CPU steps)
+
+    def run(self, batches, step: int, defers: bool, measure: bool, peak) -> StepResult:
+        """The device's work of the step `begin` set up: forward and backward, the verdict, the
+        optimizer. With `defers` nothing in it waits for the host (a CUDA graph can record it)."""
         with peak:
             if self.replicas is None or not self.replicas.per_step:
                 # (local_sgd, diloco: the groups synchronise in the optimizer's step hook)
@@ -111,7 +125,8 @@ class TrainStep:
         if defers:
             skip = found_inf
             if not self.scaler.enabled:  # stop: this step and every later one are skipped
-                self.halted = torch.maximum(self.halted, found_inf.to(self.halted.device))
+                # (in place: a recorded step reads and writes this one tensor every replay)
+                torch.maximum(self.halted, found_inf.to(self.halted.device), out=self.halted)
                 skip = self.halted
             self.scaler.update(found_inf)
             with self.phase("optimizer"):
@@ -144,7 +159,7 @@ class TrainStep:
             sync = micro == count - 1 or not hasattr(self.model, "no_sync")
             with (self.model.no_sync() if not sync else contextlib.nullcontext()):
                 self.new_graph_iteration()
-                with self.precision.autocast(), self.phase("forward"):
+                with self.precision.autocast(self.autocast_cache), self.phase("forward"):
                     output = self.model(x)
                 loss = self.workload.loss_fn(output.float(), y)  # fp32 loss
                 if accum > 1:  # (a division by one would cost a kernel and a backward node)

@@ -1,0 +1,148 @@
+"""The whole step as one CUDA graph (`parallel.cuda_graphs = true`, `cuda_graphs_scope = "step"`).
+
+torch.compile's "reduce-overhead" mode (the "compiled" scope) records the compiled regions as
+CUDA graphs; the loss, the gradient clipping and the optimizer's step still launch kernel by
+kernel between them. Here `train.step.TrainStep.run` (forward and backward of every micro-batch,
+the gradient norm and clipping, the non-finite verdict, the fused optimizer's step) is recorded
+once and replayed every step, with one launch per step:
+
+    steps 1..warmup     eager, on a side stream (torch's recipe for whole-network capture:
+                        compiled code compiles, cuBLAS and the optimizer's state are created)
+    step warmup+1       the micro-batches copied into static buffers, each learning rate made a
+                        device tensor, then the step recorded (nothing runs while recording)
+                        and replayed
+    every later step    the batch copied into the static buffers, the learning rate written
+                        into its tensor (`TrainStep.begin`), one replay; the loss, the norm and
+                        the verdict copied out (the next replay overwrites them)
+
+A batch of another shape (a last, shorter batch) runs eagerly, the recorded step untouched.
+
+What the recording needs, refused by name before the first step where it is missing
+(`step_graph_refusal`): one rank (`parallel.options.cuda_graphs_refusal`); a fused optimizer
+(its `found_inf` skips a non-finite step on the device; a for-each step reads its step count on
+the host); the deferred verdict (`train.on_nonfinite = "stop"`, no hook acting on a non-finite
+step: nothing read on the host inside the step); no replica groups (their quorum is a host call).
+Randomness (dropout) stays per step: the generators are seeded before each replay and a CUDA
+graph's random offsets are taken from the generator at replay.
+
+Memory: the graph keeps a private pool holding the step's activations and gradients between
+replays (a compiled step without graphs frees them); `exatrain bench device` reports the peak
+beside the compiled step's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .step import StepResult
+
+WARMUP_STEPS = 3   # eager steps before the recording (torch's whole-network recipe uses 3)
+
+
+def step_graph_refusal(optimizer, defers: bool, replicas) -> str | None:
+    """Why this step cannot be recorded as one graph (with the fix); None when it can."""
+    fix = "or set parallel.cuda_graphs_scope='compiled'"
+    if not optimizer.defaults.get("fused"):
+        return ("parallel.cuda_graphs_scope='step' records the optimizer's step, which needs a "
+                "fused optimizer (optim.impl='auto' or 'fused', optim.name adamw, adam or sgd): "
+                f"the others read their step count on the host. Set optim.impl='fused', {fix}.")
+    if replicas is not None:
+        return ("parallel.cuda_graphs_scope='step' does not run with [fault_tolerance] (each "
+                f"step's quorum and commit are host calls). Turn fault_tolerance off, {fix}.")
+    if not defers:
+        return ("parallel.cuda_graphs_scope='step' needs the non-finite verdict on the device "
+                "(train.on_nonfinite='stop', no hook acting on a non-finite step): a step that "
+                f"reads it on the host cannot be recorded. Set train.on_nonfinite='stop', {fix}.")
+    return None
+
+
+class CudaGraphCapture:
+    """Records a function as one CUDA graph on `device` and replays it."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.graph, self.outputs = None, None
+
+    def eager(self, fn):
+        """A warm-up step on a side stream (the recipe's: what it allocates stays out of the
+        default stream's way)."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            out = fn()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        return out
+
+    def record(self, fn) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.outputs = fn()
+
+    def replay(self):
+        """Run the recorded step; its outputs (the same tensors every replay)."""
+        self.graph.replay()
+        return self.outputs
+
+
+class WholeStepGraph:
+    """A `TrainStep` whose `run` is recorded once and replayed (the module doc). Called like
+    the `TrainStep` it wraps; `capture` records and replays (`CudaGraphCapture`)."""
+
+    def __init__(self, step, capture, micro_batches: int, warmup: int = WARMUP_STEPS):
+        self.step, self.capture = step, capture
+        self.micro_batches, self.warmup = micro_batches, warmup
+        self.static: list[tuple[torch.Tensor, ...]] | None = None
+        self.recorded = False
+        self.eager_steps = 0        # steps run without the graph (warm-up, odd shapes)
+        self.replays = 0
+
+    def __getattr__(self, name):  # rank, halted, ...: the wrapped step's
+        return getattr(self.step, name)
+
+    def __call__(self, batches, step: int, lr: float, defers: bool, measure: bool,
+                 peak) -> StepResult:
+        micro = [next(batches) for _ in range(self.micro_batches)]
+        fits = self.static is not None and all(
+            len(m) == len(s) and all(a.shape == b.shape and a.dtype == b.dtype
+                                     for a, b in zip(m, s)) for m, s in zip(micro, self.static))
+        if not self.recorded and self.eager_steps < self.warmup or \
+                self.recorded and not fits:
+            self.eager_steps += 1
+            return self.capture.eager(
+                lambda: self.step(iter(micro), step, lr, defers, measure, peak))
+        if not self.recorded:
+            self.static = [tuple(t.detach().clone() for t in m) for m in micro]
+            self._learning_rates_on_the_device()
+            self.step.begin(step, lr)
+            self.capture.record(lambda: self.step.run(
+                iter(self.static), step, defers, False, contextlib.nullcontext()))
+            self.recorded = True
+        else:
+            for m, s in zip(micro, self.static):
+                for source, target in zip(m, s):
+                    target.copy_(source, non_blocking=True)
+            self.step.begin(step, lr)
+        with peak:
+            out = self.capture.replay()
+        self.replays += 1
+        result = StepResult(out.loss.detach().clone(),
+                            None if out.grad_norm is None else out.grad_norm.detach().clone(),
+                            out.found_inf.detach().clone())
+        if measure:
+            from ..observe.memory_meters import state_bytes
+            result.state_bytes = state_bytes(self.step.model, self.step.optimizer)
+        return result
+
+    def _learning_rates_on_the_device(self) -> None:
+        """Each group's learning rate as a tensor on its parameters' device: the recorded
+        optimizer reads it there, and `TrainStep.begin` writes each step's rate into it."""
+        for group in self.step.optimizer.param_groups:
+            if not isinstance(group["lr"], torch.Tensor):
+                device = group["params"][0].device
+                group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32,
+                                           device=device)
+
+
+__all__ = ["CudaGraphCapture", "WholeStepGraph", "step_graph_refusal", "WARMUP_STEPS"]
