@@ -11,6 +11,7 @@ What only a GPU can show (the recording itself) is measured by `exatrain bench d
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -77,7 +78,8 @@ def test_the_recorded_step_trains_as_the_plain_step(tiny_config, one_thread):
     losses, weights, wrapper, trainer = _train(tiny_config, graphed=True)
     assert (wrapper.eager_steps, wrapper.replays) == (WARMUP_STEPS, STEPS - WARMUP_STEPS)
     # the rates became device tensors at the recording and followed the schedule after it
-    assert all(isinstance(g["lr"], torch.Tensor) for g in trainer.optimizer.param_groups)
+    assert all(isinstance(g["lr"], torch.Tensor) and g["capturable"]
+               for g in trainer.optimizer.param_groups)
     # rates exact in float32 (2^-9 · k/8, a new one every step of the warm-up): the recorded
     # optimizer reads its rate from a float32 tensor where the plain step passes a Python float,
     # and with other rates the two differ by that rounding (measured: 1e-6 relative in the
@@ -85,12 +87,42 @@ def test_the_recorded_step_trains_as_the_plain_step(tiny_config, one_thread):
     assert len(losses) == STEPS and losses == plain_losses, (losses, plain_losses)
     for k in plain:   # measured: bitwise equal
         assert torch.equal(weights[k], plain[k]), k
+    # the state it saves is the plain one; a state loaded while recorded lands in its rates
+    rates = [g["lr"] for g in trainer.optimizer.param_groups]
+    state = trainer.optimizer.state_dict()
+    assert all(isinstance(g["lr"], float) for g in state["param_groups"])
+    state["param_groups"][0]["lr"] = 0.5
+    trainer.optimizer.load_state_dict(state)
+    assert all(g["lr"] is r for g, r in zip(trainer.optimizer.param_groups, rates))
+    assert float(rates[0]) == 0.5
     # a batch of another shape (a last, shorter one) runs eagerly; the recording stays
     x, y = next(iter(trainer.sampling.batches(0, trainer.decode)))
     before = wrapper.replays
     result = wrapper(iter([(x[:1], y[:1])]), STEPS, 1e-4, True, False, contextlib.nullcontext())
     assert wrapper.replays == before and wrapper.eager_steps == WARMUP_STEPS + 1
     assert torch.isfinite(result.loss)
+
+
+def test_a_recorded_run_resumes_recorded_and_plain(tiny_config, one_thread):
+    """A recorded run's checkpoints hold the plain form (a float rate): the run resumes
+    recorded, and that one's checkpoint resumes plain."""
+    _, _, _, trainer = _train(tiny_config, graphed=True)
+    run_dir = str(trainer.run_dir)
+    for until, graphed in ((STEPS + 4, True), (STEPS + 8, False)):
+        config = tiny_config(f"train.steps={until}", "train.log_every=1", "train.eval_every=0",
+                             "train.checkpoint_every=0", "optim.name='adamw'")
+        mesh, resumed = setup(config, resume_dir=run_dir)
+        try:
+            assert resumed.step == until - 4
+            assert all(isinstance(g["lr"], float) for g in resumed.optimizer.param_groups)
+            if graphed:
+                resumed.train_step = WholeStepGraph(resumed.train_step, RecordedOnce(), 1)
+            summary = resumed.fit()
+        finally:
+            mesh.close()
+        assert summary["steps"] == until and math.isfinite(summary["final_loss"])
+        if graphed:
+            assert resumed.train_step.replays == 4 - WARMUP_STEPS
 
 
 def test_a_plain_step_keeping_the_previous_loss_would_be_caught(tiny_config, one_thread):

@@ -25,6 +25,10 @@ step: nothing read on the host inside the step); no replica groups (their quorum
 Randomness (dropout) stays per step: the generators are seeded before each replay and a CUDA
 graph's random offsets are taken from the generator at replay.
 
+Checkpoints hold the plain form (float rates), so a recorded run resumes recorded or plain, and
+a plain one recorded; a state loaded into a recorded run writes its rates into the recorded
+tensors.
+
 Memory: the graph keeps a private pool holding the step's activations and gradients between
 replays (a compiled step without graphs frees them); `exatrain bench device` reports the peak
 beside the compiled step's.
@@ -96,6 +100,7 @@ class WholeStepGraph:
         self.static: list[tuple[torch.Tensor, ...]] | None = None
         self.recorded = False
         self.eager_steps = 0        # steps run without the graph (warm-up, odd shapes)
+        self.state_bytes: dict | None = None   # the model state's bytes, from an eager step
         self.replays = 0
 
     def __getattr__(self, name):  # rank, halted, ...: the wrapped step's
@@ -110,11 +115,15 @@ class WholeStepGraph:
         if not self.recorded and self.eager_steps < self.warmup or \
                 self.recorded and not fits:
             self.eager_steps += 1
-            return self.capture.eager(
-                lambda: self.step(iter(micro), step, lr, defers, measure, peak))
+            result = self.capture.eager(
+                lambda: self.step(iter(micro), step, lr, defers, True, peak))
+            self.state_bytes = result.state_bytes
+            if not measure:
+                result.state_bytes = None
+            return result
         if not self.recorded:
             self.static = [tuple(t.detach().clone() for t in m) for m in micro]
-            self._learning_rates_on_the_device()
+            self._optimizer_for_recording()
             self.step.begin(step, lr)
             self.capture.record(lambda: self.step.run(
                 iter(self.static), step, defers, False, contextlib.nullcontext()))
@@ -130,19 +139,46 @@ class WholeStepGraph:
         result = StepResult(out.loss.detach().clone(),
                             None if out.grad_norm is None else out.grad_norm.detach().clone(),
                             out.found_inf.detach().clone())
-        if measure:
-            from ..observe.memory_meters import state_bytes
-            result.state_bytes = state_bytes(self.step.model, self.step.optimizer)
+        # the state's size is the warm-up steps' (measured with their gradients alive; a replay
+        # leaves none outside the graph's pool to count)
+        result.state_bytes = self.state_bytes if measure else None
         return result
 
-    def _learning_rates_on_the_device(self) -> None:
-        """Each group's learning rate as a tensor on its parameters' device: the recorded
-        optimizer reads it there, and `TrainStep.begin` writes each step's rate into it."""
-        for group in self.step.optimizer.param_groups:
-            if not isinstance(group["lr"], torch.Tensor):
-                device = group["params"][0].device
-                group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32,
-                                           device=device)
+    def _optimizer_for_recording(self) -> None:
+        """Each group's learning rate as a tensor on its parameters' device (the recorded
+        optimizer reads it there; `TrainStep.begin` writes each step's rate into it), and
+        `capturable` on where the optimizer has it: torch's Adam and AdamW refuse to step inside
+        a recording without (their step counts are device tensors already, being fused).
 
+        Checkpoints keep the plain form (a float rate, `capturable` as it was), so any run
+        resumes from them; a state loaded while recorded writes its rate into the tensors the
+        graph reads."""
+        optimizer = self.step.optimizer
+        before = [g.get("capturable") for g in optimizer.param_groups]
+        rates = []
+        for group in optimizer.param_groups:
+            # (also a tensor rate a checkpoint brought back, which may sit on the host)
+            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32,
+                                       device=group["params"][0].device)
+            rates.append(group["lr"])
+            if "capturable" in group:
+                group["capturable"] = True
+
+        def plain_form(_optimizer, state: dict) -> dict:
+            for group, capturable in zip(state["param_groups"], before):
+                group["lr"] = float(group["lr"])
+                if capturable is not None:
+                    group["capturable"] = capturable
+            return state
+
+        def into_the_recorded_rates(_optimizer) -> None:
+            for group, rate in zip(optimizer.param_groups, rates):
+                rate.fill_(float(group["lr"]))
+                group["lr"] = rate
+                if "capturable" in group:
+                    group["capturable"] = True
+
+        optimizer.register_state_dict_post_hook(plain_form)
+        optimizer.register_load_state_dict_post_hook(into_the_recorded_rates)
 
 __all__ = ["CudaGraphCapture", "WholeStepGraph", "step_graph_refusal", "WARMUP_STEPS"]
