@@ -136,8 +136,10 @@ def test_sync_settings_are_refused_by_name(cosmo_data):
     assert config().fault_tolerance.sync == "step"
 
 
-def test_local_sgd_group_killed_mid_run_heals_at_the_next_synchronisation(cosmo_data, tmp_path):
-    """local_sgd, sync_every = 10: once both groups have trained past step 10, group 1's rank
+@pytest.mark.parametrize("mode", ["local_sgd", "diloco"])
+def test_a_group_killed_mid_run_heals_at_the_next_synchronisation(mode, cosmo_data, tmp_path):
+    """local_sgd or diloco (whose heal also carries the global weights and the outer
+    momentum), sync_every = 10: once both groups have trained past step 10, group 1's rank
     gets SIGKILL and is started again. Group 0 goes on (its synchronisations alone meanwhile);
     the new group 1 trains from step 0 until its first synchronisation, heals there from group
     0 (no checkpoint exists to read) and goes on from group 0's step. Both end after the last
@@ -152,7 +154,7 @@ def test_local_sgd_group_killed_mid_run_heals_at_the_next_synchronisation(cosmo_
 
     steps, every, kill_after = 600, 10, 10
     overrides = [*TINY, f"data.path={cosmo_data}", *FT, f"train.steps={steps}",
-                 "model.base_channels=16", 'fault_tolerance.sync="local_sgd"',
+                 "model.base_channels=16", f'fault_tolerance.sync="{mode}"',
                  f"fault_tolerance.sync_every={every}"]
     address, stop = start_lighthouse(load_config(None, overrides), min_replicas=1)
     try:
