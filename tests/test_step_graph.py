@@ -163,6 +163,19 @@ def test_the_whole_step_is_refused_by_name_where_it_cannot_be_recorded():
     assert "fault_tolerance" in step_graph_refusal(fused, True, object())
 
 
+def test_a_run_whose_verdict_is_read_on_the_host_is_refused_before_its_first_step(
+        tiny_config, one_thread):
+    config = tiny_config("train.steps=2", "train.on_nonfinite='skip'", "optim.name='adamw'")
+    mesh, trainer = setup(config)
+    try:
+        trainer.train_step = WholeStepGraph(trainer.train_step, RecordedOnce(), 1)
+        with pytest.raises(ConfigError, match="train.on_nonfinite='stop'"):
+            trainer.fit()
+        assert trainer.step == 0
+    finally:
+        mesh.close()
+
+
 def test_a_scope_that_does_not_exist_is_named(tiny_config):
     with pytest.raises(ConfigError, match="cuda_graphs_scope.*compiled"):
         load_config(None, ["parallel.cuda_graphs_scope='whole'"])

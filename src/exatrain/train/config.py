@@ -306,7 +306,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
 
 def validate(config: Config) -> None:
     """Checks across keys, with messages that name the values."""
-    t, o, s = config.train, config.optim, config.schedule
+    t, o, s, p = config.train, config.optim, config.schedule, config.parallel
     choices = {"optim.name": (o.name, ("adamw", "adam", "sgd", "kfac")),
                "optim.kfac_base": (o.kfac_base, ("sgd", "adamw")),
                "optim.impl": (o.impl, ("auto", "fused", "foreach", "forloop")),
@@ -316,16 +316,14 @@ def validate(config: Config) -> None:
                "schedule.lr_scaling": (s.lr_scaling, ("none", "linear", "sqrt")),
                "run.backend": (config.run.backend, ("auto", "gloo", "nccl")),
                "run.host_memory": (config.run.host_memory, ("keep", "return")),
-               "parallel.precision": (config.parallel.precision, ("fp32", "bf16", "fp16", "fp8")),
-               "parallel.activation_checkpointing": (config.parallel.activation_checkpointing,
+               "parallel.precision": (p.precision, ("fp32", "bf16", "fp16", "fp8")),
+               "parallel.activation_checkpointing": (p.activation_checkpointing,
                                                      ("none", "full", "selective")),
-               "parallel.batchnorm": (config.parallel.batchnorm, BATCHNORM_MODES),
-               "parallel.branches": (config.parallel.branches, ("none", "data")),
-               "parallel.compile_scope": (config.parallel.compile_scope,
-                                          ("auto", "model", "blocks")),
-               "parallel.channels_last": (config.parallel.channels_last, ("auto", "on", "off")),
-               "parallel.cuda_graphs_scope": (config.parallel.cuda_graphs_scope,
-                                              ("compiled", "step")),
+               "parallel.batchnorm": (p.batchnorm, BATCHNORM_MODES),
+               "parallel.branches": (p.branches, ("none", "data")),
+               "parallel.compile_scope": (p.compile_scope, ("auto", "model", "blocks")),
+               "parallel.channels_last": (p.channels_last, ("auto", "on", "off")),
+               "parallel.cuda_graphs_scope": (p.cuda_graphs_scope, ("compiled", "step")),
                "train.on_nonfinite": (t.on_nonfinite, ("stop", "skip")),
                "train.on_bad_sample": (t.on_bad_sample, ("stop", "skip"))}
     if hasattr(config.data, "shuffle"):

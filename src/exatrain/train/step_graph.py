@@ -40,6 +40,7 @@ import contextlib
 
 import torch
 
+from ..errors import ConfigError
 from .step import StepResult
 
 WARMUP_STEPS = 3   # eager steps before the recording (torch's whole-network recipe uses 3)
@@ -108,6 +109,11 @@ class WholeStepGraph:
 
     def __call__(self, batches, step: int, lr: float, defers: bool, measure: bool,
                  peak) -> StepResult:
+        if not self.eager_steps and not self.recorded:  # the first step: can it be recorded?
+            # (here, not when built: a run's hooks may move the verdict to the host until fit)
+            refusal = step_graph_refusal(self.step.optimizer, defers, self.step.replicas)
+            if refusal:
+                raise ConfigError(refusal)
         micro = [next(batches) for _ in range(self.micro_batches)]
         fits = self.static is not None and all(
             len(m) == len(s) and all(a.shape == b.shape and a.dtype == b.dtype

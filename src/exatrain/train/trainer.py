@@ -62,7 +62,7 @@ from .records import Interval, Records
 from .sampling import Sampling, device_decode
 from ..optim.schedule import scaled_lr
 from .step import LrSchedule, StepResult, TrainStep, process_settings
-from .step_graph import CudaGraphCapture, WholeStepGraph, step_graph_refusal
+from .step_graph import CudaGraphCapture, WholeStepGraph
 from .resilience.faults import FaultInjector
 from .resilience.policies import (NonFiniteLoss, NonfiniteSkips, SkipBadSamples, nonfinite_error,
                                   out_of_memory_advice)
@@ -126,10 +126,9 @@ class Trainer:
             raise ConfigError(refusal)
         # each forward begins a new iteration of the CUDA graphs (parallel.cuda_graphs): the
         # previous one's outputs may then be overwritten, which the step has consumed by then
-        whole_step = config.parallel.cuda_graphs and config.parallel.cuda_graphs_scope == "step"
+        graphs = config.parallel.cuda_graphs and config.parallel.cuda_graphs_scope
         new_graph_iteration = (torch.compiler.cudagraph_mark_step_begin
-                               if config.parallel.cuda_graphs and not whole_step
-                               else lambda: None)
+                               if graphs == "compiled" else lambda: None)
         self.precision = Precision(config.parallel.precision, mesh.device)
         if self.precision.mixed:
             keep_norms_fp32(model)
@@ -151,8 +150,8 @@ class Trainer:
                                     replicas=self.replica_groups,
                                     seed_rank=self.replica_groups.seed_rank
                                     if self.replica_groups else None,
-                                    autocast_cache=not whole_step)
-        if whole_step:  # the whole step as one CUDA graph (train.step_graph)
+                                    autocast_cache=graphs != "step")
+        if graphs == "step":  # the whole step as one CUDA graph (train.step_graph)
             self.train_step = WholeStepGraph(self.train_step, CudaGraphCapture(mesh.device),
                                              self.config.train.grad_accum)
         self._evaluate = Evaluation(mesh, workload, model, self.data_axis, self.micro,
@@ -249,10 +248,6 @@ class Trainer:
         # FSDP2's lazy initialisation), which is not activation memory
         self._track_step = self.step + (1 if self.total_steps - self.step > 1 else 0)
         self.hooks.fit_begin()
-        if isinstance(self.train_step, WholeStepGraph):  # (hooks may change the verdict's home)
-            refusal = step_graph_refusal(self.optimizer, self.defers_verdict, self.replica_groups)
-            if refusal:
-                raise ConfigError(refusal)
         self.validation_s = 0.0
         self._finished = False
         self.compile_counter = CompileCounter() if self.config.parallel.compile else None
