@@ -36,6 +36,7 @@ from torch import nn
 from ..errors import ParallelizeError
 from .blocks import find_blocks
 from .checkpointing import checkpoint_block
+from .options import graph_scope
 
 REGIONAL_MIN_BLOCKS = 4  # repeats of one block from which `auto` compiles block by block
 
@@ -77,8 +78,7 @@ def apply_checkpointing_and_compile(model: nn.Module, options, whole_model: bool
         keep_norms_fp32(model)
     mode = options.activation_checkpointing
     # (the whole step's graph records compiled code as it is: no graphs of its own inside)
-    graphs = getattr(options, "cuda_graphs", False) and \
-        getattr(options, "cuda_graphs_scope", "compiled") == "compiled"
+    graphs = graph_scope(options) == "compiled"
     for parent, name, block in blocks:
         if mode != "none":
             block = checkpoint_block(block, mode, keep_running_stats=not options.compile)

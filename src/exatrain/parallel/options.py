@@ -60,6 +60,14 @@ LOOPED_SCHEDULES = ("interleaved", "zero_bubble")  # several stages per rank
 BATCHNORM_MODES = ("global", "replica")
 
 
+def graph_scope(options) -> str | None:
+    """What `parallel.cuda_graphs` records: "compiled" (the compiled regions), "step" (the
+    whole step, train/step_graph.py), or None (off)."""
+    if not getattr(options, "cuda_graphs", False):
+        return None
+    return getattr(options, "cuda_graphs_scope", "compiled")
+
+
 def cuda_graphs_refusal(plan, options, device_type: str, optimizer: str = "") -> str | None:
     """Why `parallel.cuda_graphs` cannot run here (with the fix); None when it can or is off.
 
@@ -74,31 +82,26 @@ def cuda_graphs_refusal(plan, options, device_type: str, optimizer: str = "") ->
     `cuda_graphs_scope = "step"` records the whole step (train/step_graph.py), compiled or not,
     on one rank: a plan of several ranks is refused (their gradient collectives run between
     the graphs of the compiled scope instead)."""
-    if not getattr(options, "cuda_graphs", False):
+    if graph_scope(options) is None:
         return None
     fix = "Set parallel.cuda_graphs=false"
     if device_type != "cuda":
         return (f"parallel.cuda_graphs needs a GPU; this run's device is {device_type!r}, where "
                 f"there is no graph to replay. {fix} (parallel.compile alone works here).")
-    if getattr(options, "cuda_graphs_scope", "compiled") == "step":
+    if graph_scope(options) == "step":
         if plan.world_size > 1:
             return (f"{plan}: parallel.cuda_graphs_scope='step' records the whole step on one "
                     f"rank; this plan's {plan.world_size} ranks exchange gradients inside it. "
                     "Set parallel.cuda_graphs_scope='compiled' (graphs of the compiled regions, "
                     f"any data-parallel plan), or {fix.lower()[0]}{fix[1:]}.")
-        if optimizer == "kfac":
-            return ("parallel.cuda_graphs does not run with optim.name='kfac' (its hooks keep "
-                    f"each layer's inputs, which the next replay overwrites). {fix}, or use "
-                    "adamw or sgd.")
-        return None
-    if not options.compile:
+    elif not options.compile:
         return ("parallel.cuda_graphs replays compiled code: set parallel.compile=true as well, "
                 f"or {fix.lower()[0]}{fix[1:]}.")
-    if plan.pipe > 1:
+    elif plan.pipe > 1:
         return (f"{plan}: parallel.cuda_graphs does not run pipeline schedules (stages exchange "
                 f"activations between the graphs, micro-batch after micro-batch). {fix}, or set "
                 "plan.pipe=1.")
-    if plan.shard > 1 and options.zero_stage == 3:
+    elif plan.shard > 1 and options.zero_stage == 3:
         return (f"{plan}: parallel.cuda_graphs does not run under FSDP2 (zero_stage=3: its hooks "
                 f"gather and free the weights around every block). {fix}, or use "
                 "parallel.zero_stage=2 (or 1).")

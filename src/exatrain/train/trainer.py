@@ -47,7 +47,7 @@ from torch import nn
 from ..data.loader import loader_workers
 from ..mesh import Mesh
 from ..parallel.compile_stats import CompileCounter
-from ..parallel.options import cuda_graphs_refusal
+from ..parallel.options import cuda_graphs_refusal, graph_scope
 from ..workloads.base import Workload
 from .checkpoints import checkpoint
 from ..optim.factory import optimizer_for, supports_found_inf
@@ -126,7 +126,7 @@ class Trainer:
             raise ConfigError(refusal)
         # each forward begins a new iteration of the CUDA graphs (parallel.cuda_graphs): the
         # previous one's outputs may then be overwritten, which the step has consumed by then
-        graphs = config.parallel.cuda_graphs and config.parallel.cuda_graphs_scope
+        graphs = graph_scope(config.parallel)
         new_graph_iteration = (torch.compiler.cudagraph_mark_step_begin
                                if graphs == "compiled" else lambda: None)
         self.precision = Precision(config.parallel.precision, mesh.device)
