@@ -12,6 +12,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from launched import job_env, slurm  # noqa: F401 (slurm: a fixture)
 
 TIMES = 20
@@ -73,6 +75,7 @@ def test_every_rank_exits_cleanly_under_srun(slurm, tmp_path):
     assert not stray, f"{len(stray)} stray stderr line(s) in {exits} exits:\n" + "\n".join(stray)
 
 
+@pytest.mark.timeout(1200)  # above the job's own 900 s, whose message says what hung
 def test_every_rank_exits_cleanly_under_the_local_launcher(tmp_path):
     """One process launches the job 20 times (the forkserver, which imports torch, starts once);
     `main` returns 0 only where both ranks returned and exited with 0 (`spawn`), 2 for the

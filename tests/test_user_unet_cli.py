@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from launched import final_weights
@@ -49,6 +50,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.timeout(1500)  # above the two runs' own 600 s each, whose messages say what hung
 def test_a_users_groupnorm_trilinear_unet_under_space_1_2_2_via_exatrain_run_is_serial(tmp_path):
     (tmp_path / "unet.py").write_text(SCRIPT)
     runs = {}
