@@ -11,6 +11,7 @@ What only a GPU can show (the recording itself) is measured by `exatrain bench d
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 
 import pytest
@@ -87,14 +88,26 @@ def test_the_recorded_step_trains_as_the_plain_step(tiny_config, one_thread):
     assert len(losses) == STEPS and losses == plain_losses, (losses, plain_losses)
     for k in plain:   # measured: bitwise equal
         assert torch.equal(weights[k], plain[k]), k
-    # the state it saves is the plain one; a state loaded while recorded lands in its rates
-    rates = [g["lr"] for g in trainer.optimizer.param_groups]
-    state = trainer.optimizer.state_dict()
+    # the state it saves is the plain one; a state loaded while recorded lands in the tensors
+    # the graph recorded with: its rates, and the moments and step counts (a graph would go on
+    # writing into the old ones), here loaded as from a file (new tensors)
+    optimizer = trainer.optimizer
+    rates = [g["lr"] for g in optimizer.param_groups]
+    recorded = {p: dict(st) for p, st in optimizer.state.items()}
+    state = copy.deepcopy(optimizer.state_dict())
     assert all(isinstance(g["lr"], float) for g in state["param_groups"])
     state["param_groups"][0]["lr"] = 0.5
-    trainer.optimizer.load_state_dict(state)
-    assert all(g["lr"] is r for g, r in zip(trainer.optimizer.param_groups, rates))
+    for st in state["state"].values():
+        st["exp_avg"] = st["exp_avg"] + 1.0
+    wanted = {k: st["exp_avg"].clone() for k, st in state["state"].items()}
+    optimizer.load_state_dict(state)
+    assert all(g["lr"] is r for g, r in zip(optimizer.param_groups, rates))
     assert float(rates[0]) == 0.5
+    for param, st in recorded.items():
+        assert all(optimizer.state[param][k] is t for k, t in st.items())
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for k, exp_avg in wanted.items():
+        assert torch.equal(optimizer.state[params[k]]["exp_avg"], exp_avg)
     # a batch of another shape (a last, shorter one) runs eagerly; the recording stays
     x, y = next(iter(trainer.sampling.batches(0, trainer.decode)))
     before = wrapper.replays
@@ -154,6 +167,9 @@ def test_the_whole_step_is_refused_by_name_where_it_cannot_be_recorded():
     assert cuda_graphs_refusal(Plan(), step, "cuda") is None           # compile not needed
     assert "needs a GPU" in cuda_graphs_refusal(Plan(), step, "cpu")
     assert "kfac" in cuda_graphs_refusal(Plan(), step, "cuda", "kfac")
+    checkpointed = ParallelOptions(cuda_graphs=True, cuda_graphs_scope="step",
+                                   activation_checkpointing="full")
+    assert "activation_checkpointing='none'" in cuda_graphs_refusal(Plan(), checkpointed, "cuda")
     params = [torch.nn.Parameter(torch.zeros(2))]
     fused = torch.optim.AdamW(params, fused=True)
     assert step_graph_refusal(fused, True, None) is None

@@ -81,7 +81,8 @@ def cuda_graphs_refusal(plan, options, device_type: str, optimizer: str = "") ->
 
     `cuda_graphs_scope = "step"` records the whole step (train/step_graph.py), compiled or not,
     on one rank: a plan of several ranks is refused (their gradient collectives run between
-    the graphs of the compiled scope instead)."""
+    the graphs of the compiled scope instead), and so is activation checkpointing (each
+    checkpointed block reads the random state on the host, which a recording refuses)."""
     if graph_scope(options) is None:
         return None
     fix = "Set parallel.cuda_graphs=false"
@@ -94,6 +95,14 @@ def cuda_graphs_refusal(plan, options, device_type: str, optimizer: str = "") ->
                     f"rank; this plan's {plan.world_size} ranks exchange gradients inside it. "
                     "Set parallel.cuda_graphs_scope='compiled' (graphs of the compiled regions, "
                     f"any data-parallel plan), or {fix.lower()[0]}{fix[1:]}.")
+        if getattr(options, "activation_checkpointing", "none") != "none":
+            # a checkpointed block keeps the random state for its recomputation: it reads the
+            # CUDA generator's seed on the host, which a recording refuses
+            return (f"parallel.cuda_graphs_scope='step' does not record activation checkpointing "
+                    f"(parallel.activation_checkpointing={options.activation_checkpointing!r} "
+                    "reads the random state on the host in every block). Set "
+                    "parallel.activation_checkpointing='none', or parallel.cuda_graphs_scope="
+                    f"'compiled', or {fix.lower()[0]}{fix[1:]}.")
     elif not options.compile:
         return ("parallel.cuda_graphs replays compiled code: set parallel.compile=true as well, "
                 f"or {fix.lower()[0]}{fix[1:]}.")

@@ -7,10 +7,11 @@ the gradient norm and clipping, the non-finite verdict, the fused optimizer's st
 once and replayed every step, with one launch per step:
 
     steps 1..warmup     eager, on a side stream (torch's recipe for whole-network capture:
-                        compiled code compiles, cuBLAS and the optimizer's state are created)
-    step warmup+1       the micro-batches copied into static buffers, each learning rate made a
-                        device tensor, then the step recorded (nothing runs while recording)
-                        and replayed
+                        compiled code compiles, cuBLAS and the optimizer's state are created),
+                        the optimizer already as it will be recorded (each learning rate a
+                        device tensor, `capturable`)
+    step warmup+1       the micro-batches copied into static buffers, then the step recorded
+                        (nothing runs while recording) and replayed
     every later step    the batch copied into the static buffers, the learning rate written
                         into its tensor (`TrainStep.begin`), one replay; the loss, the norm and
                         the verdict copied out (the next replay overwrites them)
@@ -18,7 +19,8 @@ once and replayed every step, with one launch per step:
 A batch of another shape (a last, shorter batch) runs eagerly, the recorded step untouched.
 
 What the recording needs, refused by name before the first step where it is missing
-(`step_graph_refusal`): one rank (`parallel.options.cuda_graphs_refusal`); a fused optimizer
+(`step_graph_refusal`): one rank and no activation checkpointing (its blocks read the random
+state on the host; both in `parallel.options.cuda_graphs_refusal`); a fused optimizer
 (its `found_inf` skips a non-finite step on the device; a for-each step reads its step count on
 the host); the deferred verdict (`train.on_nonfinite = "stop"`, no hook acting on a non-finite
 step: nothing read on the host inside the step); no replica groups (their quorum is a host call).
@@ -26,8 +28,8 @@ Randomness (dropout) stays per step: the generators are seeded before each repla
 graph's random offsets are taken from the generator at replay.
 
 Checkpoints hold the plain form (float rates), so a recorded run resumes recorded or plain, and
-a plain one recorded; a state loaded into a recorded run writes its rates into the recorded
-tensors.
+a plain one recorded; a state loaded into a recorded run is written into the tensors the graph
+recorded with (the rates, the moments, the step counts).
 
 Memory: the graph keeps a private pool holding the step's activations and gradients between
 replays (a compiled step without graphs frees them); `exatrain bench device` reports the peak
@@ -69,11 +71,14 @@ class CudaGraphCapture:
     def __init__(self, device: torch.device):
         self.device = device
         self.graph, self.outputs = None, None
+        self.side_stream = None   # one for every eager step: the allocator caches per stream
 
     def eager(self, fn):
         """A warm-up step on a side stream (the recipe's: what it allocates stays out of the
         default stream's way)."""
-        stream = torch.cuda.Stream(self.device)
+        if self.side_stream is None:
+            self.side_stream = torch.cuda.Stream(self.device)
+        stream = self.side_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             out = fn()
@@ -81,8 +86,12 @@ class CudaGraphCapture:
         return out
 
     def record(self, fn) -> None:
+        """Record `fn`. "thread_local": the input path's threads (prefetch, pinning) keep
+        allocating while this thread records, which the default "global" mode would refuse.
+        A recompile would read the random state on the host mid-recording: named instead."""
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.compiler.set_stance("fail_on_recompile"), \
+                torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.outputs = fn()
 
     def replay(self):
@@ -114,6 +123,8 @@ class WholeStepGraph:
             refusal = step_graph_refusal(self.step.optimizer, defers, self.step.replicas)
             if refusal:
                 raise ConfigError(refusal)
+            # the warm-up steps run the optimizer as it will be recorded (tensor rates, capturable)
+            self._optimizer_for_recording()
         micro = [next(batches) for _ in range(self.micro_batches)]
         fits = self.static is not None and all(
             len(m) == len(s) and all(a.shape == b.shape and a.dtype == b.dtype
@@ -129,7 +140,6 @@ class WholeStepGraph:
             return result
         if not self.recorded:
             self.static = [tuple(t.detach().clone() for t in m) for m in micro]
-            self._optimizer_for_recording()
             self.step.begin(step, lr)
             self.capture.record(lambda: self.step.run(
                 iter(self.static), step, defers, False, contextlib.nullcontext()))
@@ -157,9 +167,12 @@ class WholeStepGraph:
         a recording without (their step counts are device tensors already, being fused).
 
         Checkpoints keep the plain form (a float rate, `capturable` as it was), so any run
-        resumes from them; a state loaded while recorded writes its rate into the tensors the
-        graph reads."""
+        resumes from them. A state loaded while recorded is written into the tensors the graph
+        reads: the rates, and the per-parameter state (moments, step counts), which
+        `Optimizer.load_state_dict` would otherwise replace with new tensors where the loaded
+        ones need a copy (another device or dtype), leaving the graph on freed memory."""
         optimizer = self.step.optimizer
+        held: dict = {}   # the per-parameter state tensors before a load (the graph's)
         before = [g.get("capturable") for g in optimizer.param_groups]
         rates = []
         for group in optimizer.param_groups:
@@ -177,14 +190,30 @@ class WholeStepGraph:
                     group["capturable"] = capturable
             return state
 
-        def into_the_recorded_rates(_optimizer) -> None:
+        def hold_the_state(_optimizer, state_dict):
+            held.clear()
+            held.update({p: dict(st) for p, st in optimizer.state.items()})
+            return state_dict
+
+        @torch.no_grad()
+        def into_the_recorded_tensors(_optimizer) -> None:
             for group, rate in zip(optimizer.param_groups, rates):
                 rate.fill_(float(group["lr"]))
                 group["lr"] = rate
                 if "capturable" in group:
                     group["capturable"] = True
+            for param, before in held.items():
+                now = optimizer.state.get(param)
+                for key, tensor in before.items() if now else ():
+                    loaded = now.get(key)
+                    if isinstance(tensor, torch.Tensor) and isinstance(loaded, torch.Tensor) \
+                            and loaded is not tensor and loaded.shape == tensor.shape:
+                        tensor.copy_(loaded)
+                        now[key] = tensor
+            held.clear()
 
         optimizer.register_state_dict_post_hook(plain_form)
-        optimizer.register_load_state_dict_post_hook(into_the_recorded_rates)
+        optimizer.register_load_state_dict_pre_hook(hold_the_state)
+        optimizer.register_load_state_dict_post_hook(into_the_recorded_tensors)
 
 __all__ = ["CudaGraphCapture", "WholeStepGraph", "step_graph_refusal", "WARMUP_STEPS"]
