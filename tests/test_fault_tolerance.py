@@ -183,15 +183,19 @@ def test_a_killed_group_rejoins_from_its_peer_and_the_survivor_never_redoes_a_st
     assert err <= 1e-6  # measured: 0 (two groups: a halving and a sum of two terms are exact)
 
 
-def test_exatrain_run_starts_the_lighthouse_and_restarts_a_killed_group(cosmo_data, tmp_path):
+@pytest.mark.parametrize("steps,kill_step", [(30, 6), (8, 8)], ids=["mid-run", "last-step"])
+def test_exatrain_run_starts_the_lighthouse_and_restarts_a_killed_group(cosmo_data, tmp_path,
+                                                                        steps, kill_step):
     """`exatrain run --nproc 2 --max-restarts 1` with 2 groups: its own lighthouse, group 1
-    SIGKILLed at step 6 and started again by the supervisor, healed from group 0. With
+    SIGKILLed at step `kill_step` and started again by the supervisor, healed from group 0. With
     min_replicas = 2 the groups start together and group 0 waits for the restart (no step
-    alone), so the run is the uninterrupted one: both groups end with the same weights."""
-    args = [*TINY, f"data.path={cosmo_data}", *FT, "train.steps=30",
+    alone), so the run is the uninterrupted one: both groups end with the same weights, each in
+    a checkpoint of the last step. Killed as the last step starts, the restarted group heals
+    into that step: it is still the last, and still checkpointed."""
+    args = [*TINY, f"data.path={cosmo_data}", *FT, f"train.steps={steps}",
             "fault_tolerance.min_replicas=2", f"run.out_dir={tmp_path}"]
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1", "EXATRAIN_INJECT_FAULTS": "kill@1:6"}
+           "OMP_NUM_THREADS": "1", "EXATRAIN_INJECT_FAULTS": f"kill@1:{kill_step}"}
     env.pop("TORCHFT_LIGHTHOUSE", None)
     env.pop("REPLICA_GROUP_ID", None)
     cmd = [sys.executable, "-m", "exatrain.cli", "run", "--nproc", "2", "--max-restarts", "1"]
@@ -208,13 +212,16 @@ def test_exatrain_run_starts_the_lighthouse_and_restarts_a_killed_group(cosmo_da
     assert len([p for p in (root / "group_01").iterdir() if p.is_dir()]) == 2  # killed, restarted
     s1 = json.loads((rejoined / "summary.json").read_text())
     (heal,) = s1["ft_heals"]
-    assert heal["rejoined_at_step"] == 6 and s1["steps"] == 30  # the step it died in
+    assert heal["rejoined_at_step"] == kill_step and s1["steps"] == steps  # the step it died in
     from exatrain.observe.fields import lookup
     undocumented = [k for k in s1 if lookup(k) is None]
     assert not undocumented, f"summary keys with no row in exatrain.observe.fields: {undocumented}"
     logged = [json.loads(line)["step"] for line in (survivor / "metrics.jsonl").read_text()
               .splitlines() if "loss" in json.loads(line)]
-    assert logged == list(range(1, 31))  # every step once, none redone
+    assert logged == list(range(1, steps + 1))  # every step once, none redone
+    from exatrain.train.checkpoints import checkpoint
+    assert checkpoint.latest(survivor).name == checkpoint.latest(rejoined).name \
+        == f"step_{steps:08d}"
     a, b = _final_weights(survivor), _final_weights(rejoined)
     assert all(torch.equal(a[k], b[k]) for k in a)
 

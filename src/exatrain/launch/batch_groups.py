@@ -54,8 +54,11 @@ group() {{
     # finished (a summary not stopped by a signal), signalled only as it ended: done
     grep -q '"stopped_by_signal": false' "$dir/summary.json" 2>/dev/null && return 0
     # stopped on the wall-time warning (or by scancel --signal): the requeue starts it again
-    [[ -f $run_root/wall_time_warning ]] && return $status
     grep -q '"stopped_by_signal": true' "$dir/summary.json" 2>/dev/null && return $status
+    if [[ -f $run_root/wall_time_warning ]]; then  # ended otherwise after it: said, not hidden
+      echo "exatrain: replica group $k ended (exit $status) after the wall-time warning without a checkpoint of its own; the requeued job resumes it from its last one; see $dir"
+      return $status
+    fi
     if (( starts >= {restarts} )); then
       echo "exatrain: replica group $k failed (exit $status) after $starts restart(s); see $dir"
       return $status

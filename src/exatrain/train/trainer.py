@@ -296,8 +296,7 @@ class Trainer:
         self.faults.at_step(self.step + 1)
         watchdog.beat()
         self.observer.step_begin()
-        self._last = self.step + 1 == self.total_steps
-        self._read_now = self._is_read_point(self.step + 1, self._last)
+        self._read_now = self._is_read_point(self.step + 1, self.step + 1 == self.total_steps)
         # CUDA: the allocator's peak, every step for free; CPU: the tracker, one step per fit
         watch = self.mesh.device.type == "cuda" or self.step == self._track_step
         self._lr = self.schedule.lr(self.step)
@@ -337,7 +336,8 @@ class Trainer:
     def _after_step(self, pending: PendingSteps, stop, watchdog, progress) -> dict | None:
         """What follows a step: read, log, evaluate, the hooks, stop, checkpoint. Returns the
         evaluation's metrics when it evaluated; sets `_finished` when the run ends early."""
-        t, last, read = self.config.train, self._last, self._read_now
+        t, last = self.config.train, self.step == self.total_steps  # (a heal may jump to it)
+        read = self._read_now or last
         if read:
             self._read(pending)
         if self.step % t.log_every == 0 or last:
