@@ -12,14 +12,16 @@ Run on every rank of the job, under the same launcher and Plan as `exatrain run`
 3. the links of each rank: n - 1 rounds (at most `rounds`) of a round-robin tournament (circle
    method), each round a perfect matching; in each, every rank exchanges `link_bytes` with its
    partner (batched isend/irecv, both ways at once: 2 * link_bytes on the wire per pair), the
-   median of `iters` timed exchanges. A rank's link bandwidth is the upper median over its
+   median of `iters` timed exchanges, the smaller of the two ends' (the pair swaps them: a
+   rank's clock also counts the wait for a partner not yet scheduled, and a slow link or rank
+   slows both ends alike). A rank's link bandwidth is the upper median over its
    rounds: a slow rank is slow in every round, its partners in only one, so the median names the
    slow rank and not its partners (from 3 ranks on; with 2, both ends of the one link look alike).
    A node's bandwidth is the median of its ranks'. Ranks and nodes below `threshold` times the
    median are named with their host names; their hosts form the exclude list (`srun --exclude`).
 
 Bytes on the wire per rank: sweep sum over axes, ops and sizes of (warmup + iters) * S * factor;
-links rounds * (warmup + iters) * link_bytes each way.
+links rounds * ((warmup + iters) * link_bytes + 8) each way.
 """
 
 from __future__ import annotations
@@ -153,7 +155,14 @@ def link_bandwidths(mesh, options: PreflightOptions) -> list[float]:
             swap()
             _synchronize(mesh.device)
             times.append(time.perf_counter() - t0)
-        out.append(send.numel() * 4 / statistics.median(times))
+        # the link's time is the faster end's: a rank's clock also runs while it waits for a
+        # partner that was not scheduled yet, which says nothing of the link (a slow link or
+        # rank is slow at both ends)
+        mine = torch.tensor([statistics.median(times)], dtype=torch.float64, device=mesh.device)
+        theirs = torch.empty_like(mine)
+        for work in exchange([(mine, position)], [(theirs, position)], world, tag="preflight"):
+            work.wait()
+        out.append(send.numel() * 4 / min(float(mine), float(theirs)))
     dist.barrier()
     return out
 
