@@ -85,7 +85,8 @@ keys = ("vs_baseline", "exatrain_samples_per_s", "baseline_samples_per_s",
         "baseline_host_syncs_per_step", "exatrain_compiled_graphs", "exatrain_graph_breaks",
         "exatrain_compiled_share", "baseline_compiled_share", "loss_max_rel_diff",
         "exatrain_mfu_peak", "exatrain_peak_memory_bytes", "exatrain_step_s_median",
-        "alt_vs_exatrain", "alt_samples_per_s")
+        "alt_vs_exatrain", "alt_samples_per_s", "alt_tokens_per_s", "alt_loss_rel_diff",
+        "alt_graph_breaks", "alt_refused")
 for path in sorted(glob.glob(f"{sys.argv[1]}/bench-*.json")):
     d = json.load(open(path))
     for case in d["cases"].split(","):
@@ -171,7 +172,9 @@ graphs)  # the whole step recorded (alt) beside the compiled step without graphs
     done ;;
 fp8)  # GPT 1.3b in bf16 and with float8 Linears, 200 steps each: tokens/s and the two loss
       # curves (carry torchao: pip download --no-deps torchao==0.18.0 -d .whl, see the header)
-    bench_case gpt_1b 420 --steps 200 --alt-set 'parallel.precision="fp8"' ;;
+    (( DRY )) || [[ -d .whl ]] || echo "fp8: no .whl/ here (run with carry [\".whl\"]): torchao" \
+        "may be missing" | tee -a "$OUT/summary.txt"
+    bench_case gpt_1b 420 --steps 200 --no-baseline --alt-set 'parallel.precision="fp8"' ;;
 step)   # the step's figures, each path profiled after its timed steps
     for pair in ${CASES:-cosmoflow:150 deepcam:90 gpt_125m:90}; do
         c=${pair%%:*}

@@ -143,6 +143,10 @@ def test_an_alt_variant_trains_the_same_batches_with_its_own_settings(tmp_path):
     assert result["gpt_125m_alt_settings"] == ["train.clip_grad_norm=1e-3"]
     assert result["gpt_125m_alt_vs_exatrain"] == pytest.approx(
         result["gpt_125m_exatrain_step_s_median"] / result["gpt_125m_alt_step_s_median"])
+    k = max(1, min(20, len(ours) // 2))   # the means of the last steps, against exatrain's
+    mean = lambda xs: sum(xs[-k:]) / k    # noqa: E731
+    assert result["gpt_125m_alt_loss_rel_diff"] == pytest.approx(
+        abs(mean(alt) - mean(ours)) / mean(ours))
 
 
 def test_a_refused_alt_variant_keeps_the_cases_figures(tmp_path):

@@ -46,6 +46,8 @@ def test_exactly_the_linears_scaled_mm_takes_are_converted():
     assert convert_linears(model) == 2
     names = [type(m).__name__ for m in model]
     assert names == ["Float8Linear", "GELU", "Float8Linear", "Linear", "LayerNorm"]
+    # a micro-batch's tokens (the weight gradient's inner size) need not be a multiple of 16
+    assert model[0].config.pad_inner_dim and model[2].config.pad_inner_dim
     x = torch.randn(32, 64)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ours, ref = model(x).float(), reference(x).float()

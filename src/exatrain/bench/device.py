@@ -323,6 +323,8 @@ def run_case(case, args, data_root: str, device: torch.device, precision: str) -
     if "step_s_median" in results.get("alt", {}):
         out[f"{case.name}_alt_vs_exatrain"] = (ours["step_s_median"]
                                               / results["alt"]["step_s_median"])
+        out[f"{case.name}_alt_loss_rel_diff"] = tail_loss_rel_diff(results["alt"]["losses"],
+                                                                   ours["losses"])
     out[f"{case.name}_loss_max_rel_diff"] = max(
         abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours["losses"], base["losses"])) \
         if base else None
@@ -335,6 +337,16 @@ def run_case(case, args, data_root: str, device: torch.device, precision: str) -
     out[f"{case.name}_sets"] = _sets(getattr(args, "overrides", []))  # what --set changed
     out[f"{case.name}_params"] = sum(p.numel() for p in plain_model.parameters())
     return out
+
+
+def tail_loss_rel_diff(losses: list[float], reference: list[float], tail: int = 20) -> float:
+    """|mean of the last `tail` losses − the reference's| / the reference's. Two runs of the same
+    weights and batches in other arithmetic (fp8 beside bf16) part step by step within the loss's
+    noise, so a step-by-step maximum grows with the run; the means of the last steps are what
+    says whether the variant trains as well (`docs/how-to/gpu-bench.md` states the tolerance)."""
+    k = max(1, min(tail, len(losses) // 2, len(reference) // 2))
+    ours, ref = statistics.fmean(losses[-k:]), statistics.fmean(reference[-k:])
+    return abs(ours - ref) / max(abs(ref), 1e-12)
 
 
 def _published(case, results: dict, full: bool) -> dict:

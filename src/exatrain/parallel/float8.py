@@ -9,7 +9,8 @@ weights, optimizer state and gradient reductions stay fp32, as under bf16; the r
 (attention's softmax, norms, convolutions) runs under bf16 autocast. Communication is unchanged:
 no collective moves fp8 data.
 
-Eligible: both sizes divisible by 16 (what `_scaled_mm` needs). torchtitan's habit of keeping the
+Eligible: both sizes divisible by 16 (what `_scaled_mm` needs); a micro-batch's token count, the
+inner size of the weight gradient's product, is padded to 16 where it is not (`pad_inner_dim`). torchtitan's habit of keeping the
 last projection (the language-model head) in bf16 is not followed: at GPT's vocabulary it is the
 largest matrix product of the step, and torchao trains it within bf16's loss noise.
 
@@ -49,6 +50,10 @@ def float8_refusal(device, model: nn.Module | None = None, tensor_degree: int = 
     except ImportError:
         return ("parallel.precision='fp8' trains with torchao's float8 layers: "
                 "`pip install torchao` (on an offline machine, carry its wheel), or " + fix + ".")
+    except Exception as exc:  # noqa: BLE001 - installed, but fails to load with this torch
+        return (f"parallel.precision='fp8': torchao is installed but does not load "
+                f"({type(exc).__name__}: {exc}); install the torchao release made for torch "
+                f"{torch.__version__.split('+')[0]}, or {fix}.")
     if tensor_degree > 1:
         return (f"parallel.precision='fp8' with plan.tensor={tensor_degree}: split Linears in fp8 "
                 f"are not built; use fp8 with data/shard/pipe, or {fix}.")
@@ -60,7 +65,10 @@ def float8_refusal(device, model: nn.Module | None = None, tensor_degree: int = 
 
 def convert_linears(model: nn.Module) -> int:
     """Swap every eligible Linear of `model` for torchao's Float8Linear, in place; returns how many."""
-    from torchao.float8 import convert_to_float8_training
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     count = sum(1 for m in model.modules() if eligible(m))
-    convert_to_float8_training(model, module_filter_fn=lambda module, fqn: eligible(module))
+    # pad_inner_dim: the weight gradient's product runs over the tokens of a micro-batch, which
+    # `_scaled_mm` also wants in multiples of 16; padded (in the kernel) where they are not
+    convert_to_float8_training(model, config=Float8LinearConfig(pad_inner_dim=True),
+                               module_filter_fn=lambda module, fqn: eligible(module))
     return count
