@@ -10,7 +10,8 @@ ViT forecaster, GPT at the 125m and at the 1.3b shape; `bench.device_cases`), in
              nothing is checkpointed), at exatrain's own defaults plus parallel.precision and
              parallel.compile as the baseline's
   alt        (--alt-set key=value) exatrain's path once more with other settings (CUDA graphs,
-             say), beside the same baseline and exatrain: `<case>_alt_vs_exatrain`
+             say), beside the same baseline and exatrain: `<case>_alt_vs_exatrain` (speed-up),
+             `<case>_alt_loss_rel_diff` (`tail_loss_rel_diff`: the last steps' mean losses)
   levers     (--levers all) the plain loop with one lever at a time: bf16, fp16, compile,
              cuda_graphs, foreach, fused, sdpa, fp8; and `plain` with none. A lever the device
              cannot pull is refused with the reason (`<case>_<lever>_refused`).
