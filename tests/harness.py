@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import faulthandler
 import os
+import pickle
 import queue
 import shutil
 import signal
@@ -60,7 +61,9 @@ def _worker(rank: int, world_size: int, tasks, results, stacks: str) -> None:
     # file of its own, which the failure's message carries (a forked rank's stderr is the
     # forkserver's, which no test captures)
     stack_file = open(stacks, "w")  # noqa: SIM115 -- open for the process's lifetime
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    # SIGUSR2: SIGUSR1 is a stop signal to the Trainer (a scheduler's wall-time warning), whose
+    # handler would take it over during a fit and leave it at its default (death) after one
+    faulthandler.register(signal.SIGUSR2, file=stack_file, all_threads=True)
     faulthandler.enable(file=stack_file, all_threads=True)
     keep_freed_host_memory()  # as `exatrain run` sets up each rank (run.host_memory = "keep")
     true_fp32_on_cuda()
@@ -73,12 +76,9 @@ def _worker(rank: int, world_size: int, tasks, results, stacks: str) -> None:
                           LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port))
         try:
-            results.put((rank, "ok", on_cpu(fn(*args)), "", 0.0))
+            results.put(_sendable((rank, "ok", on_cpu(fn(*args)), "", 0.0)))
         except BaseException as exc:  # report every failure, with its time: the first is the cause
-            try:
-                results.put((rank, "error", exc, traceback.format_exc(), time.time()))
-            except Exception:
-                results.put((rank, "error", None, traceback.format_exc(), time.time()))
+            results.put(_sendable((rank, "error", exc, traceback.format_exc(), time.time())))
         finally:
             import gc
 
@@ -86,6 +86,20 @@ def _worker(rank: int, world_size: int, tasks, results, stacks: str) -> None:
             if dist.is_initialized():  # a failed test must not leak its group into the next
                 dist.destroy_process_group()
             gc.collect()  # frees the test's subgroups that only reference cycles kept alive
+
+
+def _sendable(report: tuple) -> tuple:
+    """`report` if it pickles, else an error that says why: the queue pickles in a thread of its
+    own, where a value that does not pickle is dropped without a word and the test would wait
+    for a result that never comes."""
+    try:
+        pickle.dumps(report)
+        return report
+    except Exception as exc:  # noqa: BLE001 - any reason it cannot travel
+        rank, status, value, tb, when = report
+        what = "its result" if status == "ok" else f"its {type(value).__name__}: {value}"
+        return (rank, "error", RuntimeError(f"rank {rank} could not send {what} to the test "
+                                            f"({type(exc).__name__}: {exc})"), tb, when or time.time())
 
 
 class _Pool:
@@ -149,7 +163,7 @@ class _Pool:
         """Every rank's threads' stacks on its stderr: where a stuck rank waits."""
         for p in self.procs:
             if p.is_alive():
-                os.kill(p.pid, signal.SIGUSR1)
+                os.kill(p.pid, signal.SIGUSR2)
         time.sleep(1.0)
 
     def exit_status(self, rank: int) -> str:

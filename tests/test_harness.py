@@ -43,3 +43,34 @@ def test_a_stuck_rank_is_reported_with_where_it_waits():
 
 def _returns_ok():
     return "ok"
+
+
+def _stuck_on_rank_one_after_a_fit():
+    import os
+    import time
+
+    from exatrain.train.resilience.stop import StopOnSignal
+
+    StopOnSignal().install().restore()   # what every Trainer.fit does around its steps
+    if os.environ["RANK"] == "1":
+        time.sleep(60)
+    return "ok"
+
+
+def test_a_rank_stuck_after_a_fit_still_shows_where_it_waits():
+    """The stop signals' handler a fit installs and restores leaves the stacks' signal alone."""
+    with pytest.raises(RankFailed) as info:
+        run_ranks(2, _stuck_on_rank_one_after_a_fit, timeout_s=5)
+    message = str(info.value)
+    assert "no result within 5 s" in message, message
+    assert "_stuck_on_rank_one_after_a_fit" in message and "rank1's stacks" in message, message
+
+
+def _returns_what_cannot_travel():
+    return lambda: None
+
+
+def test_a_result_that_cannot_be_sent_is_an_error_not_a_wait():
+    with pytest.raises(RankFailed) as info:
+        run_ranks(2, _returns_what_cannot_travel, timeout_s=60)
+    assert "could not send its result" in str(info.value), str(info.value)
