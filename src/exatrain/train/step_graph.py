@@ -202,9 +202,9 @@ class WholeStepGraph:
                 group["lr"] = rate
                 if "capturable" in group:
                     group["capturable"] = True
-            for param, before in held.items():
+            for param, recorded in held.items():
                 now = optimizer.state.get(param)
-                for key, tensor in before.items() if now else ():
+                for key, tensor in recorded.items() if now else ():
                     loaded = now.get(key)
                     if isinstance(tensor, torch.Tensor) and isinstance(loaded, torch.Tensor) \
                             and loaded is not tensor and loaded.shape == tensor.shape:
