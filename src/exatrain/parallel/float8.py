@@ -14,7 +14,7 @@ inner size of the weight gradient's product, is padded to 16 where it is not (`p
 torchtitan's habit of keeping the last projection (the language-model head) in bf16 is not
 followed: at GPT's vocabulary it is the largest matrix product of the step. Whether the loss
 stays within bf16's is what `exatrain bench device --alt-set parallel.precision="fp8"` measures
-(`<case>_alt_loss_rel_diff`); it has not run on a GPU yet.
+(`<case>_alt_loss_rel_diff`).
 
 Refused before the first step, with the reason: on a CPU and on GPUs below compute capability 8.9
 (no fp8 tensor cores; Ada and Hopper have them), without torchao installed, with nothing to
