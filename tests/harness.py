@@ -76,9 +76,9 @@ def _worker(rank: int, world_size: int, tasks, results, stacks: str) -> None:
                           LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port))
         try:
-            results.put(_sendable((rank, "ok", on_cpu(fn(*args)), "", 0.0)))
+            results.put(_pickled((rank, "ok", on_cpu(fn(*args)), "", 0.0)))
         except BaseException as exc:  # report every failure, with its time: the first is the cause
-            results.put(_sendable((rank, "error", exc, traceback.format_exc(), time.time())))
+            results.put(_pickled((rank, "error", exc, traceback.format_exc(), time.time())))
         finally:
             import gc
 
@@ -88,18 +88,18 @@ def _worker(rank: int, world_size: int, tasks, results, stacks: str) -> None:
             gc.collect()  # frees the test's subgroups that only reference cycles kept alive
 
 
-def _sendable(report: tuple) -> tuple:
-    """`report` if it pickles, else an error that says why: the queue pickles in a thread of its
-    own, where a value that does not pickle is dropped without a word and the test would wait
-    for a result that never comes."""
+def _pickled(report: tuple) -> bytes:
+    """`report` pickled here, once: the queue would pickle it in a thread of its own, where a
+    value that does not pickle is dropped without a word and the test would wait for a result
+    that never comes. Such a value is reported as an error that says why."""
     try:
-        pickle.dumps(report)
-        return report
+        return pickle.dumps(report)
     except Exception as exc:  # noqa: BLE001 - any reason it cannot travel
         rank, status, value, tb, when = report
         what = "its result" if status == "ok" else f"its {type(value).__name__}: {value}"
-        return (rank, "error", RuntimeError(f"rank {rank} could not send {what} to the test "
-                                            f"({type(exc).__name__}: {exc})"), tb, when or time.time())
+        return pickle.dumps((rank, "error", RuntimeError(
+            f"rank {rank} could not send {what} to the test ({type(exc).__name__}: {exc})"),
+            tb, when or time.time()))
 
 
 class _Pool:
@@ -134,8 +134,8 @@ class _Pool:
                 grace_until = time.monotonic() + grace_s
             until = grace_until if failed else deadline
             try:  # in slices of a second: a rank that died is noticed at once, not at the deadline
-                rank, status, value, tb, when = self.results.get(
-                    timeout=max(0.1, min(until - time.monotonic(), 1.0)))
+                rank, status, value, tb, when = pickle.loads(self.results.get(
+                    timeout=max(0.1, min(until - time.monotonic(), 1.0))))
                 out[rank] = (status, value, tb, when)
             except queue.Empty:
                 dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in out]

@@ -144,15 +144,16 @@ def link_bandwidths(mesh, options: PreflightOptions) -> list[float]:
             continue
         position = world.global_ranks.index(peer)
 
-        def swap():
-            for work in exchange([(send, position)], [(recv, position)], world, tag="preflight"):
+        def swap(outgoing, incoming):
+            for work in exchange([(outgoing, position)], [(incoming, position)], world,
+                                 tag="preflight"):
                 work.wait()
         for _ in range(options.warmup):
-            swap()
+            swap(send, recv)
         times = []
         for _ in range(options.iters):  # the median call: a stray preemption of a busy host
             t0 = time.perf_counter()    # does not make a rank look slow
-            swap()
+            swap(send, recv)
             _synchronize(mesh.device)
             times.append(time.perf_counter() - t0)
         # the link's time is the faster end's: a rank's clock also runs while it waits for a
@@ -160,8 +161,7 @@ def link_bandwidths(mesh, options: PreflightOptions) -> list[float]:
         # rank is slow at both ends)
         mine = torch.tensor([statistics.median(times)], dtype=torch.float64, device=mesh.device)
         theirs = torch.empty_like(mine)
-        for work in exchange([(mine, position)], [(theirs, position)], world, tag="preflight"):
-            work.wait()
+        swap(mine, theirs)
         out.append(send.numel() * 4 / min(float(mine), float(theirs)))
     dist.barrier()
     return out
