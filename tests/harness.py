@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import gc
 import os
 import pickle
 import queue
@@ -67,6 +68,7 @@ def _worker(rank: int, world_size: int, tasks, results, stacks: str) -> None:
     faulthandler.enable(file=stack_file, all_threads=True)
     keep_freed_host_memory()  # as `exatrain run` sets up each rank (run.host_memory = "keep")
     true_fp32_on_cuda()
+    gc.freeze()  # what the rank imported is never garbage: the collections below skip it
     while True:
         task = tasks.get()
         if task is None:
@@ -80,12 +82,11 @@ def _worker(rank: int, world_size: int, tasks, results, stacks: str) -> None:
         except BaseException as exc:  # report every failure, with its time: the first is the cause
             results.put(_pickled((rank, "error", exc, traceback.format_exc(), time.time())))
         finally:
-            import gc
-
             import torch.distributed as dist
             if dist.is_initialized():  # a failed test must not leak its group into the next
                 dist.destroy_process_group()
             gc.collect()  # frees the test's subgroups that only reference cycles kept alive
+            gc.freeze()   # and what is left is the next test's: its collections skip it
 
 
 def _pickled(report: tuple) -> bytes:
