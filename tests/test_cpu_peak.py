@@ -63,3 +63,21 @@ def test_the_summary_states_the_cpu_peak_and_mfu_against_it(tiny_config):
     assert summary["mfu"] == pytest.approx(
         summary["model_flops_per_s"] / summary["peak_flops_per_s"])
     assert summary["matmul_flops_per_s_measured"] > 0
+
+
+def test_the_matmul_rate_is_measured_once_per_process_and_thread_count():
+    """A process that runs many fits measures the device once; another thread count is another
+    measurement (the rate scales with the cores a rank uses)."""
+    from exatrain.observe.matmul_rate import _matmul_rate, matmul_rate
+
+    before = torch.get_num_threads()
+    _matmul_rate.cache_clear()
+    try:
+        first = matmul_rate(torch.device("cpu"), torch.float32)
+        assert first > 0 and matmul_rate("cpu", torch.float32) == first
+        assert _matmul_rate.cache_info().misses == 1
+        torch.set_num_threads(1 if before > 1 else 2)
+        matmul_rate("cpu", torch.float32)
+        assert _matmul_rate.cache_info().misses == 2
+    finally:
+        torch.set_num_threads(before)
