@@ -68,7 +68,9 @@ def _worker(rank: int, world_size: int, tasks, results, stacks: str) -> None:
     faulthandler.enable(file=stack_file, all_threads=True)
     keep_freed_host_memory()  # as `exatrain run` sets up each rank (run.host_memory = "keep")
     true_fp32_on_cuda()
-    gc.freeze()  # what the rank imported is never garbage: the collections below skip it
+    # what the rank imported is never garbage: every collection below (the one after each test
+    # costs 0.2 s instead of 0.002 s with torch's objects in it) skips it
+    gc.freeze()
     while True:
         task = tasks.get()
         if task is None:
@@ -85,8 +87,8 @@ def _worker(rank: int, world_size: int, tasks, results, stacks: str) -> None:
             import torch.distributed as dist
             if dist.is_initialized():  # a failed test must not leak its group into the next
                 dist.destroy_process_group()
+            del task, fn, args
             gc.collect()  # frees the test's subgroups that only reference cycles kept alive
-            gc.freeze()   # and what is left is the next test's: its collections skip it
 
 
 def _pickled(report: tuple) -> bytes:

@@ -66,11 +66,12 @@ def test_the_summary_states_the_cpu_peak_and_mfu_against_it(tiny_config):
 
 
 def test_the_matmul_rate_is_measured_once_per_process_and_thread_count():
-    """A process that runs many fits measures the device once; another thread count is another
-    measurement (the rate scales with the cores a rank uses)."""
+    """A process that runs many fits measures the device once; another thread count or float32
+    matmul setting is another measurement (the rate scales with the cores a rank uses; TF32 is
+    another rate on a GPU)."""
     from exatrain.observe.matmul_rate import _matmul_rate, matmul_rate
 
-    before = torch.get_num_threads()
+    before, precision = torch.get_num_threads(), torch.get_float32_matmul_precision()
     _matmul_rate.cache_clear()
     try:
         first = matmul_rate(torch.device("cpu"), torch.float32)
@@ -79,5 +80,9 @@ def test_the_matmul_rate_is_measured_once_per_process_and_thread_count():
         torch.set_num_threads(1 if before > 1 else 2)
         matmul_rate("cpu", torch.float32)
         assert _matmul_rate.cache_info().misses == 2
+        torch.set_float32_matmul_precision("high")
+        matmul_rate("cpu", torch.float32)
+        assert _matmul_rate.cache_info().misses == 3
     finally:
         torch.set_num_threads(before)
+        torch.set_float32_matmul_precision(precision)

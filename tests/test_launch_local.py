@@ -1,5 +1,8 @@
 """Failures on one rank are reported with the rank and its traceback, and nothing hangs."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -65,3 +68,19 @@ def test_ranks_see_the_callers_environment_directory_and_import_path_at_launch(t
 
     results = spawn(user_probe_module.probe, 2)
     assert results == [("set after the server started", str(tmp_path), 1)] * 2
+
+
+def test_a_compile_setting_changed_after_the_first_launch_is_named(tmp_path):
+    """torch reads its compile and logging variables once, as the forkserver imports it; one
+    set after the first launch cannot reach the ranks, and rank 0 says so, with the fix (a
+    process of its own: the forked ranks write on the stderr of the server, which started there)."""
+    driver = ("import os\nfrom exatrain.launch import spawn\n"
+              "spawn(os.getcwd, 2)\n"
+              "os.environ['TORCHINDUCTOR_FX_GRAPH_CACHE'] = '0'\n"
+              "spawn(os.getcwd, 2)\n")
+    done = subprocess.run([sys.executable, "-c", driver], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    notes = [line for line in done.stderr.splitlines() if "TORCHINDUCTOR_FX_GRAPH_CACHE" in line]
+    assert len(notes) == 1, done.stderr   # rank 0's, at the second launch only
+    assert "EXATRAIN_START_METHOD=spawn" in notes[0] and "before the first launch" in notes[0]

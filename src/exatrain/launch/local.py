@@ -107,11 +107,30 @@ def rank_context():
     return ctx
 
 
+# variables torch, torch._dynamo and torch._inductor read once, when the forkserver imports them
+_READ_AT_IMPORT = ("TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE", "TORCH_LOGS")
+
+
+def stale_compile_settings(server: dict, caller: dict) -> str | None:
+    """What a forked rank would silently ignore: compile and logging variables the caller set
+    or changed after the forkserver started (torch read them as it imported); None when none."""
+    names = sorted(k for k in {*server, *caller} if k.startswith(_READ_AT_IMPORT)
+                   and server.get(k) != caller.get(k))
+    if not names:
+        return None
+    return (f"{', '.join(names)} changed after this process's first local launch; its ranks "
+            "fork from a server that imported torch before, so they keep the earlier values. Set "
+            "them before the first launch, or EXATRAIN_START_METHOD=spawn (fresh interpreters).")
+
+
 def _child(payload: bytes, environ: dict, import_path: list, cwd: str, start_method: str,
            rank: int, nproc: int, port: int, threads: int, result_dir: str) -> None:
     # the caller's process state at launch time (a forked rank starts with the server's, and
     # multiprocessing set this process's start method to the one that started it)
     multiprocessing.set_start_method(start_method, force=True)
+    stale = stale_compile_settings(os.environ, environ)
+    if stale and rank == 0:
+        print(f"exatrain: {stale}", file=sys.stderr, flush=True)
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),

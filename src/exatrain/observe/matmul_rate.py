@@ -58,13 +58,17 @@ def measured_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float
 
 
 def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
-    """`measured_matmul_flops` of this device and dtype, measured once per process and thread
-    count: a run's summary reports it beside its MFU, and a process that runs many fits (a
-    notebook, a population, a test suite) would otherwise spend 0.1-0.2 s measuring the same
-    device again at each."""
-    return _matmul_rate(str(torch.device(device)), dtype, torch.get_num_threads())
+    """`measured_matmul_flops` of this device and dtype, measured once per process, thread count
+    and float32 matmul setting (TF32 on a GPU is another rate, up to 7x): a run's summary
+    reports it beside its MFU, and a process that runs many fits (a notebook, a population, a
+    test suite) would otherwise spend 0.1-0.2 s measuring the same device again at each."""
+    matmul = torch.backends.cuda.matmul
+    settings = (torch.get_num_threads(), torch.get_float32_matmul_precision(), matmul.allow_tf32,
+                matmul.allow_fp16_reduced_precision_reduction,
+                matmul.allow_bf16_reduced_precision_reduction)
+    return _matmul_rate(str(torch.device(device)), dtype, settings)
 
 
 @functools.lru_cache(maxsize=None)
-def _matmul_rate(device: str, dtype: torch.dtype, threads: int) -> float:
+def _matmul_rate(device: str, dtype: torch.dtype, settings: tuple) -> float:
     return measured_matmul_flops(torch.device(device), dtype)
