@@ -69,20 +69,20 @@ def test_the_matmul_rate_is_measured_once_per_process_and_thread_count():
     """A process that runs many fits measures the device once; another thread count or float32
     matmul setting is another measurement (the rate scales with the cores a rank uses; TF32 is
     another rate on a GPU)."""
-    from exatrain.observe.matmul_rate import _matmul_rate, matmul_rate
+    from exatrain.observe.matmul_rate import _measured_once, measured_matmul_flops_cached as rate
 
     before, precision = torch.get_num_threads(), torch.get_float32_matmul_precision()
-    _matmul_rate.cache_clear()
+    _measured_once.cache_clear()
     try:
-        first = matmul_rate(torch.device("cpu"), torch.float32)
-        assert first > 0 and matmul_rate("cpu", torch.float32) == first
-        assert _matmul_rate.cache_info().misses == 1
+        first = rate(torch.device("cpu"), torch.float32)
+        assert first > 0 and rate("cpu", torch.float32) == first
+        assert _measured_once.cache_info().misses == 1
         torch.set_num_threads(1 if before > 1 else 2)
-        matmul_rate("cpu", torch.float32)
-        assert _matmul_rate.cache_info().misses == 2
+        rate("cpu", torch.float32)
+        assert _measured_once.cache_info().misses == 2
         torch.set_float32_matmul_precision("high")
-        matmul_rate("cpu", torch.float32)
-        assert _matmul_rate.cache_info().misses == 3
+        rate("cpu", torch.float32)
+        assert _measured_once.cache_info().misses == 3
     finally:
         torch.set_num_threads(before)
         torch.set_float32_matmul_precision(precision)

@@ -198,7 +198,7 @@ def _config(case, args, data_root: str, device: torch.device, precision: str):
 def run_case(case, args, data_root: str, device: torch.device, precision: str) -> dict:
     """Baseline, exatrain and the levers of one case; returns its flat figures."""
     from ..mesh import init
-    from ..observe.matmul_rate import measured_matmul_flops
+    from ..observe.matmul_rate import measured_matmul_flops_cached
     from ..parallel.precision import DTYPES
     from ..plan import Plan
     from ..train.config import load_config
@@ -228,15 +228,12 @@ def run_case(case, args, data_root: str, device: torch.device, precision: str) -
         flops, tokens = workload.flops_per_sample, workload.tokens_per_sample
         loss_fn, decode = plain_loss(case, workload, config), workload.decode
         train_set = workload.train_set
-        measured = {}
 
         def figures(run, levers_precision):
             dtype = DTYPES.get(levers_precision, torch.bfloat16)
-            if levers_precision not in measured:
-                measured[levers_precision] = measured_matmul_flops(device, dtype)
             return _figures(run, batch, flops, tokens,
                             datasheet_peak_flops(device, levers_precision),
-                            measured[levers_precision])
+                            measured_matmul_flops_cached(device, dtype))
 
         workers = args.workers if args.workers >= 0 else default_workers()
         baseline = best_practice(precision, compile)

@@ -57,7 +57,7 @@ def measured_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float
     return 2 * n ** 3 / times[len(times) // 2]
 
 
-def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
+def measured_matmul_flops_cached(device: torch.device, dtype: torch.dtype) -> float:
     """`measured_matmul_flops` of this device and dtype, measured once per process, thread count
     and float32 matmul setting (TF32 on a GPU is another rate, up to 7x): a run's summary
     reports it beside its MFU, and a process that runs many fits (a notebook, a population, a
@@ -66,9 +66,10 @@ def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
     settings = (torch.get_num_threads(), torch.get_float32_matmul_precision(), matmul.allow_tf32,
                 matmul.allow_fp16_reduced_precision_reduction,
                 matmul.allow_bf16_reduced_precision_reduction)
-    return _matmul_rate(str(torch.device(device)), dtype, settings)
+    return _measured_once(str(torch.device(device)), dtype, settings)
 
 
 @functools.lru_cache(maxsize=None)
-def _matmul_rate(device: str, dtype: torch.dtype, settings: tuple) -> float:
+def _measured_once(device: str, dtype: torch.dtype, settings: tuple) -> float:
+    # `settings` only keys the cache: the measurement runs under them as they are now
     return measured_matmul_flops(torch.device(device), dtype)

@@ -23,7 +23,7 @@ import torch
 
 from ..comm import all_gather_object
 from ..parallel.pipe.model import PipelineModel
-from ..observe.matmul_rate import matmul_rate
+from ..observe.matmul_rate import measured_matmul_flops_cached
 from .config import Config
 from ..observe.cpu_peak import Peak, cpu_peak
 from ..observe.memory_meters import peak_memory_bytes
@@ -103,7 +103,7 @@ class Records:
     @functools.cached_property
     def matmul_flops_measured(self) -> float:
         """This device's measured matmul FLOP/s in the step's dtype (measured once per process)."""
-        return matmul_rate(self.mesh.device, self.precision.dtype)
+        return measured_matmul_flops_cached(self.mesh.device, self.precision.dtype)
 
     @functools.cached_property
     def mfu_denominator(self) -> Peak:
