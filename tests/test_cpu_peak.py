@@ -71,7 +71,8 @@ def test_the_matmul_rate_is_measured_once_per_process_and_thread_count():
     another rate on a GPU)."""
     from exatrain.observe.matmul_rate import _measured_once, measured_matmul_flops_cached as rate
 
-    before, precision = torch.get_num_threads(), torch.get_float32_matmul_precision()
+    matmul = torch.backends.cuda.matmul
+    before, reduced = torch.get_num_threads(), matmul.allow_bf16_reduced_precision_reduction
     _measured_once.cache_clear()
     try:
         first = rate(torch.device("cpu"), torch.float32)
@@ -80,9 +81,11 @@ def test_the_matmul_rate_is_measured_once_per_process_and_thread_count():
         torch.set_num_threads(1 if before > 1 else 2)
         rate("cpu", torch.float32)
         assert _measured_once.cache_info().misses == 2
-        torch.set_float32_matmul_precision("high")
+        # a matmul setting (a plain flag: set_float32_matmul_precision would leave oneDNN's
+        # precision changed for the tests after this one, even when set back)
+        matmul.allow_bf16_reduced_precision_reduction = not reduced
         rate("cpu", torch.float32)
         assert _measured_once.cache_info().misses == 3
     finally:
         torch.set_num_threads(before)
-        torch.set_float32_matmul_precision(precision)
+        matmul.allow_bf16_reduced_precision_reduction = reduced
