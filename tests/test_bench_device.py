@@ -180,3 +180,21 @@ def test_deepcam_reference_network_trains_the_same_loss_in_both_paths(tmp_path):
     base, ours = result["deepcam_baseline_losses"], result["deepcam_exatrain_losses"]
     assert result["deepcam_loss_max_rel_diff"] <= 1e-5, (base, ours)
     assert ours[0] != ours[-1]
+
+
+def test_an_alt_variant_in_another_precision_is_measured_against_that_precision(tmp_path):
+    """An fp8 (here bf16) variant beside an fp32 case: its MFU divides by its own rates."""
+    import torch
+
+    from exatrain.observe.matmul_rate import measured_matmul_flops_cached
+    result = bench(tmp_path, "--cases", "gpt_125m", "--warmup", "1", "--steps", "2", "--rounds",
+                   "1", "--precision", "fp32", "--alt-set", "parallel.precision=bf16")
+    assert result["gpt_125m_exatrain_precision"] == "fp32"
+    assert result["gpt_125m_alt_precision"] == "bf16"
+    rates = {name: measured_matmul_flops_cached(torch.device("cpu"), dtype)
+             for name, dtype in (("exatrain", torch.float32), ("alt", torch.bfloat16))}
+    assert rates["exatrain"] != rates["alt"]
+    # the model's FLOP/s over each variant's MFU gives back the rate it was taken against
+    model_flops = {v: result[f"gpt_125m_{v}_mfu_measured"] * rates[v] for v in rates}
+    per_sample = {v: model_flops[v] / result[f"gpt_125m_{v}_samples_per_s"] for v in rates}
+    assert per_sample["alt"] == pytest.approx(per_sample["exatrain"], rel=1e-9)

@@ -230,10 +230,13 @@ def run_case(case, args, data_root: str, device: torch.device, precision: str) -
         train_set = workload.train_set
 
         def figures(run, levers_precision):
+            # MFU against the peak and the measured matmul rate of the precision that run
+            # trained in (fp8 has no matmul of its own to time: its measured rate is bf16's)
             dtype = DTYPES.get(levers_precision, torch.bfloat16)
-            return _figures(run, batch, flops, tokens,
-                            datasheet_peak_flops(device, levers_precision),
-                            measured_matmul_flops_cached(device, dtype))
+            return {**_figures(run, batch, flops, tokens,
+                               datasheet_peak_flops(device, levers_precision),
+                               measured_matmul_flops_cached(device, dtype)),
+                    "precision": levers_precision}
 
         workers = args.workers if args.workers >= 0 else default_workers()
         baseline = best_practice(precision, compile)
@@ -282,7 +285,8 @@ def run_case(case, args, data_root: str, device: torch.device, precision: str) -
             torch.manual_seed(config.run.seed)
             try:
                 alt = _exatrain(alt_config, mesh, module.build(alt_config, mesh), warmup, steps)
-                results["alt"] = {**figures(alt, precision), "settings": alt_sets}
+                results["alt"] = {**figures(alt, alt_config.parallel.precision),
+                                  "settings": alt_sets}
                 _progress(case.name, "alt", results["alt"])
             except Exception as e:  # noqa: BLE001 - a refused variant keeps the case's figures
                 results["alt"] = {"settings": alt_sets, "refused": f"{type(e).__name__}: {e}"}
