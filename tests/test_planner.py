@@ -353,3 +353,22 @@ def test_the_losss_fp32_tensors_are_counted_at_four_bytes_under_bf16():
         ours = predict(spec, Plan(), system, options).memory["total"]
         theirs = predict(as_bf16, Plan(), system, options).memory["total"]
         assert ours - theirs == pytest.approx(extra * batch, rel=1e-4), precision
+
+
+@pytest.mark.parametrize("n_layer,bias,tie", [(1, True, False), (3, True, False),
+                                              (6, True, False), (6, False, True)])
+def test_gpt_pipe_layers_from_three_blocks_equal_tracing_every_block(n_layer, bias, tie):
+    """The planner traces a GPT of at most three blocks and repeats the middle one: the lists
+    equal those of tracing every block."""
+    import torch
+
+    from exatrain.models.gpt import GPT, GPTConfig
+    from exatrain.tune.spec import gpt_pipe_layers_and_cuts, pipe_cuts, pipe_layers
+    cfg = GPTConfig(n_layer=n_layer, n_embd=32, n_head=4, vocab_size=50, block_size=8,
+                    bias=bias, tie_weights=tie)
+    with torch.device("meta"):
+        model, example = GPT(cfg), torch.zeros(1, 8, dtype=torch.long)
+        every_block = (pipe_layers(model, example), *pipe_cuts(model, example))
+    got = gpt_pipe_layers_and_cuts(cfg)
+    assert len(got[0]) == n_layer + 5          # wte, wpe, drop, the blocks, ln_f, lm_head
+    assert tuple(got) == every_block
