@@ -77,6 +77,8 @@ def test_a_compile_setting_changed_after_the_first_launch_is_named(tmp_path):
     driver = ("import os\nfrom exatrain.launch import spawn\n"
               "spawn(os.getcwd, 2)\n"
               "os.environ['TORCHINDUCTOR_FX_GRAPH_CACHE'] = '0'\n"
+              # read at every use, and written by torch itself as it first compiles: not named
+              "os.environ['TORCHINDUCTOR_CACHE_DIR'] = os.getcwd()\n"
               "spawn(os.getcwd, 2)\n")
     done = subprocess.run([sys.executable, "-c", driver], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120)
@@ -84,3 +86,4 @@ def test_a_compile_setting_changed_after_the_first_launch_is_named(tmp_path):
     notes = [line for line in done.stderr.splitlines() if "TORCHINDUCTOR_FX_GRAPH_CACHE" in line]
     assert len(notes) == 1, done.stderr   # rank 0's, at the second launch only
     assert "EXATRAIN_START_METHOD=spawn" in notes[0] and "before the first launch" in notes[0]
+    assert "TORCHINDUCTOR_CACHE_DIR" not in done.stderr

@@ -109,13 +109,16 @@ def rank_context():
 
 # variables torch, torch._dynamo and torch._inductor read once, when the forkserver imports them
 _READ_AT_IMPORT = ("TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE", "TORCH_LOGS")
+# but this one is read at every use, and torch writes it itself (its default) as it first
+# compiles or traces: a caller that compiled before launching has it, and its ranks use it
+_READ_WHEN_USED = ("TORCHINDUCTOR_CACHE_DIR",)
 
 
 def stale_compile_settings(server: dict, caller: dict) -> str | None:
     """What a forked rank would silently ignore: compile and logging variables the caller set
     or changed after the forkserver started (torch read them as it imported); None when none."""
     names = sorted(k for k in {*server, *caller} if k.startswith(_READ_AT_IMPORT)
-                   and server.get(k) != caller.get(k))
+                   and k not in _READ_WHEN_USED and server.get(k) != caller.get(k))
     if not names:
         return None
     return (f"{', '.join(names)} changed after this process's first local launch; its ranks "
