@@ -65,6 +65,24 @@ def _final_weights(run_dir: Path) -> dict:
     return checkpoint.full_model_state(checkpoint.latest(run_dir))
 
 
+_UNINTERRUPTED: dict = {}  # one run per distinct job, for every module that imports this one
+
+
+def uninterrupted_weights(overrides: list[str], out: Path) -> dict:
+    """The final weights of the job `overrides` without [fault_tolerance]: plain data
+    parallelism on 2 ranks of the test pool (what a healed run must equal). Several tests
+    compare with the same job, here and in the launched and hosts modules: it is trained once
+    per session, keyed by its resolved config (`run.out_dir` aside)."""
+    plain = [o for o in overrides if not o.startswith("fault_tolerance")]
+    resolved = load_config(None, plain).to_dict()
+    resolved["run"].pop("out_dir", None)
+    key = json.dumps(resolved, sort_keys=True, default=str)
+    if key not in _UNINTERRUPTED:
+        summary = run_ranks(2, run_job, load_config(None, [*plain, f"run.out_dir={out}"]))[0]
+        _UNINTERRUPTED[key] = _final_weights(Path(summary["run_dir"]))
+    return _UNINTERRUPTED[key]
+
+
 def test_fault_tolerance_config_is_refused_by_name(cosmo_data):
     def config(*extra):
         return load_config(None, [*TINY, f"data.path={cosmo_data}", "fault_tolerance.enabled=true",
@@ -174,10 +192,7 @@ def test_a_killed_group_rejoins_from_its_peer_and_the_survivor_never_redoes_a_st
     assert all(torch.equal(a[k], b[k]) for k in a)  # the groups agree to the last bit
     # batch = "keep": group 0 trained on group 1's samples while it was out, so the run is the
     # uninterrupted one (plain data parallelism on 2 ranks) up to the order of the sums
-    plain = run_ranks(2, run_job, load_config(None, [
-        *[o for o in overrides if not o.startswith("fault_tolerance")],
-        f"run.out_dir={tmp_path}/dp"]))[0]
-    reference = _final_weights(Path(plain["run_dir"]))
+    reference = uninterrupted_weights(overrides, tmp_path / "dp")
     err = max(rel_err(a[k], reference[k]) for k in reference)
     print(f"final weights against the uninterrupted run: {err:.2e} relative")
     assert err <= 1e-6  # measured: 0 (two groups: a halving and a sum of two terms are exact)

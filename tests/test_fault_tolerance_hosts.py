@@ -9,12 +9,11 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from harness import rel_err, run_ranks
+from harness import rel_err
 from hosts import Hosts, HostsError, quote
 from launched import job_env
 from test_elastic_hosts import _kill_host
@@ -22,9 +21,8 @@ from test_elastic_hosts import _kill_host
 pytest.importorskip("torchft", reason="[fault_tolerance] needs torchft (pip install exatrain[ft])")
 
 from exatrain.launch.local import free_port  # noqa: E402
-from exatrain.train.config import load_config  # noqa: E402
-from exatrain.train.run import run_job  # noqa: E402
-from test_fault_tolerance import FT, TINY, _final_weights, _last_logged_step, _run_dir  # noqa: E402
+from test_fault_tolerance import (  # noqa: E402
+    FT, TINY, _final_weights, _last_logged_step, _run_dir, uninterrupted_weights)
 
 STEPS, KILL_AFTER = 200, 10
 LINK = "100mbit"  # host 2's link: ~10 ms for a step's 125 kB gradient exchange
@@ -116,9 +114,6 @@ def test_a_dead_host_loses_its_group_the_other_trains_on_and_the_group_rejoins(c
     assert killed_at_step < heal["rejoined_at_step"] < STEPS and s1["steps"] == STEPS
     a, b = _final_weights(survivor), _final_weights(rejoined)
     assert all(torch.equal(a[k], b[k]) for k in a)  # the groups agree to the last bit
-    plain = run_ranks(2, run_job, load_config(None, [
-        *[o for o in overrides if not o.startswith("fault_tolerance")],
-        f"run.out_dir={tmp_path}/dp"]))[0]
-    reference = _final_weights(Path(plain["run_dir"]))
+    reference = uninterrupted_weights(overrides, tmp_path / "dp")
     err = max(rel_err(a[k], reference[k]) for k in reference)
     assert err <= 1e-6, f"final weights {err:.1e} from the uninterrupted run's"

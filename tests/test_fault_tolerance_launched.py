@@ -28,6 +28,7 @@ from launched import final_weights, job_args, job_env, slurm  # noqa: F401 (slur
 pytest.importorskip("torchft", reason="[fault_tolerance] needs torchft (pip install exatrain[ft])")
 
 from exatrain.launch.local import free_port  # noqa: E402
+from test_fault_tolerance import uninterrupted_weights  # noqa: E402
 
 STEPS, TOGETHER = 500, 20
 # two groups of one rank; min_replicas = 1: the first group ready starts alone (measured: 0 to
@@ -57,14 +58,9 @@ def _ft_env(**extra) -> dict:
 
 
 def _uninterrupted(cosmo_data, out: Path, *extra: str) -> dict:
-    """The same job without [fault_tolerance]: `exatrain run --nproc 2`, data=2; its weights."""
-    plain = [s for s in FT if not s.startswith("fault_tolerance")] + list(extra)
-    done = subprocess.run([sys.executable, "-m", "exatrain.cli", "run", "--nproc", "2",
-                           *_args(cosmo_data, out, *plain)], env=_ft_env(), capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    (run_dir,) = out.iterdir()
-    return final_weights(run_dir)
+    """The same job without [fault_tolerance] (plain data parallelism on 2 ranks): its final
+    weights, trained once for every test here that compares with the same job."""
+    return uninterrupted_weights(_args(cosmo_data, out, *FT, *extra)[1::2], out)
 
 
 def _trained_steps(run_dir: Path) -> list[int]:
