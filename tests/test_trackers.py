@@ -3,9 +3,10 @@
 One tiny CosmoFlow run on one process serves the read-back tests: it is killed (SIGKILL) as step 5
 starts, after its checkpoint of step 3 and its records of steps 1-4 went to both trackers
 (MLflow's store has them; W&B's writer, which flushes every 15 s, had not written them when the
-process died), and resumed to step 6. Both halves run in fresh interpreters, so that step 4,
-trained by each, is the same arithmetic whatever earlier tests left in pytest's process
-(thread count, oneDNN's matmul precision). Its W&B run is read back from
+process died), and resumed to step 6. Both halves run as ranks forked from the local launcher's
+server (a process that only imported torch and exatrain), so that step 4, trained by each, is
+the same arithmetic whatever earlier tests left in pytest's process (thread count, oneDNN's
+matmul precision). Its W&B run is read back from
 W&B's own offline files (the runs' `.wandb` logs of W&B's `Record` protobuf messages) and its
 MLflow run with `MlflowClient`; both must hold every number of metrics.jsonl at its step, once,
 in one run id across the kill.
@@ -14,9 +15,6 @@ in one run id across the kill.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +22,7 @@ import pytest
 pytest.importorskip("wandb")
 pytest.importorskip("mlflow")
 
+from exatrain.launch.local import RankFailed, spawn  # noqa: E402
 from exatrain.train.config import ConfigError, load_config  # noqa: E402
 from exatrain.train.run import run_job  # noqa: E402
 
@@ -98,27 +97,18 @@ def tracked(tmp_path_factory, cosmo_data):
     """A tracked run killed as step 5 starts and resumed to its end: (run_dir, summary, ids)."""
     out = tmp_path_factory.mktemp("trackers")
     overrides = _overrides(cosmo_data, out / "runs", TRACKED)
-    # argv: tests' directory, the run to resume ("" for a new one), then the overrides
-    script = ("import sys; sys.path.insert(0, sys.argv[1]); "
-              "from exatrain.train.config import load_config; "
-              "from exatrain.train.run import run_job; "
-              "run_job(load_config(None, sys.argv[3:]), resume_dir=sys.argv[2] or None)")
-    env = {**os.environ, "WANDB_SILENT": "true"}
-    for key in ("WANDB_MODE", "MLFLOW_TRACKING_URI", "WANDB_PROJECT", "MLFLOW_EXPERIMENT_NAME",
-                "EXATRAIN_INJECT_FAULTS"):
-        env.pop(key, None)
-
-    def job(resume: str, **extra_env) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent), resume,
-                               *overrides], env={**env, **extra_env}, capture_output=True,
-                              text=True, timeout=300)
-    killed = job("", EXATRAIN_INJECT_FAULTS=f"kill@0:{KILL_AT}")
-    assert killed.returncode == -9, killed.stderr[-3000:]
-    (run_dir,) = (out / "runs").glob("cosmoflow-*")
-    before = json.loads((run_dir / "trackers.json").read_text())
-    resumed = job(str(run_dir))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    return run_dir, json.loads((run_dir / "summary.json").read_text()), before
+    config = load_config(None, overrides)
+    with pytest.MonkeyPatch.context() as env:
+        for key in ("WANDB_MODE", "MLFLOW_TRACKING_URI", "WANDB_PROJECT", "MLFLOW_EXPERIMENT_NAME",
+                    "EXATRAIN_INJECT_FAULTS"):
+            env.delenv(key, raising=False)
+        env.setenv("WANDB_SILENT", "true")
+        with pytest.raises(RankFailed, match="killed by SIGKILL"):
+            spawn(run_job, 1, (config,), env={"EXATRAIN_INJECT_FAULTS": f"kill@0:{KILL_AT}"})
+        (run_dir,) = (out / "runs").glob("cosmoflow-*")
+        before = json.loads((run_dir / "trackers.json").read_text())
+        (summary,) = spawn(run_job, 1, (config, str(run_dir)))
+    return run_dir, summary, before
 
 
 def test_wandb_offline_run_holds_metrics_config_summary_tags_and_files(tracked):
