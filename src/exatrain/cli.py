@@ -476,14 +476,5 @@ def main(argv=None) -> int:
         tear_down()
 
 
-def command() -> int:
-    """The `exatrain` command and `python -m exatrain.cli`: `main` (which tears the rank down),
-    then the process exits without walking torch's heap again (`skip_exit_collections`)."""
-    from .launch.teardown import skip_exit_collections
-    code = main()
-    skip_exit_collections()
-    return code
-
-
 if __name__ == "__main__":
-    sys.exit(command())
+    sys.exit(main())

@@ -31,7 +31,7 @@ from .comm.inject import SlowLinks
 from .launch.env import LaunchError, detect
 from .launch.gpus import gpu_index, refuse_shared_gpus
 from .launch.local import free_port
-from .launch.teardown import end_of_process
+from .launch.teardown import tear_down
 from .plan import Plan
 
 SHARE_GPU_ENV = "EXATRAIN_SHARE_GPU"  # "1": local ranks share the GPU(s) over gloo
@@ -250,8 +250,8 @@ def init(plan: Plan, backend: str | None = None, timeout_s: float = 600.0) -> Me
             # the group stays for the next mesh (Mesh.close); a script under srun or torchrun
             # ends without `exatrain run` to end it, so the group made here is ended at exit,
             # while the interpreter is whole (once, however many times init made one)
-            atexit.unregister(end_of_process)
-            atexit.register(end_of_process)
+            atexit.unregister(tear_down)
+            atexit.register(tear_down)
     device_mesh = init_device_mesh(device.type, tuple(plan.degrees().values()),
                                    mesh_dim_names=tuple(plan.degrees()))
     return Mesh(plan, device, backend, device_mesh, local_rank, keep_group=launch is not None)
