@@ -90,9 +90,10 @@ def count_ops(model: nn.Module, inputs, loss_fn) -> int:
     return counter.n
 
 
-def pipe_cuts(model: nn.Module, example: torch.Tensor) -> tuple[list, list]:
-    """Per layer `parallel.pipe` may cut before: the shapes of the values a cut there sends
-    (`live_across`, run on the meta device), and the layer's convolution/pooling count."""
+def pipe_structure(model: nn.Module, example: torch.Tensor) -> tuple[list, list, list, list]:
+    """The layers `parallel.pipe` may cut before, from one trace of its own tracer: their names,
+    each layer's parameters' shapes, the shapes of the values a cut there sends (`live_across`,
+    run on the meta device), and each layer's convolution/pooling count."""
     from torch import fx
 
     from ..parallel.pipe.split import live_across, trace_layers
@@ -110,17 +111,11 @@ def pipe_cuts(model: nn.Module, example: torch.Tensor) -> tuple[list, list]:
         Shapes(fx.GraphModule(layers.model, layers.graph)).run(example.to("meta"))
     cuts = [[shapes[n] for n in live_across(layers, pos) if n in shapes]
             for pos in layers.layer_pos]
-    spatial = [sum(isinstance(m, (nn.Conv3d, nn.MaxPool3d, nn.AvgPool3d))
-                   for m in model.get_submodule(name).modules()) for name in layers.layer_names]
-    return cuts, spatial
-
-
-def pipe_layers(model: nn.Module, example: torch.Tensor) -> list[list[tuple]]:
-    """The layers `parallel.pipe` cuts between (its own tracer), each as its parameters' shapes."""
-    from ..parallel.pipe.split import trace_layers
-    layers = trace_layers(model, example)
-    return [[tuple(p.shape) for p in model.get_submodule(name).parameters()]
-            for name in layers.layer_names]
+    modules = [model.get_submodule(name) for name in layers.layer_names]
+    params = [[tuple(p.shape) for p in m.parameters()] for m in modules]
+    spatial = [sum(isinstance(sub, (nn.Conv3d, nn.MaxPool3d, nn.AvgPool3d)) for sub in m.modules())
+               for m in modules]
+    return list(layers.layer_names), params, cuts, spatial
 
 
 def _fake_mode():
@@ -207,20 +202,18 @@ def gpt_param_shapes(cfg) -> list[tuple]:
 
 
 def gpt_pipe_layers_and_cuts(cfg) -> tuple[list, list, list]:
-    """`pipe_layers` and `pipe_cuts` of GPT `cfg`. Its blocks are alike, so a GPT of at most
-    three blocks is traced (on the meta device) and the middle block's entries stand for every
-    block between the first and the last: the same lists as tracing every block (a test holds
-    them equal), without tracing a 128-block model twice (26 s of `exatrain plan` for four
-    published GPTs)."""
+    """`pipe_structure`'s layers, cuts and spatial counts of GPT `cfg`. Its blocks are alike,
+    so a GPT of at most three blocks is traced (on the meta device) and the middle block's
+    entries stand for every block between the first and the last: the same lists as tracing
+    every block (a test holds them equal), without tracing a 128-block model (26 s of
+    `exatrain plan` for four published GPTs)."""
     from ..models.gpt import GPT
-    from ..parallel.pipe.split import trace_layers
     traced = min(cfg.n_layer, 3)
-    example = torch.zeros(1, cfg.block_size, dtype=torch.long)
     with torch.device("meta"):
-        meta_gpt = GPT(cfg.replace(n_layer=traced, dropout=0.0))
-        first = trace_layers(meta_gpt, example).layer_names.index("blocks.0")
-        layers = pipe_layers(meta_gpt, example)
-        cuts, spatial = pipe_cuts(meta_gpt, example)
+        names, layers, cuts, spatial = pipe_structure(
+            GPT(cfg.replace(n_layer=traced, dropout=0.0)),
+            torch.zeros(1, cfg.block_size, dtype=torch.long))
+    first = names.index("blocks.0")
 
     def every_block(entries: list) -> list:   # blocks.0, blocks.1 as many times as needed, the last
         middle = cfg.n_layer - traced
@@ -315,8 +308,7 @@ def cosmoflow_spec(size: int, base_channels: int = 32, conv_layers: int = 5,
         meta_model = CosmoFlow(size=size, in_channels=in_channels, base_channels=base_channels,
                                conv_layers=conv_layers, batchnorm=batchnorm)
         example = torch.zeros(1, in_channels, size, size, size)
-        layers = pipe_layers(meta_model, example)
-        cuts, spatial = pipe_cuts(meta_model, example)
+        _, layers, cuts, spatial = pipe_structure(meta_model, example)
     # blocks (checkpointing, `parallel.blocks.find_blocks`): `features` and `head`
     return ModelSpec(family="cosmoflow", name=f"CosmoFlow {size}^3", param_shapes=shapes,
                      flops_per_sample=flops, act_bytes_per_sample=float(act),
