@@ -87,6 +87,18 @@ class Slow(TensorDataset):
         return super().__getitem__(index)
 
 
+class Shaped(TensorDataset):
+    """Samples as some people write them: a dict, two inputs, two targets."""
+
+    def __init__(self, kind, x, y):
+        super().__init__(x, y)
+        self.kind = kind
+
+    def __getitem__(self, index):
+        x, y = super().__getitem__(index)
+        return {"dict": {"x": x, "y": y}, "inputs": ((x, x), y), "targets": (x, (y, y))}[self.kind]
+
+
 def build(kind: str = "ok") -> et.Task:
     g = torch.Generator().manual_seed(0)
     shape = {"attention": (3, 16), "image": (1, 6, 6)}.get(kind, (4,))
@@ -97,6 +109,8 @@ def build(kind: str = "ok") -> et.Task:
     model = models.get(kind, lambda: nn.Linear(4, 1))()
     loss = (lambda o, t: F.mse_loss(o, t) * float("nan")) if kind == "nan" else F.mse_loss
     train = (Slow if kind == "slow" else TensorDataset)(x, y)
+    if kind in ("dict", "inputs", "targets"):
+        train = Shaped(kind, x, y)
     return et.Task(model=model, train_set=train, val_set=TensorDataset(x, y), loss=loss)
 '''
 
@@ -370,6 +384,23 @@ def test_a_staging_directory_too_small_is_one_line_from_the_real_command(cosmo_d
     refused(done.returncode, done.stderr, "StagingError", [
         f"data.stage_to={stage}", "KiB free, the copy needs", "larger node-local directory"],
         ranks=True)
+
+
+@pytest.mark.parametrize("kind, texts", [
+    ("dict", ["train_set[0] is dict with keys ['x', 'y']", "return d['x'], d['y']"]),
+    ("inputs", ["train_set[0] is tuple of 2 (tuple of 2 (Tensor (4,) float32, Tensor (4,) "
+                "float32), Tensor (1,) float32)", "concatenate them into one tensor"]),
+    ("targets", ["train_set[0] is tuple of 2 (Tensor (4,) float32, tuple of 2 (Tensor (1,)",
+                 "split it in the loss"]),
+])
+def test_samples_that_are_not_an_input_and_a_target_are_refused_before_the_first_step(
+        kind, texts, user, tmp_path, capsys):
+    """A sample the step cannot move to the device and feed to model(input) is named, with its
+    structure and the fix, before any step (no metrics were written)."""
+    capsys.readouterr()
+    code = main(["run", "--nproc", "1", *user(kind)])
+    refused(code, capsys.readouterr().err, "DataError", texts)
+    assert not list((tmp_path / "runs").glob("*/metrics.jsonl"))
 
 
 def test_a_bug_in_the_model_forward_is_internal_and_keeps_its_traceback(user, tmp_path, capsys):

@@ -159,7 +159,9 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_set: Dataset, val_set:
     Args:
         model: an `nn.Module` built the same way on every rank (rank 0's weights are broadcast),
             or a zero-argument function that builds it, called after seeding with `run.seed`.
-        train_set: a map-style `Dataset` (`__getitem__` and `__len__`) of `(input, target)`.
+        train_set: a map-style `Dataset` (`__getitem__` and `__len__`) of `(input, target)`,
+            each one tensor (the target may be a number); other samples are refused before the
+            first step, naming what they hold.
         val_set: the same for validation.
         loss: `loss(output, target)` returning the batch-mean loss.
         metrics: `{name: metric}`, each a callable `(output, target)` of per-sample values (a

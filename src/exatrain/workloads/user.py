@@ -36,7 +36,7 @@ from torch.utils.data import Dataset
 
 from .base import Workload
 from .metrics import Mean, metric_functions
-from ..errors import ConfigError
+from ..errors import ConfigError, DataError
 
 
 @dataclass
@@ -74,10 +74,59 @@ def workload_from_task(task: Task, mesh=None) -> Workload:
     blocks = mesh is not None and mesh.plan.space_degree > 1 and reads_blocks(train_set, val_set)
     if blocks:
         train_set, val_set = read_by_blocks(train_set, mesh), read_by_blocks(val_set, mesh)
+    for name, ds in (("train_set", train_set), ("val_set", val_set)):
+        check_sample(name, ds)
     return Workload(model=task.model, train_set=train_set, val_set=val_set,
                     loss_fn=task.loss, metric_sums=metric_sums, finalize=finalize,
                     baselines=dict(task.baselines), flops_per_sample=task.flops_per_sample,
                     input_blocks=blocks, whole_outputs=True)
+
+
+def _shape_of(value) -> str:
+    """One sample's structure in a few words: 'Tensor (4, 8) float32', "dict ['a', 'y']"."""
+    import numpy as np
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return f"Tensor {tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    if isinstance(value, np.ndarray):
+        return f"ndarray {value.shape} {value.dtype}"
+    if isinstance(value, dict):
+        return f"dict with keys {sorted(map(str, value))}"
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__} of {len(value)} ({', '.join(map(_shape_of, value))})"
+    return type(value).__name__
+
+
+def check_sample(name: str, data_set) -> None:
+    """Refuse, before any step, a data set whose samples are not `(input, target)`, each one
+    tensor (the target may be a number): the Trainer calls `model(input)` and
+    `loss(output, target)` on batches of them, moved to the device as tensors. Reads the set's
+    first sample (under space with block reads, this rank's block); an empty set is left to
+    the loader."""
+    import numbers
+
+    import numpy as np
+    import torch
+
+    if len(data_set) == 0:
+        return
+    sample = data_set[0]
+    arrays = (torch.Tensor, np.ndarray)
+    pair = isinstance(sample, (tuple, list)) and len(sample) == 2
+    if pair and isinstance(sample[0], arrays) and isinstance(sample[1], (*arrays, numbers.Number)):
+        return
+    several = (tuple, list, dict)
+    fix = "return `input, target` from __getitem__, each one tensor"
+    if pair and isinstance(sample[0], several):
+        fix += (" (a model of several inputs: concatenate them into one tensor and split it in "
+                "forward, or give the extra inputs as channels)")
+    elif pair and isinstance(sample[1], several):
+        fix += " (several targets: concatenate them into one tensor and split it in the loss)"
+    elif isinstance(sample, dict):
+        fix += " (e.g. `return d['x'], d['y']` instead of the dict)"
+    raise DataError(f"{name}[0] is {_shape_of(sample)}; exatrain trains on (input, target) "
+                    f"pairs, calling model(input) and loss(output, target): {fix}.")
 
 
 # ---------------------------------------------------------------------------- reading by blocks
