@@ -5,7 +5,9 @@ The models (tests/user_models.py): the 3D U-Net with BatchNorm and nearest upsam
 with GroupNorm (`unet_group`), with trilinear upsampling (`unet_trilinear`); a 2D U-Net
 (`unet2d`); an MLP subclass with LayerNorm and GELU (`mlp`); a pre-norm transformer with a
 hand-written causal attention using `self.head_dim` (`transformer`) and one with
-nn.MultiheadAttention (`transformer_mha`).
+nn.MultiheadAttention (`transformer_mha`); models of several outputs: an MLP returning a tuple of
+two heads (`mlp_heads`) and a U-Net returning a dict of two (`unet_heads`), trained on a loss of
+both.
 
 Each cell: 4 SGD steps of batch 4 (float32), then `user_models.check`: every logged loss and the
 validation loss within 1e-5 relative, the final weights within 1e-5 in relative norm over the
@@ -47,6 +49,8 @@ CELLS = [
     *[("transformer", p) for p in ("data2", "shard2", "tensor2", "pipe2", "tensor4",
                                    "data2-tensor2")],
     *[("transformer_mha", p) for p in ("data2", "shard2", "tensor2", "pipe2", "data2-tensor2")],
+    *[("mlp_heads", p) for p in ("data2", "shard2", "tensor2", "pipe2")],
+    *[("unet_heads", p) for p in ("space112", "space122")],
 ]
 # cells that do not train as one process today: (model, plan) -> the defect, named
 XFAIL: dict[tuple[str, str], str] = {}
@@ -164,7 +168,7 @@ def test_users_model_trains_under_the_plan_as_one_process(cell, trained, serial,
     if "tensor" in PLANS[plan]:
         layout = runs[0]["layout"]
         print(f"  tensor layout: {layout}")
-        assert {"fc1", "fc2"} <= set(layout["split"]) if model == "mlp" else \
+        assert {"fc1", "fc2"} <= set(layout["split"]) if model.startswith("mlp") else \
             {"blocks.0.mlp.0", "blocks.0.mlp.2", "blocks.1.mlp.0"} <= set(layout["split"]), layout
         if model == "transformer":   # the hand-written attention runs on a share of its heads
             heads = HEADS_OF[model] // PLANS[plan]["tensor"]

@@ -9,6 +9,8 @@ the convolutional models and the tolerances.
   transformer     a pre-norm transformer (LayerNorm, GELU MLP) with a hand-written causal
                   attention using `self.head_dim` (test_tensor_attention_fit's `Attention`)
   transformer_mha the same with nn.MultiheadAttention(batch_first=True) and a causal mask
+  mlp_heads       `mlp` with a second head, forward returning a tuple of the two outputs
+  unet_heads      the 3D U-Net with a field and a mask head, forward returning a dict
 """
 
 from __future__ import annotations
@@ -170,12 +172,44 @@ class UserTransformer(nn.Module):
         return self.head(self.norm(x))
 
 
+class TwoHeadMLP(UserMLP):
+    """Two heads on one trunk, returned as a tuple (a prediction and a second quantity)."""
+
+    def __init__(self):
+        super().__init__(n_out=1)
+        self.second = nn.Linear(32, 1)
+
+    def forward(self, x):
+        h = self.act(self.fc2(self.act(self.norm(self.fc1(x)))))
+        return self.out(h), self.second(h)
+
+
+class TwoHeadUNet(UNet3D):
+    """A 3D U-Net with a field head and a mask head, returned as a dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.mask = nn.Conv3d(4, 1, 1)
+
+    def forward(self, x):
+        e = self.enc(x)
+        h = self.dec(torch.cat([e, self.up(self.mid(self.down(e)))], dim=1))
+        return {"field": self.head(h), "mask": self.mask(h)}
+
+
+def heads_loss(output, target):
+    """The loss of a model of several outputs: each head against its part of the target."""
+    first, second = output.values() if isinstance(output, dict) else output
+    return F.mse_loss(first, target[:, :1]) + 0.5 * F.mse_loss(second, target[:, 1:])
+
+
 MODELS = {"unet": lambda: UNet3D(), "unet_plain": lambda: UNet3D(norm=""),
           "unet_group": lambda: UNet3D(norm="group"),
           "unet_trilinear": lambda: UNet3D(up="trilinear"), "periodic": Periodic2D,
           "encoder": lambda: Encoder3D(), "encoder_plain": lambda: Encoder3D(norm=False),
           "cnn2d": CNN2D, "unet2d": UNet2D, "mlp": UserMLP, "transformer": UserTransformer,
-          "transformer_mha": lambda: UserTransformer(mha=True)}
+          "transformer_mha": lambda: UserTransformer(mha=True), "mlp_heads": TwoHeadMLP,
+          "unet_heads": TwoHeadUNet}
 
 
 def build(name: str) -> nn.Module:
@@ -185,16 +219,18 @@ def build(name: str) -> nn.Module:
 
 def dataset(name: str) -> torch.utils.data.TensorDataset:
     g = torch.Generator().manual_seed(3)
-    if name == "mlp" or name.startswith("transformer"):   # per-sample / per-token targets
-        x = torch.randn(8, *((TOKENS,) if name != "mlp" else ()), 6, generator=g)
+    if name.startswith("mlp") or name.startswith("transformer"):   # per-sample / per-token targets
+        x = torch.randn(8, *((TOKENS,) if not name.startswith("mlp") else ()), 6, generator=g)
         y = torch.tanh(x[..., :2] * 2) + 0.1 * torch.randn(*x.shape[:-1], 2, generator=g)
-        if name != "mlp":
+        if not name.startswith("mlp"):
             y = y.roll(1, dims=1)   # the target of a token is its predecessor's: attention needed
         return torch.utils.data.TensorDataset(x, y)
     spatial = (16, 16) if name in ("cnn2d", "periodic", "unet2d") else (16, 16, 16)
     x = torch.randn(8, 2, *spatial, generator=g)
     if name.startswith("unet") or name == "periodic":  # per-voxel targets, tied to the input
         y = 0.3 * x[:, :1] + 0.5 * torch.randn(8, 1, *spatial, generator=g)
+        if name == "unet_heads":   # a second per-voxel target: where the field is high
+            y = torch.cat([y, (x[:, 1:] > 0.5).float()], dim=1)
     else:                          # per-sample targets
         y = torch.randn(8, 2 if name == "cnn2d" else 3, generator=g)
     return torch.utils.data.TensorDataset(x, y)
@@ -206,7 +242,8 @@ def fit(name: str, plan: dict, out_dir: str) -> dict:
     from exatrain.train.checkpoints import checkpoint
 
     data = dataset(name)
-    summary = et.fit(lambda: build(name), data, data, loss=F.mse_loss, plan=et.Plan(**plan),
+    loss = heads_loss if name.endswith("_heads") else F.mse_loss
+    summary = et.fit(lambda: build(name), data, data, loss=loss, plan=et.Plan(**plan),
                      train={"steps": STEPS, "batch_size": 4, "log_every": 1, "eval_every": 0,
                             "num_workers": 0},
                      optim={"name": "sgd", "lr": 0.1}, run={"out_dir": out_dir})

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 from ..comm import all_reduce, broadcast_object
 from ..data.loader import collate, no_inherited_garbage
 from ..parallel.data import unwrap
+from ..parallel.nested import map_tensors
 from ..parallel.pipe.model import PipelineModel
 
 
@@ -56,7 +57,8 @@ class Evaluation:
             seen += len(y)
             if keep == 0 or output is None:
                 continue
-            for key, value in self.workload.metric_sums(output[:keep].float(), y[:keep]).items():
+            valid_output = map_tensors(output, lambda t: t[:keep].float())  # (every head)
+            for key, value in self.workload.metric_sums(valid_output, y[:keep]).items():
                 sums[key] = sums.get(key, 0) + value.detach().double().cpu()
         keys = sorted(sums)
         axes = tuple(self.workload.metric_axes)

@@ -163,7 +163,8 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_set: Dataset, val_set:
             each one tensor (the target may be a number); other samples are refused before the
             first step, naming what they hold.
         val_set: the same for validation.
-        loss: `loss(output, target)` returning the batch-mean loss.
+        loss: `loss(output, target)` returning the batch-mean loss; `output` as the model
+            returns it: one tensor, or a tuple, list or dict of them (several heads).
         metrics: `{name: metric}`, each a callable `(output, target)` of per-sample values (a
             `Mean`), an `et.Mean` or an `et.Ratio`; reported as `val_<name>`.
         plan: the Plan; its product must equal the job's ranks. Default: `plan` section, else

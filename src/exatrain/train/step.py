@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..parallel.data import unwrap
+from ..parallel.nested import fp32
 from ..optim.factory import match_grad_layouts
 from ..optim.gradnorm import clip_grad_norm_, decided_locally, found_nonfinite
 from ..parallel.pipe.model import PipelineModel
@@ -151,7 +152,7 @@ class TrainStep:
         if isinstance(self.model, PipelineModel):  # micro-batches run by the schedule
             x, y = next(batches)
             return torch.as_tensor(self.model.train_step(
-                x, y, lambda output, target: self.workload.loss_fn(output.float(), target)))
+                x, y, lambda output, target: self.workload.loss_fn(fp32(output), target)))
         loss_sum = None
         count = count or accum
         for micro in range(count):
@@ -161,7 +162,7 @@ class TrainStep:
                 self.new_graph_iteration()
                 with self.precision.autocast(self.autocast_cache), self.phase("forward"):
                     output = self.model(x)
-                loss = self.workload.loss_fn(output.float(), y)  # fp32 loss
+                loss = self.workload.loss_fn(fp32(output), y)  # (several tensors: each)
                 if accum > 1:  # (a division by one would cost a kernel and a backward node)
                     loss = loss / accum
                 with self.phase("backward"):

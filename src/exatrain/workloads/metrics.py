@@ -21,6 +21,8 @@ from typing import Callable
 
 import torch
 
+from ..parallel.nested import first_tensor
+
 
 class Mean:
     """A metric that is the mean of per-sample (or per-element) values over the validation set.
@@ -38,7 +40,8 @@ class Mean:
     def sums(self, output, target) -> tuple[torch.Tensor, torch.Tensor]:
         values = torch.as_tensor(self.fn(output, target)).detach().double()
         if values.dim() == 0:
-            n = float(len(output)) if output.dim() else 1.0
+            lead = first_tensor(output)   # (an output of several tensors: the first's batch)
+            n = float(len(lead)) if lead is not None and lead.dim() else 1.0
             return values * n, torch.tensor(n, dtype=torch.float64)
         return values.sum(), torch.tensor(float(values.numel()), dtype=torch.float64)
 

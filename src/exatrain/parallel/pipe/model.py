@@ -31,6 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ...comm import Axis, all_reduce
 from ...comm.collectives import host_only_p2p
 from ..data import unwrap
+from ..nested import map_tensors
 from .schedules import bubble_formula, build_schedule
 from ...errors import ConfigError, ParallelizeError
 
@@ -195,8 +196,8 @@ class PipelineModel(nn.Module):
             x = torch.cat([x, x[-1:].expand(self.batch - n, *x.shape[1:])])
         # the schedule computes a loss on the last stage whenever it has a loss function: give
         # it a placeholder target and a loss that costs nothing
-        self._loss_fn = lambda output, target: output.new_zeros(())
+        self._loss_fn = lambda output, target: torch.zeros((), device=self.device)
         placeholder = torch.zeros(self.batch, device=self.device) if self.is_last else None
         with self.autocast():
             out = self.schedule.eval(*((x,) if self.is_first else ()), target=placeholder)
-        return out[:n] if self.is_last else None
+        return map_tensors(out, lambda t: t[:n]) if self.is_last else None

@@ -19,6 +19,7 @@ from .blocks import block_slices, own_dims
 from .functions import GatherBlocks, ScaleGrad, SplitBlocks
 from .guard import BlockMixingGuard
 from .layers import SpatialLayer
+from ..nested import map_tensors
 
 
 class SpatialRuntime:
@@ -209,14 +210,3 @@ class SpatialRuntime:
     def modes(self) -> list[tuple[str, bool]]:
         """(layer name, runs replicated?) of every layer with parameters that has run so far."""
         return list(self._modes.values())
-
-
-def map_tensors(out, fn):
-    """`out` with `fn` applied to every tensor in it (nested tuples, lists, dicts)."""
-    if isinstance(out, torch.Tensor):
-        return fn(out)
-    if isinstance(out, (tuple, list)):
-        return type(out)(map_tensors(v, fn) for v in out)
-    if isinstance(out, dict):
-        return {k: map_tensors(v, fn) for k, v in out.items()}
-    return out
