@@ -189,3 +189,74 @@ def test_a_user_workload_predicts_its_own_hdf5_layout(tmp_path):
     assert list(out["sample_id"]) == [str(i).encode() for i in range(5)]
     with pytest.raises(PredictError, match=r"shape \(7,\) \('inputs'\).*shape \(6,\)"):
         predict(run_dir, tmp_path / "wide.h5", tmp_path / "w.h5", verbose=False)
+
+
+HEADS_MODULE = '''
+from dataclasses import dataclass
+import torch
+import torch.nn.functional as F
+from torch import nn
+import exatrain as et
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(6, 16), nn.Tanh())
+        self.field, self.mask = nn.Linear(16, 2), nn.Linear(16, 1)
+
+    def forward(self, x):
+        h = self.trunk(x)
+        return {"field": self.field(h), "mask": self.mask(h)}
+
+def loss(output, target):
+    return F.mse_loss(output["field"], target[:, :2]) + F.mse_loss(output["mask"], target[:, 2:])
+
+@dataclass
+class DataOptions:
+    path: str = "train.h5"
+
+def build(data: DataOptions) -> et.Task:
+    ds = et.data.HDF5Dataset(data.path, x="inputs", y="outputs")
+    return et.Task(model=TwoHeads(), train_set=ds, val_set=ds, loss=loss)
+'''
+
+
+def test_a_model_of_several_outputs_predicts_each_into_a_dataset_of_its_own(tmp_path):
+    """A dict of two heads: `predictions/field` and `predictions/mask`, each the trained model's
+    output for every sample, in sample order, the same under data=2 (7 samples in batches of 4:
+    the last replica's slice is a padding sample) as on one rank."""
+    import importlib.util
+
+    from exatrain.train.checkpoints import checkpoint
+
+    rng = np.random.default_rng(1)
+    for name, n in (("train.h5", 16), ("new.h5", 7)):
+        x = rng.normal(size=(n, 6)).astype(np.float32)
+        with h5py.File(tmp_path / name, "w") as f:
+            f["inputs"], f["outputs"] = x, np.tanh(x[:, :3])
+    (tmp_path / "heads.py").write_text(HEADS_MODULE)
+    config = load_config(None, [f"run.workload='{tmp_path / 'heads.py'}'",
+                                f"data.path='{tmp_path / 'train.h5'}'", f"run.out_dir='{tmp_path}'",
+                                "train.steps=3", "train.batch_size=4", "train.eval_every=0"])
+    run_dir = run_job(config)["run_dir"]
+    new = tmp_path / "new.h5"
+    serial = predict(run_dir, new, tmp_path / "one.h5", batch_size=4, verbose=False)
+    data = et.predict(run_dir, new, tmp_path / "two.h5", plan=et.Plan(data=2), batch_size=4,
+                      verbose=False)
+    assert serial["samples"] == data["samples"] == 7
+    spec = importlib.util.spec_from_file_location("heads", tmp_path / "heads.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.TwoHeads()
+    model.load_state_dict(checkpoint.full_model_state(checkpoint.latest(Path(run_dir))))
+    with h5py.File(new, "r") as f, torch.no_grad():
+        want = model(torch.from_numpy(f["inputs"][...]))
+    for path in (tmp_path / "one.h5", tmp_path / "two.h5"):
+        with h5py.File(path, "r") as f:
+            assert sorted(f["predictions"]) == ["field", "mask"]
+            np.testing.assert_array_equal(f["index"][...], np.arange(7))
+            assert f["targets"].shape == (7, 3)
+            for head in ("field", "mask"):
+                got = torch.from_numpy(f[f"predictions/{head}"][...])
+                assert got.shape == want[head].shape, (path, head)
+                assert rel_err(got, want[head]) <= 1e-6, (path, head)

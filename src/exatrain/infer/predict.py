@@ -27,6 +27,8 @@ What every rank does:
 Output layout (HDF5):
 
     predictions          (N, *output) float32   the model's outputs, in the workload's target units
+    predictions/NAME     (N, *output) float32   instead, each output of a model returning several
+                                                (a tuple, list or dict: NAME its key or position)
     sample_id            (N,) str               the data set's own ids (file names), else the index
     index                (N,) int64             position in the data set
     targets              (N, *target)           when the data carry targets
@@ -38,7 +40,6 @@ Output layout (HDF5):
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,8 @@ from ..plan import Plan
 from ..train.checkpoints import checkpoint
 from ..train.config import Config, load_config
 from ..errors import UserError
+from ..parallel.nested import first_tensor, map_tensors
+from .writer import OutputMeaning, PredictionWriter
 
 
 class PredictError(UserError, ValueError):
@@ -62,15 +65,6 @@ class PredictError(UserError, ValueError):
 
 
 # ------------------------------------------------------------------ what the outputs mean
-@dataclass
-class OutputMeaning:
-    """Names of a model's output columns and how to turn them into physical values."""
-    names: tuple[str, ...] = ()
-    units: tuple[str, ...] = ()
-    to_physical: Callable[[np.ndarray], np.ndarray] | None = None
-    normalisation: str = ""
-
-
 @dataclass
 class PredictAdapter:
     """Per workload: what its outputs mean and how to open a data set given by path."""
@@ -311,7 +305,7 @@ def _predict_on(mesh, config: Config, run_dir: Path, path: Path, data, out: Path
                  if k.startswith(("space", "tensor")))
     split_outputs = resolved.space_degree > 1 and "space" in workload.metric_axes
     per_replica = max(1, (batch_size or config.train.batch_size) // replica_axis.size)
-    writer = _Writer(out, meaning) if mesh.rank == 0 else None
+    writer = PredictionWriter(out, meaning) if mesh.rank == 0 else None
     n = len(data_set)
     base = _base(data_set)
     ids = [str(i) for i in base.sample_ids()] if hasattr(base, "sample_ids") \
@@ -335,13 +329,15 @@ def _predict_on(mesh, config: Config, run_dir: Path, path: Path, data, out: Path
                     continue
                 first = (b * replica_axis.size + replica_axis.rank) * per_replica
                 keep = max(0, min(per_replica, n - first))  # 0: a padding sample
-                mine = (first, output[:keep].float().cpu(), None if y is None else y[:keep])
+                mine = (first, map_tensors(output, lambda t: t[:keep].float().cpu()),
+                        None if y is None else y[:keep])
                 parts = all_gather_object(mine, replica_axis, tag="predict")
                 if writer is not None and failure is None:
                     try:
                         for lo, rows, targets in parts:
-                            if len(rows):
-                                writer.append(lo, rows, targets, ids[lo:lo + len(rows)])
+                            count = len(first_tensor(rows))   # (several outputs: the first's)
+                            if count:
+                                writer.append(lo, rows, targets, ids[lo:lo + count])
                     except Exception as exc:  # tell the others below, do not strand them
                         failure = exc
     except BaseException:
@@ -378,94 +374,6 @@ def _predict_on(mesh, config: Config, run_dir: Path, path: Path, data, out: Path
     if verbose and mesh.rank == 0:
         print(format_summary(summary), flush=True)
     return summary
-
-
-class _Writer:
-    """Rank 0's HDF5 file: rows appended in sample order, renamed into place when complete."""
-
-    def __init__(self, out: Path, meaning: OutputMeaning):
-        import h5py
-        out.parent.mkdir(parents=True, exist_ok=True)
-        self.out, self.meaning = out, meaning
-        self.tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-        self.file = h5py.File(self.tmp, "w")
-        self.rows = 0
-        self.abs_err: np.ndarray | None = None      # sums per output column, normalised units
-        self.abs_err_physical: np.ndarray | None = None
-
-    def _dataset(self, name: str, rows: np.ndarray):
-        if name not in self.file:
-            self.file.create_dataset(name, (0, *rows.shape[1:]), dtype=rows.dtype,
-                                     maxshape=(None, *rows.shape[1:]),
-                                     chunks=(max(1, min(1024, 2 ** 20 // max(1, rows[:1].nbytes))),
-                                             *rows.shape[1:]))
-        ds = self.file[name]
-        ds.resize(self.rows + len(rows), axis=0)
-        ds[self.rows:] = rows
-        return ds
-
-    def append(self, first: int, outputs: torch.Tensor, targets, ids: list[str]) -> None:
-        import h5py
-        if first != self.rows:  # the gather hands batches over in sample order
-            raise RuntimeError(f"predictions arrived for sample {first}, expected {self.rows}")
-        pred = outputs.numpy().astype(np.float32)
-        self._dataset("predictions", pred)
-        self._dataset("index", np.arange(first, first + len(pred), dtype=np.int64))
-        if "sample_id" not in self.file:
-            self.file.create_dataset("sample_id", (0,), dtype=h5py.string_dtype(), maxshape=(None,),
-                                     chunks=(1024,))
-        sid = self.file["sample_id"]
-        sid.resize(self.rows + len(pred), axis=0)
-        sid[self.rows:] = ids
-        m = self.meaning
-        physical = m.to_physical(pred) if m.to_physical is not None and pred.ndim == 2 else None
-        if physical is not None:
-            self._dataset("predictions_physical", physical)
-        if targets is not None:
-            y = targets.numpy()
-            self._dataset("targets", y)
-            if y.shape == pred.shape and y.dtype.kind == "f":
-                err = np.abs(pred.astype(np.float64) - y).reshape(len(y), -1).sum(0)
-                self.abs_err = err if self.abs_err is None else self.abs_err + err
-                if physical is not None:
-                    y_phys = m.to_physical(y)
-                    self._dataset("targets_physical", y_phys)
-                    err = np.abs(physical - y_phys).sum(0)
-                    self.abs_err_physical = err if self.abs_err_physical is None \
-                        else self.abs_err_physical + err
-        self.rows += len(pred)
-
-    def close(self, attrs: dict) -> dict:
-        m = self.meaning
-        self.file.attrs.update({k: v for k, v in attrs.items() if v is not None})
-        self.file.attrs["output_names"] = list(m.names)
-        if m.names:
-            self.file["predictions"].attrs["names"] = list(m.names)
-        if "predictions_physical" in self.file:
-            for name in ("predictions_physical", "targets_physical"):
-                if name in self.file:
-                    self.file[name].attrs.update(names=list(m.names), units=list(m.units),
-                                                 normalisation=m.normalisation)
-        summary: dict = {"outputs": list(m.names), "units": list(m.units)}
-        if self.abs_err is not None:
-            per = self.abs_err / self.rows
-            summary["mae"] = float(per.mean())
-            if m.names and len(per) == len(m.names):
-                summary.update({f"mae_{n}": float(v) for n, v in zip(m.names, per)})
-            if self.abs_err_physical is not None:
-                summary["mae_physical"] = {n: float(v) for n, v in
-                                           zip(m.names, self.abs_err_physical / self.rows)}
-            self.file.attrs["mae"] = summary["mae"]
-        self.file.close()
-        with open(self.tmp, "rb+") as fh:  # durable before the rename
-            os.fsync(fh.fileno())
-        os.replace(self.tmp, self.out)
-        return summary
-
-    def abandon(self) -> None:
-        if self.file.id.valid:
-            self.file.close()
-        self.tmp.unlink(missing_ok=True)
 
 
 def format_summary(summary: dict) -> str:
