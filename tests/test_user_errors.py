@@ -88,7 +88,7 @@ class Slow(TensorDataset):
 
 
 class Shaped(TensorDataset):
-    """Samples as some people write them: a dict, two inputs, two targets."""
+    """Samples as some people write them: a dict, two inputs, two targets, NumPy's float64."""
 
     def __init__(self, kind, x, y):
         super().__init__(x, y)
@@ -96,7 +96,8 @@ class Shaped(TensorDataset):
 
     def __getitem__(self, index):
         x, y = super().__getitem__(index)
-        return {"dict": {"x": x, "y": y}, "inputs": ((x, x), y), "targets": (x, (y, y))}[self.kind]
+        return {"dict": {"x": x, "y": y}, "inputs": ((x, x), y), "targets": (x, (y, y)),
+                "float64": (x.double().numpy(), y)}[self.kind]
 
 
 def build(kind: str = "ok") -> et.Task:
@@ -109,7 +110,7 @@ def build(kind: str = "ok") -> et.Task:
     model = models.get(kind, lambda: nn.Linear(4, 1))()
     loss = (lambda o, t: F.mse_loss(o, t) * float("nan")) if kind == "nan" else F.mse_loss
     train = (Slow if kind == "slow" else TensorDataset)(x, y)
-    if kind in ("dict", "inputs", "targets"):
+    if kind in ("dict", "inputs", "targets", "float64"):
         train = Shaped(kind, x, y)
     return et.Task(model=model, train_set=train, val_set=TensorDataset(x, y), loss=loss)
 '''
@@ -392,6 +393,8 @@ def test_a_staging_directory_too_small_is_one_line_from_the_real_command(cosmo_d
                 "float32), Tensor (1,) float32)", "concatenate them into one tensor"]),
     ("targets", ["train_set[0] is tuple of 2 (Tensor (4,) float32, tuple of 2 (Tensor (1,)",
                  "split it in the loss"]),
+    ("float64", ["train_set[0]'s input is ndarray (4,) float64 but the model's parameters are "
+                 "float32", "x.astype(np.float32)"]),
 ])
 def test_samples_that_are_not_an_input_and_a_target_are_refused_before_the_first_step(
         kind, texts, user, tmp_path, capsys):

@@ -75,7 +75,7 @@ def workload_from_task(task: Task, mesh=None) -> Workload:
     if blocks:
         train_set, val_set = read_by_blocks(train_set, mesh), read_by_blocks(val_set, mesh)
     for name, ds in (("train_set", train_set), ("val_set", val_set)):
-        check_sample(name, ds)
+        check_sample(name, ds, task.model)
     return Workload(model=task.model, train_set=train_set, val_set=val_set,
                     loss_fn=task.loss, metric_sums=metric_sums, finalize=finalize,
                     baselines=dict(task.baselines), flops_per_sample=task.flops_per_sample,
@@ -98,12 +98,13 @@ def _shape_of(value) -> str:
     return type(value).__name__
 
 
-def check_sample(name: str, data_set) -> None:
+def check_sample(name: str, data_set, model: nn.Module | None = None) -> None:
     """Refuse, before any step, a data set whose samples are not `(input, target)`, each one
     tensor (the target may be a number): the Trainer calls `model(input)` and
-    `loss(output, target)` on batches of them, moved to the device as tensors. Reads the set's
-    first sample (under space with block reads, this rank's block); an empty set is left to
-    the loader."""
+    `loss(output, target)` on batches of them, moved to the device as tensors. An input in
+    float64 (NumPy's default) is refused too where `model`'s parameters are in float32: its first
+    layer would fail on the mixed dtypes. Reads the set's first sample (under space with block
+    reads, this rank's block); an empty set is left to the loader."""
     import numbers
 
     import numpy as np
@@ -115,6 +116,13 @@ def check_sample(name: str, data_set) -> None:
     arrays = (torch.Tensor, np.ndarray)
     pair = isinstance(sample, (tuple, list)) and len(sample) == 2
     if pair and isinstance(sample[0], arrays) and isinstance(sample[1], (*arrays, numbers.Number)):
+        weights = next((p.dtype for p in model.parameters() if p.is_floating_point()), None) \
+            if model is not None else None
+        if str(sample[0].dtype).endswith("float64") and weights not in (None, torch.float64):
+            raise DataError(
+                f"{name}[0]'s input is {_shape_of(sample[0])} but the model's parameters are "
+                f"{str(weights).removeprefix('torch.')}: return the input in float32 from "
+                f"__getitem__ (x.astype(np.float32), or torch.from_numpy(x).float()).")
         return
     several = (tuple, list, dict)
     fix = "return `input, target` from __getitem__, each one tensor"
