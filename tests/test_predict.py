@@ -206,10 +206,11 @@ class TwoHeads(nn.Module):
 
     def forward(self, x):
         h = self.trunk(x)
-        return {"field": self.field(h), "mask": self.mask(h)}
+        return {"field": self.field(h), "mask": self.mask(h), "aux": h.square().mean()}
 
 def loss(output, target):
-    return F.mse_loss(output["field"], target[:, :2]) + F.mse_loss(output["mask"], target[:, 2:])
+    return (F.mse_loss(output["field"], target[:, :2]) + F.mse_loss(output["mask"], target[:, 2:])
+            + 1e-2 * output["aux"])
 
 @dataclass
 class DataOptions:
@@ -222,7 +223,8 @@ def build(data: DataOptions) -> et.Task:
 
 
 def test_a_model_of_several_outputs_predicts_each_into_a_dataset_of_its_own(tmp_path):
-    """A dict of two heads: `predictions/field` and `predictions/mask`, each the trained model's
+    """A dict of two heads and a 0-dim auxiliary loss (not per sample, so not written):
+    `predictions/field` and `predictions/mask`, each the trained model's
     output for every sample, in sample order, the same under data=2 (7 samples in batches of 4:
     the last replica's slice is a padding sample) as on one rank."""
     import importlib.util

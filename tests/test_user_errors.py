@@ -393,8 +393,8 @@ def test_a_staging_directory_too_small_is_one_line_from_the_real_command(cosmo_d
                 "float32), Tensor (1,) float32)", "concatenate them into one tensor"]),
     ("targets", ["train_set[0] is tuple of 2 (Tensor (4,) float32, tuple of 2 (Tensor (1,)",
                  "split it in the loss"]),
-    ("float64", ["train_set[0]'s input is ndarray (4,) float64 but the model's parameters are "
-                 "float32", "x.astype(np.float32)"]),
+    ("float64", ["the model's input is float64 (NumPy's default) and its forward failed on it "
+                 "(mat1 and mat2 must have the same dtype", "x.astype(np.float32)"]),
 ])
 def test_samples_that_are_not_an_input_and_a_target_are_refused_before_the_first_step(
         kind, texts, user, tmp_path, capsys):

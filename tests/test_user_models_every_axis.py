@@ -5,9 +5,9 @@ The models (tests/user_models.py): the 3D U-Net with BatchNorm and nearest upsam
 with GroupNorm (`unet_group`), with trilinear upsampling (`unet_trilinear`); a 2D U-Net
 (`unet2d`); an MLP subclass with LayerNorm and GELU (`mlp`); a pre-norm transformer with a
 hand-written causal attention using `self.head_dim` (`transformer`) and one with
-nn.MultiheadAttention (`transformer_mha`); models of several outputs: an MLP returning a tuple of
-two heads (`mlp_heads`) and a U-Net returning a dict of two (`unet_heads`), trained on a loss of
-both.
+nn.MultiheadAttention (`transformer_mha`); models of several outputs, trained on a loss of each:
+an MLP returning a tuple of two heads (`mlp_heads`), the same returning a namedtuple of the two
+and a 0-dim auxiliary loss (`mlp_named`), and a U-Net returning a dict of two (`unet_heads`).
 
 Each cell: 4 SGD steps of batch 4 (float32), then `user_models.check`: every logged loss and the
 validation loss within 1e-5 relative, the final weights within 1e-5 in relative norm over the
@@ -50,6 +50,7 @@ CELLS = [
                                    "data2-tensor2")],
     *[("transformer_mha", p) for p in ("data2", "shard2", "tensor2", "pipe2", "data2-tensor2")],
     *[("mlp_heads", p) for p in ("data2", "shard2", "tensor2", "pipe2")],
+    ("mlp_named", "data2"),
     *[("unet_heads", p) for p in ("space112", "space122")],
 ]
 # cells that do not train as one process today: (model, plan) -> the defect, named

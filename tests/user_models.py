@@ -10,11 +10,13 @@ the convolutional models and the tolerances.
                   attention using `self.head_dim` (test_tensor_attention_fit's `Attention`)
   transformer_mha the same with nn.MultiheadAttention(batch_first=True) and a causal mask
   mlp_heads       `mlp` with a second head, forward returning a tuple of the two outputs
+  mlp_named       the same returning a namedtuple of the two and a 0-dim auxiliary loss
   unet_heads      the 3D U-Net with a field and a mask head, forward returning a dict
 """
 
 from __future__ import annotations
 
+import collections
 import os
 from pathlib import Path
 
@@ -172,15 +174,22 @@ class UserTransformer(nn.Module):
         return self.head(self.norm(x))
 
 
-class TwoHeadMLP(UserMLP):
-    """Two heads on one trunk, returned as a tuple (a prediction and a second quantity)."""
+Heads = collections.namedtuple("Heads", "first second aux")
 
-    def __init__(self):
+
+class TwoHeadMLP(UserMLP):
+    """Two heads on one trunk, returned as a tuple; `named`: as a namedtuple with an auxiliary
+    loss (0-dim) beside them."""
+
+    def __init__(self, named: bool = False):
         super().__init__(n_out=1)
         self.second = nn.Linear(32, 1)
+        self.named = named
 
     def forward(self, x):
         h = self.act(self.fc2(self.act(self.norm(self.fc1(x)))))
+        if self.named:
+            return Heads(self.out(h), self.second(h), 1e-2 * h.square().mean())
         return self.out(h), self.second(h)
 
 
@@ -198,9 +207,15 @@ class TwoHeadUNet(UNet3D):
 
 
 def heads_loss(output, target):
-    """The loss of a model of several outputs: each head against its part of the target."""
-    first, second = output.values() if isinstance(output, dict) else output
-    return F.mse_loss(first, target[:, :1]) + 0.5 * F.mse_loss(second, target[:, 1:])
+    """The loss of a model of several outputs: each head against its part of the target (and
+    the namedtuple's auxiliary loss)."""
+    if isinstance(output, dict):
+        first, second, aux = output["field"], output["mask"], 0.0
+    elif hasattr(output, "_fields"):
+        first, second, aux = output.first, output.second, output.aux
+    else:
+        (first, second), aux = output, 0.0
+    return F.mse_loss(first, target[:, :1]) + 0.5 * F.mse_loss(second, target[:, 1:]) + aux
 
 
 MODELS = {"unet": lambda: UNet3D(), "unet_plain": lambda: UNet3D(norm=""),
@@ -209,6 +224,7 @@ MODELS = {"unet": lambda: UNet3D(), "unet_plain": lambda: UNet3D(norm=""),
           "encoder": lambda: Encoder3D(), "encoder_plain": lambda: Encoder3D(norm=False),
           "cnn2d": CNN2D, "unet2d": UNet2D, "mlp": UserMLP, "transformer": UserTransformer,
           "transformer_mha": lambda: UserTransformer(mha=True), "mlp_heads": TwoHeadMLP,
+          "mlp_named": lambda: TwoHeadMLP(named=True),
           "unet_heads": TwoHeadUNet}
 
 
@@ -242,7 +258,7 @@ def fit(name: str, plan: dict, out_dir: str) -> dict:
     from exatrain.train.checkpoints import checkpoint
 
     data = dataset(name)
-    loss = heads_loss if name.endswith("_heads") else F.mse_loss
+    loss = heads_loss if name.endswith(("_heads", "_named")) else F.mse_loss
     summary = et.fit(lambda: build(name), data, data, loss=loss, plan=et.Plan(**plan),
                      train={"steps": STEPS, "batch_size": 4, "log_every": 1, "eval_every": 0,
                             "num_workers": 0},

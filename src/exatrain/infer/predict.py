@@ -52,7 +52,7 @@ from ..plan import Plan
 from ..train.checkpoints import checkpoint
 from ..train.config import Config, load_config
 from ..errors import UserError
-from ..parallel.nested import first_tensor, map_tensors
+from ..parallel.nested import cut_batch, fp32, map_tensors
 from .writer import OutputMeaning, PredictionWriter
 
 
@@ -329,13 +329,13 @@ def _predict_on(mesh, config: Config, run_dir: Path, path: Path, data, out: Path
                     continue
                 first = (b * replica_axis.size + replica_axis.rank) * per_replica
                 keep = max(0, min(per_replica, n - first))  # 0: a padding sample
-                mine = (first, map_tensors(output, lambda t: t[:keep].float().cpu()),
+                mine = (first, keep, map_tensors(fp32(cut_batch(output, keep, len(x))),
+                                                 torch.Tensor.cpu),
                         None if y is None else y[:keep])
                 parts = all_gather_object(mine, replica_axis, tag="predict")
                 if writer is not None and failure is None:
                     try:
-                        for lo, rows, targets in parts:
-                            count = len(first_tensor(rows))   # (several outputs: the first's)
+                        for lo, count, rows, targets in parts:
                             if count:
                                 writer.append(lo, rows, targets, ids[lo:lo + count])
                     except Exception as exc:  # tell the others below, do not strand them

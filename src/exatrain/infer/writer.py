@@ -34,7 +34,7 @@ def named_outputs(outputs) -> list[tuple[str, torch.Tensor]]:
     named = []
     for key, value in items:
         if isinstance(value, torch.Tensor):
-            named.append((str(key), value))
+            named.append((str(key).replace("/", "_") or "_", value))   # an HDF5 name
         elif isinstance(value, (tuple, list, dict)):
             named += [(f"{key}/{inner}", t) for inner, t in named_outputs(value)]
     return named
@@ -69,10 +69,10 @@ class PredictionWriter:
         if first != self.rows:  # the gather hands batches over in sample order
             raise RuntimeError(f"predictions arrived for sample {first}, expected {self.rows}")
         if not isinstance(outputs, torch.Tensor):   # several outputs: each a dataset of its own
-            named = named_outputs(outputs)
-            for name, tensor in named:
-                self._dataset(f"predictions/{name}", tensor.numpy().astype(np.float32))
-            self._rows_and_ids(first, len(named[0][1]), ids, targets)
+            for name, tensor in named_outputs(outputs):
+                if tensor.dim() and len(tensor) == len(ids):   # per sample (not an aux scalar)
+                    self._dataset(f"predictions/{name}", tensor.numpy().astype(np.float32))
+            self._rows_and_ids(first, len(ids), ids, targets)
             return
         pred = outputs.numpy().astype(np.float32)
         self._dataset("predictions", pred)

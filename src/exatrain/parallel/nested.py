@@ -1,7 +1,8 @@
 """Outputs of several tensors: a model's forward may return one tensor, or a tuple, list or dict
-of them (several heads, a prediction and its uncertainty). What the step does to an output (the
-loss in fp32, evaluation's cut to the valid samples, `space`'s gather of whole outputs) it does
-to every tensor in it, keeping the structure the user's loss and metrics take. No communication.
+of them (several heads, a prediction and its uncertainty, an auxiliary loss). What the step does
+to an output (the loss in fp32, evaluation's cut to the valid samples, `space`'s gather of whole
+outputs) it does to every tensor in it, keeping the structure (a namedtuple stays one) that the
+user's loss and metrics take. No communication.
 """
 
 from __future__ import annotations
@@ -10,14 +11,19 @@ import torch
 
 
 def map_tensors(out, fn):
-    """`out` with `fn` applied to every tensor in it (nested tuples, lists, dicts); anything else
-    is kept as it is."""
+    """`out` with `fn` applied to every tensor in it (nested tuples, namedtuples, lists, dicts);
+    anything else is kept as it is."""
     if isinstance(out, torch.Tensor):
         return fn(out)
     if isinstance(out, (tuple, list)):
-        return type(out)(map_tensors(v, fn) for v in out)
+        mapped = [map_tensors(v, fn) for v in out]
+        return type(out)(*mapped) if hasattr(out, "_fields") else type(out)(mapped)
     if isinstance(out, dict):
-        return {k: map_tensors(v, fn) for k, v in out.items()}
+        mapped = {k: map_tensors(v, fn) for k, v in out.items()}
+        try:    # an OrderedDict, or a dict subclass with attributes, stays what it was
+            return type(out)(mapped)
+        except Exception:  # noqa: BLE001 - a subclass that cannot be built from a dict
+            return mapped
     return out
 
 
@@ -30,8 +36,15 @@ def first_tensor(out) -> torch.Tensor | None:
 
 
 def fp32(out):
-    """The output in float32 (the loss and metrics run in fp32 under bf16/fp16 autocast)."""
-    return map_tensors(out, torch.Tensor.float)
+    """The output's floating-point tensors in float32 (the loss and metrics run in fp32 under
+    bf16/fp16 autocast); integer and bool outputs (indices, masks) are kept as they are."""
+    return map_tensors(out, lambda t: t.float() if t.is_floating_point() else t)
 
 
-__all__ = ["first_tensor", "fp32", "map_tensors"]
+def cut_batch(out, keep: int, batch: int):
+    """The first `keep` samples of every tensor of `out` whose leading dim is the batch (`batch`
+    rows); other tensors (a 0-dim auxiliary loss, a per-model tensor) are kept whole."""
+    return map_tensors(out, lambda t: t[:keep] if t.dim() and t.shape[0] == batch else t)
+
+
+__all__ = ["cut_batch", "first_tensor", "fp32", "map_tensors"]

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from ..comm import all_reduce, broadcast_object
 from ..data.loader import collate, no_inherited_garbage
 from ..parallel.data import unwrap
-from ..parallel.nested import map_tensors
+from ..parallel.nested import cut_batch, fp32
 from ..parallel.pipe.model import PipelineModel
 
 
@@ -57,7 +57,7 @@ class Evaluation:
             seen += len(y)
             if keep == 0 or output is None:
                 continue
-            valid_output = map_tensors(output, lambda t: t[:keep].float())  # (every head)
+            valid_output = fp32(cut_batch(output, keep, len(y)))  # (every head)
             for key, value in self.workload.metric_sums(valid_output, y[:keep]).items():
                 sums[key] = sums.get(key, 0) + value.detach().double().cpu()
         keys = sorted(sums)

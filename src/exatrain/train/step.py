@@ -29,6 +29,7 @@ import torch
 
 from ..parallel.data import unwrap
 from ..parallel.nested import fp32
+from ..workloads.user import float64_input_error
 from ..optim.factory import match_grad_layouts
 from ..optim.gradnorm import clip_grad_norm_, decided_locally, found_nonfinite
 from ..parallel.pipe.model import PipelineModel
@@ -161,7 +162,12 @@ class TrainStep:
             with (self.model.no_sync() if not sync else contextlib.nullcontext()):
                 self.new_graph_iteration()
                 with self.precision.autocast(self.autocast_cache), self.phase("forward"):
-                    output = self.model(x)
+                    try:
+                        output = self.model(x)
+                    except RuntimeError as exc:   # NumPy's float64 into float32 weights
+                        if (error := float64_input_error(x, exc)) is not None:
+                            raise error from exc
+                        raise
                 loss = self.workload.loss_fn(fp32(output), y)  # (several tensors: each)
                 if accum > 1:  # (a division by one would cost a kernel and a backward node)
                     loss = loss / accum

@@ -40,7 +40,8 @@ class Mean:
     def sums(self, output, target) -> tuple[torch.Tensor, torch.Tensor]:
         values = torch.as_tensor(self.fn(output, target)).detach().double()
         if values.dim() == 0:
-            lead = first_tensor(output)   # (an output of several tensors: the first's batch)
+            # the batch: the target's (an output of several tensors may lead with a scalar)
+            lead = target if isinstance(target, torch.Tensor) and target.dim() else first_tensor(output)
             n = float(len(lead)) if lead is not None and lead.dim() else 1.0
             return values * n, torch.tensor(n, dtype=torch.float64)
         return values.sum(), torch.tensor(float(values.numel()), dtype=torch.float64)

@@ -75,7 +75,7 @@ def workload_from_task(task: Task, mesh=None) -> Workload:
     if blocks:
         train_set, val_set = read_by_blocks(train_set, mesh), read_by_blocks(val_set, mesh)
     for name, ds in (("train_set", train_set), ("val_set", val_set)):
-        check_sample(name, ds, task.model)
+        check_sample(name, ds)
     return Workload(model=task.model, train_set=train_set, val_set=val_set,
                     loss_fn=task.loss, metric_sums=metric_sums, finalize=finalize,
                     baselines=dict(task.baselines), flops_per_sample=task.flops_per_sample,
@@ -98,13 +98,13 @@ def _shape_of(value) -> str:
     return type(value).__name__
 
 
-def check_sample(name: str, data_set, model: nn.Module | None = None) -> None:
+def check_sample(name: str, data_set) -> None:
     """Refuse, before any step, a data set whose samples are not `(input, target)`, each one
     tensor (the target may be a number): the Trainer calls `model(input)` and
-    `loss(output, target)` on batches of them, moved to the device as tensors. An input in
-    float64 (NumPy's default) is refused too where `model`'s parameters are in float32: its first
-    layer would fail on the mixed dtypes. Reads the set's first sample (under space with block
-    reads, this rank's block); an empty set is left to the loader."""
+    `loss(output, target)` on batches of them, moved to the device as tensors. Reads the set's
+    first sample (under space with block reads, this rank's block), leaving the global random
+    streams as they were (an augmentation may draw from them); an empty set, or one that reads
+    only batches (`__getitems__`), is left to the loader."""
     import numbers
 
     import numpy as np
@@ -112,17 +112,16 @@ def check_sample(name: str, data_set, model: nn.Module | None = None) -> None:
 
     if len(data_set) == 0:
         return
-    sample = data_set[0]
-    arrays = (torch.Tensor, np.ndarray)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            state = np.random.get_state()
+            sample = data_set[0]
+            np.random.set_state(state)
+    except NotImplementedError:
+        return
+    arrays = (torch.Tensor, np.ndarray, np.generic)
     pair = isinstance(sample, (tuple, list)) and len(sample) == 2
     if pair and isinstance(sample[0], arrays) and isinstance(sample[1], (*arrays, numbers.Number)):
-        weights = next((p.dtype for p in model.parameters() if p.is_floating_point()), None) \
-            if model is not None else None
-        if str(sample[0].dtype).endswith("float64") and weights not in (None, torch.float64):
-            raise DataError(
-                f"{name}[0]'s input is {_shape_of(sample[0])} but the model's parameters are "
-                f"{str(weights).removeprefix('torch.')}: return the input in float32 from "
-                f"__getitem__ (x.astype(np.float32), or torch.from_numpy(x).float()).")
         return
     several = (tuple, list, dict)
     fix = "return `input, target` from __getitem__, each one tensor"
@@ -135,6 +134,20 @@ def check_sample(name: str, data_set, model: nn.Module | None = None) -> None:
         fix += " (e.g. `return d['x'], d['y']` instead of the dict)"
     raise DataError(f"{name}[0] is {_shape_of(sample)}; exatrain trains on (input, target) "
                     f"pairs, calling model(input) and loss(output, target): {fix}.")
+
+
+def float64_input_error(x, exc: RuntimeError) -> DataError | None:
+    """The user error behind a forward that failed on a float64 input (NumPy's default) into
+    float32 (or bf16) weights; None for any other failure. A model that converts its input
+    itself (x.float()) never gets here."""
+    import torch
+
+    if isinstance(x, torch.Tensor) and x.dtype == torch.float64 and "double" in str(exc).lower():
+        return DataError(
+            f"the model's input is float64 (NumPy's default) and its forward failed on it "
+            f"({str(exc).splitlines()[0]}): return the input in float32 from __getitem__ "
+            f"(x.astype(np.float32), or torch.from_numpy(x).float()).")
+    return None
 
 
 # ---------------------------------------------------------------------------- reading by blocks

@@ -31,7 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ...comm import Axis, all_reduce
 from ...comm.collectives import host_only_p2p
 from ..data import unwrap
-from ..nested import map_tensors
+from ..nested import cut_batch
 from .schedules import bubble_formula, build_schedule
 from ...errors import ConfigError, ParallelizeError
 
@@ -200,4 +200,4 @@ class PipelineModel(nn.Module):
         placeholder = torch.zeros(self.batch, device=self.device) if self.is_last else None
         with self.autocast():
             out = self.schedule.eval(*((x,) if self.is_first else ()), target=placeholder)
-        return map_tensors(out, lambda t: t[:n]) if self.is_last else None
+        return cut_batch(out, n, self.batch) if self.is_last else None
