@@ -118,7 +118,7 @@ def check_sample(name: str, data_set) -> None:
             sample = data_set[0]
             np.random.set_state(state)
     except NotImplementedError:   # torch's Dataset.__getitem__: a set that reads only batches
-        return                    # (__getitems__); the loader calls that, and checks nothing less
+        return                    # (__getitems__), which the loader calls: not checked here
     arrays = (torch.Tensor, np.ndarray, np.generic)
     pair = isinstance(sample, (tuple, list)) and len(sample) == 2
     if pair and isinstance(sample[0], arrays) and isinstance(sample[1], (*arrays, numbers.Number)):
