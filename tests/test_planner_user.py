@@ -105,3 +105,69 @@ def test_exatrain_plan_runs_a_users_script_up_to_et_fit(tmp_path, capsys):
     assert main(["plan", str(script), "--world", "2"]) == 0
     assert "Plan(space=(1, 1, 2))" in capsys.readouterr().out
     assert not list(tmp_path.glob("runs*")) and not (tmp_path / "checkpoints").exists()
+
+
+HEADS_SCRIPT = '''
+import numpy as np, torch, torch.nn.functional as F
+from torch import nn
+import exatrain as et
+
+class Heads(nn.Module):
+    """A field and a mask head, returned as a dict."""
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv3d(2, 4, 3, padding=1), nn.ReLU())
+        self.field, self.mask = nn.Conv3d(4, 1, 1), nn.Conv3d(4, 1, 1)
+
+    def forward(self, x):
+        h = self.body(x)
+        return {"field": self.field(h), "mask": self.mask(h)}
+
+def loss(out, y):
+    return F.mse_loss(out["field"], y[:, :1]) + F.binary_cross_entropy_with_logits(out["mask"], y[:, 1:])
+
+class Volumes(torch.utils.data.Dataset):
+    """NumPy samples, as read from a file: DTYPE volumes, float32 targets."""
+    def __init__(self):
+        self.x = np.random.default_rng(0).standard_normal((8, 2, 16, 16, 16)).astype(DTYPE)
+    def __len__(self):
+        return len(self.x)
+    def __getitem__(self, i):
+        return self.x[i], np.concatenate([self.x[i, :1], self.x[i, 1:] > 0]).astype(np.float32)
+
+if __name__ == "__main__":
+    data = Volumes()
+    et.fit(Heads, data, data, loss=loss, train={"steps": 3, "batch_size": 4}, optim={"name": "sgd"})
+    raise SystemExit("trained: `exatrain plan` should have stopped at et.fit")
+'''
+
+
+def test_exatrain_plan_takes_numpy_samples_and_a_model_of_several_outputs(tmp_path, capsys):
+    """A script whose data set returns NumPy arrays and whose model returns a dict of two heads
+    is planned as et.plans plans it on the collated first sample with the script's loss; each
+    head is counted in what `space` gathers. NumPy's float64 input is the user's DataError."""
+    import json
+
+    import exatrain as et
+    from exatrain.cli import main
+    script = tmp_path / "heads.py"
+    script.write_text(HEADS_SCRIPT.replace("DTYPE", "np.float32"))
+    assert main(["plan", str(script), "--world", "2", "--json", str(tmp_path / "p.json")]) == 0
+    got = json.loads((tmp_path / "p.json").read_text())
+    assert (got["model"], got["sample_shape"]) == ("Heads", [2, 16, 16, 16])
+    namespace = {}
+    exec(HEADS_SCRIPT.replace("DTYPE", "np.float32").split("if __name__")[0], namespace)
+    x, y = torch.utils.data.default_collate([namespace["Volumes"]()[0]])
+    direct = et.plans(namespace["Heads"](), example=x, world=2, batch=4, optimizer="sgd",
+                      loss=lambda out: namespace["loss"](out, y))
+    assert [p["plan"] for p in got["ranked"]] == [p["plan"] for p in direct]
+    assert [p["memory_per_rank"]["total"] for p in got["ranked"]] == \
+        [p["memory_per_rank"]["total"] for p in direct]
+    from exatrain.tune.spec import user_spec
+    spec = user_spec(namespace["Heads"](), x)   # both heads keep the volume: both are gathered
+    assert spec.extra["flatten_elements"] == 2 * 16 ** 3
+    script.write_text(HEADS_SCRIPT.replace("DTYPE", "np.float64"))
+    capsys.readouterr()
+    assert main(["plan", str(script), "--world", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "the model's input is float64 (NumPy's default)" in err and "x.astype(np.float32)" in err

@@ -106,12 +106,13 @@ def build(kind: str = "ok") -> et.Task:
     x = torch.randn(16, *shape, generator=g)
     y = x if kind in ("attention", "image") else x[..., :1]
     models = {"attention": lambda: nn.Sequential(Block()), "unused": Unused,
-              "bug": lambda: Buggy(4, 1), "image": lambda: nn.Conv2d(1, 1, 3, padding=1)}
+              "bug": lambda: Buggy(4, 1), "image": lambda: nn.Conv2d(1, 1, 3, padding=1),
+              "float64_pipe": lambda: nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))}
     model = models.get(kind, lambda: nn.Linear(4, 1))()
     loss = (lambda o, t: F.mse_loss(o, t) * float("nan")) if kind == "nan" else F.mse_loss
     train = (Slow if kind == "slow" else TensorDataset)(x, y)
-    if kind in ("dict", "inputs", "targets", "float64"):
-        train = Shaped(kind, x, y)
+    if kind in ("dict", "inputs", "targets", "float64", "float64_pipe"):
+        train = Shaped(kind.removesuffix("_pipe"), x, y)
     return et.Task(model=model, train_set=train, val_set=TensorDataset(x, y), loss=loss)
 '''
 
@@ -395,14 +396,18 @@ def test_a_staging_directory_too_small_is_one_line_from_the_real_command(cosmo_d
                  "split it in the loss"]),
     ("float64", ["the model's input is float64 (NumPy's default) and its forward failed on it "
                  "(mat1 and mat2 must have the same dtype", "x.astype(np.float32)"]),
+    ("float64_pipe", ["the model's input is float64 (NumPy's default) and its forward failed on "
+                      "it (mat1 and mat2 must have the same dtype", "x.astype(np.float32)"]),
 ])
 def test_samples_that_are_not_an_input_and_a_target_are_refused_before_the_first_step(
         kind, texts, user, tmp_path, capsys):
     """A sample the step cannot move to the device and feed to model(input) is named, with its
     structure and the fix, before any step (no metrics were written)."""
     capsys.readouterr()
-    code = main(["run", "--nproc", "1", *user(kind)])
-    refused(code, capsys.readouterr().err, "DataError", texts)
+    pipe = kind.endswith("_pipe")   # under pipe=2 the stages run the forward: the same message
+    code = main(["run", "--nproc", "2" if pipe else "1",
+                 *user(kind, *(["plan.pipe=2"] if pipe else []))])
+    refused(code, capsys.readouterr().err, "DataError", texts, ranks=pipe)
     assert not list((tmp_path / "runs").glob("*/metrics.jsonl"))
 
 

@@ -7,7 +7,9 @@ with GroupNorm (`unet_group`), with trilinear upsampling (`unet_trilinear`); a 2
 hand-written causal attention using `self.head_dim` (`transformer`) and one with
 nn.MultiheadAttention (`transformer_mha`); models of several outputs, trained on a loss of each:
 an MLP returning a tuple of two heads (`mlp_heads`), the same returning a namedtuple of the two
-and a 0-dim auxiliary loss (`mlp_named`), and a U-Net returning a dict of two (`unet_heads`).
+and a 0-dim auxiliary loss (`mlp_named`) or a dict of the two (`mlp_dict`), and a U-Net
+returning a dict of two (`unet_heads`); and the MLP on a data set of NumPy samples
+(`mlp_numpy`).
 
 Each cell: 4 SGD steps of batch 4 (float32), then `user_models.check`: every logged loss and the
 validation loss within 1e-5 relative, the final weights within 1e-5 in relative norm over the
@@ -46,11 +48,12 @@ CELLS = [
                                       "data2-space112")],
     *[("unet2d", p) for p in ("data2", "space121")],
     *[("mlp", p) for p in ("data2", "shard2", "tensor2", "pipe2")],
+    *[("mlp_numpy", p) for p in ("data2", "pipe2")],
     *[("transformer", p) for p in ("data2", "shard2", "tensor2", "pipe2", "tensor4",
                                    "data2-tensor2")],
     *[("transformer_mha", p) for p in ("data2", "shard2", "tensor2", "pipe2", "data2-tensor2")],
     *[("mlp_heads", p) for p in ("data2", "shard2", "tensor2", "pipe2")],
-    ("mlp_named", "data2"),
+    *[(m, p) for m in ("mlp_named", "mlp_dict") for p in ("data2", "shard2", "tensor2", "pipe2")],
     *[("unet_heads", p) for p in ("space112", "space122")],
 ]
 # cells that do not train as one process today: (model, plan) -> the defect, named

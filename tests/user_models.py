@@ -11,6 +11,8 @@ the convolutional models and the tolerances.
   transformer_mha the same with nn.MultiheadAttention(batch_first=True) and a causal mask
   mlp_heads       `mlp` with a second head, forward returning a tuple of the two outputs
   mlp_named       the same returning a namedtuple of the two and a 0-dim auxiliary loss
+  mlp_dict        the same returning a dict of the two heads
+  mlp_numpy       `mlp`, its data set returning NumPy float32 arrays (as read from a file)
   unet_heads      the 3D U-Net with a field and a mask head, forward returning a dict
 """
 
@@ -178,18 +180,20 @@ Heads = collections.namedtuple("Heads", "first second aux")
 
 
 class TwoHeadMLP(UserMLP):
-    """Two heads on one trunk, returned as a tuple; `named`: as a namedtuple with an auxiliary
-    loss (0-dim) beside them."""
+    """Two heads on one trunk, returned as a tuple; `as_="named"`: as a namedtuple with an
+    auxiliary loss (0-dim) beside them; `as_="dict"`: as a dict."""
 
-    def __init__(self, named: bool = False):
+    def __init__(self, as_: str = "tuple"):
         super().__init__(n_out=1)
         self.second = nn.Linear(32, 1)
-        self.named = named
+        self.as_ = as_
 
     def forward(self, x):
         h = self.act(self.fc2(self.act(self.norm(self.fc1(x)))))
-        if self.named:
+        if self.as_ == "named":
             return Heads(self.out(h), self.second(h), 1e-2 * h.square().mean())
+        if self.as_ == "dict":
+            return {"field": self.out(h), "mask": self.second(h)}
         return self.out(h), self.second(h)
 
 
@@ -224,7 +228,8 @@ MODELS = {"unet": lambda: UNet3D(), "unet_plain": lambda: UNet3D(norm=""),
           "encoder": lambda: Encoder3D(), "encoder_plain": lambda: Encoder3D(norm=False),
           "cnn2d": CNN2D, "unet2d": UNet2D, "mlp": UserMLP, "transformer": UserTransformer,
           "transformer_mha": lambda: UserTransformer(mha=True), "mlp_heads": TwoHeadMLP,
-          "mlp_named": lambda: TwoHeadMLP(named=True),
+          "mlp_named": lambda: TwoHeadMLP("named"), "mlp_dict": lambda: TwoHeadMLP("dict"),
+          "mlp_numpy": UserMLP,
           "unet_heads": TwoHeadUNet}
 
 
@@ -233,7 +238,16 @@ def build(name: str) -> nn.Module:
     return MODELS[name]()
 
 
+class NumpySamples(torch.utils.data.TensorDataset):
+    """Samples as NumPy arrays, as a data set reading files returns them."""
+
+    def __getitem__(self, index):
+        return tuple(t.numpy() for t in super().__getitem__(index))
+
+
 def dataset(name: str) -> torch.utils.data.TensorDataset:
+    if name == "mlp_numpy":
+        return NumpySamples(*dataset("mlp").tensors)
     g = torch.Generator().manual_seed(3)
     if name.startswith("mlp") or name.startswith("transformer"):   # per-sample / per-token targets
         x = torch.randn(8, *((TOKENS,) if not name.startswith("mlp") else ()), 6, generator=g)
@@ -258,7 +272,7 @@ def fit(name: str, plan: dict, out_dir: str) -> dict:
     from exatrain.train.checkpoints import checkpoint
 
     data = dataset(name)
-    loss = heads_loss if name.endswith(("_heads", "_named")) else F.mse_loss
+    loss = heads_loss if name.endswith(("_heads", "_named", "_dict")) else F.mse_loss
     summary = et.fit(lambda: build(name), data, data, loss=loss, plan=et.Plan(**plan),
                      train={"steps": STEPS, "batch_size": 4, "log_every": 1, "eval_every": 0,
                             "num_workers": 0},

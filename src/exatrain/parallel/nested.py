@@ -3,6 +3,10 @@ of them (several heads, a prediction and its uncertainty, an auxiliary loss). Wh
 to an output (the loss in fp32, evaluation's cut to the valid samples, `space`'s gather of whole
 outputs) it does to every tensor in it, keeping the structure (a namedtuple stays one) that the
 user's loss and metrics take. No communication.
+
+A pipeline's last stage hands torch's stage a flat tuple of tensors (`tensors_of`) and its loss
+the user's structure again (`rebuild`); evaluation joins the micro-batches' outputs
+(`join_microbatches`).
 """
 
 from __future__ import annotations
@@ -47,4 +51,32 @@ def cut_batch(out, keep: int, batch: int):
     return map_tensors(out, lambda t: t[:keep] if t.dim() and t.shape[0] == batch else t)
 
 
-__all__ = ["cut_batch", "first_tensor", "fp32", "map_tensors"]
+def tensors_of(out) -> list[torch.Tensor]:
+    """Every tensor in `out`, depth first (the order `rebuild` fills them back in)."""
+    found: list[torch.Tensor] = []
+    map_tensors(out, lambda t: found.append(t) or t)
+    return found
+
+
+def skeleton(out):
+    """`out`'s structure with each tensor replaced by an empty meta tensor: a template for
+    `rebuild` that holds no memory."""
+    return map_tensors(out, lambda t: torch.empty(0, device="meta"))
+
+
+def rebuild(template, tensors) -> object:
+    """`template`'s structure (from `skeleton`) holding `tensors` in `tensors_of`'s order."""
+    remaining = iter(tensors)
+    return map_tensors(template, lambda _: next(remaining))
+
+
+def join_microbatches(chunks: list):
+    """One output from the outputs of equal micro-batches, in order: batch-leading tensors
+    concatenated, a 0-dim tensor (an auxiliary loss) averaged as the batch mean would be."""
+    columns = zip(*(tensors_of(c) for c in chunks))
+    joined = [torch.cat(ts) if ts[0].dim() else torch.stack(ts).mean() for ts in columns]
+    return rebuild(chunks[0], joined)
+
+
+__all__ = ["cut_batch", "first_tensor", "fp32", "join_microbatches", "map_tensors", "rebuild",
+           "skeleton", "tensors_of"]

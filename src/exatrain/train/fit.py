@@ -35,12 +35,12 @@ from typing import Callable
 
 import tomli_w
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from ..comm import broadcast, broadcast_object
 from ..mesh import init
 from ..plan import Plan, PlanError
-from ..workloads.user import Task, workload_from_task
+from ..workloads.user import Task, check_sample, float64_input_named, workload_from_task
 from .config import FIXED_SECTIONS, Config, ConfigError, build_section, load_config, validate
 from .job import build, find_resume_checkpoint, make_run_dir, stage_data_sets
 
@@ -71,24 +71,20 @@ def _plan_instead(request: dict, model, train_set, loss, config: Config):
     step; the model is built (weights unused), traced on the first training sample under fake
     tensors with the script's loss and its target, at the sections' batch, optimizer and
     precision."""
-    import torch
-
     plans = request["planner"]  # et.plans, handed down by the plan command (tune sits above)
     built = model() if not isinstance(model, nn.Module) else model
-    sample = train_set[0]
-    x, y = (sample[0], sample[1]) if isinstance(sample, (tuple, list)) else (sample, None)
-    if not isinstance(x, torch.Tensor):
-        raise ConfigError("exatrain plan SCRIPT.py: the training set's samples must be "
-                          f"(input tensor, target); got {type(x).__name__} for the input.")
-    # a copy: a TensorDataset's sample is a view of the whole set's tensor, which the trace of
-    # saved tensors (`tune.spec.trace_saved_bytes`, by storage) would count whole
-    target = y.unsqueeze(0).clone() if isinstance(y, torch.Tensor) else None
-    traced_loss = (lambda out: loss(out, target)) if target is not None else None
+    check_sample("train_set", train_set)
+    # the first sample as a batch of one, collated as the loader does (NumPy arrays become
+    # tensors; a copy, where a TensorDataset's sample is a view of the whole set's tensor, which
+    # the trace of saved tensors, `tune.spec.trace_saved_bytes`, would count whole by storage)
+    x, target = default_collate([train_set[0]])
+    traced_loss = lambda out: loss(out, target)
     kwargs = dict(world=request["world"], batch=config.train.batch_size,
                   system=request.get("system", "cpu-local"),
                   precision=config.parallel.precision, optimizer=config.optim.name)
-    ranked, refused = plans(built, x.unsqueeze(0), loss=traced_loss, refused=True, **kwargs)
-    raise ScriptPlanned({"model": type(built).__name__, "sample_shape": tuple(x.shape),
+    with float64_input_named(x):
+        ranked, refused = plans(built, x, loss=traced_loss, refused=True, **kwargs)
+    raise ScriptPlanned({"model": type(built).__name__, "sample_shape": tuple(x.shape[1:]),
                          **kwargs, "ranked": ranked, "refused": refused})
 
 

@@ -30,6 +30,7 @@ from typing import Callable
 
 import tomli_w
 import torch
+from torch.utils.data import default_collate
 
 from ..comm import broadcast_object
 from ..errors import UserError, relayed
@@ -102,16 +103,18 @@ def pipeline_example(workload, config: Config, plan) -> "torch.Tensor | None":
     from which the channel/filter switch point is placed by the byte rule of
     parallel/tensor/switch.py, as the planner does."""
     per_replica = config.train.batch_size // (plan.data * plan.shard)
+    # collated as the loader does: a sample may hold NumPy arrays
+    inputs = lambda n: default_collate([workload.train_set[i] for i in range(n)])[0]
     if plan.pipe == 1:
         if plan.space_degree == 1 or plan.tensor_degree == 1 or plan.tensor_3d:
             return None
-        block = workload.decode_inputs(workload.train_set[0][0].unsqueeze(0)).shape[1:]
+        block = workload.decode_inputs(inputs(1)).shape[1:]
         parts = tuple(plan.space)[4 - len(block):]          # the blocks' (d, h, w) split
         if not workload.input_blocks:                       # the data set holds whole samples
             parts = (1,) * len(parts)
         whole = (block[0], *(n * p for n, p in zip(block[1:], parts)))
         return torch.empty((per_replica, *whole), device="meta")
-    return workload.decode_inputs(torch.stack([workload.train_set[i][0] for i in range(per_replica)]))
+    return workload.decode_inputs(inputs(per_replica))
 
 
 def join(config: Config):

@@ -29,7 +29,7 @@ import torch
 
 from ..parallel.data import unwrap
 from ..parallel.nested import fp32
-from ..workloads.user import float64_input_error
+from ..workloads.user import float64_input_named
 from ..optim.factory import match_grad_layouts
 from ..optim.gradnorm import clip_grad_norm_, decided_locally, found_nonfinite
 from ..parallel.pipe.model import PipelineModel
@@ -152,8 +152,9 @@ class TrainStep:
         accum = self.options.grad_accum
         if isinstance(self.model, PipelineModel):  # micro-batches run by the schedule
             x, y = next(batches)
-            return torch.as_tensor(self.model.train_step(
-                x, y, lambda output, target: self.workload.loss_fn(fp32(output), target)))
+            with float64_input_named(x):
+                return torch.as_tensor(self.model.train_step(
+                    x, y, lambda output, target: self.workload.loss_fn(fp32(output), target)))
         loss_sum = None
         count = count or accum
         for micro in range(count):
@@ -161,13 +162,9 @@ class TrainStep:
             sync = micro == count - 1 or not hasattr(self.model, "no_sync")
             with (self.model.no_sync() if not sync else contextlib.nullcontext()):
                 self.new_graph_iteration()
-                with self.precision.autocast(self.autocast_cache), self.phase("forward"):
-                    try:
-                        output = self.model(x)
-                    except RuntimeError as exc:   # NumPy's float64 into float32 weights
-                        if (error := float64_input_error(x, exc)) is not None:
-                            raise error from exc
-                        raise
+                with self.precision.autocast(self.autocast_cache), self.phase("forward"), \
+                        float64_input_named(x):
+                    output = self.model(x)
                 loss = self.workload.loss_fn(fp32(output), y)  # (several tensors: each)
                 if accum > 1:  # (a division by one would cost a kernel and a backward node)
                     loss = loss / accum

@@ -370,12 +370,14 @@ def user_spec(model: nn.Module, example: torch.Tensor, loss_fn=None, name: str =
     """A user's own model, traced whole at batch 1 on `example` (one sample (1, C, *spatial), or
     any batch: its first sample is used) under fake tensors, like CosmoFlow: its parameters,
     saved activations, FLOPs (convolutions and Linears) and operators come from its own layers.
-    `loss_fn(output)`: the loss on the output; None: a mean square (what F.mse_loss saves).
-    One block (no checkpointing units known); a 3D model's convolution and pooling layers give
-    the halos under `space` (`parallel.spatial.volume`), and its output, when it keeps its
-    spatial dims, is the all-gather `et.fit` does on whole samples."""
+    `loss_fn(output)`: the loss on the output; None: a mean square of each of its tensors (what
+    F.mse_loss saves). One block (no checkpointing units known); a 3D model's convolution and
+    pooling layers give the halos under `space` (`parallel.spatial.volume`), and each of its
+    outputs (a model may return a tuple or dict of them) that keeps the spatial dims is
+    all-gathered, as `et.fit` does on whole samples."""
+    from ..parallel.nested import tensors_of
     from ..parallel.spatial.volume import layer_geometry
-    loss = loss_fn or (lambda out: out.float().square().mean())
+    loss = loss_fn or (lambda out: sum(t.float().square().mean() for t in tensors_of(out)))
     x = torch.zeros((1, *example.shape[1:]), dtype=example.dtype)
     convs = [m for m in model.modules() if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d))]
     with _fake_mode():
@@ -385,14 +387,14 @@ def user_spec(model: nn.Module, example: torch.Tensor, loss_fn=None, name: str =
         flops = conv_flops(model, x)
         ops = count_ops(model, (x,), loss)
         with torch.no_grad():
-            out = model(x)
-        out_shape = tuple(out.shape)
+            outs = tensors_of(model(x))
+        out_shape = tuple(outs[0].shape)
     shapes = [tuple(p.shape) for p in model.parameters()]
     spatial = tuple(x.shape[2:]) if convs and 1 <= x.dim() - 2 <= 3 else ()
     input_bytes = float(x.numel() * x.element_size())
     extra = {"in_channels": x.shape[1] if x.dim() > 1 else 1,
              # under space on whole samples, an output that keeps the spatial dims is gathered
-             "flatten_elements": math.prod(out_shape[1:]) if len(out_shape) == x.dim() else 0,
+             "flatten_elements": sum(math.prod(t.shape[1:]) for t in outs if t.dim() == x.dim()),
              "output_shape": out_shape[1:]}
     if len(spatial) == 3:
         extra["geometry"] = layer_geometry(model, tuple(x.shape))

@@ -22,6 +22,7 @@ The function returns a `Task` (or a dict with its fields).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
@@ -142,12 +143,27 @@ def float64_input_error(x, exc: RuntimeError) -> DataError | None:
     itself (x.float()) never gets here."""
     import torch
 
-    if isinstance(x, torch.Tensor) and x.dtype == torch.float64 and "double" in str(exc).lower():
+    # a pipeline stage wraps the forward's failure in its own (the cause)
+    failure = exc.__cause__ if isinstance(exc.__cause__, RuntimeError) else exc
+    if isinstance(x, torch.Tensor) and x.dtype == torch.float64 \
+            and "double" in str(failure).lower():
         return DataError(
             f"the model's input is float64 (NumPy's default) and its forward failed on it "
-            f"({str(exc).splitlines()[0]}): return the input in float32 from __getitem__ "
+            f"({str(failure).strip().splitlines()[0]}): return the input in float32 from __getitem__ "
             f"(x.astype(np.float32), or torch.from_numpy(x).float()).")
     return None
+
+
+@contextlib.contextmanager
+def float64_input_named(x):
+    """Around a forward on `x`: its failure on NumPy's float64 into float32 weights is raised as
+    `float64_input_error`'s DataError; any other failure passes through as it is."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if (error := float64_input_error(x, exc)) is not None:
+            raise error from exc
+        raise
 
 
 # ---------------------------------------------------------------------------- reading by blocks

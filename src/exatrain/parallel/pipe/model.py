@@ -31,13 +31,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ...comm import Axis, all_reduce
 from ...comm.collectives import host_only_p2p
 from ..data import unwrap
-from ..nested import cut_batch
+from ..nested import cut_batch, join_microbatches, tensors_of
 from .schedules import bubble_formula, build_schedule
 from ...errors import ConfigError, ParallelizeError
-
-
-def _as_tuple(x):
-    return x if isinstance(x, tuple) else (x,)
 
 
 def _is_path(module: nn.Module) -> bool:
@@ -94,7 +90,7 @@ def stage_shapes(modules: list[nn.Module], micro: torch.Tensor, autocast) -> lis
     with FakeTensorMode(allow_non_fake_inputs=True) as mode, autocast():
         x = (mode.from_tensor(micro),)
         for module in modules:
-            y = _as_tuple(module(*x))
+            y = tuple(tensors_of(module(*x)))  # a last stage's dict or namedtuple too
             meta = lambda ts: tuple(torch.empty(t.shape, dtype=t.dtype, device="meta",
                                                 requires_grad=t.requires_grad) for t in ts)
             shapes.append((meta(x), meta(y)))
@@ -198,6 +194,13 @@ class PipelineModel(nn.Module):
         # it a placeholder target and a loss that costs nothing
         self._loss_fn = lambda output, target: torch.zeros((), device=self.device)
         placeholder = torch.zeros(self.batch, device=self.device) if self.is_last else None
-        with self.autocast():
-            out = self.schedule.eval(*((x,) if self.is_first else ()), target=placeholder)
-        return cut_batch(out, n, self.batch) if self.is_last else None
+        last = self.stages[-1]
+        last.outputs = [] if self.is_last else None   # the micro-batches' outputs, joined here:
+        try:                                          # torch's merge cannot join a 0-dim output
+            with self.autocast():
+                self.schedule.eval(*((x,) if self.is_first else ()), target=placeholder,
+                                   return_outputs=False)
+            return cut_batch(join_microbatches(last.outputs), n, self.batch) \
+                if self.is_last else None
+        finally:
+            last.outputs = None

@@ -26,6 +26,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from ...comm import Axis
 from ...comm.collectives import nbytes
+from ..nested import rebuild, skeleton, tensors_of
 
 
 class Timeline:
@@ -72,6 +73,10 @@ class CountedStage(PipelineStage):
         super().__init__(module, stage_index, num_stages, device, input_args=input_args,
                          output_args=output_args, group=axis.group)
         self.axis, self.timeline = axis, timeline
+        # a last stage whose module returns a dict, a namedtuple or nested tensors: the
+        # structure, for the loss (None: a tensor or a flat tuple of them, passed as it is)
+        self.output_template = None
+        self.outputs: list | None = None   # when a list: each micro-batch's output (evaluation)
 
     def _count(self, ops, tag: str):
         for op in ops:
@@ -91,14 +96,27 @@ class CountedStage(PipelineStage):
         # a stage may end in another layout (a transpose, channels-last convolutions)
         out = super().forward_maybe_with_nosync(*args, **kwargs)
         if not isinstance(out, torch.Tensor):
-            return out
+            return self._flat(out)
         if not out.is_contiguous():
             return out.contiguous()
         return out.clone() if out._base is not None else out
 
+    def _flat(self, out):
+        # torch's stage takes a flat tuple of tensors (after the backward it detaches each one
+        # of a last stage's output in place): a dict or namedtuple failed in the first backward
+        if type(out) in (tuple, list) and all(isinstance(t, torch.Tensor) for t in out):
+            return out
+        self.output_template = skeleton(out)
+        return tuple(tensors_of(out))
+
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
         with self.timeline.span(self.stage_index, fwd_chunk_id, "F"):
-            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+            out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        if self.is_last and self.output_template is not None:
+            out = rebuild(self.output_template, out)   # the loss takes what the model returned
+        if self.outputs is not None:
+            self.outputs.append(out)
+        return out
 
     def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
         with self.timeline.span(self.stage_index, bwd_chunk_id, "B"):
