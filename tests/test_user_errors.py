@@ -109,7 +109,8 @@ def build(kind: str = "ok") -> et.Task:
               "bug": lambda: Buggy(4, 1), "image": lambda: nn.Conv2d(1, 1, 3, padding=1),
               "float64_pipe": lambda: nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))}
     model = models.get(kind, lambda: nn.Linear(4, 1))()
-    loss = (lambda o, t: F.mse_loss(o, t) * float("nan")) if kind == "nan" else F.mse_loss
+    loss = (lambda o, t: F.mse_loss(o, t) * float("nan")) if kind == "nan" else \
+        (lambda o, t: F.mse_loss(o, t, reduction="none")) if kind == "per_sample" else F.mse_loss
     train = (Slow if kind == "slow" else TensorDataset)(x, y)
     if kind in ("dict", "inputs", "targets", "float64", "float64_pipe"):
         train = Shaped(kind.removesuffix("_pipe"), x, y)
@@ -228,6 +229,9 @@ CASES = {
     "LoaderTimeout": (lambda t, u, c: ["run", "--nproc", "1", *u(
         "slow", "train.num_workers=1", "run.timeout_s=0.5")],
                       ["0.5 s (run.timeout_s)", "train.num_workers=0"]),
+    "LossError": (lambda t, u, c: ["run", "--nproc", "1", *u("per_sample")],
+                  ["the loss returned Tensor (4, 1) float32", "reduction='mean' (not 'none')",
+                   "loss.mean()"]),
     "MissingFileError": (lambda t, u, c: ["run", "--nproc", "1", *c(f"data.path={t}/nothing")],
                          ["{tmp}/nothing", "exatrain data cosmoflow --out DIR"]),
     "ModelInputError": (lambda t, u, c: ["run", str(_script(t, MODEL_INPUT_SCRIPT)), "--nproc",

@@ -14,7 +14,7 @@ from .comm.inject import InjectError
 from .data.graph import GraphFileError
 from .data.loader import LoaderTimeout
 from .data.stage import StagingError
-from .errors import (ArgumentError, DataError, MissingFileError, ModelInputError,
+from .errors import (ArgumentError, DataError, LossError, MissingFileError, ModelInputError,
                      ModelOptionError, ParallelizeError, SpatialSplitError, TensorSplitError,
                      UserError)
 from .launch.env import LaunchError
@@ -69,7 +69,7 @@ __all__ = ["Branches", "Config", "KFAC", "KFACSettings", "Mean", "Mesh", "Plan",
            # errors of the user's making (exatrain.errors): the base, then each kind
            "UserError", "ArgumentError", "CheckpointError", "ConfigError", "DataError",
            "GraphFileError", "InitFromError", "InjectError", "LaunchError", "LoaderTimeout",
-           "MissingFileError", "ModelInputError", "ModelOptionError", "NonFiniteLoss",
+           "LossError", "MissingFileError", "ModelInputError", "ModelOptionError", "NonFiniteLoss",
            "ParallelizeError", "PipeSplitError", "PlanError", "PredictError", "ReplicaGroupError",
            "ResumeError",
            "SpatialSplitError", "StagingError", "TensorSplitError", "UnusedParameterError"]

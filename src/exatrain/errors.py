@@ -77,6 +77,15 @@ class ModelInputError(UserError, ValueError):
     """
 
 
+class LossError(UserError, ValueError):
+    """The loss given to `et.fit` (or a `Task`) returned what a backward cannot start from: a
+    tensor of several values (a loss with `reduction="none"`), or not a tensor.
+
+    What to do: return the batch-mean loss, one value: PyTorch's losses do by default
+    (`reduction="mean"`); reduce a per-sample loss with `.mean()`.
+    """
+
+
 class ParallelizeError(UserError, ValueError):
     """`parallelize` cannot lay this model out under the Plan: a layer or option that the
     strategy refuses.

@@ -156,11 +156,13 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_set: Dataset, val_set:
         model: an `nn.Module` built the same way on every rank (rank 0's weights are broadcast),
             or a zero-argument function that builds it, called after seeding with `run.seed`.
         train_set: a map-style `Dataset` (`__getitem__` and `__len__`) of `(input, target)`,
-            each one tensor (the target may be a number); other samples are refused before the
-            first step, naming what they hold.
+            each one tensor or NumPy array (the target may be a number), batched as
+            `DataLoader` batches them; other samples are refused before the first step, naming
+            what they hold.
         val_set: the same for validation.
         loss: `loss(output, target)` returning the batch-mean loss; `output` as the model
-            returns it: one tensor, or a tuple, list or dict of them (several heads).
+            returns it: one tensor, or a tuple, namedtuple, list or dict of them (several
+            heads, an auxiliary loss).
         metrics: `{name: metric}`, each a callable `(output, target)` of per-sample values (a
             `Mean`), an `et.Mean` or an `et.Ratio`; reported as `val_<name>`.
         plan: the Plan; its product must equal the job's ranks. Default: `plan` section, else

@@ -37,7 +37,7 @@ from torch.utils.data import Dataset
 
 from .base import Workload
 from .metrics import Mean, metric_functions
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError, DataError, LossError
 
 
 @dataclass
@@ -78,9 +78,29 @@ def workload_from_task(task: Task, mesh=None) -> Workload:
     for name, ds in (("train_set", train_set), ("val_set", val_set)):
         check_sample(name, ds)
     return Workload(model=task.model, train_set=train_set, val_set=val_set,
-                    loss_fn=task.loss, metric_sums=metric_sums, finalize=finalize,
+                    loss_fn=OneValueLoss(task.loss), metric_sums=metric_sums, finalize=finalize,
                     baselines=dict(task.baselines), flops_per_sample=task.flops_per_sample,
                     input_blocks=blocks, whole_outputs=True)
+
+
+class OneValueLoss:
+    """The user's training loss, refused by name when it returns what a backward cannot start
+    from (a loss with reduction="none" failed in the backward with PyTorch's "grad can be
+    implicitly created only for scalar outputs"). Evaluation averages per-sample values
+    itself (`Mean`) and calls the loss unchecked."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def __call__(self, output, target):
+        import torch
+
+        value = self.fn(output, target)
+        if not (isinstance(value, torch.Tensor) and value.numel() == 1):
+            raise LossError(f"the loss returned {_shape_of(value)}; training starts its backward "
+                            "from one value, the batch-mean loss: keep the loss's default "
+                            "reduction='mean' (not 'none'), or return loss.mean().")
+        return value
 
 
 def _shape_of(value) -> str:
