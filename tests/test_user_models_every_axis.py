@@ -9,7 +9,8 @@ nn.MultiheadAttention (`transformer_mha`); models of several outputs, trained on
 an MLP returning a tuple of two heads (`mlp_heads`), the same returning a namedtuple of the two
 and a 0-dim auxiliary loss (`mlp_named`) or a dict of the two (`mlp_dict`), and a U-Net
 returning a dict of two (`unet_heads`); and the MLP on a data set of NumPy samples
-(`mlp_numpy`).
+(`mlp_numpy`); the MLP with its trunk frozen (`mlp_probe`: a frozen layer must not train, and
+a pipeline stage may have nothing to train).
 
 Each cell: 4 SGD steps of batch 4 (float32), then `user_models.check`: every logged loss and the
 validation loss within 1e-5 relative, the final weights within 1e-5 in relative norm over the
@@ -49,6 +50,7 @@ CELLS = [
     *[("unet2d", p) for p in ("data2", "space121")],
     *[("mlp", p) for p in ("data2", "shard2", "tensor2", "pipe2")],
     *[("mlp_numpy", p) for p in ("data2", "pipe2")],
+    *[("mlp_probe", p) for p in ("data2", "shard2", "tensor2", "pipe2")],
     *[("transformer", p) for p in ("data2", "shard2", "tensor2", "pipe2", "tensor4",
                                    "data2-tensor2")],
     *[("transformer_mha", p) for p in ("data2", "shard2", "tensor2", "pipe2", "data2-tensor2")],

@@ -13,6 +13,8 @@ the convolutional models and the tolerances.
   mlp_named       the same returning a namedtuple of the two and a 0-dim auxiliary loss
   mlp_dict        the same returning a dict of the two heads
   mlp_numpy       `mlp`, its data set returning NumPy float32 arrays (as read from a file)
+  mlp_probe       `mlp` with its trunk frozen (a pretrained trunk, `requires_grad_(False)`), only
+                  the output layer trained
   unet_heads      the 3D U-Net with a field and a mask head, forward returning a dict
 """
 
@@ -136,6 +138,15 @@ class UserMLP(nn.Module):
         return self.out(self.act(self.fc2(x)))
 
 
+class LinearProbe(UserMLP):
+    """A pretrained trunk, frozen, under a trained output layer (transfer learning)."""
+
+    def __init__(self):
+        super().__init__()
+        for layer in (self.fc1, self.norm, self.fc2):
+            layer.requires_grad_(False)
+
+
 TOKENS, WIDTH, HEADS = 8, 16, 4
 
 
@@ -229,7 +240,7 @@ MODELS = {"unet": lambda: UNet3D(), "unet_plain": lambda: UNet3D(norm=""),
           "cnn2d": CNN2D, "unet2d": UNet2D, "mlp": UserMLP, "transformer": UserTransformer,
           "transformer_mha": lambda: UserTransformer(mha=True), "mlp_heads": TwoHeadMLP,
           "mlp_named": lambda: TwoHeadMLP("named"), "mlp_dict": lambda: TwoHeadMLP("dict"),
-          "mlp_numpy": UserMLP,
+          "mlp_numpy": UserMLP, "mlp_probe": LinearProbe,
           "unet_heads": TwoHeadUNet}
 
 

@@ -55,6 +55,9 @@ def build_optimizer(params, options, lr: float, impl: str | None = None) -> torc
     params = list(params)
     impl = impl if impl is not None else getattr(options, "impl", "auto")
     kernel = optimizer_kernel(params, impl, sgd=name == "sgd")
+    # a rank may hold nothing to train (a pipeline stage of frozen layers, a pretrained trunk):
+    # torch refuses an empty list of tensors, and steps an empty group
+    params = params or [{"params": []}]
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=options.momentum,
                                weight_decay=options.weight_decay, **kernel)

@@ -201,8 +201,11 @@ class TrainStep:
     def _step_unless(self, skip: torch.Tensor) -> None:
         """The optimizer's step, skipped by its own kernel where `skip` is 1 (no host read)."""
         match_grad_layouts(self.params)  # gradients laid out as their parameters (fused kernels)
-        first = self.optimizer.param_groups[0]["params"][0]
-        self.optimizer.found_inf = skip.to(device=first.device, dtype=torch.float32)
+        # on the parameters' device (CPU offload keeps them on the host); a rank with nothing
+        # to train (a pipeline stage of frozen layers) steps an empty group
+        first = next((p for g in self.optimizer.param_groups for p in g["params"]), None)
+        self.optimizer.found_inf = skip.to(device=first.device if first is not None
+                                           else self.device, dtype=torch.float32)
         try:
             self.optimizer.step()
         finally:

@@ -123,7 +123,16 @@ class _SplitLinear(nn.Module):
         layer = cls(linear.in_features, linear.out_features, axis, linear.bias is not None,
                     device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
         layer.load_full(linear.weight, linear.bias)
+        keep_frozen(layer, linear)
         return layer
+
+
+def keep_frozen(layer: nn.Module, linear: nn.Linear) -> None:
+    """The split layer's weight and bias train as the Linear's did: a frozen one (a pretrained
+    trunk) stays frozen."""
+    for ours, full in ((layer.weight, linear.weight), (layer.bias, linear.bias)):
+        if ours is not None:
+            ours.requires_grad_(full.requires_grad)
 
 
 class ColumnParallelLinear(_SplitLinear):

@@ -45,7 +45,7 @@ from torch import nn
 
 from ...comm import Axis, all_gather_into, all_reduce, reduce_scatter_into
 from ...comm.autograd import gather, scatter
-from .linear1d import SharedInput
+from .linear1d import SharedInput, keep_frozen
 from .state import shard_of
 from ...errors import TensorSplitError
 
@@ -189,6 +189,7 @@ class Linear3D(nn.Module):
             for ours, full in ((layer.weight, linear.weight), (layer.bias, linear.bias)):
                 if ours is not None:
                     ours.data = shard_of(full.detach(), ours.exatrain_layout).clone()
+        keep_frozen(layer, linear)
         return layer
 
     # ------------------------------------------------------------------ weight all-gather over z
