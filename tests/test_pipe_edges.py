@@ -59,3 +59,40 @@ def test_refused_before_any_step_with_the_fix():
         assert abs(after_conv - serial[True]) <= 1e-5 * serial[True]
         assert isinstance(alone, float), alone
         assert abs(alone - serial["alone"]) <= 1e-5 * serial["alone"]
+
+
+class TiedAutoencoder(nn.Module):
+    """A decoder using the encoder's weight, transposed: a weight used outside its layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.mid = nn.Linear(6, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = torch.tanh(self.mid(torch.tanh(self.enc(x))))
+        return nn.functional.linear(h, self.enc.weight.t())
+
+
+def test_a_weight_two_stages_train_is_refused_by_name_and_a_frozen_one_is_split():
+    """Two stages on different ranks would each train a copy of a tied weight (the model then
+    trains differently from serial, silently): refused, naming the parameter, both stages and
+    the stage starts; GPT's tied head likewise. Frozen, the same weight is only read: split."""
+    import pytest
+
+    from exatrain.models.gpt import GPT, GPTConfig
+    from exatrain.parallel.pipe.split import PipeSplitError, split_model
+
+    with pytest.raises(PipeSplitError) as caught:
+        split_model(TiedAutoencoder(), 2, torch.randn(4, 6))
+    text = str(caught.value)
+    assert "'enc.weight' is used by stage 0 and, as 'enc.weight', by stage 1" in text, text
+    assert "parallel.pipe_split=[1]" in text and "0=enc, 1=mid" in text and "untie it" in text
+    gpt = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16,
+                        tie_weights=True))
+    with pytest.raises(PipeSplitError, match="'wte.weight' is used by stage 0 and, as "
+                                             "'lm_head.weight', by stage 1"):
+        split_model(gpt, 2, torch.randint(0, 64, (2, 8)))
+    frozen = TiedAutoencoder()
+    frozen.enc.requires_grad_(False)
+    stages, starts = split_model(frozen, 2, torch.randn(4, 6))
+    assert len(stages) == 2 and starts == [1]

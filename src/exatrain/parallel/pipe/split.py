@@ -240,4 +240,26 @@ def split_model(model: nn.Module, stages: int, example: torch.Tensor,
     bounds = [0] + [layers.layer_pos[s] for s in starts] + [len(layers.nodes) - 1]
     # the first stage also takes the nodes before the first layer (inputs, glue)
     modules = [build_stage(layers, b, e) for b, e in zip(bounds[:-1], bounds[1:])]
+    refuse_shared_across_stages(modules, layers, starts)
     return modules, starts
+
+
+def refuse_shared_across_stages(modules: list[fx.GraphModule], layers: Layers,
+                                starts: list[int]) -> None:
+    """Refuse a trained parameter that two stages use (a tied weight: an output layer sharing
+    the embedding's, a decoder using the encoder's weight transposed): each stage's ranks would
+    train a copy of their own, and the model would silently train differently from serial."""
+    first_user: dict[int, tuple[int, str]] = {}
+    for i, stage in enumerate(modules):
+        for name, p in stage.named_parameters(remove_duplicate=False):
+            if not p.requires_grad:   # a frozen copy never changes
+                continue
+            seen = first_user.setdefault(id(p), (i, name))
+            if seen[0] != i:
+                where = ", ".join(f"{k}={layer}" for k, layer in enumerate(layers.layer_names))
+                raise PipeSplitError(
+                    f"pipe: the trained parameter {seen[1]!r} is used by stage {seen[0]} and, as "
+                    f"{name!r}, by stage {i} (a tied weight, or a layer's weight used outside "
+                    f"it): each stage would train its own copy. Keep its users in one stage "
+                    f"(parallel.pipe_split={starts} are the stage starts now; the layers: "
+                    f"{where}), untie it (its own nn.Parameter), or train without pipe.")
