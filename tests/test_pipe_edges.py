@@ -96,3 +96,28 @@ def test_a_weight_two_stages_train_is_refused_by_name_and_a_frozen_one_is_split(
     frozen.enc.requires_grad_(False)
     stages, starts = split_model(frozen, 2, torch.randn(4, 6))
     assert len(stages) == 2 and starts == [1]
+
+
+def test_a_batchnorm_given_one_value_per_channel_is_refused_with_the_fix():
+    """Under pipe, BatchNorm normalises each micro-batch: a micro-batch of one sample without
+    spatial dims has no statistics (torch raised from inside the first step). Found when the
+    stages' shapes are, before any step; a BatchNorm3d of one volume is fine."""
+    import contextlib
+
+    import pytest
+
+    from exatrain.errors import ParallelizeError
+    from exatrain.parallel.pipe.model import stage_shapes
+    from exatrain.parallel.pipe.split import split_model
+
+    flat = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
+    stages, _ = split_model(flat, 2, torch.randn(1, 6))
+    with pytest.raises(ParallelizeError) as caught:
+        stage_shapes(stages, torch.randn(1, 6), contextlib.nullcontext, microbatches=4)
+    text = str(caught.value)
+    assert "parallel.microbatches=4" in text and "micro-batches of 1 sample" in text, text
+    assert "fewer micro-batches" in text and "GroupNorm/LayerNorm" in text, text
+    volumes = nn.Sequential(nn.Conv3d(1, 4, 3, padding=1), nn.BatchNorm3d(4), nn.ReLU(),
+                            nn.Conv3d(4, 1, 1))
+    stages, _ = split_model(volumes, 2, torch.randn(1, 1, 4, 4, 4))
+    assert len(stage_shapes(stages, torch.randn(1, 1, 4, 4, 4), contextlib.nullcontext, 4)) == 2

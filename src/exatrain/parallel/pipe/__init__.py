@@ -60,7 +60,7 @@ def pipeline_parallel(model: nn.Module, mesh, options, example: torch.Tensor | N
         if agreed != starts:
             modules, starts = split_model(model, stages, micro, starts=agreed)
     autocast = Precision(options.precision, mesh.device).autocast
-    shapes = stage_shapes(modules, micro, autocast)
+    shapes = stage_shapes(modules, micro, autocast, microbatches)
     regions = [(True, True)] * len(modules)  # (input split?, output split?): all, without space
     if spatial:
         regions = stage_regions(modules)
@@ -74,3 +74,4 @@ def pipeline_parallel(model: nn.Module, mesh, options, example: torch.Tensor | N
     return PipelineModel(len(modules), wrapped, shapes, axis, mesh.device, options.pipe_schedule,
                          microbatches,
                          example.to(mesh.device), autocast, starts)
+

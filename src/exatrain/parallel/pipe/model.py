@@ -81,8 +81,10 @@ def check_microbatches(batch: int, microbatches: int) -> None:
             f"samples; choose a divisor of {batch} (or change train.batch_size).")
 
 
-def stage_shapes(modules: list[nn.Module], micro: torch.Tensor, autocast) -> list[tuple]:
-    """(inputs, outputs) of each stage for one micro-batch, as meta tensors (fake execution).
+def stage_shapes(modules: list[nn.Module], micro: torch.Tensor, autocast,
+                 microbatches: int = 1) -> list[tuple]:
+    """(inputs, outputs) of each stage for one micro-batch (one of `microbatches`), as meta
+    tensors (fake execution).
 
     Run on the plain stages, before they are laid out: a sharded stage's forward would start
     collectives (FSDP2's all-gather) that fake tensors must not reach."""
@@ -90,7 +92,19 @@ def stage_shapes(modules: list[nn.Module], micro: torch.Tensor, autocast) -> lis
     with FakeTensorMode(allow_non_fake_inputs=True) as mode, autocast():
         x = (mode.from_tensor(micro),)
         for module in modules:
-            y = tuple(tensors_of(module(*x)))  # a last stage's dict or namedtuple too
+            try:
+                y = tuple(tensors_of(module(*x)))  # a last stage's dict or namedtuple too
+            except ValueError as exc:
+                if "Expected more than 1 value per channel" not in str(exc):
+                    raise
+                # BatchNorm normalises each micro-batch by its own statistics: one value per
+                # channel has none (torch's message came from inside the first step)
+                raise ParallelizeError(
+                    f"plan.pipe: parallel.microbatches={microbatches} cuts the replica's batch "
+                    f"into micro-batches of {micro.shape[0]} sample(s), and a BatchNorm layer, "
+                    f"which normalises each micro-batch by its own statistics, got one value per "
+                    f"channel ({exc}): use fewer micro-batches (parallel.microbatches), a larger "
+                    "train.batch_size, or GroupNorm/LayerNorm.") from exc
             meta = lambda ts: tuple(torch.empty(t.shape, dtype=t.dtype, device="meta",
                                                 requires_grad=t.requires_grad) for t in ts)
             shapes.append((meta(x), meta(y)))
