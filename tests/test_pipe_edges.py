@@ -121,3 +121,41 @@ def test_a_batchnorm_given_one_value_per_channel_is_refused_with_the_fix():
                             nn.Conv3d(4, 1, 1))
     stages, _ = split_model(volumes, 2, torch.randn(1, 1, 4, 4, 4))
     assert len(stage_shapes(stages, torch.randn(1, 1, 4, 4, 4), contextlib.nullcontext, 4)) == 2
+
+
+class Gated(nn.Module):
+    """A trained gate read at the top of forward and used at its end only."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Parameter(torch.ones(2))
+        self.fc1, self.fc2 = nn.Linear(6, 16), nn.Linear(16, 2)
+
+    def forward(self, x):
+        g = self.gate
+        return self.fc2(torch.tanh(self.fc1(x))) * g
+
+
+def test_a_weight_read_early_but_used_by_one_stage_is_that_stages_alone():
+    """An attribute the traced forward reads before the cut but uses only after it belongs to
+    the stage that uses it (which reads it itself): not refused as shared."""
+    from exatrain.parallel.pipe.split import split_model
+
+    stages, starts = split_model(Gated(), 2, torch.randn(4, 6))
+    holders = [i for i, stage in enumerate(stages)
+               if "gate" in dict(stage.named_parameters())]
+    assert starts == [1] and holders == [1], (starts, holders)
+
+
+def test_micro_batch_outputs_join_per_sample_tensors_and_keep_per_model_ones():
+    """Pipelined evaluation's join: batch-leading tensors concatenated, a floating 0-dim one
+    averaged, a per-model (K,) tensor and an integer 0-dim one kept as the first gave them."""
+    from exatrain.parallel.nested import join_microbatches
+
+    chunks = [{"y": torch.full((2, 3), float(i)), "aux": torch.tensor(float(i)),
+               "per_model": torch.arange(5.0), "count": torch.tensor(7)} for i in range(3)]
+    joined = join_microbatches(chunks, micro=2)
+    assert joined["y"].shape == (6, 3) and joined["y"][4:].eq(2).all()
+    assert float(joined["aux"]) == 1.0
+    assert torch.equal(joined["per_model"], torch.arange(5.0))
+    assert joined["count"].dtype == torch.int64 and int(joined["count"]) == 7

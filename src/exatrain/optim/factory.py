@@ -26,7 +26,9 @@ def optimizer_for(model: nn.Module, options, lr: float, mesh=None,
     """The run's optimizer for `model`: `build_optimizer` over the tensors `build_optimizer_for`
     finds, and with `options.name == "kfac"` K-FAC's preconditioning in front of it (which needs
     the `mesh` and the micro-batches per step, `grad_accum`)."""
-    optimizer = build_optimizer_for(model, lambda params: build_optimizer(params, options, lr))
+    device = mesh.device if mesh is not None else None
+    optimizer = build_optimizer_for(
+        model, lambda params: build_optimizer(params, options, lr, device=device))
     if options.name != "kfac":
         return optimizer
     return KFAC(model, optimizer, mesh, KFACSettings.from_options(options), grad_accum)
@@ -47,14 +49,16 @@ def build_optimizer_for(model: nn.Module, build) -> torch.optim.Optimizer:
     return build([p for p in model.parameters() if p.requires_grad])
 
 
-def build_optimizer(params, options, lr: float, impl: str | None = None) -> torch.optim.Optimizer:
+def build_optimizer(params, options, lr: float, impl: str | None = None,
+                    device: torch.device | None = None) -> torch.optim.Optimizer:
     """The torch optimizer `options.name` names over `params` (K-FAC: its first-order base,
     `options.kfac_base`, which `optimizer_for` wraps), at learning rate `lr`, on the kernel
-    `impl` picks (default: `options.impl`; see `optimizer_kernel`)."""
+    `impl` picks (default: `options.impl`; see `optimizer_kernel`; `device`: the rank's, for a
+    rank with no parameters)."""
     name = options.kfac_base if options.name == "kfac" else options.name
     params = list(params)
     impl = impl if impl is not None else getattr(options, "impl", "auto")
-    kernel = optimizer_kernel(params, impl, sgd=name == "sgd")
+    kernel = optimizer_kernel(params, impl, sgd=name == "sgd", device=device)
     # a rank may hold nothing to train (a pipeline stage of frozen layers, a pretrained trunk):
     # torch refuses an empty list of tensors, and steps an empty group
     params = params or [{"params": []}]
@@ -66,7 +70,8 @@ def build_optimizer(params, options, lr: float, impl: str | None = None) -> torc
                weight_decay=options.weight_decay, **kernel)
 
 
-def optimizer_kernel(params: list, impl: str, sgd: bool = False) -> dict:
+def optimizer_kernel(params: list, impl: str, sgd: bool = False,
+                     device: torch.device | None = None) -> dict:
     """torch.optim's implementation for `optim.impl`: "auto" takes the fused kernel (one launch
     for every parameter, and a step it can skip on the device) wherever torch has one for these
     parameters (plain floating-point tensors on a GPU; on a CPU for Adam and AdamW), else
@@ -75,7 +80,10 @@ def optimizer_kernel(params: list, impl: str, sgd: bool = False) -> dict:
     checkpointing, where every parameter and gradient was contiguous (cause not found)."""
     plain = all(type(p) in (torch.Tensor, nn.Parameter) and p.is_floating_point()
                 and p.device.type in ("cpu", "cuda") for p in params)
-    on_cpu = any(p.device.type == "cpu" for p in params)
+    # no parameters (a pipeline stage of frozen layers): the kernel its peers on `device` take,
+    # so that every rank decides alike whether the step is skipped on the device
+    on_cpu = any(p.device.type == "cpu" for p in params) if params else \
+        device is None or device.type == "cpu"
     if impl == "fused" or (impl == "auto" and plain and not (sgd and on_cpu)):
         return {"fused": True}
     return {"foreach": True} if impl == "foreach" else {"foreach": False} if impl == "forloop" \

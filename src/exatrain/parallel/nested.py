@@ -70,11 +70,17 @@ def rebuild(template, tensors) -> object:
     return map_tensors(template, lambda _: next(remaining))
 
 
-def join_microbatches(chunks: list):
-    """One output from the outputs of equal micro-batches, in order: batch-leading tensors
-    concatenated, a 0-dim tensor (an auxiliary loss) averaged as the batch mean would be."""
-    columns = zip(*(tensors_of(c) for c in chunks))
-    joined = [torch.cat(ts) if ts[0].dim() else torch.stack(ts).mean() for ts in columns]
+def join_microbatches(chunks: list, micro: int):
+    """One output from the outputs of equal micro-batches of `micro` samples, in order:
+    batch-leading tensors concatenated; a floating 0-dim tensor (an auxiliary loss) averaged as
+    the batch mean would be; any other tensor (per model, not per sample) as the first gave it."""
+    def join(ts):
+        if ts[0].dim() and ts[0].shape[0] == micro:
+            return torch.cat(ts)
+        if not ts[0].dim() and ts[0].is_floating_point():
+            return torch.stack(ts).mean()
+        return ts[0]
+    joined = [join(ts) for ts in zip(*(tensors_of(c) for c in chunks))]
     return rebuild(chunks[0], joined)
 
 

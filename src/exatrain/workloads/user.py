@@ -163,8 +163,11 @@ def float64_input_error(x, exc: RuntimeError) -> DataError | None:
     itself (x.float()) never gets here."""
     import torch
 
-    # a pipeline stage wraps the forward's failure in its own (the cause)
-    failure = exc.__cause__ if isinstance(exc.__cause__, RuntimeError) else exc
+    failure = exc
+    if exc.__cause__ is not None:   # a pipeline stage wraps its forward's failure in its own;
+        if "failed to run forward" not in str(exc):   # a backward's (a float64 target) is not
+            return None                               # the input's
+        failure = exc.__cause__
     if isinstance(x, torch.Tensor) and x.dtype == torch.float64 \
             and "double" in str(failure).lower():
         return DataError(

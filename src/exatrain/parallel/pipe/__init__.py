@@ -54,11 +54,12 @@ def pipeline_parallel(model: nn.Module, mesh, options, example: torch.Tensor | N
         example = example.new_zeros(whole_shape(tuple(example.shape), mesh))
     micro = example[: max(1, example.shape[0] // microbatches)].to(mesh.device)
     split = list(options.pipe_split) or None
-    modules, starts = split_model(model, stages, micro, starts=split, balance=options.pipe_balance)
-    if split is None and options.pipe_balance == "time":  # measured: every rank takes rank 0's cuts
+    measured = split is None and options.pipe_balance == "time"
+    modules, starts = split_model(model, stages, micro, starts=split, balance=options.pipe_balance,
+                                  check_shared=not measured)
+    if measured:  # every rank takes rank 0's cuts (and checks those, not its own)
         agreed = broadcast_object(starts, mesh.world)
-        if agreed != starts:
-            modules, starts = split_model(model, stages, micro, starts=agreed)
+        modules, starts = split_model(model, stages, micro, starts=agreed)
     autocast = Precision(options.precision, mesh.device).autocast
     shapes = stage_shapes(modules, micro, autocast, microbatches)
     regions = [(True, True)] * len(modules)  # (input split?, output split?): all, without space

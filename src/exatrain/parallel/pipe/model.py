@@ -214,7 +214,9 @@ class PipelineModel(nn.Module):
             with self.autocast():
                 self.schedule.eval(*((x,) if self.is_first else ()), target=placeholder,
                                    return_outputs=False)
-            return cut_batch(join_microbatches(last.outputs), n, self.batch) \
-                if self.is_last else None
+            if not self.is_last:
+                return None
+            joined = join_microbatches(last.outputs, self.batch // self.microbatches)
+            return cut_batch(joined, n, self.batch)
         finally:
             last.outputs = None

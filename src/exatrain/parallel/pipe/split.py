@@ -208,6 +208,9 @@ def build_stage(layers: Layers, begin: int, end: int) -> fx.GraphModule:
     else:
         outs = [env[n] for n in live_across(layers, end)]
         graph.output(outs[0] if len(outs) == 1 else tuple(outs))
+    for node in list(graph.nodes):   # an attribute read here but used only by a later stage
+        if node.op == "get_attr" and not node.users:   # (which reads it itself): not this one's
+            graph.erase_node(node)
     stage = fx.GraphModule(layers.model, graph)
     _mirror_containers(layers.model, stage)
     return stage
@@ -215,11 +218,13 @@ def build_stage(layers: Layers, begin: int, end: int) -> fx.GraphModule:
 
 def split_model(model: nn.Module, stages: int, example: torch.Tensor,
                 starts: list[int] | None = None, balance: str = "params",
-                ) -> tuple[list[fx.GraphModule], list[int]]:
+                check_shared: bool = True) -> tuple[list[fx.GraphModule], list[int]]:
     """Cut `model` into `stages` stage modules, traced for inputs shaped like `example`.
 
     `balance`: "params" (parameter counts) or "time" (measured forward time of each layer on
-    `example`). Returns (stage modules, the layer indices where stages 1.. begin).
+    `example`). `check_shared`: refuse a trained parameter two stages use (off for cuts that are
+    not final yet: a rank's own measured ones, before the ranks agree). Returns (stage modules,
+    the layer indices where stages 1.. begin).
     """
     layers = trace_layers(model, example)
     n = len(layers.layer_names)
@@ -240,7 +245,8 @@ def split_model(model: nn.Module, stages: int, example: torch.Tensor,
     bounds = [0] + [layers.layer_pos[s] for s in starts] + [len(layers.nodes) - 1]
     # the first stage also takes the nodes before the first layer (inputs, glue)
     modules = [build_stage(layers, b, e) for b, e in zip(bounds[:-1], bounds[1:])]
-    refuse_shared_across_stages(modules, layers, starts)
+    if check_shared:
+        refuse_shared_across_stages(modules, layers, starts)
     return modules, starts
 
 
