@@ -371,3 +371,15 @@ def test_gpt_pipe_layers_from_three_blocks_equal_tracing_every_block(n_layer, bi
     got = gpt_pipe_layers_and_cuts(cfg)
     assert len(got[0]) == n_layer + 5          # wte, wpe, drop, the blocks, ln_f, lm_head
     assert list(got) == every_block
+
+
+def test_a_gpt_with_a_tied_head_is_not_ranked_under_pipe():
+    """The pipe split refuses a weight two stages train (the tied lm_head): the planner refuses
+    those Plans with the same reason and ranks the rest."""
+    tied = rank_plans(gpt_spec(SMALL_GPT.replace(tie_weights=True)), 4,
+                      load_system("a100-selene"), Options(batch=16))
+    assert tied.ranked and all(p.plan.pipe == 1 for p in tied.ranked)
+    reasons = [r.reason for r in tied.refused if r.plan.pipe > 1]
+    assert reasons and all("shares the token embedding's weight" in r for r in reasons), reasons
+    untied = rank_plans(gpt_spec(SMALL_GPT), 4, load_system("a100-selene"), Options(batch=16))
+    assert any(p.plan.pipe > 1 for p in untied.ranked)

@@ -118,6 +118,10 @@ def shape_problem(spec: ModelSpec, plan: Plan, options: Options) -> tuple[str, s
     if plan.pipe > 1 and not spec.pipe_layers:
         return ("not applicable", f"{spec.name}: pipeline stages are costed for the GPT and "
                                   "CosmoFlow layer lists only")
+    if plan.pipe > 1 and spec.extra.get("tie_weights"):   # as the pipe split refuses it
+        return ("not applicable", f"{spec.name}: its lm_head shares the token embedding's "
+                                  "weight, which the first and last pipeline stages would each "
+                                  "train (model.tie_weights = false unties it)")
     if plan.pipe > 1 and spec.blocks < plan.pipe:
         return ("indivisible", f"{spec.blocks} blocks cannot fill pipe={plan.pipe} stages")
     return None
