@@ -51,6 +51,32 @@ def job_env(**extra) -> dict:
             **extra}
 
 
+def free_port_run(count: int) -> int:
+    """The first of `count` consecutive free ports below the kernel's ephemeral range: a job
+    script that binds MASTER_PORT + g for replica group g needs them all free, and a port in
+    the ephemeral range (where `free_port` draws) may be taken by any outgoing connection
+    before the job binds it (seen: a restarted group's store failed with EADDRINUSE)."""
+    import random
+    import socket
+
+    ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(100):
+        base = random.randrange(20000, min(ephemeral, 32768) - count)
+        socks = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports in 20000..{ephemeral}")
+
+
 def job_args(cosmo_data, out_dir) -> list[str]:
     """The default job (`exatrain run` without a config: CosmoFlow), tiny, on the session's data."""
     sets = [*TINY, f"data.path={cosmo_data}", f"run.out_dir={out_dir}", f"train.steps={STEPS}",

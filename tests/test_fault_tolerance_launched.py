@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from harness import rel_err
-from launched import final_weights, job_args, job_env, slurm  # noqa: F401 (slurm: a fixture)
+from launched import final_weights, free_port_run, job_args, job_env, slurm  # noqa: F401
 
 pytest.importorskip("torchft", reason="[fault_tolerance] needs torchft (pip install exatrain[ft])")
 
@@ -170,7 +170,8 @@ def test_sbatch_replica_groups_restart_a_killed_group_which_heals(slurm, cosmo_d
     assert script.count("\ngroup ") == 2 and "torchft_lighthouse --bind \"[::]:$lighthouse_port\" --min_replicas 1" in script
     (tmp_path / "job.sh").write_text(script)
     # ports of their own: other jobs of this machine's Slurm may use the defaults
-    env = _ft_env(MASTER_PORT=str(free_port()), LIGHTHOUSE_PORT=str(free_port()))
+    base = free_port_run(3)   # groups 0 and 1 at MASTER_PORT + g, then the lighthouse
+    env = _ft_env(MASTER_PORT=str(base), LIGHTHOUSE_PORT=str(base + 2))
     sub = subprocess.run(["sbatch", "--parsable", "job.sh"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=60)
     assert sub.returncode == 0, sub.stderr
@@ -321,8 +322,9 @@ def test_sbatch_replica_groups_checkpoint_on_the_wall_time_warning_and_requeue(s
                           text=True, timeout=120)
     assert made.returncode == 0, made.stderr
     (tmp_path / "job.sh").write_text(made.stdout)
+    base = free_port_run(3)   # groups 0 and 1 at MASTER_PORT + g, then the lighthouse
     env = _ft_env(EXATRAIN_INJECT_FAULTS="wait_signal@0:3,wait_signal@1:3",
-                  MASTER_PORT=str(free_port()), LIGHTHOUSE_PORT=str(free_port()))
+                  MASTER_PORT=str(base), LIGHTHOUSE_PORT=str(base + 2))
     sub = subprocess.run(["sbatch", "--parsable", "job.sh"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=60)
     assert sub.returncode == 0, sub.stderr
