@@ -10,7 +10,9 @@ an MLP returning a tuple of two heads (`mlp_heads`), the same returning a namedt
 and a 0-dim auxiliary loss (`mlp_named`) or a dict of the two (`mlp_dict`), and a U-Net
 returning a dict of two (`unet_heads`); and the MLP on a data set of NumPy samples
 (`mlp_numpy`); the MLP with its trunk frozen (`mlp_probe`: a frozen layer must not train, and
-a pipeline stage may have nothing to train).
+a pipeline stage may have nothing to train); an autoencoder whose decoder is its first layer's
+weight transposed (`mlp_tied`: a weight the forward reads outside its layer, which `shard`
+must gather and `tensor` keep whole; under `pipe` it is refused, tests/test_pipe_edges.py).
 
 Each cell: 4 SGD steps of batch 4 (float32), then `user_models.check`: every logged loss and the
 validation loss within 1e-5 relative, the final weights within 1e-5 in relative norm over the
@@ -51,6 +53,7 @@ CELLS = [
     *[("mlp", p) for p in ("data2", "shard2", "tensor2", "pipe2")],
     *[("mlp_numpy", p) for p in ("data2", "pipe2")],
     *[("mlp_probe", p) for p in ("data2", "shard2", "tensor2", "pipe2")],
+    *[("mlp_tied", p) for p in ("data2", "shard2", "tensor2")],
     *[("transformer", p) for p in ("data2", "shard2", "tensor2", "pipe2", "tensor4",
                                    "data2-tensor2")],
     *[("transformer_mha", p) for p in ("data2", "shard2", "tensor2", "pipe2", "data2-tensor2")],
@@ -95,9 +98,14 @@ def tensor_layout(model: str, plan: str) -> dict:
     from exatrain.plan import Plan
     from user_models import build
 
+    from exatrain.parallel.reads import mark_reads_outside
+    from user_models import dataset
+
     mesh = init(Plan(**PLANS[plan]))
     try:
-        laid_out = parallelize_tensor(build(model), mesh).exatrain_tensor.summary()
+        plain = build(model)
+        mark_reads_outside(plain, dataset(model).tensors[0][:2])   # as et.fit does
+        laid_out = parallelize_tensor(plain, mesh).exatrain_tensor.summary()
         return {k: laid_out[k] for k in ("split", "local_heads")}
     finally:
         mesh.close()
@@ -174,8 +182,12 @@ def test_users_model_trains_under_the_plan_as_one_process(cell, trained, serial,
     if "tensor" in PLANS[plan]:
         layout = runs[0]["layout"]
         print(f"  tensor layout: {layout}")
-        assert {"fc1", "fc2"} <= set(layout["split"]) if model.startswith("mlp") else \
-            {"blocks.0.mlp.0", "blocks.0.mlp.2", "blocks.1.mlp.0"} <= set(layout["split"]), layout
+        if model == "mlp_tied":   # the weight the decoder reads stays whole
+            assert "fc2" in layout["split"] and "fc1" not in layout["split"], layout
+        else:
+            assert {"fc1", "fc2"} <= set(layout["split"]) if model.startswith("mlp") else \
+                {"blocks.0.mlp.0", "blocks.0.mlp.2", "blocks.1.mlp.0"} <= set(layout["split"]), \
+                layout
         if model == "transformer":   # the hand-written attention runs on a share of its heads
             heads = HEADS_OF[model] // PLANS[plan]["tensor"]
             assert layout["local_heads"] == {f"blocks.{i}.attn": {"n_head": heads}

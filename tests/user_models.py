@@ -15,6 +15,8 @@ the convolutional models and the tolerances.
   mlp_numpy       `mlp`, its data set returning NumPy float32 arrays (as read from a file)
   mlp_probe       `mlp` with its trunk frozen (a pretrained trunk, `requires_grad_(False)`), only
                   the output layer trained
+  mlp_tied        an autoencoder on `mlp`'s trunk whose decoder is the first layer's weight
+                  transposed, used in forward (`F.linear(h, self.fc1.weight.t(), bias)`)
   unet_heads      the 3D U-Net with a field and a mask head, forward returning a dict
 """
 
@@ -147,6 +149,22 @@ class LinearProbe(UserMLP):
             layer.requires_grad_(False)
 
 
+class TiedAutoencoder(nn.Module):
+    """An autoencoder whose decoder is its encoder's weight transposed, used in forward: a
+    weight read outside its layer."""
+
+    def __init__(self, n_in: int = 6, hidden: int = 32):
+        super().__init__()
+        self.fc1 = nn.Linear(n_in, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.decoder_bias = nn.Parameter(torch.zeros(n_in))
+
+    def forward(self, x):
+        h = F.gelu(self.fc2(F.gelu(self.norm(self.fc1(x)))))
+        return F.linear(h, self.fc1.weight.t(), self.decoder_bias)
+
+
 TOKENS, WIDTH, HEADS = 8, 16, 4
 
 
@@ -240,7 +258,7 @@ MODELS = {"unet": lambda: UNet3D(), "unet_plain": lambda: UNet3D(norm=""),
           "cnn2d": CNN2D, "unet2d": UNet2D, "mlp": UserMLP, "transformer": UserTransformer,
           "transformer_mha": lambda: UserTransformer(mha=True), "mlp_heads": TwoHeadMLP,
           "mlp_named": lambda: TwoHeadMLP("named"), "mlp_dict": lambda: TwoHeadMLP("dict"),
-          "mlp_numpy": UserMLP, "mlp_probe": LinearProbe,
+          "mlp_numpy": UserMLP, "mlp_probe": LinearProbe, "mlp_tied": TiedAutoencoder,
           "unet_heads": TwoHeadUNet}
 
 
@@ -263,6 +281,8 @@ def dataset(name: str) -> torch.utils.data.TensorDataset:
     if name.startswith("mlp") or name.startswith("transformer"):   # per-sample / per-token targets
         x = torch.randn(8, *((TOKENS,) if not name.startswith("mlp") else ()), 6, generator=g)
         y = torch.tanh(x[..., :2] * 2) + 0.1 * torch.randn(*x.shape[:-1], 2, generator=g)
+        if name == "mlp_tied":   # an autoencoder's target: its input
+            y = x.clone()
         if not name.startswith("mlp"):
             y = y.roll(1, dims=1)   # the target of a token is its predecessor's: attention needed
         return torch.utils.data.TensorDataset(x, y)

@@ -38,7 +38,9 @@ Stages 1 and 2: `ZeroDataParallel` in `parallel.zero` (buckets filled in backwar
 bucket's collective overlapping the rest of backward; the all-gather after the optimizer step).
 
 Stage 3 (`_fully_shard`): FSDP2 `fully_shard` on each block (`parallel.blocks.find_blocks`) and
-on the root, over the 1-D `shard` mesh. Its collectives go through `comm.fsdp` (counted in the
+on the root, over the 1-D `shard` mesh. A block holding a weight the forward reads outside it
+(parallel/reads.py: a decoder using the encoder's weight) is left to the root's unit, which is
+gathered for the whole forward. Its collectives go through `comm.fsdp` (counted in the
 ledger); with data > 1 the reduced gradient shards are all-reduced over `data` through
 `comm.all_reduce` in FSDP2's all-reduce hook. Under bf16/fp16, FSDP2 gathers parameters in the
 compute dtype and reduces gradients in fp32; norm layers are separate FSDP2 units that keep fp32.
@@ -69,6 +71,7 @@ def _fully_shard(model: nn.Module, mesh: Mesh, options, partial_axes=()) -> nn.M
 
     from ..comm.fsdp import LedgerAllGather, LedgerReduceScatter
     from .precision import compute_dtype, is_norm
+    from .reads import read_outside
 
     shard_axis, data_axis = mesh.axis("shard"), mesh.axis("data", *partial_axes)
     shard_mesh = mesh.device_mesh["shard"]
@@ -86,10 +89,13 @@ def _fully_shard(model: nn.Module, mesh: Mesh, options, partial_axes=()) -> nn.M
 
     def norms_of(module: nn.Module, exclude: set) -> list[nn.Module]:
         return [m for m in module.modules() if is_norm(m) and id(m) not in exclude
-                and any(p.requires_grad for p in m.parameters(recurse=False))]
+                and any(p.requires_grad for p in m.parameters(recurse=False))
+                and not any(read_outside(p) for p in m.parameters(recurse=False))]
 
     sharded: set = set()
     for _parent, _name, block in find_blocks(model):
+        if any(read_outside(p) for p in block.parameters()):
+            continue   # gathered only while the block runs; the forward reads it elsewhere too
         if mixed:  # norm layers: their own units, kept in fp32
             norms = norms_of(block, sharded)
             if norms:

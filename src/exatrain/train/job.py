@@ -37,6 +37,7 @@ from ..errors import UserError, relayed
 from ..mesh import init
 from ..parallel import parallelize
 from ..parallel.precision import Precision, keep_norms_fp32
+from ..parallel.reads import mark_reads_outside
 from ..workloads import get_workload
 from .checkpoints import checkpoint
 from .config import Config
@@ -230,12 +231,28 @@ def _merged_figures(figures: list[dict]) -> dict:
     return out
 
 
+def find_reads_outside(workload, mesh) -> None:
+    """A user's model under shard or tensor: mark the weights its forward reads outside their
+    layers (`F.linear(h, self.enc.weight.t())`), which those steps then keep whole
+    (parallel/reads.py), from a forward on the data set's first two samples. Built-in models
+    read none."""
+    plan = mesh.plan
+    if not workload.whole_outputs or workload.input_blocks or \
+            (plan.shard == 1 and plan.tensor_degree == 1):
+        return
+    samples = [workload.train_set[i] for i in range(min(2, len(workload.train_set)))]
+    if samples:
+        inputs = workload.decode_inputs(default_collate(samples)[0])
+        mark_reads_outside(workload.model, inputs.to(mesh.device))
+
+
 # ---------------------------------------------------------------------- the composition root
 def lay_out(workload, config: Config, mesh):
     """The workload's model laid out over `mesh` per config.parallel (`parallelize`: the
     pipeline's example batch, whole samples or blocks per `workload.spatial_io()`, compile),
     its norm layers computing in fp32 under a mixed `parallel.precision`, for training and
     prediction alike."""
+    find_reads_outside(workload, mesh)
     model = parallelize(workload.model, mesh, config.parallel,
                         example=pipeline_example(workload, config, mesh.plan),
                         **workload.spatial_io())

@@ -29,6 +29,8 @@ def clone_tree(module: nn.Module, _modules=None, _params=None) -> nn.Module:
     for name, p in module._parameters.items():
         if p is not None and id(p) not in _params:
             _params[id(p)] = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
+            _params[id(p)].__dict__.update(   # what exatrain knows of it (parallel/reads.py)
+                {k: v for k, v in vars(p).items() if k.startswith("exatrain_")})
         new._parameters[name] = None if p is None else _params[id(p)]
     for name, child in module._modules.items():
         new._modules[name] = None if child is None else clone_tree(child, _modules, _params)
@@ -36,10 +38,16 @@ def clone_tree(module: nn.Module, _modules=None, _params=None) -> nn.Module:
 
 
 def tied_parameters(root: nn.Module) -> set[int]:
+    """The ids of parameters that stay whole: those held by several modules, and those the
+    model's forward reads outside their layer (parallel/reads.py: `F.linear(h, enc.weight.t())`
+    would meet a rank's share)."""
+    from ..reads import read_outside
+
     counts: dict[int, int] = {}
     for _name, p in root.named_parameters(remove_duplicate=False):
         counts[id(p)] = counts.get(id(p), 0) + 1
-    return {pid for pid, n in counts.items() if n > 1}
+    return {pid for pid, n in counts.items() if n > 1} | \
+        {id(p) for p in root.parameters() if read_outside(p)}
 
 
 def materialize(root: nn.Module, device) -> None:
