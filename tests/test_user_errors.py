@@ -100,6 +100,16 @@ class Shaped(TensorDataset):
                 "float64": (x.double().numpy(), y)}[self.kind]
 
 
+class Stream(torch.utils.data.IterableDataset):
+    """Samples as a generator yields them: iterable-style, no index."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __iter__(self):
+        return iter(zip(self.x, self.y))
+
+
 def build(kind: str = "ok") -> et.Task:
     g = torch.Generator().manual_seed(0)
     shape = {"attention": (3, 16), "image": (1, 6, 6)}.get(kind, (4,))
@@ -114,7 +124,10 @@ def build(kind: str = "ok") -> et.Task:
     train = (Slow if kind == "slow" else TensorDataset)(x, y)
     if kind in ("dict", "inputs", "targets", "float64", "float64_pipe"):
         train = Shaped(kind.removesuffix("_pipe"), x, y)
-    return et.Task(model=model, train_set=train, val_set=TensorDataset(x, y), loss=loss)
+    if kind == "iterable":
+        train = Stream(x, y)
+    return et.Task(model=model, train_set=train,
+                   val_set=None if kind == "no_val" else TensorDataset(x, y), loss=loss)
 '''
 
 PIPE_SCRIPT = '''
@@ -402,11 +415,15 @@ def test_a_staging_directory_too_small_is_one_line_from_the_real_command(cosmo_d
                  "(mat1 and mat2 must have the same dtype", "x.astype(np.float32)"]),
     ("float64_pipe", ["the model's input is float64 (NumPy's default) and its forward failed on "
                       "it (mat1 and mat2 must have the same dtype", "x.astype(np.float32)"]),
+    ("no_val", ["val_set is None", "random_split(data, [0.9, 0.1]"]),
+    ("iterable", ["train_set is Stream (an iterable-style data set)",
+                  "map-style Dataset, with __getitem__"]),
 ])
 def test_samples_that_are_not_an_input_and_a_target_are_refused_before_the_first_step(
         kind, texts, user, tmp_path, capsys):
     """A sample the step cannot move to the device and feed to model(input) is named, with its
-    structure and the fix, before any step (no metrics were written)."""
+    structure and the fix, before any step (no metrics were written); so are a missing
+    validation set and a data set that cannot be read by index."""
     capsys.readouterr()
     pipe = kind.endswith("_pipe")   # under pipe=2 the stages run the forward: the same message
     code = main(["run", "--nproc", "2" if pipe else "1",

@@ -159,7 +159,8 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_set: Dataset, val_set:
             each one tensor or NumPy array (the target may be a number), batched as
             `DataLoader` batches them; other samples are refused before the first step, naming
             what they hold.
-        val_set: the same for validation.
+        val_set: the same for validation, evaluated every `train.eval_every` steps and at the
+            end (the summary's `val_loss`); required.
         loss: `loss(output, target)` returning the batch-mean loss; `output` as the model
             returns it: one tensor, or a tuple, namedtuple, list or dict of them (several
             heads, an auxiliary loss).

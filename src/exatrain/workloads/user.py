@@ -63,10 +63,7 @@ def workload_from_task(task: Task, mesh=None) -> Workload:
     """The Workload of a user's Task on `mesh`. Under `space`, data sets with
     `read(index, region)` are read by blocks (`read_by_blocks`); others deliver whole samples."""
     for name in ("train_set", "val_set"):
-        ds = getattr(task, name)
-        if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
-            raise TypeError(f"Task.{name} must be a map-style Dataset (with __getitem__ and "
-                            f"__len__), got {type(ds).__name__}")
+        check_map_style(name, getattr(task, name))
     if not isinstance(task.model, nn.Module):
         raise TypeError(f"Task.model must be a torch.nn.Module, got {type(task.model).__name__}")
     metrics = {"loss": Mean(task.loss), **task.metrics}
@@ -117,6 +114,25 @@ def _shape_of(value) -> str:
     if isinstance(value, (tuple, list)):
         return f"{type(value).__name__} of {len(value)} ({', '.join(map(_shape_of, value))})"
     return type(value).__name__
+
+
+def check_map_style(name: str, data_set) -> None:
+    """Refuse, naming the fix, a data set exatrain cannot sample by index: each rank reads
+    its own share of every batch (`__getitem__`), and epochs and steps are counted from
+    `__len__`."""
+    if hasattr(data_set, "__getitem__") and hasattr(data_set, "__len__"):
+        return
+    if data_set is None and name == "val_set":
+        raise DataError(
+            "val_set is None: training evaluates on a validation set every train.eval_every "
+            "steps and at the end (the summary's val_loss). Hold out part of your data: "
+            "`train_set, val_set = torch.utils.data.random_split(data, [0.9, 0.1], "
+            "generator=torch.Generator().manual_seed(0))`.")
+    kind = "an iterable-style data set" if hasattr(data_set, "__iter__") else "not a data set"
+    raise DataError(
+        f"{name} is {type(data_set).__name__} ({kind}): exatrain reads samples by index, each "
+        f"rank its share of every batch, so it needs a map-style Dataset, with __getitem__ "
+        f"(one sample, (input, target)) and __len__, e.g. torch.utils.data.TensorDataset(x, y).")
 
 
 def check_sample(name: str, data_set) -> None:
