@@ -10,9 +10,8 @@ weight has a rank's share of the rows: a shape mismatch, or a silently different
 One forward on a sample finds them: every torch function whose argument is a parameter is
 watched (a `TorchFunctionMode`), and a read counts as outside when none of the modules holding
 that parameter is running its forward. Reading a weight's dtype, device or `requires_grad` is not
-a use. The forward runs in eval mode without gradients, with the random streams forked, so the
-run that follows is the one it would have been: BatchNorm statistics, dropout and the user's own
-draws are untouched. No communication.
+a use. The forward runs in eval mode without gradients and leaves no trace (parallel/trial.py),
+so the run that follows is the one it would have been. No communication.
 
 Each such parameter gets `exatrain_read_outside` (where it was read: the module path of the
 running forward, "" for the model's own), which the steps read: `tensor` keeps its layer whole
@@ -26,6 +25,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
+
+from .trial import leaves_no_trace
 
 # reading these of a weight does not use its values or its shape
 METADATA = frozenset({"dtype", "device", "requires_grad", "is_cuda", "is_meta", "layout",
@@ -76,9 +77,8 @@ def reads_outside(model: nn.Module, inputs) -> dict[str, str]:
         handles.append(module.register_forward_hook(leave, always_call=True))
     was_training = model.training
     watch = _Reads(holders, running, names)
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), watch:
+        with leaves_no_trace([model]), torch.no_grad(), watch:
             model.eval()
             model(inputs)
     except Exception:   # noqa: BLE001 - the training forward reports it, where it belongs

@@ -33,6 +33,7 @@ from ...comm.collectives import host_only_p2p
 from ..data import unwrap
 from ..nested import cut_batch, join_microbatches, tensors_of
 from .schedules import bubble_formula, build_schedule
+from ..trial import leaves_no_trace
 from ...errors import ConfigError, ParallelizeError
 
 
@@ -89,7 +90,9 @@ def stage_shapes(modules: list[nn.Module], micro: torch.Tensor, autocast,
     Run on the plain stages, before they are laid out: a sharded stage's forward would start
     collectives (FSDP2's all-gather) that fake tensors must not reach."""
     shapes = []
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode, autocast():
+    # fake execution still steps a real integer buffer (BatchNorm's num_batches_tracked)
+    with leaves_no_trace(modules), FakeTensorMode(allow_non_fake_inputs=True) as mode, \
+            autocast():
         x = (mode.from_tensor(micro),)
         for module in modules:
             try:

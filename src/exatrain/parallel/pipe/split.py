@@ -33,6 +33,7 @@ from torch import nn
 from torch.fx.experimental.meta_tracer import MetaTracer
 
 from ...errors import ParallelizeError
+from ..trial import leaves_no_trace
 
 
 class PipeSplitError(ParallelizeError):
@@ -88,7 +89,8 @@ def trace_layers(model: nn.Module, example: torch.Tensor) -> Layers:
     tracer = _LayerTracer(model)
     name = next(iter(inspect.signature(model.forward).parameters))
     try:
-        with warnings.catch_warnings():  # the tracer's notes on shapes it need not know
+        # the meta tracer runs the layers for their shapes: a spectral norm's iteration too
+        with warnings.catch_warnings(), leaves_no_trace([model]):
             warnings.filterwarnings("ignore", message="Could not compute metadata")
             graph = tracer.trace(model, meta_args={name: example.to("meta")})
         _drop_unused(graph)
@@ -135,7 +137,7 @@ def layer_costs(layers: Layers, example: torch.Tensor | None, repeats: int = 3) 
             return out
 
     gm = fx.GraphModule(layers.model, layers.graph)
-    with torch.no_grad():
+    with torch.no_grad(), leaves_no_trace([layers.model]):   # timed 3 times, trained never
         Timer(gm).run(example)
     return [times[name] for name in layers.layer_names]
 
