@@ -4,15 +4,19 @@ user calls it and checked against the same model trained by `et.fit` on one proc
 The models (tests/user_models.py): the 3D U-Net with BatchNorm and nearest upsampling (`unet`),
 with GroupNorm (`unet_group`), with trilinear upsampling (`unet_trilinear`); a 2D U-Net
 (`unet2d`); an MLP subclass with LayerNorm and GELU (`mlp`); a pre-norm transformer with a
-hand-written causal attention using `self.head_dim` (`transformer`) and one with
-nn.MultiheadAttention (`transformer_mha`); models of several outputs, trained on a loss of each:
+hand-written causal attention using `self.head_dim` (`transformer`), one with
+nn.MultiheadAttention (`transformer_mha`) and PyTorch's nn.TransformerEncoder
+(`transformer_torch`, whose evaluation takes a fused path reading its Linears' weights whole); models of several outputs, trained on a loss of each:
 an MLP returning a tuple of two heads (`mlp_heads`), the same returning a namedtuple of the two
 and a 0-dim auxiliary loss (`mlp_named`) or a dict of the two (`mlp_dict`), and a U-Net
 returning a dict of two (`unet_heads`); and the MLP on a data set of NumPy samples
 (`mlp_numpy`); the MLP with its trunk frozen (`mlp_probe`: a frozen layer must not train, and
 a pipeline stage may have nothing to train); an autoencoder whose decoder is its first layer's
 weight transposed (`mlp_tied`: a weight the forward reads outside its layer, which `shard`
-must gather and `tensor` keep whole; under `pipe` it is refused, tests/test_pipe_edges.py).
+must gather and `tensor` keep whole; under `pipe` it is refused, tests/test_pipe_edges.py);
+the MLP compiled by the user before `et.fit` (`mlp_compiled`: laid out from its plain module,
+then compiled); the MLP with weight normalisation (`mlp_weightnorm`: parametrized layers stay
+whole under `tensor`).
 
 Each cell: 4 SGD steps of batch 4 (float32), then `user_models.check`: every logged loss and the
 validation loss within 1e-5 relative, the final weights within 1e-5 in relative norm over the
@@ -54,9 +58,12 @@ CELLS = [
     *[("mlp_numpy", p) for p in ("data2", "pipe2")],
     *[("mlp_probe", p) for p in ("data2", "shard2", "tensor2", "pipe2")],
     *[("mlp_tied", p) for p in ("data2", "shard2", "tensor2")],
+    *[(m, p) for m in ("mlp_compiled", "mlp_weightnorm")
+      for p in ("data2", "shard2", "tensor2", "pipe2")],
     *[("transformer", p) for p in ("data2", "shard2", "tensor2", "pipe2", "tensor4",
                                    "data2-tensor2")],
     *[("transformer_mha", p) for p in ("data2", "shard2", "tensor2", "pipe2", "data2-tensor2")],
+    *[("transformer_torch", p) for p in ("data2", "shard2", "tensor2", "pipe2")],
     *[("mlp_heads", p) for p in ("data2", "shard2", "tensor2", "pipe2")],
     *[(m, p) for m in ("mlp_named", "mlp_dict") for p in ("data2", "shard2", "tensor2", "pipe2")],
     *[("unet_heads", p) for p in ("space112", "space122")],
@@ -99,11 +106,12 @@ def tensor_layout(model: str, plan: str) -> dict:
     from user_models import build
 
     from exatrain.parallel.reads import mark_reads_outside
+    from exatrain.workloads.user import uncompiled
     from user_models import dataset
 
     mesh = init(Plan(**PLANS[plan]))
     try:
-        plain = build(model)
+        plain = uncompiled(build(model))[0]
         mark_reads_outside(plain, dataset(model).tensors[0][:2])   # as et.fit does
         laid_out = parallelize_tensor(plain, mesh).exatrain_tensor.summary()
         return {k: laid_out[k] for k in ("split", "local_heads")}
@@ -184,6 +192,10 @@ def test_users_model_trains_under_the_plan_as_one_process(cell, trained, serial,
         print(f"  tensor layout: {layout}")
         if model == "mlp_tied":   # the weight the decoder reads stays whole
             assert "fc2" in layout["split"] and "fc1" not in layout["split"], layout
+        elif model == "mlp_weightnorm":   # parametrized layers stay whole, the output splits
+            assert layout["split"] == ["out"], layout
+        elif model == "transformer_torch":   # its layers' fast path reads their Linears whole
+            assert layout["split"] == ["embed", "head"], layout
         else:
             assert {"fc1", "fc2"} <= set(layout["split"]) if model.startswith("mlp") else \
                 {"blocks.0.mlp.0", "blocks.0.mlp.2", "blocks.1.mlp.0"} <= set(layout["split"]), \

@@ -9,12 +9,15 @@ the convolutional models and the tolerances.
   transformer     a pre-norm transformer (LayerNorm, GELU MLP) with a hand-written causal
                   attention using `self.head_dim` (test_tensor_attention_fit's `Attention`)
   transformer_mha the same with nn.MultiheadAttention(batch_first=True) and a causal mask
+  transformer_torch  PyTorch's nn.TransformerEncoder between an embedding and a head
   mlp_heads       `mlp` with a second head, forward returning a tuple of the two outputs
   mlp_named       the same returning a namedtuple of the two and a 0-dim auxiliary loss
   mlp_dict        the same returning a dict of the two heads
   mlp_numpy       `mlp`, its data set returning NumPy float32 arrays (as read from a file)
   mlp_probe       `mlp` with its trunk frozen (a pretrained trunk, `requires_grad_(False)`), only
                   the output layer trained
+  mlp_compiled    `mlp` compiled by the user (`torch.compile(model)`) before `et.fit`
+  mlp_weightnorm  `mlp` with `weight_norm` on its hidden layers (parametrized modules)
   mlp_tied        an autoencoder on `mlp`'s trunk whose decoder is the first layer's weight
                   transposed, used in forward (`F.linear(h, self.fc1.weight.t(), bias)`)
   unet_heads      the 3D U-Net with a field and a mask head, forward returning a dict
@@ -149,6 +152,15 @@ class LinearProbe(UserMLP):
             layer.requires_grad_(False)
 
 
+class WeightNormMLP(UserMLP):
+    """`UserMLP` with weight normalisation on its hidden layers (parametrized modules)."""
+
+    def __init__(self):
+        super().__init__()
+        norm = nn.utils.parametrizations.weight_norm
+        self.fc1, self.fc2 = norm(self.fc1), norm(self.fc2)
+
+
 class TiedAutoencoder(nn.Module):
     """An autoencoder whose decoder is its encoder's weight transposed, used in forward: a
     weight read outside its layer."""
@@ -205,6 +217,21 @@ class UserTransformer(nn.Module):
         return self.head(self.norm(x))
 
 
+class TorchTransformer(nn.Module):
+    """PyTorch's own nn.TransformerEncoder (whose evaluation takes a fused fast path)."""
+
+    def __init__(self, n_in: int = 6, dim: int = WIDTH, n_head: int = HEADS, depth: int = 2):
+        super().__init__()
+        self.embed = nn.Linear(n_in, dim)
+        layer = nn.TransformerEncoderLayer(dim, n_head, dim_feedforward=2 * dim, dropout=0.0,
+                                           batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=depth, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, 2)
+
+    def forward(self, x):
+        return self.head(self.encoder(self.embed(x)))
+
+
 Heads = collections.namedtuple("Heads", "first second aux")
 
 
@@ -257,8 +284,11 @@ MODELS = {"unet": lambda: UNet3D(), "unet_plain": lambda: UNet3D(norm=""),
           "encoder": lambda: Encoder3D(), "encoder_plain": lambda: Encoder3D(norm=False),
           "cnn2d": CNN2D, "unet2d": UNet2D, "mlp": UserMLP, "transformer": UserTransformer,
           "transformer_mha": lambda: UserTransformer(mha=True), "mlp_heads": TwoHeadMLP,
+          "transformer_torch": TorchTransformer,
           "mlp_named": lambda: TwoHeadMLP("named"), "mlp_dict": lambda: TwoHeadMLP("dict"),
           "mlp_numpy": UserMLP, "mlp_probe": LinearProbe, "mlp_tied": TiedAutoencoder,
+          "mlp_compiled": lambda: torch.compile(UserMLP(), backend="eager"),
+          "mlp_weightnorm": WeightNormMLP,
           "unet_heads": TwoHeadUNet}
 
 
@@ -304,10 +334,13 @@ def fit(name: str, plan: dict, out_dir: str) -> dict:
 
     data = dataset(name)
     loss = heads_loss if name.endswith(("_heads", "_named", "_dict")) else F.mse_loss
+    # a compiled model is compiled again after the layout, with parallel.compile's settings
+    parallel = {"compile_backend": "eager"} if name.endswith("_compiled") else {}
     summary = et.fit(lambda: build(name), data, data, loss=loss, plan=et.Plan(**plan),
                      train={"steps": STEPS, "batch_size": 4, "log_every": 1, "eval_every": 0,
                             "num_workers": 0},
-                     optim={"name": "sgd", "lr": 0.1}, run={"out_dir": out_dir})
+                     optim={"name": "sgd", "lr": 0.1}, run={"out_dir": out_dir},
+                     parallel=parallel)
     run_dir = Path(summary["run_dir"])
     state = checkpoint.full_model_state(checkpoint.latest(run_dir)) \
         if int(os.environ.get("RANK", "0")) == 0 else None
@@ -316,7 +349,9 @@ def fit(name: str, plan: dict, out_dir: str) -> dict:
 
 
 def check(name: str, plan: dict, reference: dict, runs: list) -> None:
-    start = build(name).state_dict()
+    from exatrain.workloads.user import uncompiled
+
+    start = uncompiled(build(name))[0].state_dict()   # a compiled model's keys are its module's
     ref_losses = torch.tensor(list(reference["losses"].values()))
     for run in runs:  # every rank reports its replica's loss
         assert list(run["losses"]) == list(reference["losses"]) == list(range(1, STEPS + 1))

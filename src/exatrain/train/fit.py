@@ -40,7 +40,8 @@ from torch.utils.data import Dataset, default_collate
 from ..comm import broadcast, broadcast_object
 from ..mesh import init
 from ..plan import Plan, PlanError
-from ..workloads.user import Task, check_sample, float64_input_named, workload_from_task
+from ..workloads.user import (Task, check_sample, float64_input_named, uncompiled,
+                              workload_from_task)
 from .config import FIXED_SECTIONS, Config, ConfigError, build_section, load_config, validate
 from .job import build, find_resume_checkpoint, make_run_dir, stage_data_sets
 
@@ -72,7 +73,7 @@ def _plan_instead(request: dict, model, train_set, loss, config: Config):
     tensors with the script's loss and its target, at the sections' batch, optimizer and
     precision."""
     plans = request["planner"]  # et.plans, handed down by the plan command (tune sits above)
-    built = model() if not isinstance(model, nn.Module) else model
+    built = uncompiled(model() if not isinstance(model, nn.Module) else model)[0]
     check_sample("train_set", train_set)
     # the first sample as a batch of one, collated as the loader does (NumPy arrays become
     # tensors; a copy, where a TensorDataset's sample is a view of the whole set's tensor, which

@@ -21,6 +21,7 @@ module.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -253,7 +254,10 @@ def lay_out(workload, config: Config, mesh):
     its norm layers computing in fp32 under a mixed `parallel.precision`, for training and
     prediction alike."""
     find_reads_outside(workload, mesh)
-    model = parallelize(workload.model, mesh, config.parallel,
+    options = config.parallel
+    if workload.compile:   # the user's torch.compile(model): compiled after the layout
+        options = dataclasses.replace(options, compile=True)
+    model = parallelize(workload.model, mesh, options,
                         example=pipeline_example(workload, config, mesh.plan),
                         **workload.spatial_io())
     if Precision(config.parallel.precision, mesh.device).mixed:

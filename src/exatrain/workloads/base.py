@@ -51,6 +51,9 @@ class Workload:
     # With input_blocks: the loss and metrics take whole outputs and whole targets (a user's
     # Task whose data set reads blocks, workloads.user): the parallel model gathers its output.
     whole_outputs: bool = False
+    # The user handed a compiled model (torch.compile(model)): `model` is its plain module, laid
+    # out as any other and compiled after the layout, as parallel.compile = true compiles.
+    compile: bool = False
 
     def spatial_io(self) -> dict:
         """How the model meets the data under `space`: `parallelize`'s whole_samples and

@@ -66,6 +66,7 @@ def workload_from_task(task: Task, mesh=None) -> Workload:
         check_map_style(name, getattr(task, name))
     if not isinstance(task.model, nn.Module):
         raise TypeError(f"Task.model must be a torch.nn.Module, got {type(task.model).__name__}")
+    model, compiled = uncompiled(task.model)
     metrics = {"loss": Mean(task.loss), **task.metrics}
     metric_sums, finalize = metric_functions(metrics)
     train_set, val_set = task.train_set, task.val_set
@@ -74,10 +75,21 @@ def workload_from_task(task: Task, mesh=None) -> Workload:
         train_set, val_set = read_by_blocks(train_set, mesh), read_by_blocks(val_set, mesh)
     for name, ds in (("train_set", train_set), ("val_set", val_set)):
         check_sample(name, ds)
-    return Workload(model=task.model, train_set=train_set, val_set=val_set,
+    return Workload(model=model, train_set=train_set, val_set=val_set,
                     loss_fn=OneValueLoss(task.loss), metric_sums=metric_sums, finalize=finalize,
                     baselines=dict(task.baselines), flops_per_sample=task.flops_per_sample,
-                    input_blocks=blocks, whole_outputs=True)
+                    input_blocks=blocks, whole_outputs=True, compile=compiled)
+
+
+def uncompiled(model: nn.Module) -> tuple[nn.Module, bool]:
+    """The plain module of a model the user compiled (`torch.compile(model)`), and whether it
+    was compiled. The compiled wrapper runs the module it was given: a layout that replaces
+    layers (tensor) or traces the forward (pipe) must see the plain module, and compile after."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if isinstance(model, OptimizedModule):
+        return model._orig_mod, True
+    return model, False
 
 
 class OneValueLoss:

@@ -14,8 +14,9 @@ a new module tree (the input model is not modified and nothing global is patched
     pairs inside nn.Sequentials, the others filter-parallel with a gathered output; under
     Plan(space=..., tensor=...) only those from the switch point on (switch.py), the earlier
     ones run split over `space`, and every gradient is also summed over `space`;
-  * everything else (embeddings, norms, Linears that do not divide, tied weights) stays whole on
-    every rank, i.e. data-parallel over the tensor group.
+  * everything else (embeddings, norms, Linears that do not divide, tied weights, weights the
+    forward reads outside their layer, the Linears of PyTorch's own transformer layers) stays
+    whole on every rank, i.e. data-parallel over the tensor group.
 
 Pairs are found from module structure and verified on the first training forward (pairs.py);
 `pairs=False` splits Linears one at a time.
@@ -76,6 +77,11 @@ from .switch import conv_selection
 from .tree import clone_tree, materialize, tied_parameters
 from .linear1d import ColumnParallelLinear, RowParallelLinear, SharedInput
 from .linear3d import Grid3D, Linear3D, SharedScatter, gather_batch, scatter_batch
+
+# modules whose Linears stay whole: their own forward reads the Linears' weights directly
+# (MultiheadAttention's projections; PyTorch's encoder/decoder layers' fused fast path, taken in
+# evaluation, which parallel/reads.py cannot watch: a watched forward never takes it)
+WHOLE_INSIDE = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 from .rng import ForwardRng
 from .sequence import SequenceParallel
 from ...errors import TensorSplitError
@@ -206,7 +212,7 @@ class TensorParallel:
                     continue
                 full_name = f"{name}.{child_name}" if name else child_name
                 done.add(id(child))
-                if id(child.weight) in tied or isinstance(module, nn.MultiheadAttention) or \
+                if id(child.weight) in tied or isinstance(module, WHOLE_INSIDE) or \
                         id(child) in in_sp or not self._fits_single(child):
                     self.whole_names.append(full_name)
                     continue

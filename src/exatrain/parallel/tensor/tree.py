@@ -9,6 +9,8 @@ import copy
 
 import torch
 from torch import nn
+from torch.nn.utils.parametrize import is_parametrized
+
 
 def clone_tree(module: nn.Module, _modules=None, _params=None) -> nn.Module:
     """A copy of the module tree: new module objects and new Parameter objects that share the
@@ -21,7 +23,11 @@ def clone_tree(module: nn.Module, _modules=None, _params=None) -> nn.Module:
     _params = {} if _params is None else _params
     if id(module) in _modules:
         return _modules[id(module)]
-    new = copy.copy(module)
+    if is_parametrized(module):   # (weight_norm) refuses copy.copy's pickling hook
+        new = type(module).__new__(type(module))
+        new.__dict__.update(module.__dict__)
+    else:   # copy.copy: an fx GraphModule (a pipeline stage) copies itself (a class per instance)
+        new = copy.copy(module)
     for key, value in list(new.__dict__.items()):
         if isinstance(value, dict):
             new.__dict__[key] = value.copy()
