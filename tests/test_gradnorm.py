@@ -16,19 +16,26 @@ def _params(dtypes) -> list[torch.nn.Parameter]:
     generator = torch.Generator().manual_seed(0)
     params = []
     for i, dtype in enumerate(dtypes):
-        p = torch.nn.Parameter(torch.randn(3 + i, 5, generator=generator).to(dtype))
-        p.grad = torch.randn(p.shape, generator=generator).to(dtype) * (i + 1)
+        drawn = dtype if dtype.is_complex else torch.float32   # complex: both parts drawn
+        p = torch.nn.Parameter(torch.randn(3 + i, 5, generator=generator, dtype=drawn).to(dtype))
+        p.grad = torch.randn(p.shape, generator=generator, dtype=drawn).to(dtype) * (i + 1)
         params.append(p)
     params.append(torch.nn.Parameter(torch.ones(2)))  # no gradient: takes no part in the norm
     return params
 
 
+def _real(g: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(g) if g.is_complex() else g.float()
+
+
 @pytest.mark.parametrize("dtypes", [(torch.float32,) * 4,
-                                    (torch.float32, torch.bfloat16, torch.float32, torch.float16)])
+                                    (torch.float32, torch.bfloat16, torch.float32, torch.float16),
+                                    (torch.float32, torch.complex64, torch.complex64)])
 def test_norm_and_clipping_equal_torchs(dtypes):
+    """Complex gradients (a Fourier layer's weights) count |z|² = re² + im²."""
     ours, theirs = _params(dtypes), _params(dtypes)
     expected = torch.nn.utils.get_total_norm(
-        [p.grad.float() for p in theirs if p.grad is not None]).double()
+        [_real(p.grad) for p in theirs if p.grad is not None]).double()
     norm = clip_grad_norm_(ours)  # no clipping: the norm only, gradients untouched
     assert norm.dtype == torch.float64 and norm.shape == ()
     assert norm.item() == pytest.approx(expected.item(), rel=1e-6)
@@ -40,7 +47,8 @@ def test_norm_and_clipping_equal_torchs(dtypes):
     factor = min(1.0, 1.0 / (expected.item() + 1e-6))
     for a, b in zip(ours, theirs):
         if a.grad is not None:
-            exact = (b.grad.double() * factor).to(b.dtype)
+            wide = torch.complex128 if b.grad.is_complex() else torch.float64
+            exact = (b.grad.to(wide) * factor).to(b.dtype)
             low = a.dtype != torch.float32
             torch.testing.assert_close(a.grad, exact, rtol=1e-2 if low else 1e-6,
                                        atol=1e-2 if low else 1e-7)

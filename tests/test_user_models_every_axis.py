@@ -14,7 +14,8 @@ returning a dict of two (`unet_heads`); and the MLP on a data set of NumPy sampl
 a pipeline stage may have nothing to train); an autoencoder whose decoder is its first layer's
 weight transposed (`mlp_tied`: a weight the forward reads outside its layer, which `shard`
 must gather and `tensor` keep whole; under `pipe` it is refused, tests/test_pipe_edges.py);
-the MLP compiled by the user before `et.fit` (`mlp_compiled`: laid out from its plain module,
+a 2D Fourier neural operator (`fno`: complex weights, whose gradient norm and sharding
+must take complex numbers); the MLP compiled by the user before `et.fit` (`mlp_compiled`: laid out from its plain module,
 then compiled); the MLP with weight normalisation (`mlp_weightnorm`: parametrized layers stay
 whole under `tensor`).
 
@@ -67,6 +68,7 @@ CELLS = [
     *[("mlp_heads", p) for p in ("data2", "shard2", "tensor2", "pipe2")],
     *[(m, p) for m in ("mlp_named", "mlp_dict") for p in ("data2", "shard2", "tensor2", "pipe2")],
     *[("unet_heads", p) for p in ("space112", "space122")],
+    *[("fno", p) for p in ("data2", "shard2", "tensor2", "pipe2")],
 ]
 # cells that do not train as one process today: (model, plan) -> the defect, named
 XFAIL: dict[tuple[str, str], str] = {}
@@ -194,6 +196,8 @@ def test_users_model_trains_under_the_plan_as_one_process(cell, trained, serial,
             assert "fc2" in layout["split"] and "fc1" not in layout["split"], layout
         elif model == "mlp_weightnorm":   # parametrized layers stay whole, the output splits
             assert layout["split"] == ["out"], layout
+        elif model == "fno":   # the 1x1 convolutions channel/filter-split, the Fourier whole
+            assert layout["split"] == ["lift", "pointwise.0", "pointwise.1"], layout
         elif model == "transformer_torch":   # its layers' fast path reads their Linears whole
             assert layout["split"] == ["embed", "head"], layout
         else:

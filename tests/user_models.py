@@ -18,6 +18,7 @@ the convolutional models and the tolerances.
                   the output layer trained
   mlp_compiled    `mlp` compiled by the user (`torch.compile(model)`) before `et.fit`
   mlp_weightnorm  `mlp` with `weight_norm` on its hidden layers (parametrized modules)
+  fno             a 2D Fourier neural operator (complex weights on the field's FFT modes)
   mlp_tied        an autoencoder on `mlp`'s trunk whose decoder is the first layer's weight
                   transposed, used in forward (`F.linear(h, self.fc1.weight.t(), bias)`)
   unet_heads      the 3D U-Net with a field and a mask head, forward returning a dict
@@ -161,6 +162,43 @@ class WeightNormMLP(UserMLP):
         self.fc1, self.fc2 = norm(self.fc1), norm(self.fc2)
 
 
+class SpectralConv2d(nn.Module):
+    """A Fourier layer: the lowest modes of the field's 2D FFT mixed by complex weights."""
+
+    def __init__(self, channels: int, modes: int):
+        super().__init__()
+        scale = 1 / channels ** 2
+        shape = (channels, channels, modes, modes)
+        self.low = nn.Parameter(scale * torch.rand(*shape, dtype=torch.cfloat))
+        self.high = nn.Parameter(scale * torch.rand(*shape, dtype=torch.cfloat))
+        self.modes = modes
+
+    def forward(self, x):
+        m = self.modes
+        spectrum = torch.fft.rfft2(x)
+        out = torch.zeros(*spectrum.shape, dtype=torch.cfloat, device=x.device)
+        out[..., :m, :m] = torch.einsum("bixy,ioxy->boxy", spectrum[..., :m, :m], self.low)
+        out[..., -m:, :m] = torch.einsum("bixy,ioxy->boxy", spectrum[..., -m:, :m], self.high)
+        return torch.fft.irfft2(out, s=x.shape[-2:])
+
+
+class FNO2d(nn.Module):
+    """A Fourier neural operator: lift, Fourier layers beside pointwise convolutions, project."""
+
+    def __init__(self, width: int = 8, modes: int = 4, depth: int = 2):
+        super().__init__()
+        self.lift = nn.Conv2d(2, width, 1)
+        self.fourier = nn.ModuleList(SpectralConv2d(width, modes) for _ in range(depth))
+        self.pointwise = nn.ModuleList(nn.Conv2d(width, width, 1) for _ in range(depth))
+        self.project = nn.Conv2d(width, 1, 1)
+
+    def forward(self, x):
+        x = self.lift(x)
+        for fourier, pointwise in zip(self.fourier, self.pointwise):
+            x = F.gelu(fourier(x) + pointwise(x))
+        return self.project(x)
+
+
 class TiedAutoencoder(nn.Module):
     """An autoencoder whose decoder is its encoder's weight transposed, used in forward: a
     weight read outside its layer."""
@@ -288,7 +326,7 @@ MODELS = {"unet": lambda: UNet3D(), "unet_plain": lambda: UNet3D(norm=""),
           "mlp_named": lambda: TwoHeadMLP("named"), "mlp_dict": lambda: TwoHeadMLP("dict"),
           "mlp_numpy": UserMLP, "mlp_probe": LinearProbe, "mlp_tied": TiedAutoencoder,
           "mlp_compiled": lambda: torch.compile(UserMLP(), backend="eager"),
-          "mlp_weightnorm": WeightNormMLP,
+          "mlp_weightnorm": WeightNormMLP, "fno": FNO2d,
           "unet_heads": TwoHeadUNet}
 
 
@@ -316,9 +354,9 @@ def dataset(name: str) -> torch.utils.data.TensorDataset:
         if not name.startswith("mlp"):
             y = y.roll(1, dims=1)   # the target of a token is its predecessor's: attention needed
         return torch.utils.data.TensorDataset(x, y)
-    spatial = (16, 16) if name in ("cnn2d", "periodic", "unet2d") else (16, 16, 16)
+    spatial = (16, 16) if name in ("cnn2d", "periodic", "unet2d", "fno") else (16, 16, 16)
     x = torch.randn(8, 2, *spatial, generator=g)
-    if name.startswith("unet") or name == "periodic":  # per-voxel targets, tied to the input
+    if name.startswith("unet") or name in ("periodic", "fno"):  # per-voxel targets
         y = 0.3 * x[:, :1] + 0.5 * torch.randn(8, 1, *spatial, generator=g)
         if name == "unet_heads":   # a second per-voxel target: where the field is high
             y = torch.cat([y, (x[:, 1:] > 0.5).float()], dim=1)

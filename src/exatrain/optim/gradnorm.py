@@ -42,6 +42,9 @@ def _norms(grads: list) -> list[torch.Tensor]:
     wider: one foreach norm per group (a handful of kernels, however many parameters)."""
     out = []
     for (_, dtype), group in _by_device_and_dtype(grads).items():
+        if dtype.is_complex:   # complex weights (a Fourier layer's): |z|² = re² + im²
+            group = [torch.view_as_real(g) for g in group]
+            dtype = group[0].dtype
         # half-precision gradients: norms in float32 (a float16 norm overflows at 65504)
         wide = None if dtype in (torch.float32, torch.float64) else torch.float32
         out.append(torch.stack(torch._foreach_norm(group, 2, dtype=wide)))

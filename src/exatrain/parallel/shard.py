@@ -101,13 +101,19 @@ def _fully_shard(model: nn.Module, mesh: Mesh, options, partial_axes=()) -> nn.M
             if norms:
                 fully_shard(norms, mp_policy=fp32, **kwargs)
                 sharded.update(id(m) for m in norms)
-        fully_shard(block, mp_policy=mp, **kwargs)
+        # complex weights (a Fourier layer's) are gathered and reduced in their own dtype
+        fully_shard(block, mp_policy=MixedPrecisionPolicy() if _all_complex(block) else mp,
+                    **kwargs)
         sharded.update(id(m) for m in block.modules())
     if mixed:
         norms = norms_of(model, sharded)
         if norms:
             fully_shard(norms, mp_policy=fp32, **kwargs)
-    fully_shard(model, mp_policy=mp, **kwargs)
+    rest = [p for m in model.modules() if id(m) not in sharded
+            for p in m.parameters(recurse=False)]
+    _refuse_mixed_complex("the model's parameters outside its blocks", rest)
+    fully_shard(model, mp_policy=MixedPrecisionPolicy() if rest and all(
+        p.is_complex() for p in rest) else mp, **kwargs)
 
     def sum_over_data(reduced: torch.Tensor) -> None:  # hybrid: sum the shard's gradients
         all_reduce(reduced, data_axis, tag="grad")      # over data (and the partial axes: space)
@@ -123,6 +129,24 @@ def _fully_shard(model: nn.Module, mesh: Mesh, options, partial_axes=()) -> nn.M
                 module.set_all_reduce_hook(hook)
     _restore_metadata(model, metadata)
     return model
+
+
+def _all_complex(block: nn.Module) -> bool:
+    """Whether a block's weights are complex, all of them (refused when only some are: FSDP2
+    reduces a unit's gradients in one flat buffer of one dtype)."""
+    params = list(block.parameters())
+    _refuse_mixed_complex(f"block {type(block).__name__}", params)
+    return bool(params) and all(p.is_complex() for p in params)
+
+
+def _refuse_mixed_complex(where: str, params: list) -> None:
+    kinds = {p.is_complex() for p in params}
+    if len(kinds) > 1:
+        raise ParallelizeError(
+            f"shard: {where} mix complex and real weights, which FSDP2 cannot reduce in one "
+            f"buffer. Keep the complex weights in modules of their own (a Fourier layer holding "
+            f"only its spectral weights), store them as real tensors with a last dim of 2 "
+            f"(torch.view_as_complex(self.w) in forward), or use data parallelism (plan.data).")
 
 
 def _exatrain_metadata(model: nn.Module) -> dict[str, dict]:
