@@ -183,3 +183,37 @@ def test_zero_stages_equal_serial(corpus, tmp_path):
     # ZeRO-3 gathers parameters in forward and again in backward
     z3 = ranks[0]["zero3"]
     assert z3["param_bytes"]["shard"] / 3 >= 1.5 * 4 * numel
+
+
+def _shard_mixed_complex() -> str:
+    from torch import nn
+
+    from exatrain.errors import ParallelizeError
+    from exatrain.mesh import init
+    from exatrain.parallel import parallelize
+    from exatrain.plan import Plan
+
+    class Fourier(nn.Module):   # complex spectral weights beside a real bias, in one block
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 4, dtype=torch.cfloat))
+            self.bias = nn.Parameter(torch.zeros(4))
+
+    model = nn.Sequential(nn.Linear(4, 4), Fourier())
+    mesh = init(Plan(shard=2))
+    try:
+        parallelize(model, mesh)
+    except ParallelizeError as exc:
+        return str(exc)
+    finally:
+        mesh.close()
+    return "not refused"
+
+
+def test_a_unit_mixing_complex_and_real_weights_is_refused_with_the_fix():
+    """FSDP2 reduces a unit's gradients in one buffer of one dtype: complex weights shard in
+    modules of their own (the Fourier neural operator in test_user_models_every_axis trains
+    under shard=2 as one process); a module mixing them with real ones is named."""
+    for text in run_ranks(2, _shard_mixed_complex):
+        assert text.startswith("shard: block Fourier mix complex and real weights"), text
+        assert "view_as_complex" in text and "plan.data" in text
