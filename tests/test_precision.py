@@ -121,3 +121,14 @@ def test_norms_and_loss_stay_fp32_under_autocast():
     with pytest.raises(ValueError, match="parallel.precision='fp4'"):
         Precision("fp4", "cpu")
     assert Precision("fp8", "cpu").dtype == torch.bfloat16  # float8 Linears, the rest in bf16
+
+
+def test_the_loss_sees_low_precision_outputs_widened_and_float64_ones_whole():
+    """Under bf16/fp16 the loss runs on float32 outputs; a float64 model's outputs keep their
+    digits (cast to float32, its loss and gradients would carry float32's 1e-8 only)."""
+    from exatrain.parallel.nested import fp32
+
+    out = fp32({"half": torch.ones(2, dtype=torch.bfloat16), "f16": torch.ones(2).half(),
+                "f64": torch.ones(2, dtype=torch.float64), "ids": torch.ones(2, dtype=torch.int64)})
+    assert {k: v.dtype for k, v in out.items()} == {
+        "half": torch.float32, "f16": torch.float32, "f64": torch.float64, "ids": torch.int64}

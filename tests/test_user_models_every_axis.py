@@ -14,7 +14,8 @@ returning a dict of two (`unet_heads`); and the MLP on a data set of NumPy sampl
 a pipeline stage may have nothing to train); an autoencoder whose decoder is its first layer's
 weight transposed (`mlp_tied`: a weight the forward reads outside its layer, which `shard`
 must gather and `tensor` keep whole; under `pipe` it is refused, tests/test_pipe_edges.py);
-a 2D Fourier neural operator (`fno`: complex weights, whose gradient norm and sharding
+the MLP in float64 (`mlp_f64`: equal to one process within 1e-12, gradients reduced in
+float64); a 2D Fourier neural operator (`fno`: complex weights, whose gradient norm and sharding
 must take complex numbers); the MLP compiled by the user before `et.fit` (`mlp_compiled`: laid out from its plain module,
 then compiled); the MLP with weight normalisation (`mlp_weightnorm`: parametrized layers stay
 whole under `tensor`).
@@ -69,6 +70,7 @@ CELLS = [
     *[(m, p) for m in ("mlp_named", "mlp_dict") for p in ("data2", "shard2", "tensor2", "pipe2")],
     *[("unet_heads", p) for p in ("space112", "space122")],
     *[("fno", p) for p in ("data2", "shard2", "tensor2", "pipe2")],
+    *[("mlp_f64", p) for p in ("data2", "shard2", "tensor2", "pipe2")],
 ]
 # cells that do not train as one process today: (model, plan) -> the defect, named
 XFAIL: dict[tuple[str, str], str] = {}
@@ -184,6 +186,9 @@ def test_users_model_trains_under_the_plan_as_one_process(cell, trained, serial,
     except Exception as exc:  # noqa: BLE001
         print(f"\n{model} {plan}: not comparable ({exc})")
     check(model, PLANS[plan], reference, runs)
+    if model == "mlp_f64":   # float64 throughout: equal to one process to float64's digits
+        assert float((flat - ref).norm() / ref.norm()) <= 1e-12, (plan, "weights")
+        assert float(((losses - ref_losses).abs() / ref_losses.abs()).max()) <= 1e-12, plan
     # every axis of the plan was in use: it moved bytes each step (the ledger's own key)
     moved = runs[0]["bytes_per_step"]
     print(f"  {runs[0]['plan']}: bytes per step {moved}")

@@ -18,6 +18,7 @@ the convolutional models and the tolerances.
                   the output layer trained
   mlp_compiled    `mlp` compiled by the user (`torch.compile(model)`) before `et.fit`
   mlp_weightnorm  `mlp` with `weight_norm` on its hidden layers (parametrized modules)
+  mlp_f64         `mlp` in float64, weights and data (physics that needs the digits)
   fno             a 2D Fourier neural operator (complex weights on the field's FFT modes)
   mlp_tied        an autoencoder on `mlp`'s trunk whose decoder is the first layer's weight
                   transposed, used in forward (`F.linear(h, self.fc1.weight.t(), bias)`)
@@ -327,6 +328,7 @@ MODELS = {"unet": lambda: UNet3D(), "unet_plain": lambda: UNet3D(norm=""),
           "mlp_numpy": UserMLP, "mlp_probe": LinearProbe, "mlp_tied": TiedAutoencoder,
           "mlp_compiled": lambda: torch.compile(UserMLP(), backend="eager"),
           "mlp_weightnorm": WeightNormMLP, "fno": FNO2d,
+          "mlp_f64": lambda: UserMLP().double(),
           "unet_heads": TwoHeadUNet}
 
 
@@ -345,6 +347,8 @@ class NumpySamples(torch.utils.data.TensorDataset):
 def dataset(name: str) -> torch.utils.data.TensorDataset:
     if name == "mlp_numpy":
         return NumpySamples(*dataset("mlp").tensors)
+    if name == "mlp_f64":
+        return torch.utils.data.TensorDataset(*(t.double() for t in dataset("mlp").tensors))
     g = torch.Generator().manual_seed(3)
     if name.startswith("mlp") or name.startswith("transformer"):   # per-sample / per-token targets
         x = torch.randn(8, *((TOKENS,) if not name.startswith("mlp") else ()), 6, generator=g)

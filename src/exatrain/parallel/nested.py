@@ -40,9 +40,11 @@ def first_tensor(out) -> torch.Tensor | None:
 
 
 def fp32(out):
-    """The output's floating-point tensors in float32 (the loss and metrics run in fp32 under
-    bf16/fp16 autocast); integer and bool outputs (indices, masks) are kept as they are."""
-    return map_tensors(out, lambda t: t.float() if t.is_floating_point() else t)
+    """The output's floating-point tensors in float32 at least (the loss and metrics run in
+    fp32 under bf16/fp16 autocast); float64 outputs (a float64 model's) keep their digits, and
+    integer and bool outputs (indices, masks) are kept as they are."""
+    return map_tensors(out, lambda t: t.float() if t.is_floating_point()
+                       and torch.finfo(t.dtype).bits < 32 else t)
 
 
 def cut_batch(out, keep: int, batch: int):

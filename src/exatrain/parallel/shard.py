@@ -78,7 +78,10 @@ def _fully_shard(model: nn.Module, mesh: Mesh, options, partial_axes=()) -> nn.M
     metadata = _exatrain_metadata(model)
     dtype = compute_dtype(options.precision)
     mixed = dtype != torch.float32
-    mp = MixedPrecisionPolicy(param_dtype=dtype if mixed else None, reduce_dtype=torch.float32)
+    # gradients reduced in float32 under a mixed precision, else in the weights' own dtype (a
+    # float64 model's stay float64, as one process's are)
+    mp = MixedPrecisionPolicy(param_dtype=dtype if mixed else None,
+                              reduce_dtype=torch.float32 if mixed else None)
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     offload = (CPUOffloadPolicy(pin_memory=mesh.device.type == "cuda") if options.offload
                else OffloadPolicy())

@@ -153,8 +153,9 @@ class TrainStep:
         if isinstance(self.model, PipelineModel):  # micro-batches run by the schedule
             x, y = next(batches)
             with float64_input_named(x):
-                return torch.as_tensor(self.model.train_step(
-                    x, y, lambda output, target: self.workload.loss_fn(fp32(output), target)))
+                return torch.tensor(self.model.train_step(   # float64: a float64 model's digits
+                    x, y, lambda output, target: self.workload.loss_fn(fp32(output), target)),
+                    dtype=torch.float64)
         loss_sum = None
         count = count or accum
         for micro in range(count):
