@@ -171,3 +171,40 @@ def test_exatrain_plan_takes_numpy_samples_and_a_model_of_several_outputs(tmp_pa
     assert main(["plan", str(script), "--world", "2"]) == 2
     err = capsys.readouterr().err
     assert "the model's input is float64 (NumPy's default)" in err and "x.astype(np.float32)" in err
+
+
+ARGV_SCRIPT = '''
+import sys
+import torch, torch.nn.functional as F
+from torch import nn
+import exatrain as et
+
+if __name__ == "__main__":
+    width = int(sys.argv[1])          # the script's own arguments, as `exatrain run` passes them
+    x = torch.randn(8, 6)
+    data = torch.utils.data.TensorDataset(x, x[:, :2])
+    et.fit(nn.Sequential(nn.Linear(6, width), nn.GELU(), nn.Linear(width, 2)), data, data,
+           loss=F.mse_loss, train={"steps": 2, "batch_size": 4})
+'''
+
+
+def test_exatrain_plan_passes_the_arguments_after_the_script_to_it(tmp_path, capsys):
+    """`exatrain plan train.py --world 2 -- ARGS`, as `exatrain run train.py -- ARGS`: the
+    script reads them as its sys.argv[1:]; a config takes none."""
+    import json
+
+    from exatrain.cli import main
+    script = tmp_path / "train.py"
+    script.write_text(ARGV_SCRIPT)
+    sizes = {}
+    for width in (16, 64):
+        out = tmp_path / f"p{width}.json"
+        assert main(["plan", str(script), "--world", "2", "--json", str(out), "--",
+                     str(width)]) == 0
+        ranked = json.loads(out.read_text())["ranked"]
+        sizes[width] = max(p["memory_per_rank"]["state"] for p in ranked)
+    assert sizes[64] > 3 * sizes[16], sizes   # the width the script was given
+    capsys.readouterr()
+    assert main(["plan", "--world", "2", "--", "16"]) == 2
+    assert "go to a Python script (`exatrain plan train.py --world N -- ARGS`)" in \
+        capsys.readouterr().err

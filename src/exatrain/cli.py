@@ -425,7 +425,7 @@ def main(argv=None) -> int:
 
     argv = sys.argv[1:] if argv is None else list(argv)
     script_args = []
-    if argv[:1] == ["run"] and "--" in argv:  # `exatrain run SCRIPT ... -- ARGS`, as torchrun
+    if argv[:1] in (["run"], ["plan"]) and "--" in argv:  # `exatrain run SCRIPT ... -- ARGS`
         argv, script_args = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     args = build_parser(argv).parse_args(argv)
     args.script_args = script_args

@@ -59,6 +59,11 @@ def plan_command(args) -> int:
         return calibrate_from_command(args)
     if args.config and args.config.endswith(".py"):   # a script that calls exatrain.fit
         return _plan_script_command(args)
+    if getattr(args, "script_args", []):
+        from ..errors import ConfigError
+        raise ConfigError(f"arguments after `--` ({' '.join(args.script_args)}) go to a Python "
+                          f"script (`exatrain plan train.py --world N -- ARGS`), not to a "
+                          f"config; set a config's keys with --set SECTION.KEY=VALUE")
     config = load_config(args.config, args.set or [])
     world = args.world or config.run.nproc
     if args.dry_run is not None:
@@ -389,7 +394,8 @@ def _plan_script_command(args) -> int:
         raise ConfigError("exatrain plan SCRIPT.py: --plan, --dry-run and --set are for configs; "
                           "the script's own et.fit sections are used.")
     from .user import plans
-    result = plan_script(args.config, args.world, plans, args.system)
+    result = plan_script(args.config, args.world, plans, args.system,
+                         argv=getattr(args, "script_args", []))
     if args.json:
         _emit(result, args.json)
         return 0
