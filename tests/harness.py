@@ -68,6 +68,13 @@ def _worker(rank: int, world_size: int, tasks, results, stacks: str) -> None:
     faulthandler.enable(file=stack_file, all_threads=True)
     keep_freed_host_memory()  # as `exatrain run` sets up each rank (run.host_memory = "keep")
     true_fp32_on_cuda()
+    # torch's TCPStore names every peer with getnameinfo: a reverse DNS query for
+    # ::ffff:127.0.0.1 (the v4-mapped address, which /etc/hosts does not list), client and server
+    # side. Where the resolver drops a query (this sandbox's does about 1 in 50), glibc waits its
+    # default 5 s and the whole rendezvous with it (measured: 1 in 4 rendezvous of 8 ranks).
+    # 1 s and no retry instead: the failed lookup also makes torch stop asking for the rest of
+    # the process's life (it then prints numeric addresses), so a rank pays it at most once.
+    os.environ["RES_OPTIONS"] = f"{os.environ.get('RES_OPTIONS', '')} timeout:1 attempts:1".strip()
     # what the rank imported is never garbage: every collection below (the one after each test
     # costs 0.2 s instead of 0.002 s with torch's objects in it) skips it
     gc.freeze()
