@@ -187,3 +187,14 @@ def test_bf16_prediction_keeps_norms_in_fp32(tiny_config, tmp_path):
     assert seen.norms == {torch.float32} and seen.others == {torch.bfloat16}
     with h5py.File(out["out"], "r") as f:
         assert f.attrs["precision"] == "bf16" and np.isfinite(f["predictions"][:]).all()
+
+
+def test_init_from_takes_a_compiled_models_state_dict(tmp_path):
+    """`torch.save(torch.compile(model).state_dict())` keys every weight under `_orig_mod.`:
+    read as the plain module's keys, as `run.init_from` loads them."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    path = tmp_path / "compiled.pt"
+    torch.save(torch.compile(model).state_dict(), path)
+    state = read_state_dict(path)
+    assert list(state) == list(model.state_dict())
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())

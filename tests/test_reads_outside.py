@@ -42,9 +42,11 @@ def test_finding_them_leaves_the_run_as_it_was():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     x = torch.randn(3, 4)
     rng = torch.get_rng_state()
-    found = mark_reads_outside(model, x)
+    model.bn.eval()   # a user's frozen BatchNorm stays frozen
+    found = reads_outside(model, x)
+    mark_reads_outside(model, found)
     assert found == {"enc.weight": "", "scale.weight": ""}
-    assert model.training   # its mode restored
+    assert model.training and not model.bn.training   # every module's mode put back
     assert torch.equal(torch.get_rng_state(), rng)   # its draws, and dropout's, are the run's
     for key, value in model.state_dict().items():   # BatchNorm's statistics untouched
         assert torch.equal(value, before[key]), key
@@ -56,3 +58,47 @@ def test_a_forward_that_fails_finds_nothing_and_leaves_the_failure_to_training()
     model = nn.Sequential(nn.Linear(4, 8))
     assert reads_outside(model, torch.randn(3, 5)) == {}   # wrong width: training says so
     assert model.training
+
+
+class Sneaky(nn.Module):
+    """Reads no tests above catch by holder alone: a read made only in training, a block's
+    norm called from outside its block, a parametrized weight read from the root, a bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+                                    for _ in range(2))
+        self.enc = nn.utils.parametrizations.weight_norm(nn.Linear(4, 4))
+        self.aux = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        x = self.blocks[-1][1](x) + F.linear(x, self.enc.weight) - self.head.bias
+        if self.training:   # an auxiliary term only training adds
+            x = x + 0 * self.aux.weight.sum()
+        return self.head(x)
+
+
+def test_reads_only_training_makes_calls_from_outside_and_parametrized_weights_are_found():
+    torch.manual_seed(0)
+    found = reads_outside(Sneaky(), torch.randn(3, 4))
+    assert set(found) == {"blocks.1.1.weight", "blocks.1.1.bias", "aux.weight", "head.bias",
+                          "enc.parametrizations.weight.original0",
+                          "enc.parametrizations.weight.original1"}, found
+
+
+def test_a_block_whose_own_layer_reads_its_weights_is_still_sharded_alone():
+    """PyTorch's MultiheadAttention reads its out_proj's weight in its own forward: the block
+    holding it runs then, so shard may still gather that block alone (read_outside_of)."""
+    from exatrain.parallel.reads import read_outside_of
+
+    layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True)
+    model = nn.Sequential(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))
+    found = reads_outside(model, torch.randn(2, 3, 8))
+    assert found["0.layers.0.self_attn.out_proj.weight"] == "0.layers.0.self_attn"
+    mark_reads_outside(model, found)
+    block = model[0].layers[0]
+    assert not read_outside_of("0.layers.0", block.parameters())
+    assert read_outside_of("0.layers.0.self_attn.out_proj", block.parameters())

@@ -101,13 +101,16 @@ class Shaped(TensorDataset):
 
 
 class Stream(torch.utils.data.IterableDataset):
-    """Samples as a generator yields them: iterable-style, no index."""
+    """Samples as a generator yields them: iterable-style, no index (a length, though)."""
 
     def __init__(self, x, y):
         self.x, self.y = x, y
 
     def __iter__(self):
         return iter(zip(self.x, self.y))
+
+    def __len__(self):
+        return len(self.x)
 
 
 def build(kind: str = "ok") -> et.Task:

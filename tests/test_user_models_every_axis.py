@@ -109,14 +109,14 @@ def tensor_layout(model: str, plan: str) -> dict:
     from exatrain.plan import Plan
     from user_models import build
 
-    from exatrain.parallel.reads import mark_reads_outside
+    from exatrain.parallel.reads import mark_reads_outside, reads_outside
     from exatrain.workloads.user import uncompiled
     from user_models import dataset
 
     mesh = init(Plan(**PLANS[plan]))
     try:
         plain = uncompiled(build(model))[0]
-        mark_reads_outside(plain, dataset(model).tensors[0][:2])   # as et.fit does
+        mark_reads_outside(plain, reads_outside(plain, dataset(model).tensors[0][:2]))
         laid_out = parallelize_tensor(plain, mesh).exatrain_tensor.summary()
         return {k: laid_out[k] for k in ("split", "local_heads")}
     finally:

@@ -71,17 +71,19 @@ def _fully_shard(model: nn.Module, mesh: Mesh, options, partial_axes=()) -> nn.M
 
     from ..comm.fsdp import LedgerAllGather, LedgerReduceScatter
     from .precision import compute_dtype, is_norm
-    from .reads import read_outside
+    from .reads import read_outside_of
 
     shard_axis, data_axis = mesh.axis("shard"), mesh.axis("data", *partial_axes)
     shard_mesh = mesh.device_mesh["shard"]
     metadata = _exatrain_metadata(model)
     dtype = compute_dtype(options.precision)
     mixed = dtype != torch.float32
-    # gradients reduced in float32 under a mixed precision, else in the weights' own dtype (a
-    # float64 model's stay float64, as one process's are)
+    # gradients reduced in float32 under a mixed precision or for weights stored narrower,
+    # else in the weights' own dtype (a float64 model's stay float64, as one process's are)
+    narrow = any(p.is_floating_point() and torch.finfo(p.dtype).bits < 32
+                 for p in model.parameters())
     mp = MixedPrecisionPolicy(param_dtype=dtype if mixed else None,
-                              reduce_dtype=torch.float32 if mixed else None)
+                              reduce_dtype=torch.float32 if mixed or narrow else None)
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     offload = (CPUOffloadPolicy(pin_memory=mesh.device.type == "cuda") if options.offload
                else OffloadPolicy())
@@ -90,14 +92,16 @@ def _fully_shard(model: nn.Module, mesh: Mesh, options, partial_axes=()) -> nn.M
     kwargs = dict(mesh=shard_mesh, offload_policy=offload,
                   reshard_after_forward=mesh.plan.pipe == 1)
 
+    paths = {id(m): clean_fqn(name) for name, m in model.named_modules()}
+
     def norms_of(module: nn.Module, exclude: set) -> list[nn.Module]:
         return [m for m in module.modules() if is_norm(m) and id(m) not in exclude
                 and any(p.requires_grad for p in m.parameters(recurse=False))
-                and not any(read_outside(p) for p in m.parameters(recurse=False))]
+                and not read_outside_of(paths[id(m)], m.parameters(recurse=False))]
 
     sharded: set = set()
     for _parent, _name, block in find_blocks(model):
-        if any(read_outside(p) for p in block.parameters()):
+        if read_outside_of(paths[id(block)], block.parameters()):
             continue   # gathered only while the block runs; the forward reads it elsewhere too
         if mixed:  # norm layers: their own units, kept in fp32
             norms = norms_of(block, sharded)

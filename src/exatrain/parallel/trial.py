@@ -19,19 +19,31 @@ from torch import nn
 
 @contextlib.contextmanager
 def leaves_no_trace(modules: list[nn.Module]):
-    """Within: forwards of `modules` that step no state the run sees afterwards."""
+    """Within: forwards of `modules` that step no state the run sees afterwards. Each module's
+    buffers are put back as they were, the objects themselves (a forward may assign a new
+    tensor, or a fake one) with their values; the random streams of the devices the modules
+    live on are forked."""
+    from torch.nn.parameter import is_lazy
+
+    tables, values = [], []
     seen: set[int] = set()
-    buffers = []
-    for module in modules:
-        for buffer in module.buffers():
-            if id(buffer) not in seen:
-                seen.add(id(buffer))
-                buffers.append((buffer, buffer.detach().clone()))
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    for root in modules:
+        for module in root.modules():
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            tables.append((module, dict(module._buffers)))
+            values += [(b, b.detach().clone()) for b in module._buffers.values()
+                       if b is not None and not is_lazy(b)]
+    devices = sorted({t.device.index or 0 for root in modules
+                      for t in (*root.parameters(), *root.buffers()) if t.is_cuda})
     try:
         with torch.random.fork_rng(devices=devices):
             yield
     finally:
         with torch.no_grad():
-            for buffer, value in buffers:
+            for module, table in tables:
+                module._buffers.clear()
+                module._buffers.update(table)
+            for buffer, value in values:
                 buffer.copy_(value)

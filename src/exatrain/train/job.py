@@ -38,7 +38,7 @@ from ..errors import UserError, relayed
 from ..mesh import init
 from ..parallel import parallelize
 from ..parallel.precision import Precision, keep_norms_fp32
-from ..parallel.reads import mark_reads_outside
+from ..parallel.reads import mark_reads_outside, reads_outside
 from ..workloads import get_workload
 from .checkpoints import checkpoint
 from .config import Config
@@ -235,16 +235,21 @@ def _merged_figures(figures: list[dict]) -> dict:
 def find_reads_outside(workload, mesh) -> None:
     """A user's model under shard or tensor: mark the weights its forward reads outside their
     layers (`F.linear(h, self.enc.weight.t())`), which those steps then keep whole
-    (parallel/reads.py), from a forward on the data set's first two samples. Built-in models
-    read none."""
+    (parallel/reads.py), from a forward of rank 0 on the data set's first two samples, where the
+    model is (it is moved to the device later). Built-in models read none."""
     plan = mesh.plan
     if not workload.whole_outputs or workload.input_blocks or \
             (plan.shard == 1 and plan.tensor_degree == 1):
         return
-    samples = [workload.train_set[i] for i in range(min(2, len(workload.train_set)))]
-    if samples:
-        inputs = workload.decode_inputs(default_collate(samples)[0])
-        mark_reads_outside(workload.model, inputs.to(mesh.device))
+    found = None
+    if mesh.rank == 0:   # one rank looks, every rank marks alike (the layouts must agree)
+        where = next(workload.model.parameters(), torch.empty(0)).device   # not moved yet
+        samples = [workload.train_set[i] for i in range(min(2, len(workload.train_set)))]
+        found = {}
+        if samples and where.type != "meta":
+            inputs = workload.decode_inputs(default_collate(samples)[0])
+            found = reads_outside(workload.model, inputs.to(where))
+    mark_reads_outside(workload.model, broadcast_object(found, mesh.world))
 
 
 # ---------------------------------------------------------------------- the composition root

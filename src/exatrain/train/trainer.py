@@ -161,8 +161,7 @@ class Trainer:
         # (the job's rank: under [fault_tolerance] group k's ranks follow group k-1's)
         self.faults = FaultInjector(self.train_step.rank, self.run_dir)
         self.checkpoint_writer = checkpoint.Writer(config.train.checkpoint_async)
-        # the ranks that write a checkpoint together: the job, or one trainer of a population
-        self.checkpoint_group = mesh.group
+        self.checkpoint_group = mesh.group  # who writes a checkpoint: the job, or one trainer
         self.compile_counter: CompileCounter | None = None  # set by fit under parallel.compile
         self._run_times: dict[str, list] = {"times": [], "waits": [], "bytes": []}
         self._track_step = 0             # which step the CPU peak tracker watches (see fit)
@@ -250,7 +249,8 @@ class Trainer:
         self.hooks.fit_begin()
         self.validation_s = 0.0
         self._finished = False
-        self.compile_counter = CompileCounter() if self.config.parallel.compile else None
+        compiled = self.config.parallel.compile or self.workload.compile   # (the user's own)
+        self.compile_counter = CompileCounter() if compiled else None
         batches = self.sampling.batches(self.step, self.decode)
         pending = PendingSteps(self.mesh.device)
         self._interval = Interval(self.mesh.ledger.snapshot())

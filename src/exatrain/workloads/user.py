@@ -132,7 +132,10 @@ def check_map_style(name: str, data_set) -> None:
     """Refuse, naming the fix, a data set exatrain cannot sample by index: each rank reads
     its own share of every batch (`__getitem__`), and epochs and steps are counted from
     `__len__`."""
-    if hasattr(data_set, "__getitem__") and hasattr(data_set, "__len__"):
+    from torch.utils.data import IterableDataset
+
+    iterable = isinstance(data_set, IterableDataset)   # (its __getitem__ is Dataset's, unusable)
+    if not iterable and hasattr(data_set, "__getitem__") and hasattr(data_set, "__len__"):
         return
     if data_set is None and name == "val_set":
         raise DataError(
@@ -140,7 +143,8 @@ def check_map_style(name: str, data_set) -> None:
             "steps and at the end (the summary's val_loss). Hold out part of your data: "
             "`train_set, val_set = torch.utils.data.random_split(data, [0.9, 0.1], "
             "generator=torch.Generator().manual_seed(0))`.")
-    kind = "an iterable-style data set" if hasattr(data_set, "__iter__") else "not a data set"
+    kind = "an iterable-style data set" if iterable or hasattr(data_set, "__iter__") \
+        else "not a data set"
     raise DataError(
         f"{name} is {type(data_set).__name__} ({kind}): exatrain reads samples by index, each "
         f"rank its share of every batch, so it needs a map-style Dataset, with __getitem__ "

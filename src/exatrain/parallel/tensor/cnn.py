@@ -111,7 +111,8 @@ def split_convolutions(root: nn.Module, axis: Axis, eligible, tied: set[int]) ->
         counts[id(m)] = counts.get(id(m), 0)
     for _n, m in root.named_modules(remove_duplicate=False):
         counts[id(m)] += 1
-    ok = (lambda name, m: eligible(name) and counts[id(m)] == 1 and id(m.weight) not in tied)
+    ok = (lambda name, m: eligible(name) and counts[id(m)] == 1
+          and not any(id(p) in tied for p in m.parameters()))
     done = {"pairs": [], "gathered": [], "whole": [], "layers": [], "batchnorms": []}
     seen: set[int] = set()
     for first, between, second in find_conv_pairs(root, axis.size, eligible):

@@ -171,7 +171,7 @@ class TensorParallel:
                 heads = head_count_attrs(parent)
                 head_dim = attention_head_dim(parent) or (
                     cols[0].out_features // min(heads.values()) if heads else None)
-                if any(id(l.weight) in tied for l in (*cols, row)) or \
+                if any(id(p) in tied for l in (*cols, row) for p in l.parameters()) or \
                         not self._fits_pair(cols, row, head_dim):
                     continue
                 if heads:  # before anything is split: a refusal leaves nothing half-done
@@ -212,7 +212,8 @@ class TensorParallel:
                     continue
                 full_name = f"{name}.{child_name}" if name else child_name
                 done.add(id(child))
-                if id(child.weight) in tied or isinstance(module, WHOLE_INSIDE) or \
+                if any(id(p) in tied for p in child.parameters()) or \
+                        isinstance(module, WHOLE_INSIDE) or \
                         id(child) in in_sp or not self._fits_single(child):
                     self.whole_names.append(full_name)
                     continue

@@ -64,6 +64,9 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     for wrapper in ("model", "state_dict"):
         if isinstance(state, dict) and isinstance(state.get(wrapper), dict):
             state = state[wrapper]
+    if isinstance(state, dict):   # a compiled model's (torch.compile(m).state_dict()): every key
+        state = {".".join(part for part in key.split(".") if part != "_orig_mod"): value
+                 for key, value in state.items()}   # under _orig_mod., the module's are the rest
     return state
 
 
