@@ -98,6 +98,12 @@ def latest_group_checkpoint(group_dir: Path) -> Path | None:
     return max(found, key=lambda p: p.stat().st_mtime, default=None)
 
 
+def first_inputs(workload, n: int) -> "torch.Tensor":
+    """The inputs of the training set's first `n` samples, collated as the loader does (a
+    sample may hold NumPy arrays)."""
+    return default_collate([workload.train_set[i] for i in range(n)])[0]
+
+
 def pipeline_example(workload, config: Config, plan) -> "torch.Tensor | None":
     """One per-replica batch of inputs, from which `pipe` traces the model and sizes its stages
     (under space: this rank's blocks, where the data set reads blocks). Under space × tensor
@@ -105,8 +111,7 @@ def pipeline_example(workload, config: Config, plan) -> "torch.Tensor | None":
     from which the channel/filter switch point is placed by the byte rule of
     parallel/tensor/switch.py, as the planner does."""
     per_replica = config.train.batch_size // (plan.data * plan.shard)
-    # collated as the loader does: a sample may hold NumPy arrays
-    inputs = lambda n: default_collate([workload.train_set[i] for i in range(n)])[0]
+    inputs = lambda n: first_inputs(workload, n)
     if plan.pipe == 1:
         if plan.space_degree == 1 or plan.tensor_degree == 1 or plan.tensor_3d:
             return None
@@ -244,10 +249,9 @@ def find_reads_outside(workload, mesh) -> None:
     found = None
     if mesh.rank == 0:   # one rank looks, every rank marks alike (the layouts must agree)
         where = next(workload.model.parameters(), torch.empty(0)).device   # not moved yet
-        samples = [workload.train_set[i] for i in range(min(2, len(workload.train_set)))]
         found = {}
-        if samples and where.type != "meta":
-            inputs = workload.decode_inputs(default_collate(samples)[0])
+        if len(workload.train_set) and where.type != "meta":
+            inputs = workload.decode_inputs(first_inputs(workload, min(2, len(workload.train_set))))
             found = reads_outside(workload.model, inputs.to(where))
     mark_reads_outside(workload.model, broadcast_object(found, mesh.world))
 
