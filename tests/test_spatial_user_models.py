@@ -27,6 +27,7 @@ the serial update being at least 1 % of some tensor's size (else the check would
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -125,6 +126,19 @@ class LocalArithmeticInForward(nn.Module):
         return torch.max(h.softmax(dim=1), torch.zeros_like(h)) * 2 + h.sum(dim=1, keepdim=True)
 
 
+class OldWeightNorm(nn.Module):
+    """Weight normalisation through PyTorch's older API: a hook computes `conv.weight`."""
+
+    def __init__(self):
+        super().__init__()
+        with warnings.catch_warnings():  # torch: deprecated in favour of parametrizations
+            warnings.simplefilter("ignore", FutureWarning)
+            self.conv = nn.utils.weight_norm(nn.Conv3d(2, 3, 3, padding=1))
+
+    def forward(self, x):
+        return self.conv(x)
+
+
 def _refusals() -> dict:
     """Under space=(1, 1, 2): what a reduction written in forward and an odd volume raise."""
     from exatrain.mesh import init
@@ -139,7 +153,8 @@ def _refusals() -> dict:
                                    ("centred", CentredInForward(), (2, 2, 8, 8, 8)),
                                    ("local", LocalArithmeticInForward(), (2, 2, 8, 8, 8)),
                                    ("odd", UNet3D(norm=""), (2, 2, 8, 8, 9)),
-                                   ("pool", UNet3D(norm=""), (2, 2, 8, 8, 10))):
+                                   ("pool", UNet3D(norm=""), (2, 2, 8, 8, 10)),
+                                   ("old_weight_norm", OldWeightNorm(), (2, 2, 8, 8, 8))):
             try:
                 parallelize(model, mesh, whole_samples=True)(torch.randn(shape))
                 out[name] = ""
@@ -184,6 +199,9 @@ def test_what_cannot_equal_one_process_is_refused_by_name():
         # blocks of 5 that MaxPool3d(2) cannot pool without crossing them: the layer, the fix
         for words in ("MaxPool3d 'down'", "cannot be split 2 ways along w", "space=(1, 1, 1)"):
             assert words in found["pool"], (words, found["pool"])
+        # a weight the older torch.nn.utils.weight_norm computes in a hook: the layer, the fix
+        for words in ("layer 'conv' (Conv3d)", "torch.nn.utils.parametrizations.weight_norm"):
+            assert words in found["old_weight_norm"], (words, found["old_weight_norm"])
     for found in run_ranks(4, _pipe_refusal):
         assert "ParallelizeError" in found and "pipe and space together" in found, found
         assert "pipe or space alone" in found, found

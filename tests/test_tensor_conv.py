@@ -163,9 +163,18 @@ def on_grids(grids, steps: int = 3) -> dict:
             parallelize(cnn(2), mesh, ParallelOptions(chanfilt_skip=["nope"]))
         except ValueError as exc:
             refusal = str(exc)
+        # nothing left to split but weight-normed layers, which stay whole: they are named
+        norm = nn.utils.parametrizations.weight_norm
+        normed = nn.Sequential(norm(nn.Linear(6, 8)), nn.ReLU(), norm(nn.Linear(8, 8)),
+                               nn.ReLU(), nn.Linear(8, 3))
+        try:
+            parallelize(normed, mesh)
+            kept_refusal = ""
+        except ValueError as exc:
+            kept_refusal = f"{type(exc).__name__}: {exc}"
         out[str(mesh.plan)] = dict(errs=errs, found=found, losses=losses,
                                    serial_losses=serial_losses, bytes_ok=bytes_ok,
-                                   refusal=refusal, data=mesh.axis("data").size,
+                                   refusal=refusal, kept_refusal=kept_refusal, data=mesh.axis("data").size,
                                    tensor_counted=tensor_counted, predicted=predicted)
         mesh.close()
     return out
@@ -217,6 +226,13 @@ def test_planner_terms_equal_the_ledger(results):
 def test_unknown_names_are_refused(results):
     for plan, r in results[0].items():
         assert "'nope' is no convolution" in r["refusal"] and "0.0" in r["refusal"], plan
+
+
+def test_a_model_whose_splittable_layers_stay_whole_is_refused_naming_them(results):
+    for plan, r in results[0].items():
+        for words in ("TensorSplitError", "0, 2 stay whole", "weight or spectral norm",
+                      "(8, 3)", "tensor=1"):
+            assert words in r["kept_refusal"], (plan, words, r["kept_refusal"])
 
 
 # ------------------------------------------------------------------ the switch from space to tensor

@@ -18,7 +18,10 @@ the MLP in float64 (`mlp_f64`: equal to one process within 1e-12, gradients redu
 float64); a 2D Fourier neural operator (`fno`: complex weights, whose gradient norm and sharding
 must take complex numbers); the MLP compiled by the user before `et.fit` (`mlp_compiled`: laid out from its plain module,
 then compiled); the MLP with weight normalisation (`mlp_weightnorm`: parametrized layers stay
-whole under `tensor`).
+whole under `tensor`), and with PyTorch's older weight_norm (`mlp_oldweightnorm`: a hook computes
+each weight from `weight_g` and `weight_v`, so `tensor` keeps those layers whole too); a 2D
+per-pixel CNN with a weight-normed and a spectrally normed convolution (`cnn_normed`: under
+`space` the spatial layers compute the whole weight from the parametrizations at each forward).
 
 Each cell: 4 SGD steps of batch 4 (float32), then `user_models.check`: every logged loss and the
 validation loss within 1e-5 relative, the final weights within 1e-5 in relative norm over the
@@ -60,8 +63,9 @@ CELLS = [
     *[("mlp_numpy", p) for p in ("data2", "pipe2")],
     *[("mlp_probe", p) for p in ("data2", "shard2", "tensor2", "pipe2")],
     *[("mlp_tied", p) for p in ("data2", "shard2", "tensor2")],
-    *[(m, p) for m in ("mlp_compiled", "mlp_weightnorm")
+    *[(m, p) for m in ("mlp_compiled", "mlp_weightnorm", "mlp_oldweightnorm")
       for p in ("data2", "shard2", "tensor2", "pipe2")],
+    *[("cnn_normed", p) for p in ("data2", "space121", "tensor2")],
     *[("transformer", p) for p in ("data2", "shard2", "tensor2", "pipe2", "tensor4",
                                    "data2-tensor2")],
     *[("transformer_mha", p) for p in ("data2", "shard2", "tensor2", "pipe2", "data2-tensor2")],
@@ -199,8 +203,10 @@ def test_users_model_trains_under_the_plan_as_one_process(cell, trained, serial,
         print(f"  tensor layout: {layout}")
         if model == "mlp_tied":   # the weight the decoder reads stays whole
             assert "fc2" in layout["split"] and "fc1" not in layout["split"], layout
-        elif model == "mlp_weightnorm":   # parametrized layers stay whole, the output splits
+        elif model in ("mlp_weightnorm", "mlp_oldweightnorm"):   # normed layers stay whole
             assert layout["split"] == ["out"], layout
+        elif model == "cnn_normed":   # the normed convolutions stay whole, the plain one splits
+            assert layout["split"] == ["conv3"], layout
         elif model == "fno":   # the 1x1 convolutions channel/filter-split, the Fourier whole
             assert layout["split"] == ["lift", "pointwise.0", "pointwise.1"], layout
         elif model == "transformer_torch":   # its layers' fast path reads their Linears whole

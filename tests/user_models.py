@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -161,6 +162,34 @@ class WeightNormMLP(UserMLP):
         super().__init__()
         norm = nn.utils.parametrizations.weight_norm
         self.fc1, self.fc2 = norm(self.fc1), norm(self.fc2)
+
+
+class OldWeightNormMLP(UserMLP):
+    """`UserMLP` with PyTorch's older `torch.nn.utils.weight_norm` on its hidden layers: a hook
+    computes each `weight` from the parameters `weight_g` and `weight_v`."""
+
+    def __init__(self):
+        super().__init__()
+        with warnings.catch_warnings():  # torch: deprecated in favour of parametrizations
+            warnings.simplefilter("ignore", FutureWarning)
+            self.fc1, self.fc2 = nn.utils.weight_norm(self.fc1), nn.utils.weight_norm(self.fc2)
+
+
+class NormedCNN2D(nn.Module):
+    """A per-pixel 2D surrogate with a weight-normed and a spectrally normed (dilated)
+    convolution: parametrized layers whose weights are computed from their parameters at every
+    forward, the spectral norm with a power iteration that steps its state."""
+
+    def __init__(self):
+        super().__init__()
+        param = nn.utils.parametrizations
+        self.conv1 = param.weight_norm(nn.Conv2d(2, 8, 3, padding=1))
+        self.conv2 = param.spectral_norm(nn.Conv2d(8, 8, 3, padding=2, dilation=2))
+        self.conv3 = nn.Conv2d(8, 8, 3, padding=1)
+        self.head = nn.Conv2d(8, 1, 1)
+
+    def forward(self, x):
+        return self.head(F.gelu(self.conv3(F.gelu(self.conv2(F.gelu(self.conv1(x)))))))
 
 
 class SpectralConv2d(nn.Module):
@@ -327,7 +356,8 @@ MODELS = {"unet": lambda: UNet3D(), "unet_plain": lambda: UNet3D(norm=""),
           "mlp_named": lambda: TwoHeadMLP("named"), "mlp_dict": lambda: TwoHeadMLP("dict"),
           "mlp_numpy": UserMLP, "mlp_probe": LinearProbe, "mlp_tied": TiedAutoencoder,
           "mlp_compiled": lambda: torch.compile(UserMLP(), backend="eager"),
-          "mlp_weightnorm": WeightNormMLP, "fno": FNO2d,
+          "mlp_weightnorm": WeightNormMLP, "mlp_oldweightnorm": OldWeightNormMLP,
+          "cnn_normed": NormedCNN2D, "fno": FNO2d,
           "mlp_f64": lambda: UserMLP().double(),
           "unet_heads": TwoHeadUNet}
 
@@ -358,9 +388,10 @@ def dataset(name: str) -> torch.utils.data.TensorDataset:
         if not name.startswith("mlp"):
             y = y.roll(1, dims=1)   # the target of a token is its predecessor's: attention needed
         return torch.utils.data.TensorDataset(x, y)
-    spatial = (16, 16) if name in ("cnn2d", "periodic", "unet2d", "fno") else (16, 16, 16)
+    spatial = (16, 16) if name in ("cnn2d", "periodic", "unet2d", "fno", "cnn_normed") \
+        else (16, 16, 16)
     x = torch.randn(8, 2, *spatial, generator=g)
-    if name.startswith("unet") or name in ("periodic", "fno"):  # per-voxel targets
+    if name.startswith("unet") or name in ("periodic", "fno", "cnn_normed"):  # per-voxel targets
         y = 0.3 * x[:, :1] + 0.5 * torch.randn(8, 1, *spatial, generator=g)
         if name == "unet_heads":   # a second per-voxel target: where the field is high
             y = torch.cat([y, (x[:, 1:] > 0.5).float()], dim=1)

@@ -146,3 +146,16 @@ def read_outside_of(path: str, params) -> bool:
             return True
     return False
 
+
+
+def weights_set_by_hooks(module: nn.Module) -> list[str]:
+    """The names of `module`'s tensors that a forward pre-hook computes before each call from
+    other parameters: PyTorch's older `torch.nn.utils.weight_norm` (`weight` from `weight_g` and
+    `weight_v`) and `torch.nn.utils.spectral_norm` (`weight` from `weight_orig`). Such a `weight`
+    is a plain attribute, not a parameter; a strategy that took it for the layer's weight would
+    train a copy of it and leave the parameters that define it untouched."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    return [hook.name for hook in module._forward_pre_hooks.values()
+            if isinstance(hook, (WeightNorm, SpectralNorm))]

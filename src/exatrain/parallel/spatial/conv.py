@@ -53,6 +53,7 @@ class SpatialConv(SpatialLayer):
     def __init__(self, conv: nn.Module, name: str, runtime, may_gather: bool = False):
         super().__init__(conv, name, runtime, may_gather)
         self.padding_mode = conv.padding_mode
+        self.out_channels = conv.out_channels
         self.weight = conv.weight
         self.bias = conv.bias
         self.nd = conv.weight.dim() - 2
@@ -81,7 +82,7 @@ class SpatialConv(SpatialLayer):
         rt, k = self.runtime, self.nd
         parts, coords, strides = rt.layout(k, self)
         zeros = self.padding_mode == "zeros"
-        dims, local_pad, out_shape = [], [], [shape[0], self.weight.shape[0]]
+        dims, local_pad, out_shape = [], [], [shape[0], self.out_channels]
         mode_pad = [0] * (2 * k)  # F.pad order: last dim's (lo, hi) first
         for i, w in enumerate(self.windows()):
             p, b = parts[i], shape[2 + i]

@@ -16,8 +16,10 @@ Layers, in the model's registration order (which must be its execution order):
                      (halo exchange), pooling, BatchNorm (statistics over data × space),
                      GroupNorm and InstanceNorm (per sample, over space), LayerNorm/RMSNorm
                      over channels, pointwise activations, dropout, nearest and (bi/tri)linear
-                     upsampling, transposed convolutions. Anything else there is refused with
-                     an error naming the layer.
+                     upsampling, transposed convolutions (plain, or parametrized by
+                     weight_norm / spectral_norm: the spatial layer takes the parametrization
+                     over and computes the whole weight at each forward). Anything else there
+                     is refused with an error naming the layer.
   transition         nn.Flatten gathers the blocks (all-gather); AdaptiveAvgPool(1) and
                      AdaptiveMaxPool(1) reduce them (all-reduce); so does the first
                      channel/filter-parallel convolution under Plan(space=..., tensor=...) (a gather before it: parallel/tensor/switch.py).
@@ -73,9 +75,12 @@ import copy as _copy
 from functools import partial
 
 from torch import nn
+from torch.nn.utils.parametrize import is_parametrized, transfer_parametrizations_and_params
 
 from ...mesh import Mesh
 from ...models.image_pool import ImagePool
+from ..reads import weights_set_by_hooks
+from ..trial import leaves_no_trace
 from .blocks import GLOBAL_POOLS, is_transition
 from .conv import SpatialConv, SpatialConvTranspose
 from .dropout import SpatialDropout
@@ -114,7 +119,8 @@ _AVG_POOLS = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)
 _POINTWISE = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
               nn.Mish, nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.Sigmoid, nn.Tanh,
               nn.Softplus, nn.Softsign, nn.Tanhshrink, nn.LogSigmoid, nn.Identity, nn.Threshold)
-SUPPORTED = ("Conv1d/2d/3d (any padding_mode), ConvTranspose1d/2d/3d, MaxPool/AvgPool1d/2d/3d, "
+SUPPORTED = ("Conv1d/2d/3d (any padding_mode), ConvTranspose1d/2d/3d (either parametrized: "
+             "weight_norm, spectral_norm), MaxPool/AvgPool1d/2d/3d, "
              "BatchNorm1d/2d/3d, GroupNorm, InstanceNorm1d/2d/3d, LayerNorm/RMSNorm over "
              "channels (channels-last), nearest/linear/bilinear/trilinear Upsample, "
              "Dropout/Dropout1d/2d/3d, Softmax/LogSoftmax over channels, "
@@ -134,11 +140,33 @@ def _unsupported(name: str, module: nn.Module, why: str = "") -> SpatialSplitErr
         f"nn.Flatten so it runs on the gathered tensor, or set space=(1, 1, 1).")
 
 
+def _parametrized_conv(name: str, module: nn.Module, rt: SpatialRuntime,
+                       may_gather: bool) -> nn.Module:
+    """The spatial layer of a parametrized convolution (`parametrizations.weight_norm`,
+    `spectral_norm`): built from the weight as it is now, then given the parametrizations and
+    the parameters they hold (the same objects, so the state dict keeps its keys), so that each
+    forward computes the whole weight from them, as one process does. Building it reads the
+    weight; a spectral norm's power iteration would step there, so nothing of it is kept."""
+    kind = type(module).__bases__[0]
+    with leaves_no_trace([module]):
+        new = _CONVERT[kind](module, name, rt, may_gather)
+        for tensor_name in module.parametrizations:
+            value = getattr(new, tensor_name)
+            delattr(new, tensor_name)  # the computed tensor, a plain attribute until here
+            new.register_parameter(tensor_name, nn.Parameter(value.detach()))
+        transfer_parametrizations_and_params(module, new)
+    new.source_type = kind.__name__
+    return new
+
+
 def _convert(name: str, module: nn.Module, rt: SpatialRuntime, may_gather: bool,
              split_region: bool) -> nn.Module:
     kind = type(module)
     if getattr(module, "needs_whole_input", False):  # channel/filter-parallel: after the gather
         return module
+    if is_parametrized(module) and kind.__bases__[0] in _CONVERT and \
+            issubclass(kind.__bases__[0], nn.modules.conv._ConvNd):
+        return _parametrized_conv(name, module, rt, may_gather)
     if kind in _CONVERT:
         if kind is nn.Flatten and split_region and module.start_dim != 1:
             raise _unsupported(name, module, f"start_dim={module.start_dim} would flatten only "
@@ -208,6 +236,15 @@ def parallelize_spatial(model: nn.Module, mesh: Mesh, overlap: bool | None = Non
         return model
     rt = SpatialRuntime(mesh, DEFAULT_OVERLAP if overlap is None else overlap, batchnorm_axes,
                         input_blocks=whole_samples and input_blocks)
+    for name, module in model.named_modules():
+        hooked = weights_set_by_hooks(module)
+        if hooked:  # (a deep copy of it fails too: its computed weight is no leaf)
+            raise SpatialSplitError(
+                f"layer '{name}' ({type(module).__name__}) has its {hooked[0]} computed by a hook "
+                f"of PyTorch's older torch.nn.utils.weight_norm / spectral_norm API, which the "
+                f"spatial layers cannot carry. Use torch.nn.utils.parametrizations.weight_norm / "
+                f"spectral_norm instead (the same function of the same parameters), or set "
+                f"space=(1, 1, 1).")
     model = _copy.deepcopy(model) if copy else model
     if not split_input:
         for name, module in model.named_modules():
@@ -215,8 +252,11 @@ def parallelize_spatial(model: nn.Module, mesh: Mesh, overlap: bool | None = Non
                 rt.note_mode(module, replicated=True, name=name)
         model.spatial_runtime = rt
         return model
-    named = list(model.named_modules(remove_duplicate=False))
-    leaves = [(n, m) for n, m in named if not list(m.children())]
+    # a parametrized layer is one layer: its parametrizations (which hold its weights) go with it
+    inner = {id(m) for owner in model.modules() if is_parametrized(owner)
+             for m in owner.parametrizations.modules()}
+    named = [(n, m) for n, m in model.named_modules(remove_duplicate=False) if id(m) not in inner]
+    leaves = [(n, m) for n, m in named if not list(m.children()) or is_parametrized(m)]
     transition = next((i for i, (_, m) in enumerate(leaves)
                        if type(m) is nn.Flatten or isinstance(m, GLOBAL_POOLS)
                        or getattr(m, "needs_whole_input", False)), None)
@@ -227,7 +267,7 @@ def parallelize_spatial(model: nn.Module, mesh: Mesh, overlap: bool | None = Non
     split_names = {n for i, (n, _) in enumerate(leaves) if transition is None or i <= transition}
     by_name = dict(named)
     for name, module in named:  # containers holding parameters of their own
-        if list(module.children()) and _direct_params(module):
+        if list(module.children()) and _direct_params(module) and not is_parametrized(module):
             inside = [n for n in split_names if module is model or n.startswith(name + ".")]
             if inside or module is model:
                 raise SpatialSplitError(

@@ -198,7 +198,11 @@ class SpatialRuntime:
         if seen is None:
             self._modes[key] = (name or getattr(module, "qualname", ""), replicated)
             if replicated and self.size > 1:
-                for p in module._parameters.values():
+                # its own parameters, with those its parametrizations hold (a weight-normed conv)
+                held = getattr(module, "parametrizations", None)
+                own = [*module._parameters.values(),
+                       *(held.parameters() if isinstance(held, nn.ModuleDict) else ())]
+                for p in own:
                     if p is not None and p.requires_grad:
                         p.register_hook(ScaleGrad(1.0 / self.size))
         elif seen[1] != replicated:

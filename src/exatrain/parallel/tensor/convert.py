@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.utils.parametrize import is_parametrized
 
 from ...comm import broadcast
 from ...mesh import Mesh
@@ -252,11 +253,18 @@ class TensorParallel:
                     f"or name the first convolution to split with parallel.chanfilt_from (in a "
                     f"model with skip connections, e.g. a segmentation model, one after they "
                     f"join).")
+            kept = [name for name, m in root.named_modules()
+                    if isinstance(m, (nn.Linear, nn.modules.conv._ConvNd))
+                    and (is_parametrized(m) or any(id(p) in tied for p in m.parameters()))]
+            why = (f"; {', '.join(kept[:8])} stay whole, their weights tied, read outside their "
+                   f"layer or computed by a weight or spectral norm (a split would change what "
+                   f"they compute)" if kept else "")
             raise TensorSplitError(
-                f"{self.mesh.plan}: no Linear or convolution of the model divides the tensor "
-                f"grid {self.mesh.plan.tensor} (Linear (in, out) shapes: {shapes[:8]}); tensor "
-                f"parallelism would only replicate the model. Pick degrees that divide the "
-                f"feature or channel counts, or use data parallelism (tensor=1).")
+                f"{self.mesh.plan}: no Linear or convolution of the model can be split over the "
+                f"tensor grid {self.mesh.plan.tensor}{why}; no other divides it (Linear (in, "
+                f"out) shapes: {shapes[:8]}). Tensor parallelism would only replicate the model. "
+                f"Use data parallelism (tensor=1), or pick degrees that divide the feature or "
+                f"channel counts.")
 
         materialize(root, self.device)
         if self.sequence_parallel:

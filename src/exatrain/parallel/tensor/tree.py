@@ -44,16 +44,18 @@ def clone_tree(module: nn.Module, _modules=None, _params=None) -> nn.Module:
 
 
 def tied_parameters(root: nn.Module) -> set[int]:
-    """The ids of parameters that stay whole: those held by several modules, and those the
-    model's forward reads outside their layer (parallel/reads.py: `F.linear(h, enc.weight.t())`
-    would meet a rank's share)."""
-    from ..reads import read_outside
+    """The ids of parameters that stay whole: those held by several modules, those the model's
+    forward reads outside their layer (parallel/reads.py: `F.linear(h, enc.weight.t())` would
+    meet a rank's share), and those of a layer whose weight a hook computes from them (the older
+    `torch.nn.utils.weight_norm`: its norm runs over a whole row of `weight_v`)."""
+    from ..reads import read_outside, weights_set_by_hooks
 
     counts: dict[int, int] = {}
     for _name, p in root.named_parameters(remove_duplicate=False):
         counts[id(p)] = counts.get(id(p), 0) + 1
     return {pid for pid, n in counts.items() if n > 1} | \
-        {id(p) for p in root.parameters() if read_outside(p)}
+        {id(p) for p in root.parameters() if read_outside(p)} | \
+        {id(p) for m in root.modules() if weights_set_by_hooks(m) for p in m.parameters()}
 
 
 def materialize(root: nn.Module, device) -> None:
