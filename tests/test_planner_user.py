@@ -59,6 +59,22 @@ def test_plan_names_what_it_needs():
         et.plans(UNet3D(), world=2, batch=4)
 
 
+def test_space_plans_are_refused_for_a_model_whose_layers_space_refuses():
+    """A Fourier neural operator's FFT needs the whole field: `parallelize_spatial` refuses its
+    Fourier layer, so the planner ranks no space Plan for it and says why; a CNN of weight- and
+    spectrally-normed convolutions, which space takes, keeps its space Plans."""
+    import exatrain as et
+    from user_models import FNO2d, NormedCNN2D
+
+    ranked, refused = et.plans(FNO2d(), sample_shape=(2, 16, 16), world=2, batch=4, refused=True)
+    assert ranked and not any("space" in p["plan"] for p in ranked), [p["plan"] for p in ranked]
+    why = {r["reason"] for r in refused if r["plan"] in ("Plan(space=(1, 1, 2))",
+                                                         "Plan(space=(1, 2, 1))")}
+    assert len(why) == 1 and "layer 'fourier.0' (SpectralConv2d)" in why.pop(), refused
+    ranked = et.plans(NormedCNN2D(), sample_shape=(2, 16, 16), world=2, batch=4)
+    assert {"Plan(space=(1, 1, 2))", "Plan(space=(1, 2, 1))"} <= {p["plan"] for p in ranked}
+
+
 SCRIPT = '''
 import torch, torch.nn.functional as F
 from torch import nn

@@ -82,6 +82,8 @@ def shape_problem(spec: ModelSpec, plan: Plan, options: Options) -> tuple[str, s
     if plan.space_degree > 1:
         if not spec.spatial_shape:
             return ("not applicable", f"{spec.name} has no spatial grid to split (space)")
+        if spec.extra.get("space_refusal"):   # as `parallelize_spatial` refuses it
+            return ("not applicable", spec.extra["space_refusal"])
         from ..parallel.spatial import SpatialSplitError, block_slices
         try:
             block_slices(spec.spatial_shape, plan.space, (0, 0, 0))

@@ -398,6 +398,9 @@ def user_spec(model: nn.Module, example: torch.Tensor, loss_fn=None, name: str =
              "output_shape": out_shape[1:]}
     if len(spatial) == 3:
         extra["geometry"] = layer_geometry(model, tuple(x.shape))
+    if spatial:   # a layer the spatial split refuses (a Fourier layer): no space Plan runs
+        from ..parallel.spatial.convert import spatial_refusal
+        extra["space_refusal"] = spatial_refusal(model)
     kind = "conv" if convs else "matmul"
     return ModelSpec(family="user", name=name or type(model).__name__, param_shapes=shapes,
                      flops_per_sample=flops, act_bytes_per_sample=float(act),

@@ -92,7 +92,7 @@ from ...errors import SpatialSplitError
 from .interpolate import upsample_layer
 from .runtime import SpatialRuntime
 
-__all__ = ["parallelize_spatial", "describe_spatial", "DEFAULT_OVERLAP"]
+__all__ = ["parallelize_spatial", "describe_spatial", "spatial_refusal", "DEFAULT_OVERLAP"]
 
 # Overlap each convolution's interior with its halo transfer? Measured by `exatrain bench spatial`
 # (step_s_spatial vs step_s_spatial_overlap): on a 2-core CPU, gloo's transfers share the cores with
@@ -140,7 +140,7 @@ def _unsupported(name: str, module: nn.Module, why: str = "") -> SpatialSplitErr
         f"nn.Flatten so it runs on the gathered tensor, or set space=(1, 1, 1).")
 
 
-def _parametrized_conv(name: str, module: nn.Module, rt: SpatialRuntime,
+def _parametrized_conv(module: nn.Module, name: str, rt: SpatialRuntime,
                        may_gather: bool) -> nn.Module:
     """The spatial layer of a parametrized convolution (`parametrizations.weight_norm`,
     `spectral_norm`): built from the weight as it is now, then given the parametrizations and
@@ -159,34 +159,35 @@ def _parametrized_conv(name: str, module: nn.Module, rt: SpatialRuntime,
     return new
 
 
-def _convert(name: str, module: nn.Module, rt: SpatialRuntime, may_gather: bool,
-             split_region: bool) -> nn.Module:
+def _converter(name: str, module: nn.Module, split_region: bool):
+    """What replaces `module` under the split: a constructor `(module, name, runtime,
+    may_gather) -> layer`, or None where the module runs as it is. Raises SpatialSplitError,
+    naming the layer, where it cannot run on blocks."""
     kind = type(module)
     if getattr(module, "needs_whole_input", False):  # channel/filter-parallel: after the gather
-        return module
+        return None
     if is_parametrized(module) and kind.__bases__[0] in _CONVERT and \
             issubclass(kind.__bases__[0], nn.modules.conv._ConvNd):
-        return _parametrized_conv(name, module, rt, may_gather)
+        return _parametrized_conv
     if kind in _CONVERT:
         if kind is nn.Flatten and split_region and module.start_dim != 1:
             raise _unsupported(name, module, f"start_dim={module.start_dim} would flatten only "
                                              "part of the spatial dims; use nn.Flatten(1)")
-        return _CONVERT[kind](module, name, rt, may_gather)
+        return _CONVERT[kind]
     if isinstance(module, GLOBAL_POOLS):
         size = module.output_size
         if all(s == 1 for s in (size if isinstance(size, tuple) else (size,))):
-            kind = SpatialGlobalAvgPool if isinstance(module, _AVG_POOLS) else SpatialGlobalMaxPool
-            return kind(module, name, rt, may_gather)
+            return SpatialGlobalAvgPool if isinstance(module, _AVG_POOLS) else SpatialGlobalMaxPool
         if split_region:
             raise _unsupported(name, module, f"output_size={size} is not a global pool; only "
                                              "AdaptiveAvgPool/AdaptiveMaxPool with output size 1 "
                                              "are supported")
-        return module
+        return None
     if not split_region or kind in _POINTWISE:
-        return module
+        return None
     if kind in (nn.Softmax, nn.LogSoftmax, nn.Softmin):
         if module.dim == 1:
-            return module
+            return None
         raise _unsupported(name, module, f"dim={module.dim} normalises over split dims; only "
                                          "dim=1 (channels) is block-local")
     if kind in (nn.Linear, nn.Bilinear, nn.LazyLinear):
@@ -194,6 +195,76 @@ def _convert(name: str, module: nn.Module, rt: SpatialRuntime, may_gather: bool,
                                          "module (not x.flatten() in forward) before it, where "
                                          "exatrain gathers the blocks")
     raise _unsupported(name, module)
+
+
+def _convert(name: str, module: nn.Module, rt: SpatialRuntime, may_gather: bool,
+             split_region: bool) -> nn.Module:
+    make = _converter(name, module, split_region)
+    return module if make is None else make(module, name, rt, may_gather)
+
+
+class _Layout:
+    """The model's layers as the split sees them, in registration order: `named` (a
+    parametrized layer is one layer, its parametrizations go with it), `leaves`, the index of
+    the `transition` (None: the output keeps the spatial dims) and the `split_names` up to it."""
+
+    def __init__(self, model: nn.Module):
+        inner = {id(m) for owner in model.modules() if is_parametrized(owner)
+                 for m in owner.parametrizations.modules()}
+        self.named = [(n, m) for n, m in model.named_modules(remove_duplicate=False)
+                      if id(m) not in inner]
+        self.leaves = [(n, m) for n, m in self.named
+                       if not list(m.children()) or is_parametrized(m)]
+        self.transition = next((i for i, (_, m) in enumerate(self.leaves)
+                                if type(m) is nn.Flatten or isinstance(m, GLOBAL_POOLS)
+                                or getattr(m, "needs_whole_input", False)), None)
+        self.split_names = {n for i, (n, _) in enumerate(self.leaves)
+                            if self.transition is None or i <= self.transition}
+
+
+def _refuse_hooked_weights(model: nn.Module) -> None:
+    for name, module in model.named_modules():
+        hooked = weights_set_by_hooks(module)
+        if hooked:  # (a deep copy of it fails too: its computed weight is no leaf)
+            raise SpatialSplitError(
+                f"layer '{name}' ({type(module).__name__}) has its {hooked[0]} computed by a hook "
+                f"of PyTorch's older torch.nn.utils.weight_norm / spectral_norm API, which the "
+                f"spatial layers cannot carry. Use torch.nn.utils.parametrizations.weight_norm / "
+                f"spectral_norm instead (the same function of the same parameters), or set "
+                f"space=(1, 1, 1).")
+
+
+def _containers_with_parameters(model: nn.Module, layout: _Layout) -> list[tuple[str, nn.Module]]:
+    """The modules with children that hold parameters of their own; refused (SpatialSplitError)
+    where one is the model or holds a layer of the split region (its forward may use them on
+    blocks); the others lie wholly after the transition."""
+    found = []
+    for name, module in layout.named:
+        if list(module.children()) and _direct_params(module) and not is_parametrized(module):
+            inside = [n for n in layout.split_names if module is model or n.startswith(name + ".")]
+            if inside or module is model:
+                raise SpatialSplitError(
+                    f"'{name or type(module).__name__}' ({type(module).__name__}) holds parameters "
+                    f"({', '.join(_direct_params(module))}) that its own forward uses; exatrain "
+                    f"cannot tell whether they act on split blocks or on gathered tensors. Move "
+                    f"them into a layer module, or set space=(1, 1, 1).")
+            found.append((name, module))
+    return found
+
+
+def spatial_refusal(model: nn.Module) -> str | None:
+    """Why `parallelize_spatial` would refuse `model` for its layers (the message), or None.
+    What depends on the input size (a volume or pooling the split does not divide, arithmetic in
+    forward) is found at the first forward instead. No communication, nothing built."""
+    try:
+        _refuse_hooked_weights(model)
+        layout = _Layout(model)
+        _containers_with_parameters(model, layout)
+        for name, module in layout.leaves:
+            _converter(name or type(module).__name__, module, name in layout.split_names)
+    except SpatialSplitError as exc:
+        return str(exc)
+    return None
 
 
 def _install_switch(model: nn.Module, leaves: list, transition: int, rt: SpatialRuntime,
@@ -236,15 +307,7 @@ def parallelize_spatial(model: nn.Module, mesh: Mesh, overlap: bool | None = Non
         return model
     rt = SpatialRuntime(mesh, DEFAULT_OVERLAP if overlap is None else overlap, batchnorm_axes,
                         input_blocks=whole_samples and input_blocks)
-    for name, module in model.named_modules():
-        hooked = weights_set_by_hooks(module)
-        if hooked:  # (a deep copy of it fails too: its computed weight is no leaf)
-            raise SpatialSplitError(
-                f"layer '{name}' ({type(module).__name__}) has its {hooked[0]} computed by a hook "
-                f"of PyTorch's older torch.nn.utils.weight_norm / spectral_norm API, which the "
-                f"spatial layers cannot carry. Use torch.nn.utils.parametrizations.weight_norm / "
-                f"spectral_norm instead (the same function of the same parameters), or set "
-                f"space=(1, 1, 1).")
+    _refuse_hooked_weights(model)
     model = _copy.deepcopy(model) if copy else model
     if not split_input:
         for name, module in model.named_modules():
@@ -252,30 +315,15 @@ def parallelize_spatial(model: nn.Module, mesh: Mesh, overlap: bool | None = Non
                 rt.note_mode(module, replicated=True, name=name)
         model.spatial_runtime = rt
         return model
-    # a parametrized layer is one layer: its parametrizations (which hold its weights) go with it
-    inner = {id(m) for owner in model.modules() if is_parametrized(owner)
-             for m in owner.parametrizations.modules()}
-    named = [(n, m) for n, m in model.named_modules(remove_duplicate=False) if id(m) not in inner]
-    leaves = [(n, m) for n, m in named if not list(m.children()) or is_parametrized(m)]
-    transition = next((i for i, (_, m) in enumerate(leaves)
-                       if type(m) is nn.Flatten or isinstance(m, GLOBAL_POOLS)
-                       or getattr(m, "needs_whole_input", False)), None)
+    layout = _Layout(model)
+    leaves, transition, split_names = layout.leaves, layout.transition, layout.split_names
     # a channel/filter-parallel convolution (tensor × space): the switch from spatial blocks to
     # whole samples is there; it gathers the blocks first (the redistribution, counted)
     switch = transition is not None and getattr(leaves[transition][1], "needs_whole_input", False)
     segmentation = switch and not any(is_transition(m) for _, m in leaves[transition:])
-    split_names = {n for i, (n, _) in enumerate(leaves) if transition is None or i <= transition}
-    by_name = dict(named)
-    for name, module in named:  # containers holding parameters of their own
-        if list(module.children()) and _direct_params(module) and not is_parametrized(module):
-            inside = [n for n in split_names if module is model or n.startswith(name + ".")]
-            if inside or module is model:
-                raise SpatialSplitError(
-                    f"'{name or type(module).__name__}' ({type(module).__name__}) holds parameters "
-                    f"({', '.join(_direct_params(module))}) that its own forward uses; exatrain "
-                    f"cannot tell whether they act on split blocks or on gathered tensors. Move "
-                    f"them into a layer module, or set space=(1, 1, 1).")
-            rt.note_mode(module, replicated=True, name=name)  # wholly after the transition
+    by_name = dict(layout.named)
+    for name, module in _containers_with_parameters(model, layout):
+        rt.note_mode(module, replicated=True, name=name)  # wholly after the transition
     done: dict[int, nn.Module] = {}
     root = model
     for name, module in leaves:
