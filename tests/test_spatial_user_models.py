@@ -139,6 +139,16 @@ class OldWeightNorm(nn.Module):
         return self.conv(x)
 
 
+class UnshuffleNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.down = nn.PixelUnshuffle(2)
+        self.conv = nn.Conv2d(16, 4, 1)
+
+    def forward(self, x):
+        return self.conv(self.down(x))
+
+
 def _refusals() -> dict:
     """Under space=(1, 1, 2): what a reduction written in forward and an odd volume raise."""
     from exatrain.mesh import init
@@ -154,7 +164,8 @@ def _refusals() -> dict:
                                    ("local", LocalArithmeticInForward(), (2, 2, 8, 8, 8)),
                                    ("odd", UNet3D(norm=""), (2, 2, 8, 8, 9)),
                                    ("pool", UNet3D(norm=""), (2, 2, 8, 8, 10)),
-                                   ("old_weight_norm", OldWeightNorm(), (2, 2, 8, 8, 8))):
+                                   ("old_weight_norm", OldWeightNorm(), (2, 2, 8, 8, 8)),
+                                   ("unshuffle", UnshuffleNet(), (2, 4, 8, 10))):
             try:
                 parallelize(model, mesh, whole_samples=True)(torch.randn(shape))
                 out[name] = ""
@@ -202,6 +213,9 @@ def test_what_cannot_equal_one_process_is_refused_by_name():
         # a weight the older torch.nn.utils.weight_norm computes in a hook: the layer, the fix
         for words in ("layer 'conv' (Conv3d)", "torch.nn.utils.parametrizations.weight_norm"):
             assert words in found["old_weight_norm"], (words, found["old_weight_norm"])
+        # space-to-depth on blocks of 5, which groups of 2 would cross: the layer, the degrees
+        for words in ("PixelUnshuffle 'down'", "blocks of 5", "can be one of [1, 5]"):
+            assert words in found["unshuffle"], (words, found["unshuffle"])
     for found in run_ranks(4, _pipe_refusal):
         assert "ParallelizeError" in found and "pipe and space together" in found, found
         assert "pipe or space alone" in found, found

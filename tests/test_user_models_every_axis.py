@@ -21,7 +21,9 @@ then compiled); the MLP with weight normalisation (`mlp_weightnorm`: parametrize
 whole under `tensor`), and with PyTorch's older weight_norm (`mlp_oldweightnorm`: a hook computes
 each weight from `weight_g` and `weight_v`, so `tensor` keeps those layers whole too); a 2D
 per-pixel CNN with a weight-normed and a spectrally normed convolution (`cnn_normed`: under
-`space` the spatial layers compute the whole weight from the parametrizations at each forward).
+`space` the spatial layers compute the whole weight from the parametrizations at each forward);
+a sub-pixel CNN (`cnn_subpixel`: nn.PixelUnshuffle down, nn.PixelShuffle up, block-local under
+`space`).
 
 Each cell: 4 SGD steps of batch 4 (float32), then `user_models.check`: every logged loss and the
 validation loss within 1e-5 relative, the final weights within 1e-5 in relative norm over the
@@ -66,6 +68,7 @@ CELLS = [
     *[(m, p) for m in ("mlp_compiled", "mlp_weightnorm", "mlp_oldweightnorm")
       for p in ("data2", "shard2", "tensor2", "pipe2")],
     *[("cnn_normed", p) for p in ("data2", "space121", "tensor2")],
+    *[("cnn_subpixel", p) for p in ("space121", "space122")],
     *[("transformer", p) for p in ("data2", "shard2", "tensor2", "pipe2", "tensor4",
                                    "data2-tensor2")],
     *[("transformer_mha", p) for p in ("data2", "shard2", "tensor2", "pipe2", "data2-tensor2")],

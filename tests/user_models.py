@@ -192,6 +192,21 @@ class NormedCNN2D(nn.Module):
         return self.head(F.gelu(self.conv3(F.gelu(self.conv2(F.gelu(self.conv1(x)))))))
 
 
+class SubPixelCNN(nn.Module):
+    """A super-resolution-style per-pixel net: space-to-depth (`nn.PixelUnshuffle`), convolutions
+    at half resolution, then sub-pixel upsampling (`nn.PixelShuffle`) back."""
+
+    def __init__(self):
+        super().__init__()
+        self.down = nn.PixelUnshuffle(2)
+        self.conv1 = nn.Conv2d(8, 16, 3, padding=1)
+        self.conv2 = nn.Conv2d(16, 4, 3, padding=1)
+        self.up = nn.PixelShuffle(2)
+
+    def forward(self, x):
+        return self.up(self.conv2(F.gelu(self.conv1(self.down(x)))))
+
+
 class SpectralConv2d(nn.Module):
     """A Fourier layer: the lowest modes of the field's 2D FFT mixed by complex weights."""
 
@@ -357,7 +372,7 @@ MODELS = {"unet": lambda: UNet3D(), "unet_plain": lambda: UNet3D(norm=""),
           "mlp_numpy": UserMLP, "mlp_probe": LinearProbe, "mlp_tied": TiedAutoencoder,
           "mlp_compiled": lambda: torch.compile(UserMLP(), backend="eager"),
           "mlp_weightnorm": WeightNormMLP, "mlp_oldweightnorm": OldWeightNormMLP,
-          "cnn_normed": NormedCNN2D, "fno": FNO2d,
+          "cnn_normed": NormedCNN2D, "cnn_subpixel": SubPixelCNN, "fno": FNO2d,
           "mlp_f64": lambda: UserMLP().double(),
           "unet_heads": TwoHeadUNet}
 
@@ -388,10 +403,10 @@ def dataset(name: str) -> torch.utils.data.TensorDataset:
         if not name.startswith("mlp"):
             y = y.roll(1, dims=1)   # the target of a token is its predecessor's: attention needed
         return torch.utils.data.TensorDataset(x, y)
-    spatial = (16, 16) if name in ("cnn2d", "periodic", "unet2d", "fno", "cnn_normed") \
-        else (16, 16, 16)
+    planar = ("cnn2d", "periodic", "unet2d", "fno", "cnn_normed", "cnn_subpixel")
+    spatial = (16, 16) if name in planar else (16, 16, 16)
     x = torch.randn(8, 2, *spatial, generator=g)
-    if name.startswith("unet") or name in ("periodic", "fno", "cnn_normed"):  # per-voxel targets
+    if name.startswith("unet") or name in planar[1:]:  # per-voxel targets
         y = 0.3 * x[:, :1] + 0.5 * torch.randn(8, 1, *spatial, generator=g)
         if name == "unet_heads":   # a second per-voxel target: where the field is high
             y = torch.cat([y, (x[:, 1:] > 0.5).float()], dim=1)

@@ -16,7 +16,7 @@ Layers, in the model's registration order (which must be its execution order):
                      (halo exchange), pooling, BatchNorm (statistics over data × space),
                      GroupNorm and InstanceNorm (per sample, over space), LayerNorm/RMSNorm
                      over channels, pointwise activations, dropout, nearest and (bi/tri)linear
-                     upsampling, transposed convolutions (plain, or parametrized by
+                     upsampling, pixel shuffles, transposed convolutions (plain, or parametrized by
                      weight_norm / spectral_norm: the spatial layer takes the parametrization
                      over and computes the whole weight at each forward). Anything else there
                      is refused with an error naming the layer.
@@ -89,7 +89,7 @@ from .norm import SpatialBatchNorm, SpatialGroupNorm, SpatialLayerNorm
 from .pool import (SpatialFlatten, SpatialGlobalAvgPool, SpatialGlobalMaxPool, SpatialImagePool,
                    SpatialPool)
 from ...errors import SpatialSplitError
-from .interpolate import upsample_layer
+from .interpolate import SpatialPixelShuffle, upsample_layer
 from .runtime import SpatialRuntime
 
 __all__ = ["parallelize_spatial", "describe_spatial", "spatial_refusal", "DEFAULT_OVERLAP"]
@@ -110,6 +110,7 @@ _CONVERT: dict[type, type] = {
     **{t: SpatialGroupNorm for t in (nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d,
                                      nn.InstanceNorm3d)},
     **{t: upsample_layer for t in (nn.Upsample, nn.UpsamplingNearest2d, nn.UpsamplingBilinear2d)},
+    **{t: SpatialPixelShuffle for t in (nn.PixelShuffle, nn.PixelUnshuffle)},
     **{t: SpatialLayerNorm for t in (nn.LayerNorm, nn.RMSNorm)},
     **{t: SpatialDropout for t in (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)},
     nn.Flatten: SpatialFlatten,
@@ -123,6 +124,7 @@ SUPPORTED = ("Conv1d/2d/3d (any padding_mode), ConvTranspose1d/2d/3d (either par
              "weight_norm, spectral_norm), MaxPool/AvgPool1d/2d/3d, "
              "BatchNorm1d/2d/3d, GroupNorm, InstanceNorm1d/2d/3d, LayerNorm/RMSNorm over "
              "channels (channels-last), nearest/linear/bilinear/trilinear Upsample, "
+             "PixelShuffle/PixelUnshuffle (2D), "
              "Dropout/Dropout1d/2d/3d, Softmax/LogSoftmax over channels, "
              "pointwise activations, Identity, exatrain.models.ImagePool; nn.Flatten and "
              "AdaptiveAvgPool(1) / AdaptiveMaxPool(1) end the split")

@@ -1,5 +1,6 @@
-"""Upsampling over spatial blocks: nearest-neighbour by integer factors (block-local, no
-communication), and linear, bilinear and trilinear (`nn.Upsample`, `nn.UpsamplingBilinear2d`),
+"""Upsampling over spatial blocks: nearest-neighbour by integer factors and sub-pixel
+rearrangement (`nn.PixelShuffle` / `nn.PixelUnshuffle`), both block-local with no
+communication, and linear, bilinear and trilinear (`nn.Upsample`, `nn.UpsamplingBilinear2d`),
 with and without `align_corners`, which the rest of this docstring describes.
 
 Along one dim of global input length N and output length M, torch's linear interpolation reads,
@@ -61,6 +62,40 @@ class SpatialUpsample(SpatialLayer):
 
     def replicated_forward(self, x):
         return F.interpolate(x, scale_factor=self.scale_factor, mode=self.mode)
+
+
+class SpatialPixelShuffle(SpatialLayer):
+    """nn.PixelShuffle, (N, C·r², H, W) -> (N, C, H·r, W·r), and its inverse nn.PixelUnshuffle,
+    on blocks of H and W: block-local, no communication. Output cells (h·r + i, w·r + j) come
+    from input cell (h, w) alone, so a block of b rows gives the output block of b·r rows at the
+    same place; PixelUnshuffle needs each block's H and W divisible by r (its groups of r cells
+    then never cross a block's edge). Both act on the last two dims only, and mix dim -3 into the
+    channels: a split d (space_d > 1) or a 1D model is refused."""
+
+    def __init__(self, module: nn.Module, name: str, runtime, may_gather: bool = False):
+        super().__init__(module, name, runtime, may_gather)
+        self.unshuffle = isinstance(module, nn.PixelUnshuffle)
+        self.factor = module.downscale_factor if self.unshuffle else module.upscale_factor
+
+    def describe(self) -> str:
+        return f"{'downscale' if self.unshuffle else 'upscale'} factor {self.factor}"
+
+    def plan(self, shape):
+        if len(shape) < 4:
+            raise SpatialSplitError(
+                f"{self.source_type} '{self.qualname}' rearranges the last two dims of an "
+                f"(N, C, H, W) input; its input here is {len(shape)}-dimensional {list(shape)}, "
+                f"so it would mix the channels into a split dim. Set space=(1, 1, 1).")
+        parts, _, _ = self.runtime.layout(2, self)   # refuses a split d (dim -3 of a volume)
+        r = self.factor
+        for i, (p, block) in enumerate(zip(parts, shape[-2:])):
+            if self.unshuffle and p > 1 and block % r:
+                self._cannot_split(i, 2, block * p, p, f"its blocks of {block} do not divide "
+                                   f"into groups of {r} cells", lambda q, n=block * p: (n // q) % r == 0)
+        return ()
+
+    def replicated_forward(self, x):
+        return (F.pixel_unshuffle if self.unshuffle else F.pixel_shuffle)(x, self.factor)
 
 
 def upsample_layer(up: nn.Module, name: str, runtime, may_gather: bool = False) -> SpatialLayer:
