@@ -178,7 +178,8 @@ class OldWeightNormMLP(UserMLP):
 class NormedCNN2D(nn.Module):
     """A per-pixel 2D surrogate with a weight-normed and a spectrally normed (dilated)
     convolution: parametrized layers whose weights are computed from their parameters at every
-    forward, the spectral norm with a power iteration that steps its state."""
+    forward, the spectral norm with a power iteration that steps its state; a ReLU applied in
+    place on a convolution's output (under `tensor` that convolution's output is gathered)."""
 
     def __init__(self):
         super().__init__()
@@ -189,7 +190,8 @@ class NormedCNN2D(nn.Module):
         self.head = nn.Conv2d(8, 1, 1)
 
     def forward(self, x):
-        return self.head(F.gelu(self.conv3(F.gelu(self.conv2(F.gelu(self.conv1(x)))))))
+        h = self.conv3(F.gelu(self.conv2(F.gelu(self.conv1(x)))))
+        return self.head(F.relu(h, inplace=True))   # in place on what conv3 returns
 
 
 class SubPixelCNN(nn.Module):

@@ -39,7 +39,7 @@ def all_gather_dim(x: torch.Tensor, axis: Axis, dim: int, tag: str = "act") -> t
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((axis.size * front.shape[0], *front.shape[1:]))
     all_gather_into(out, front, axis, tag=tag)
-    return out.movedim(0, dim)
+    return out if dim == 0 else out.movedim(0, dim)
 
 
 def reduce_scatter_dim(x: torch.Tensor, axis: Axis, dim: int, tag: str = "act") -> torch.Tensor:
@@ -68,6 +68,14 @@ def _check_divisible(x: torch.Tensor, axis: Axis, dim: int) -> None:
             f"cannot split dim {dim} of size {x.shape[dim]} (tensor {tuple(x.shape)}) evenly over "
             f"the {axis.size} ranks of axis {axis.name!r} (rank {axis.rank} of it); use sizes that "
             f"are multiples of {axis.size} or a smaller degree on that axis.")
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a tensor of its own, for an autograd Function to return: a Function's output that
+    is a view may not be modified in place (a `nn.ReLU(inplace=True)` right after a gathered
+    layer raises "Output 0 of _Gather is a view and is being modified inplace"), so a view is
+    copied, in contiguous layout (where the layer after it would copy it anyway)."""
+    return t if t._base is None else t.contiguous() if not t.is_contiguous() else t.clone()
 
 
 # ------------------------------------------------------------------ autograd Functions
@@ -106,7 +114,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis, dim, tag):
         ctx.axis, ctx.dim = axis, dim
-        return all_gather_dim(x, axis, dim, tag)
+        return _own(all_gather_dim(x, axis, dim, tag))
 
     @staticmethod
     def backward(ctx, grad):
@@ -119,7 +127,7 @@ class _Scatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis, dim, tag):
         ctx.axis, ctx.dim, ctx.tag = axis, dim, tag
-        return chunk_dim(x, axis, dim).contiguous()
+        return _own(chunk_dim(x, axis, dim))
 
     @staticmethod
     def backward(ctx, grad):
