@@ -218,6 +218,45 @@ def test_training_steps_leave_the_callers_global_rng_stream_alone(tmp_path):
     assert "initial_seed 7\n" in done.stdout, done.stdout[-2000:]
 
 
+def _fit_then_load_weights(plans: list, out_dir: str) -> list:
+    """On every rank: `et.fit` under each Plan, then the run's weights loaded into a fresh
+    model as a user does; (its validation loss, the run's val_loss) per Plan."""
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    def net():
+        return nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 2))
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 6, generator=g)
+    y = torch.tanh(2 * x[:, :2])
+    out = []
+    for plan in plans:
+        summary = et.fit(net, TensorDataset(x[:32], y[:32]), TensorDataset(x[32:], y[32:]),
+                         loss=F.mse_loss, plan=et.Plan(**plan),
+                         train={"steps": 3, "batch_size": 8, "eval_every": 0, "num_workers": 0},
+                         optim={"lr": 0.01}, run={"out_dir": out_dir})
+        model = net()
+        model.load_state_dict(et.load_weights(summary["run_dir"]))
+        with torch.no_grad():
+            out.append((float(F.mse_loss(model(x[32:]), y[32:])), summary["val_loss"]))
+    return out
+
+
+def test_the_weights_of_a_sharded_or_split_run_load_into_the_users_model(tmp_path):
+    """`et.load_weights(run_dir)`: the run's newest checkpoint whole, under the model's own
+    names, whatever Plan trained it; the model that loads them computes the run's val_loss."""
+    from harness import run_ranks
+
+    for rank in run_ranks(2, _fit_then_load_weights, [{"shard": 2}, {"tensor": 2}],
+                          str(tmp_path)):
+        for loaded, reported in rank:
+            assert loaded == pytest.approx(reported, rel=1e-5), (loaded, reported)
+    with pytest.raises(et.CheckpointError, match="no complete checkpoint at step 7"):
+        et.load_weights(next(tmp_path.iterdir()), step=7)
+
+
 PIPE_SCRIPT = '''
 import torch
 import torch.nn.functional as F

@@ -26,7 +26,7 @@ from .train import Config, ConfigError, NonFiniteLoss, Trainer, load_config
 from .parallel.data import UnusedParameterError
 from .parallel.pipe.split import PipeSplitError
 from .train.checkpoints.checkpoint import CheckpointError
-from .train.checkpoints.export import InitFromError
+from .train.checkpoints.export import InitFromError, load_weights
 from .train.fit import fit, launch
 from .optim.kfac import KFAC, KFACSettings
 from .infer.predict import PredictError, predict
@@ -65,7 +65,7 @@ def plans(model: "torch.nn.Module", example: "torch.Tensor | None" = None,
 
 __all__ = ["Branches", "Config", "KFAC", "KFACSettings", "Mean", "Mesh", "Plan", "Ratio", "Task",
            "Trainer", "fit", "data", "init", "launch", "load_config", "models", "parallelize",
-           "plans", "predict",
+           "load_weights", "plans", "predict",
            # errors of the user's making (exatrain.errors): the base, then each kind
            "UserError", "ArgumentError", "CheckpointError", "ConfigError", "DataError",
            "GraphFileError", "InitFromError", "InjectError", "LaunchError", "LoaderTimeout",

@@ -1,7 +1,7 @@
 """Export a run's model as one unsharded safetensors file; start a run from such a file.
 
 `export_run(RUN_DIR, OUT)`: reads the newest (or a given) checkpoint on one process, with no
-process group. Checkpoints store every parameter under its plain-model name -- tensor-parallel
+process group (`load_weights(RUN_DIR)`, `et.load_weights`, gives the same tensors in memory). Checkpoints store every parameter under its plain-model name -- tensor-parallel
 parts as DTensors over the full shape, ZeRO/FSDP shards as Shard(0) DTensors, spatial and data
 parallel weights whole -- so DCP reassembles the full tensors whatever Plan wrote them, and the
 file equals the one a serial run writes. The manifest is verified first (`checkpoint.verify`).
@@ -32,15 +32,33 @@ class InitFromError(UserError, ValueError):
     """
 
 
-def export_run(run_dir: str | Path, out: str | Path, step: int | None = None) -> dict:
-    from safetensors.torch import save_file
-
+def _checkpoint_of(run_dir: str | Path, step: int | None) -> Path:
     run_dir = Path(run_dir)
     path = (checkpoint.checkpoint_dir(run_dir) / f"step_{step:08d}") if step is not None \
         else checkpoint.latest(run_dir)
     if path is None or not path.is_dir():
-        raise checkpoint.CheckpointError(f"{run_dir}: no complete checkpoint to export"
+        raise checkpoint.CheckpointError(f"{run_dir}: no complete checkpoint"
                                          + (f" at step {step}" if step is not None else "") + ".")
+    return path
+
+
+def load_weights(run_dir: str | Path, step: int | None = None) -> dict[str, torch.Tensor]:
+    """The trained model's weights from a run directory: the full, unsharded state dict of its
+    newest checkpoint (or of `step`), whatever Plan trained it, under your model's own names.
+
+        summary = et.fit(Net, train_set, val_set, loss=F.mse_loss, plan=et.Plan(shard=2))
+        model = Net()
+        model.load_state_dict(et.load_weights(summary["run_dir"]))
+
+    Read on one process, with no process group, verified against the checkpoint's manifest.
+    A model you compiled loads them into its module (`torch.compile(m)`: into `m`)."""
+    return checkpoint.full_model_state(_checkpoint_of(run_dir, step))
+
+
+def export_run(run_dir: str | Path, out: str | Path, step: int | None = None) -> dict:
+    from safetensors.torch import save_file
+
+    path = _checkpoint_of(run_dir, step)
     state = checkpoint.full_model_state(path)
     tensors = {key: value.contiguous() for key, value in state.items()
                if isinstance(value, torch.Tensor)}
