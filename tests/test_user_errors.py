@@ -457,3 +457,50 @@ def test_ranks_waiting_on_rank_0_relay_its_error_as_the_same_class_when_it_is_th
     assert is_user_error(cls(text))
     cls, text = relayed(OSError(28, "No space left on device"), "prepare the data")
     assert cls is RuntimeError and "OSError: [Errno 28] No space left on device" in text
+
+
+def _fit_with_a_summed_loss(cases: list, out_dir: str) -> list:
+    """On every rank: `et.fit` of a small MLP whose loss sums over the batch, under each (Plan,
+    train.grad_accum); the val_loss, or the error's class and message."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    import exatrain as et
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 4, generator=g)
+    data = TensorDataset(x, torch.tanh(x[:, :1]))
+    out = []
+    for plan, accum in cases:
+        try:
+            summary = et.fit(lambda: nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)),
+                             data, data, loss=lambda o, t: F.mse_loss(o, t, reduction="sum"),
+                             plan=et.Plan(**plan), run={"out_dir": out_dir},
+                             train={"steps": 2, "batch_size": 8, "grad_accum": accum,
+                                    "eval_every": 0, "num_workers": 0})
+            out.append(summary["val_loss"])
+        except et.UserError as exc:
+            out.append(f"{type(exc).__name__}: {exc}")
+    return out
+
+
+def test_a_loss_summed_over_the_batch_is_refused_where_each_batch_is_cut_into_parts(tmp_path):
+    """reduction="sum" under data=2 made every update half of one process's, silently (a
+    probe: val_loss 2.01 against one process's 22.99); pipe's micro-batches and grad_accum cut
+    the batch too. Where nothing cuts it (one process, tensor) the sum trains as written."""
+    from harness import run_ranks
+
+    one, accum = run_ranks(1, _fit_with_a_summed_loss, [({}, 1), ({}, 2)], str(tmp_path))[0]
+    assert isinstance(one, float), one   # what the user wrote, on one process
+    for words in ("LossError: the loss adds over the samples of a batch", "reduction='sum'",
+                  "cuts each batch into 2 parts (train.grad_accum 2)", "2 times smaller",
+                  "reduction='mean'", "multiply optim.lr by train.batch_size"):
+        assert words in accum, (words, accum)
+    for rank in run_ranks(2, _fit_with_a_summed_loss, [({"data": 2}, 1), ({"pipe": 2}, 1),
+                                                        ({"tensor": 2}, 1)], str(tmp_path)):
+        data2, pipe2, tensor2 = rank
+        assert "cuts each batch into 2 parts (replicas 2)" in data2, data2
+        assert "cuts each batch into 4 parts (micro-batches 4)" in pipe2, pipe2
+        assert tensor2 == pytest.approx(one, rel=1e-5)   # tensor replicas share the batch

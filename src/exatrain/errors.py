@@ -79,7 +79,10 @@ class ModelInputError(UserError, ValueError):
 
 class LossError(UserError, ValueError):
     """The loss given to `et.fit` (or a `Task`) returned what a backward cannot start from: a
-    tensor of several values (a loss with `reduction="none"`), or not a tensor.
+    tensor of several values (a loss with `reduction="none"`), or not a tensor; or it adds over
+    the samples of a batch (`reduction="sum"`) under a Plan that cuts each batch into parts
+    (data or shard replicas, pipeline micro-batches, `train.grad_accum`), where it would train
+    differently from one process.
 
     What to do: return the batch-mean loss, one value: PyTorch's losses do by default
     (`reduction="mean"`); reduce a per-sample loss with `.mean()`.

@@ -22,6 +22,7 @@ module.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -256,6 +257,44 @@ def find_reads_outside(workload, mesh) -> None:
     mark_reads_outside(workload.model, broadcast_object(found, mesh.world))
 
 
+def check_the_loss_is_a_batch_mean(workload, config: Config, mesh) -> None:
+    """A user's loss under a Plan that cuts each batch into parts (data and shard replicas,
+    pipe's micro-batches, train.grad_accum): each part's loss is computed on its samples and
+    their gradients averaged, which equals one process only for a batch-mean loss. A loss that
+    adds over the samples (reduction="sum") would make every update `parts` times smaller than
+    one process's, silently; rank 0 tests it on the training set's first two samples
+    (`workloads.user.summed_over_samples`) and every rank refuses it, naming the fix."""
+    from ..errors import LossError
+    from ..workloads.user import summed_over_samples
+
+    plan = mesh.plan
+    micro = (config.parallel.microbatches or 2 * plan.pipe) if plan.pipe > 1 else 1
+    cuts = {"replicas": plan.data * plan.shard, "micro-batches": micro,
+            "train.grad_accum": config.train.grad_accum}
+    parts = math.prod(cuts.values())
+    if not workload.whole_outputs or workload.input_blocks or parts == 1:
+        return
+    found = None
+    if mesh.rank == 0 and len(workload.train_set) >= 2:
+        where = next(workload.model.parameters(), torch.empty(0)).device   # not moved yet
+        if where.type != "meta":
+            x, y = default_collate([workload.train_set[i] for i in range(2)])
+            found = summed_over_samples(workload.model, workload.loss_fn,
+                                        workload.decode_inputs(x).to(where), y.to(where))
+    found = broadcast_object(found, mesh.world)
+    if found:
+        both, first, second = found
+        raise LossError(
+            f"the loss adds over the samples of a batch: on the training set's first two samples "
+            f"it is {both:.6g}, the sum of theirs ({first:.6g} + {second:.6g}), where a batch "
+            f"mean would be {(first + second) / 2:.6g} (reduction='sum'?). {plan} cuts each "
+            f"batch into {parts} parts ({', '.join(f'{k} {n}' for k, n in cuts.items() if n > 1)}),"
+            f" computes the loss of each on its samples and averages their gradients: with a sum "
+            f"every update would be {parts} times smaller than one process's. Return the batch "
+            f"mean (reduction='mean', or divide the sum by the batch's size) and multiply "
+            f"optim.lr by train.batch_size for the same updates as the sum gave.")
+
+
 # ---------------------------------------------------------------------- the composition root
 def lay_out(workload, config: Config, mesh):
     """The workload's model laid out over `mesh` per config.parallel (`parallelize`: the
@@ -263,6 +302,7 @@ def lay_out(workload, config: Config, mesh):
     its norm layers computing in fp32 under a mixed `parallel.precision`, for training and
     prediction alike."""
     find_reads_outside(workload, mesh)
+    check_the_loss_is_a_batch_mean(workload, config, mesh)
     options = config.parallel
     if workload.compile:   # the user's torch.compile(model): compiled after the layout
         options = dataclasses.replace(options, compile=True)

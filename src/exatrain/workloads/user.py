@@ -112,6 +112,40 @@ class OneValueLoss:
         return value
 
 
+def summed_over_samples(model: nn.Module, loss: Callable, x, y) -> tuple | None:
+    """(the loss of two samples, of the first, of the second) when `loss` adds over the samples
+    of a batch (reduction="sum") instead of averaging them: its value on both equals the sum of
+    its values on each, not their mean. One forward of the two samples, in evaluation mode
+    (samples independent: no dropout, BatchNorm on its running statistics), without gradients,
+    leaving no trace in the model; each sample's loss takes its rows of the outputs (a 0-dim
+    auxiliary output is kept whole). None when the loss averages, or when this fails (training
+    then says why)."""
+    import torch
+
+    from ..parallel.nested import map_tensors
+    from ..parallel.trial import leaves_no_trace
+
+    def rows(out, part: slice):
+        return map_tensors(out, lambda t: t[part] if t.dim() and len(t) == 2 else t)
+
+    modes = {id(m): m.training for m in model.modules()}
+    try:
+        with leaves_no_trace([model]), torch.no_grad():
+            model.eval()
+            out = model(x[:2])
+            both, first, second = (float(loss(rows(out, part), y[part]))
+                                   for part in (slice(0, 2), slice(0, 1), slice(1, 2)))
+    except Exception:  # noqa: BLE001 - the training forward reports it, where it belongs
+        return None
+    finally:
+        for m in model.modules():
+            m.training = modes[id(m)]
+    total, mean = first + second, (first + second) / 2
+    if abs(both - total) <= 1e-4 * abs(total) and abs(both - mean) > 1e-3 * abs(mean):
+        return both, first, second
+    return None
+
+
 def _shape_of(value) -> str:
     """One sample's structure in a few words: 'Tensor (4, 8) float32', "dict ['a', 'y']"."""
     import numpy as np
