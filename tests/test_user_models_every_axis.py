@@ -23,7 +23,8 @@ each weight from `weight_g` and `weight_v`, so `tensor` keeps those layers whole
 per-pixel CNN with a weight-normed and a spectrally normed convolution (`cnn_normed`: under
 `space` the spatial layers compute the whole weight from the parametrizations at each forward);
 a sub-pixel CNN (`cnn_subpixel`: nn.PixelUnshuffle down, nn.PixelShuffle up, block-local under
-`space`).
+`space`); the MLP on inputs centred by a running mean it keeps in a buffer (`mlp_runningnorm`:
+each replica updates it from its share of the batch, and the replicas average it).
 
 Each cell: 4 SGD steps of batch 4 (float32), then `user_models.check`: every logged loss and the
 validation loss within 1e-5 relative, the final weights within 1e-5 in relative norm over the
@@ -69,6 +70,7 @@ CELLS = [
       for p in ("data2", "shard2", "tensor2", "pipe2")],
     *[("cnn_normed", p) for p in ("data2", "space121", "tensor2")],
     *[("cnn_subpixel", p) for p in ("space121", "space122")],
+    *[("mlp_runningnorm", p) for p in ("data2", "shard2", "data2-tensor2")],
     *[("transformer", p) for p in ("data2", "shard2", "tensor2", "pipe2", "tensor4",
                                    "data2-tensor2")],
     *[("transformer_mha", p) for p in ("data2", "shard2", "tensor2", "pipe2", "data2-tensor2")],

@@ -155,6 +155,22 @@ class LinearProbe(UserMLP):
             layer.requires_grad_(False)
 
 
+class RunningNormMLP(UserMLP):
+    """`UserMLP` on inputs centred by a running mean it keeps itself: a buffer that each training
+    forward updates from its batch, after using it (an exponential average of the mean)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("input_mean", torch.zeros(6))
+
+    def forward(self, x):
+        out = super().forward(x - self.input_mean)
+        if self.training:
+            with torch.no_grad():
+                self.input_mean.lerp_(x.mean(0), 0.5)
+        return out
+
+
 class WeightNormMLP(UserMLP):
     """`UserMLP` with weight normalisation on its hidden layers (parametrized modules)."""
 
@@ -374,6 +390,7 @@ MODELS = {"unet": lambda: UNet3D(), "unet_plain": lambda: UNet3D(norm=""),
           "mlp_numpy": UserMLP, "mlp_probe": LinearProbe, "mlp_tied": TiedAutoencoder,
           "mlp_compiled": lambda: torch.compile(UserMLP(), backend="eager"),
           "mlp_weightnorm": WeightNormMLP, "mlp_oldweightnorm": OldWeightNormMLP,
+          "mlp_runningnorm": RunningNormMLP,
           "cnn_normed": NormedCNN2D, "cnn_subpixel": SubPixelCNN, "fno": FNO2d,
           "mlp_f64": lambda: UserMLP().double(),
           "unet_heads": TwoHeadUNet}

@@ -119,6 +119,17 @@ def batchnorm_step(model, mesh, options, layout):
     return _strategy("batchnorm").globalise_batchnorm(model, mesh.axis(*axes))
 
 
+def replica_buffers_step(model, mesh, options, layout):
+    """The buffers a training forward changes (a running mean of the inputs), averaged over the
+    data and shard replicas after each (parallel/replica_buffers.py). Not under pipe or space:
+    there a stage's micro-batches, or a sample's blocks, update such state on their own."""
+    axes = [a for a in ("data", "shard") if mesh.axis(a).size > 1]
+    if not axes or mesh.plan.pipe > 1 or mesh.plan.space_degree > 1:
+        return model
+    from .replica_buffers import keep_buffers_equal
+    return keep_buffers_equal(model, mesh.axis(*axes))
+
+
 def layout_step(model, mesh, options, layout):
     """Channels-last weights for convolutional models (parallel/layout.py)."""
     from .layout import to_channels_last, wants_channels_last
@@ -170,7 +181,8 @@ def data_step(model, mesh, options, layout):
                          find_unused_parameters=options.find_unused_parameters)
 
 
-STEPS = (tensor_step, space_step, branches_step, batchnorm_step, layout_step, float8_step,
+STEPS = (tensor_step, space_step, branches_step, batchnorm_step, replica_buffers_step,
+         layout_step, float8_step,
          checkpoint_and_compile_step, shard_step, data_step)
 
 

@@ -132,6 +132,7 @@ class GlobalBatchNorm(nn.Module):
     statistics are over every rank of `axis`; evaluation uses the running statistics locally."""
 
     is_norm_layer = True  # computes in fp32 under mixed precision, as torch's norms (precision.py)
+    keeps_buffers_equal = True  # its running statistics come from global ones (replica_buffers.py)
 
     def __init__(self, bn: nn.modules.batchnorm._BatchNorm, axis: Axis):
         super().__init__()
