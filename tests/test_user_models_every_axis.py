@@ -23,7 +23,9 @@ each weight from `weight_g` and `weight_v`, so `tensor` keeps those layers whole
 per-pixel CNN with a weight-normed and a spectrally normed convolution (`cnn_normed`: under
 `space` the spatial layers compute the whole weight from the parametrizations at each forward);
 a sub-pixel CNN (`cnn_subpixel`: nn.PixelUnshuffle down, nn.PixelShuffle up, block-local under
-`space`); the MLP on inputs centred by a running mean it keeps in a buffer (`mlp_runningnorm`:
+`space`); a 2D classifier with a weight-normed head after its global pool, without a bias
+(`cnn2d_normed_head`: under `space` that head runs on gathered tensors, its parametrization's
+gradients counted once); the MLP on inputs centred by a running mean it keeps in a buffer (`mlp_runningnorm`:
 each replica updates it from its share of the batch, and the replicas average it).
 
 Each cell: 4 SGD steps of batch 4 (float32), then `user_models.check`: every logged loss and the
@@ -70,6 +72,7 @@ CELLS = [
       for p in ("data2", "shard2", "tensor2", "pipe2")],
     *[("cnn_normed", p) for p in ("data2", "space121", "tensor2")],
     *[("cnn_subpixel", p) for p in ("space121", "space122")],
+    ("cnn2d_normed_head", "space121"),
     *[("mlp_runningnorm", p) for p in ("data2", "shard2", "data2-tensor2")],
     *[("transformer", p) for p in ("data2", "shard2", "tensor2", "pipe2", "tensor4",
                                    "data2-tensor2")],

@@ -96,6 +96,15 @@ class CNN2D(nn.Module):
         return self.body(x)
 
 
+class NormedHeadCNN2D(CNN2D):
+    """`CNN2D` whose head, after the global pool, is weight-normed without a bias: a layer with
+    no parameters of its own (its parametrization holds them) that runs on gathered tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.body[-1] = nn.utils.parametrizations.weight_norm(nn.Linear(8, 2, bias=False))
+
+
 class Periodic2D(nn.Module):
     """A surrogate on a periodic 2D domain (a longitude-periodic field, a cosmology slab)."""
 
@@ -157,14 +166,20 @@ class LinearProbe(UserMLP):
 
 class RunningNormMLP(UserMLP):
     """`UserMLP` on inputs centred by a running mean it keeps itself: a buffer that each training
-    forward updates from its batch, after using it (an exponential average of the mean)."""
+    forward updates from its batch, after using it (an exponential average of the mean); and an
+    annealed output gain, decayed in place before its use, which the backward reads (autograd
+    saved it: averaging it in place would fail the backward)."""
 
     def __init__(self):
         super().__init__()
         self.register_buffer("input_mean", torch.zeros(6))
+        self.register_buffer("gain", torch.full((2,), 2.0))
 
     def forward(self, x):
-        out = super().forward(x - self.input_mean)
+        if self.training:
+            with torch.no_grad():
+                self.gain.mul_(0.9)
+        out = super().forward(x - self.input_mean) * self.gain
         if self.training:
             with torch.no_grad():
                 self.input_mean.lerp_(x.mean(0), 0.5)
@@ -391,7 +406,7 @@ MODELS = {"unet": lambda: UNet3D(), "unet_plain": lambda: UNet3D(norm=""),
           "mlp_compiled": lambda: torch.compile(UserMLP(), backend="eager"),
           "mlp_weightnorm": WeightNormMLP, "mlp_oldweightnorm": OldWeightNormMLP,
           "mlp_runningnorm": RunningNormMLP,
-          "cnn_normed": NormedCNN2D, "cnn_subpixel": SubPixelCNN, "fno": FNO2d,
+          "cnn_normed": NormedCNN2D, "cnn2d_normed_head": NormedHeadCNN2D, "cnn_subpixel": SubPixelCNN, "fno": FNO2d,
           "mlp_f64": lambda: UserMLP().double(),
           "unet_heads": TwoHeadUNet}
 
@@ -422,15 +437,16 @@ def dataset(name: str) -> torch.utils.data.TensorDataset:
         if not name.startswith("mlp"):
             y = y.roll(1, dims=1)   # the target of a token is its predecessor's: attention needed
         return torch.utils.data.TensorDataset(x, y)
-    planar = ("cnn2d", "periodic", "unet2d", "fno", "cnn_normed", "cnn_subpixel")
+    planar = ("cnn2d", "periodic", "unet2d", "fno", "cnn_normed", "cnn_subpixel",
+              "cnn2d_normed_head")
     spatial = (16, 16) if name in planar else (16, 16, 16)
     x = torch.randn(8, 2, *spatial, generator=g)
-    if name.startswith("unet") or name in planar[1:]:  # per-voxel targets
+    if name.startswith("unet") or name in planar[1:-1]:  # per-voxel targets
         y = 0.3 * x[:, :1] + 0.5 * torch.randn(8, 1, *spatial, generator=g)
         if name == "unet_heads":   # a second per-voxel target: where the field is high
             y = torch.cat([y, (x[:, 1:] > 0.5).float()], dim=1)
     else:                          # per-sample targets
-        y = torch.randn(8, 2 if name == "cnn2d" else 3, generator=g)
+        y = torch.randn(8, 2 if name.startswith("cnn2d") else 3, generator=g)
     return torch.utils.data.TensorDataset(x, y)
 
 

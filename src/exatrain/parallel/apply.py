@@ -1,7 +1,7 @@
 """parallelize(): lay a plain module out over the mesh as one ordered list of steps per stage.
 
-    split into stages -> tensor -> space -> branches -> BatchNorm -> layout -> activation
-                      checkpointing -> compile -> shard -> data
+    split into stages -> tensor -> space -> branches -> BatchNorm -> replica buffers ->
+                      layout -> activation checkpointing -> compile -> shard -> data
 
 (torchtitan's order, for the same reasons.) Under pipe > 1, `pipe.pipeline_parallel` cuts the
 model's depth into stages and hands each of this rank's stages to `parallelize_stage`, which runs
@@ -11,7 +11,8 @@ replace modules; memory and compile wrappers act on the replaced modules; shardi
 replication come last, since they only need the final parameters. BatchNorm layers take their
 statistics over the replica axes (and `space`) unless `parallel.batchnorm = "replica"`
 (parallel/batchnorm.py); under `pipe` and `train.grad_accum` they are per micro-batch, as serial
-training with that micro-batch would be.
+training with that micro-batch would be. Other buffers a training forward changes are averaged
+over the data and shard replicas after each (parallel/replica_buffers.py).
 
 Gradient synchronisation is decided once for the combination (`gradient_reduction`), then each
 step does its part of it:

@@ -89,6 +89,7 @@ class SplitBranches(nn.ModuleList):
     """A `Branches` whose branches run on their owner ranks of `axis` (see the module doc)."""
 
     keeps_local_batchnorm = True
+    keeps_buffers_equal = True   # its branches' buffers come from their owner ranks
 
     def __init__(self, source: Branches, axis: Axis):
         super().__init__(list(source))

@@ -147,7 +147,6 @@ def read_outside_of(path: str, params) -> bool:
     return False
 
 
-
 def weights_set_by_hooks(module: nn.Module) -> list[str]:
     """The names of `module`'s tensors that a forward pre-hook computes before each call from
     other parameters: PyTorch's older `torch.nn.utils.weight_norm` (`weight` from `weight_g` and

@@ -238,6 +238,22 @@ def _merged_figures(figures: list[dict]) -> dict:
     return out
 
 
+def rank_0_finds(mesh, look: Callable, nothing):
+    """What `look()` finds on rank 0, on every rank (broadcast): a look at the model and the
+    first training samples at set-up, which every rank must then act on alike. A look that
+    raises (a data set that cannot be read this way, a forward that fails) finds `nothing`:
+    training meets the same failure and says why, and the other ranks never wait on a rank 0
+    that failed. Random draws of the look (a data set's augmentation) leave the run's stream."""
+    found = nothing
+    if mesh.rank == 0:
+        try:
+            with torch.random.fork_rng(devices=[]):
+                found = look()
+        except Exception:  # noqa: BLE001 - reported by the training step, where it belongs
+            found = nothing
+    return broadcast_object(found, mesh.world)
+
+
 def find_reads_outside(workload, mesh) -> None:
     """A user's model under shard or tensor: mark the weights its forward reads outside their
     layers (`F.linear(h, self.enc.weight.t())`), which those steps then keep whole
@@ -247,41 +263,46 @@ def find_reads_outside(workload, mesh) -> None:
     if not workload.whole_outputs or workload.input_blocks or \
             (plan.shard == 1 and plan.tensor_degree == 1):
         return
-    found = None
-    if mesh.rank == 0:   # one rank looks, every rank marks alike (the layouts must agree)
+    def look() -> dict:   # one rank looks, every rank marks alike (the layouts must agree)
         where = next(workload.model.parameters(), torch.empty(0)).device   # not moved yet
-        found = {}
-        if len(workload.train_set) and where.type != "meta":
-            inputs = workload.decode_inputs(first_inputs(workload, min(2, len(workload.train_set))))
-            found = reads_outside(workload.model, inputs.to(where))
-    mark_reads_outside(workload.model, broadcast_object(found, mesh.world))
+        if not len(workload.train_set) or where.type == "meta":
+            return {}
+        inputs = workload.decode_inputs(first_inputs(workload, min(2, len(workload.train_set))))
+        return reads_outside(workload.model, inputs.to(where))
+
+    mark_reads_outside(workload.model, rank_0_finds(mesh, look, {}))
 
 
 def check_the_loss_is_a_batch_mean(workload, config: Config, mesh) -> None:
     """A user's loss under a Plan that cuts each batch into parts (data and shard replicas,
     pipe's micro-batches, train.grad_accum): each part's loss is computed on its samples and
     their gradients averaged, which equals one process only for a batch-mean loss. A loss that
-    adds over the samples (reduction="sum") would make every update `parts` times smaller than
+    adds over the samples (reduction="sum") would make the gradients `parts` times smaller than
     one process's, silently; rank 0 tests it on the training set's first two samples
     (`workloads.user.summed_over_samples`) and every rank refuses it, naming the fix."""
     from ..errors import LossError
     from ..workloads.user import summed_over_samples
 
-    plan = mesh.plan
-    micro = (config.parallel.microbatches or 2 * plan.pipe) if plan.pipe > 1 else 1
+    from ..parallel.pipe.schedules import virtual_stages
+
+    plan, options = mesh.plan, config.parallel
+    micro = options.microbatches or 2 * plan.pipe * virtual_stages(
+        options.pipe_schedule, options.pipe_virtual_stages) if plan.pipe > 1 else 1
     cuts = {"replicas": plan.data * plan.shard, "micro-batches": micro,
             "train.grad_accum": config.train.grad_accum}
     parts = math.prod(cuts.values())
     if not workload.whole_outputs or workload.input_blocks or parts == 1:
         return
-    found = None
-    if mesh.rank == 0 and len(workload.train_set) >= 2:
+
+    def look() -> tuple | None:
         where = next(workload.model.parameters(), torch.empty(0)).device   # not moved yet
-        if where.type != "meta":
-            x, y = default_collate([workload.train_set[i] for i in range(2)])
-            found = summed_over_samples(workload.model, workload.loss_fn,
-                                        workload.decode_inputs(x).to(where), y.to(where))
-    found = broadcast_object(found, mesh.world)
+        if len(workload.train_set) < 2 or where.type == "meta":
+            return None
+        x, y = default_collate([workload.train_set[i] for i in range(2)])
+        return summed_over_samples(workload.model, workload.loss_fn,
+                                   workload.decode_inputs(x).to(where), y.to(where))
+
+    found = rank_0_finds(mesh, look, None)
     if found:
         both, first, second = found
         raise LossError(
@@ -290,9 +311,11 @@ def check_the_loss_is_a_batch_mean(workload, config: Config, mesh) -> None:
             f"mean would be {(first + second) / 2:.6g} (reduction='sum'?). {plan} cuts each "
             f"batch into {parts} parts ({', '.join(f'{k} {n}' for k, n in cuts.items() if n > 1)}),"
             f" computes the loss of each on its samples and averages their gradients: with a sum "
-            f"every update would be {parts} times smaller than one process's. Return the batch "
-            f"mean (reduction='mean', or divide the sum by the batch's size) and multiply "
-            f"optim.lr by train.batch_size for the same updates as the sum gave.")
+            f"the gradients would be {parts} times smaller than one process's (SGD's steps with "
+            f"them; Adam's where its eps, weight decay or gradient clipping matter) and each "
+            f"logged loss a part's sum. Return the batch mean (reduction='mean', or divide the "
+            f"sum by the batch's size); with SGD, multiply optim.lr by train.batch_size for the "
+            f"steps the sum gave.")
 
 
 # ---------------------------------------------------------------------- the composition root
@@ -302,7 +325,6 @@ def lay_out(workload, config: Config, mesh):
     its norm layers computing in fp32 under a mixed `parallel.precision`, for training and
     prediction alike."""
     find_reads_outside(workload, mesh)
-    check_the_loss_is_a_batch_mean(workload, config, mesh)
     options = config.parallel
     if workload.compile:   # the user's torch.compile(model): compiled after the layout
         options = dataclasses.replace(options, compile=True)
@@ -359,6 +381,7 @@ def build(config: Config, mesh, make_workload: Callable, *, run_dir: Path | None
     if config.run.init_from and not resume_from:
         from .checkpoints.export import load_initial_weights
         load_initial_weights(workload.model, config.run.init_from)
+    check_the_loss_is_a_batch_mean(workload, config, mesh)   # training only: not in lay_out
     model = lay_out(workload, config, mesh)
     workload.model = model  # drop the plain model: under tensor plans it is the full size
     console = TrainConsole() if job_mesh.rank == 0 else None

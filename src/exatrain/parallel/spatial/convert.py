@@ -312,8 +312,8 @@ def parallelize_spatial(model: nn.Module, mesh: Mesh, overlap: bool | None = Non
     _refuse_hooked_weights(model)
     model = _copy.deepcopy(model) if copy else model
     if not split_input:
-        for name, module in model.named_modules():
-            if _direct_params(module):
+        for name, module in _Layout(model).named:   # a parametrized layer with what it holds
+            if _direct_params(module) or is_parametrized(module):
                 rt.note_mode(module, replicated=True, name=name)
         model.spatial_runtime = rt
         return model
@@ -338,7 +338,7 @@ def parallelize_spatial(model: nn.Module, mesh: Mesh, overlap: bool | None = Non
                           and type(parent) is nn.Sequential)
             new = done[id(module)] = _convert(name or type(module).__name__, module, rt,
                                               may_gather, name in split_names)
-            if new is module and _direct_params(module):
+            if new is module and (_direct_params(module) or is_parametrized(module)):
                 # a plain layer with parameters can only sit after the transition (the split
                 # region refuses it): it runs on the gathered tensor on every spatial rank
                 rt.note_mode(module, replicated=True, name=name)

@@ -261,8 +261,9 @@ class TensorParallel:
                    f"they compute)" if kept else "")
             raise TensorSplitError(
                 f"{self.mesh.plan}: no Linear or convolution of the model can be split over the "
-                f"tensor grid {self.mesh.plan.tensor}{why}; no other divides it (Linear (in, "
-                f"out) shapes: {shapes[:8]}). Tensor parallelism would only replicate the model. "
+                f"tensor grid {self.mesh.plan.tensor}{why}; {'no other' if kept else 'none'} "
+                f"divides it (Linear (in, out) shapes: {shapes[:8]}). Tensor parallelism would "
+                f"only replicate the model. "
                 f"Use data parallelism (tensor=1), or pick degrees that divide the feature or "
                 f"channel counts.")
 
