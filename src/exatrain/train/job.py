@@ -99,10 +99,15 @@ def latest_group_checkpoint(group_dir: Path) -> Path | None:
     return max(found, key=lambda p: p.stat().st_mtime, default=None)
 
 
-def first_inputs(workload, n: int) -> "torch.Tensor":
-    """The inputs of the training set's first `n` samples, collated as the loader does (a
+def first_samples(workload, n: int):
+    """The training set's first `n` samples (inputs, targets), collated as the loader does (a
     sample may hold NumPy arrays)."""
-    return default_collate([workload.train_set[i] for i in range(n)])[0]
+    return default_collate([workload.train_set[i] for i in range(n)])
+
+
+def first_inputs(workload, n: int) -> "torch.Tensor":
+    """The inputs of the training set's first `n` samples (`first_samples`)."""
+    return first_samples(workload, n)[0]
 
 
 def pipeline_example(workload, config: Config, plan) -> "torch.Tensor | None":
@@ -281,9 +286,8 @@ def check_the_loss_is_a_batch_mean(workload, config: Config, mesh) -> None:
     one process's, silently; rank 0 tests it on the training set's first two samples
     (`workloads.user.summed_over_samples`) and every rank refuses it, naming the fix."""
     from ..errors import LossError
-    from ..workloads.user import summed_over_samples
-
     from ..parallel.pipe.schedules import virtual_stages
+    from ..workloads.user import summed_over_samples
 
     plan, options = mesh.plan, config.parallel
     micro = options.microbatches or 2 * plan.pipe * virtual_stages(
@@ -298,7 +302,7 @@ def check_the_loss_is_a_batch_mean(workload, config: Config, mesh) -> None:
         where = next(workload.model.parameters(), torch.empty(0)).device   # not moved yet
         if len(workload.train_set) < 2 or where.type == "meta":
             return None
-        x, y = default_collate([workload.train_set[i] for i in range(2)])
+        x, y = first_samples(workload, 2)
         return summed_over_samples(workload.model, workload.loss_fn,
                                    workload.decode_inputs(x).to(where), y.to(where))
 
