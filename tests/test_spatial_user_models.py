@@ -219,3 +219,79 @@ def test_what_cannot_equal_one_process_is_refused_by_name():
     for found in run_ranks(4, _pipe_refusal):
         assert "ParallelizeError" in found and "pipe and space together" in found, found
         assert "pipe or space alone" in found, found
+
+
+class CoordConvNet(nn.Module):
+    """CoordConv: each pixel's position as two more input channels, made from x.shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(4, 8, 3, padding=1), nn.Conv2d(8, 1, 3, padding=1)
+
+    def forward(self, x):
+        n, _, h, w = x.shape
+        ys = torch.linspace(-1, 1, h).view(1, 1, h, 1).expand(n, 1, h, w)
+        xs = torch.linspace(-1, 1, w).view(1, 1, 1, w).expand(n, 1, h, w)
+        return self.c2(torch.relu(self.c1(torch.cat([x, ys, xs], dim=1))))
+
+
+class SlicedDifferenceNet(nn.Module):
+    """A physics input: the field's finite difference along h, by slicing, its last row repeated."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(2, 8, 3, padding=1), nn.Conv2d(9, 1, 3, padding=1)
+
+    def forward(self, x):
+        d = x[:, :1, 1:] - x[:, :1, :-1]
+        d = torch.cat([d, d[:, :, -1:]], dim=2)
+        return self.c2(torch.cat([torch.relu(self.c1(x)), d], dim=1))
+
+
+def _fit_planar(make, plan: dict, out_dir: str, **parallel) -> float:
+    import exatrain as et
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 2, 16, 16, generator=g)
+    data = torch.utils.data.TensorDataset(x, 0.3 * x[:, :1] + 0.1 * torch.randn(8, 1, 16, 16,
+                                                                                generator=g))
+    torch.manual_seed(0)
+    return et.fit(make, data, data, loss=F.mse_loss, plan=et.Plan(**plan),
+                  train={"steps": 2, "batch_size": 4, "eval_every": 0, "num_workers": 0},
+                  optim={"name": "sgd", "lr": 0.1}, run={"out_dir": out_dir},
+                  parallel=parallel)["val_loss"]
+
+
+def _block_readers(out_dir: str) -> dict:
+    out = {}
+    for name, make in (("coord", CoordConvNet), ("difference", SlicedDifferenceNet)):
+        try:
+            out[name] = _fit_planar(make, {"space": (1, 2, 1)}, f"{out_dir}/{name}")
+        except Exception as exc:  # noqa: BLE001 - the message is the result
+            out[name] = f"{type(exc).__name__}: {exc}"
+    out["unchecked"] = _fit_planar(CoordConvNet, {"space": (1, 2, 1)}, f"{out_dir}/off",
+                                   space_check=False)
+    return out
+
+
+def test_forward_code_that_reads_the_block_as_the_sample_is_refused_before_the_first_step(
+        tmp_path, one_thread):
+    """Coordinates from x.shape and differences by slicing compute something else on a block;
+    no layer or function call shows it, the check against one process on the first sample does
+    (parallel/spatial/verify.py)."""
+    serial = _fit_planar(CoordConvNet, {}, str(tmp_path / "serial"))
+    for found in run_ranks(2, _block_readers, str(tmp_path / "space")):
+        for words in ("SpatialSplitError: under Plan(space=(1, 2, 1)) the model's output on the "
+                      "training set's first sample differs", "the input of 'c1' (Conv2d), "
+                      "computed in CoordConvNet.forward", "block [8, 16] of the sample's [16, 16]",
+                      "coordinates from x.shape", "space=(1, 1, 1)",
+                      # the figures docs/how-to/spatial.md shows
+                      "the largest difference is 0.313, where one process's output reaches 0.646"):
+            assert words in found["coord"], (words, found["coord"])
+        assert "the input of 'c2' (Conv2d), computed in SlicedDifferenceNet.forward" in \
+            found["difference"], found["difference"]
+        # nothing was trained: the check ran before the first step
+        for name in ("coord", "difference"):
+            assert not list((tmp_path / "space" / name).rglob("*.distcp")), name
+        # unchecked, the same model trains without a word to a different loss than one process
+        assert abs(found["unchecked"] - serial) > 1e-3 * serial, (found["unchecked"], serial)

@@ -36,6 +36,9 @@ class ParallelOptions:
     # BatchNorm statistics over the whole batch of every replica ("global": the serial result, one
     # small all-gather per layer) or per replica ("replica": DDP's default; see parallel/batchnorm)
     batchnorm: str = "global"
+    # under space, a user's model on whole samples: before the first step, check that the laid-out
+    # model's output on the first sample equals the plain model's (parallel/spatial/verify.py)
+    space_check: bool = True
     # with plan.pipe > 1 (see parallel/pipe): schedule, micro-batches per replica batch (0 = two per
     # stage), stages per rank of the looped schedules, split override (layer indices where stages
     # 1.. begin; [] = balanced), balance by "params" or measured "time"

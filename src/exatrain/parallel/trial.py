@@ -47,3 +47,17 @@ def leaves_no_trace(modules: list[nn.Module]):
                 module._buffers.update(table)
             for buffer, value in values:
                 buffer.copy_(value)
+
+
+@contextlib.contextmanager
+def evaluating(*models: nn.Module):
+    """Within: `models` in evaluation mode (samples independent: no dropout, norm layers on their
+    running statistics); each module's own mode is put back after, as it was."""
+    modes = [(m, m.training) for model in models for m in model.modules()]
+    try:
+        for model in models:
+            model.eval()
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training

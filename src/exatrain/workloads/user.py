@@ -123,23 +123,18 @@ def summed_over_samples(model: nn.Module, loss: Callable, x, y) -> tuple | None:
     import torch
 
     from ..parallel.nested import map_tensors
-    from ..parallel.trial import leaves_no_trace
+    from ..parallel.trial import evaluating, leaves_no_trace
 
     def rows(out, part: slice):
         return map_tensors(out, lambda t: t[part] if t.dim() and len(t) == 2 else t)
 
-    modes = {id(m): m.training for m in model.modules()}
     try:
-        with leaves_no_trace([model]), torch.no_grad():
-            model.eval()
+        with leaves_no_trace([model]), evaluating(model), torch.no_grad():
             out = model(x[:2])
             both, first, second = (float(loss(rows(out, part), y[part]))
                                    for part in (slice(0, 2), slice(0, 1), slice(1, 2)))
     except Exception:  # noqa: BLE001 - the training forward reports it, where it belongs
         return None
-    finally:
-        for m in model.modules():
-            m.training = modes[id(m)]
     total, mean = first + second, (first + second) / 2
     if abs(both - total) <= 1e-4 * abs(total) and abs(both - mean) > 1e-3 * abs(mean):
         return both, first, second
