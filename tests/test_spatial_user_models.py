@@ -270,7 +270,7 @@ def _block_readers(out_dir: str) -> dict:
         except Exception as exc:  # noqa: BLE001 - the message is the result
             out[name] = f"{type(exc).__name__}: {exc}"
     out["unchecked"] = _fit_planar(CoordConvNet, {"space": (1, 2, 1)}, f"{out_dir}/off",
-                                   space_check=False)
+                                   check_plain=False)
     return out
 
 

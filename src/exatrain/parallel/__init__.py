@@ -18,6 +18,10 @@ a no-op where its axis has size 1.
                  torch.compile of the model or its blocks; what compile did
   layout         channels-last end to end
   precision, float8   bf16/fp16 with fp32 master weights and loss scaling; fp8 Linears (torchao)
+  reads, replica_buffers   weights a user's forward reads outside their layer; buffers a
+                 training forward changes, kept equal over the replicas
+  trial, verify  forwards that leave no trace; the check of a user's laid-out model against
+                 the plain one before the first step
 
 Imports: comm, mesh, data and models, the foundations; never optim, workloads or anything above.
 """

@@ -81,7 +81,7 @@ def tensor_step(model, mesh, options, layout):
         return model.to(mesh.device)
     owner = layout.reduction.owner == "tensor"
     return _strategy("tensor").parallelize_tensor(
-        model, mesh, options, replica_axes=("data",) if owner else (),
+        model, mesh, options, pairs=options.tensor_pairs, replica_axes=("data",) if owner else (),
         partial_axes=layout.reduction.partial_axes if owner else (),
         checkpoint_and_compile=False, example=layout.example if layout.split_input else None)
 

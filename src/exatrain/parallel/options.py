@@ -29,6 +29,10 @@ class ParallelOptions:
     cudnn_benchmark: bool = True    # GPU: let cuDNN time its convolution algorithms for each new
                                     # shape during fit (static shapes repay it; restored after)
     sequence_parallel: bool = False  # 1D tensor parallelism: split norms/dropout over the sequence
+    # 1D tensor parallelism: chain Linears as column -> row pairs (one all-reduce per pair; the
+    # code between them must keep the features where they are), or false: split each Linear on
+    # its own, its output gathered (any code between layers; more communication)
+    tensor_pairs: bool = True
     bucket_cap_mb: float = 25.0     # gradient all-reduce bucket size
     # under `data`: search the autograd graph each step for parameters the forward left out
     # (needed when a model skips some parameters in some steps; costs a graph traversal per step)
@@ -36,9 +40,10 @@ class ParallelOptions:
     # BatchNorm statistics over the whole batch of every replica ("global": the serial result, one
     # small all-gather per layer) or per replica ("replica": DDP's default; see parallel/batchnorm)
     batchnorm: str = "global"
-    # under space, a user's model on whole samples: before the first step, check that the laid-out
-    # model's output on the first sample equals the plain model's (parallel/spatial/verify.py)
-    space_check: bool = True
+    # a user's model under space or tensor (not pipe): before the first step, check that the
+    # laid-out model's output on the first training sample equals the plain model's
+    # (parallel/verify.py)
+    check_plain: bool = True
     # with plan.pipe > 1 (see parallel/pipe): schedule, micro-batches per replica batch (0 = two per
     # stage), stages per rank of the looped schedules, split override (layer indices where stages
     # 1.. begin; [] = balanced), balance by "params" or measured "time"

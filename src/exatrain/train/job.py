@@ -322,21 +322,21 @@ def check_the_loss_is_a_batch_mean(workload, config: Config, mesh) -> None:
             f"steps the sum gave.")
 
 
-def check_space_equals_plain(workload, model, config: Config, mesh) -> None:
-    """A user's model under space on whole samples: before the first step, its laid-out
-    forward on the training set's first sample against the plain model's (`workload.model`,
-    still the plain one), refused on every rank where they differ
-    (parallel/spatial/verify.py). Not under pipe (stages run on their own ranks) nor where the
-    data set reads blocks; `parallel.space_check = false` skips it."""
-    from ..parallel.spatial.verify import check_equals_plain
+def check_equals_plain(workload, model, config: Config, mesh) -> None:
+    """A user's model under space or tensor: before the first step, its laid-out forward on the
+    training set's first sample against the plain model's (`workload.model`, still the plain
+    one), refused on every rank where they differ (parallel/verify.py). Not under pipe (stages
+    run on ranks of their own) nor where the data set reads blocks; `parallel.check_plain =
+    false` skips it. Built-in models are checked by the tests."""
+    from ..parallel.verify import check_equals_plain as check
 
     plan = mesh.plan
     train_set = getattr(workload, "train_set", None)
-    if plan.space_degree == 1 or plan.pipe > 1 or not config.parallel.space_check or \
-            not workload.whole_outputs or workload.input_blocks or not train_set:
+    if (plan.space_degree == 1 and plan.tensor_degree == 1) or plan.pipe > 1 or \
+            not config.parallel.check_plain or not workload.whole_outputs or \
+            workload.input_blocks or not train_set:
         return
-    check_equals_plain(workload.model, model, workload.decode_inputs(first_inputs(workload, 1)),
-                       mesh)
+    check(workload.model, model, workload.decode_inputs(first_inputs(workload, 1)), mesh)
 
 
 # ---------------------------------------------------------------------- the composition root
@@ -352,7 +352,7 @@ def lay_out(workload, config: Config, mesh):
     model = parallelize(workload.model, mesh, options,
                         example=pipeline_example(workload, config, mesh.plan),
                         **workload.spatial_io())
-    check_space_equals_plain(workload, model, config, mesh)
+    check_equals_plain(workload, model, config, mesh)
     if Precision(config.parallel.precision, mesh.device).mixed:
         keep_norms_fp32(model)
     return model

@@ -12,7 +12,6 @@
   dropout.py     dropout with masks distributed as a serial mask
   functions.py   autograd Functions: split/gather blocks, BatchNorm statistics, shared masks
   guard.py       refuses arithmetic in a user's forward that would read a block as the whole sample
-  verify.py      checks once that a user's laid-out model computes what the plain model does
   volume.py      the halo volume a split model moves (the formula bench and planner check)
 
 Imports: comm, mesh, errors, models (the ImagePool type), parallel.batchnorm; nothing above

@@ -86,7 +86,7 @@ def _refusal(name: str, module: nn.Module, *, found: str, fix: str, split: int,
         f"exatrain sets its head-count attributes to the local count. But its forward uses "
         f"{found}, which then computes the wrong size. Fix: {fix} (the code then runs "
         f"unchanged serially), or split its Linears one at a time (more communication) with "
-        f"parallelize_tensor(..., pairs=False).")
+        f"parallel.tensor_pairs = false (parallelize_tensor(..., pairs=False)).")
 
 
 def _spelling(module: nn.Module, source: str | None) -> tuple[str, str] | None:

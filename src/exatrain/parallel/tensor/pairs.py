@@ -3,8 +3,8 @@ on the first training forward, that they compute what a pair assumes.
 
 Pairs are found from module structure (`find_pairs`) and verified on the first training forward
 on the autograd graph (`PairCheck`): a structure that does not compute what a pair assumes is
-refused with the module names, never trained wrongly (`parallelize_tensor(pairs=False)` splits
-Linears one at a time). Sequence parallelism asks the same modules whether they treat every token
+refused with the module names, never trained wrongly (`parallel.tensor_pairs = false`,
+`parallelize_tensor(pairs=False)`, splits Linears one at a time). Sequence parallelism asks the same modules whether they treat every token
 on its own (`TOKEN_LOCAL`).
 """
 
@@ -72,6 +72,10 @@ _NOT_FEATURE_LOCAL = ("NativeLayerNormBackward", "NativeGroupNormBackward",
                       "LinearBackward")
 
 
+_UNPAIRED = ("Set parallel.tensor_pairs = false (parallelize_tensor(..., pairs=False)): each Linear "
+             "is then split on its own, its output gathered.")
+
+
 class PairCheck:
     """Checks, on the first forward with autograd on, that a pair's row layer reads what its
     column layers wrote (see find_pairs), by walking the autograd graph back from the row's
@@ -103,7 +107,7 @@ class PairCheck:
             raise TensorSplitError(
                 f"{where}: the row layer's input is not computed from the column "
                 "layers' outputs, so they cannot be split as a column → row pair. "
-                "Pass pairs=False to parallelize_tensor.")
+                + _UNPAIRED)
         seen, stack, reached = set(), [x.grad_fn], False
         while stack and len(seen) < 100_000:
             node = stack.pop()
@@ -117,19 +121,19 @@ class PairCheck:
                 raise TensorSplitError(
                     f"{where}: the row layer's input depends on the module's input "
                     "other than through the column layers, so they cannot be split "
-                    "as a column → row pair. Pass pairs=False to parallelize_tensor.")
+                    "as a column → row pair. " + _UNPAIRED)
             kind = type(node).__name__
             if kind.startswith(_NOT_FEATURE_LOCAL):
                 raise TensorSplitError(
                     f"{where}: between them the model applies {kind}, which mixes "
                     "features, so they cannot be split as a column → row pair. "
-                    "Pass pairs=False to parallelize_tensor.")
+                    + _UNPAIRED)
             stack.extend(n for n, _ in node.next_functions)
         if not reached:
             raise TensorSplitError(
                 f"{where}: the row layer's input is not computed from the column "
                 "layers' outputs, so they cannot be split as a column → row pair. "
-                "Pass pairs=False to parallelize_tensor.")
+                + _UNPAIRED)
         for handle in self.handles:
             handle.remove()
         return None
