@@ -27,9 +27,11 @@ the serial update being at least 1 % of some tensor's size (else the check would
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -248,13 +250,35 @@ class SlicedDifferenceNet(nn.Module):
         return self.c2(torch.cat([torch.relu(self.c1(x)), d], dim=1))
 
 
-def _fit_planar(make, plan: dict, out_dir: str, **parallel) -> float:
+class TrainingRollNet(CoordConvNet):
+    """A shift written in forward for training only (an augmentation of the features)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(2, 8, 3, padding=1)
+
+    def forward(self, x):
+        h = torch.relu(self.c1(x))
+        if self.training:
+            h = torch.roll(h, 1, dims=-2)
+        return self.c2(h)
+
+
+class Flipped(torch.utils.data.TensorDataset):
+    """Samples flipped at random, drawn from NumPy's global stream (unseeded on each rank)."""
+
+    def __getitem__(self, index):
+        x, y = super().__getitem__(index)
+        return (x.flip(-1), y.flip(-1)) if np.random.rand() < 0.5 else (x, y)
+
+
+def _fit_planar(make, plan: dict, out_dir: str, flipped: bool = False, **parallel) -> float:
     import exatrain as et
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(8, 2, 16, 16, generator=g)
-    data = torch.utils.data.TensorDataset(x, 0.3 * x[:, :1] + 0.1 * torch.randn(8, 1, 16, 16,
-                                                                                generator=g))
+    data = (Flipped if flipped else torch.utils.data.TensorDataset)(
+        x, 0.3 * x[:, :1] + 0.1 * torch.randn(8, 1, 16, 16, generator=g))
     torch.manual_seed(0)
     return et.fit(make, data, data, loss=F.mse_loss, plan=et.Plan(**plan),
                   train={"steps": 2, "batch_size": 4, "eval_every": 0, "num_workers": 0},
@@ -271,6 +295,16 @@ def _block_readers(out_dir: str) -> dict:
             out[name] = f"{type(exc).__name__}: {exc}"
     out["unchecked"] = _fit_planar(CoordConvNet, {"space": (1, 2, 1)}, f"{out_dir}/off",
                                    check_plain=False)
+    try:   # the guard still watches the first training forward after the check's
+        out["roll"] = _fit_planar(TrainingRollNet, {"space": (1, 2, 1)}, f"{out_dir}/roll")
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        out["roll"] = f"{type(exc).__name__}: {exc}"
+    # an augmentation drawing from NumPy's stream, different on each rank: the check compares
+    # the sample rank 0 read, on every rank (a model that computes as one process passes)
+    np.random.seed(int(os.environ["RANK"]))
+    out["augmented"] = _fit_planar(lambda: nn.Sequential(nn.Conv2d(2, 8, 3, padding=1),
+                                                         nn.ReLU(), nn.Conv2d(8, 1, 3, padding=1)),
+                                   {"space": (1, 2, 1)}, f"{out_dir}/augmented", flipped=True)
     return out
 
 
@@ -295,3 +329,6 @@ def test_forward_code_that_reads_the_block_as_the_sample_is_refused_before_the_f
             assert not list((tmp_path / "space" / name).rglob("*.distcp")), name
         # unchecked, the same model trains without a word to a different loss than one process
         assert abs(found["unchecked"] - serial) > 1e-3 * serial, (found["unchecked"], serial)
+        assert "SpatialSplitError" in found["roll"] and "calls roll" in found["roll"], \
+            found["roll"]
+        assert isinstance(found["augmented"], float), found["augmented"]

@@ -96,7 +96,7 @@ class Shaped(TensorDataset):
 
     def __getitem__(self, index):
         x, y = super().__getitem__(index)
-        return {"dict": {"x": x, "y": y}, "inputs": ((x, x), y), "targets": (x, (y, y)),
+        return {"dict": {"x": x, "y": y}, "inputs": (x, x, y), "targets": (x, (y, y)),
                 "float64": (x.double().numpy(), y)}[self.kind]
 
 
@@ -410,8 +410,9 @@ def test_a_staging_directory_too_small_is_one_line_from_the_real_command(cosmo_d
 
 @pytest.mark.parametrize("kind, texts", [
     ("dict", ["train_set[0] is dict with keys ['x', 'y']", "return d['x'], d['y']"]),
-    ("inputs", ["train_set[0] is tuple of 2 (tuple of 2 (Tensor (4,) float32, Tensor (4,) "
-                "float32), Tensor (1,) float32)", "concatenate them into one tensor"]),
+    # TensorDataset(x, p, y): a model of two inputs, whose data set gives three tensors
+    ("inputs", ["train_set[0] is tuple of 3 (Tensor (4,) float32, Tensor (4,) float32, "
+                "Tensor (1,) float32)", "return `(x0, x1), target`", "model(x0, x1)"]),
     ("targets", ["train_set[0] is tuple of 2 (Tensor (4,) float32, tuple of 2 (Tensor (1,)",
                  "split it in the loss"]),
     ("float64", ["the model's input is float64 (NumPy's default) and its forward failed on it "

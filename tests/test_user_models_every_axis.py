@@ -26,7 +26,13 @@ a sub-pixel CNN (`cnn_subpixel`: nn.PixelUnshuffle down, nn.PixelShuffle up, blo
 `space`); a 2D classifier with a weight-normed head after its global pool, without a bias
 (`cnn2d_normed_head`: under `space` that head runs on gathered tensors, its parametrization's
 gradients counted once); the MLP on inputs centred by a running mean it keeps in a buffer (`mlp_runningnorm`:
-each replica updates it from its share of the batch, and the replicas average it).
+each replica updates it from its share of the batch, and the replicas average it); models of
+several inputs: a 2D surrogate of a field and three physical parameters, `forward(self, field,
+params)`, its features scaled and shifted by a Linear of the parameters (`cnn_conditioned`, on
+samples `((field, params), target)`), the same with the parameters broadcast over the field as
+channels and a 1×1 convolution in place of the Linear (`cnn_conditioned_planes`: under `space`
+the field is cut into blocks, the parameters reach every rank whole), and the MLP of two named
+inputs, `forward(self, x, t)` on samples `({"x": x, "t": t}, target)` (`mlp_keywords`).
 
 Each cell: 4 SGD steps of batch 4 (float32), then `user_models.check`: every logged loss and the
 validation loss within 1e-5 relative, the final weights within 1e-5 in relative norm over the
@@ -83,6 +89,8 @@ CELLS = [
     *[("unet_heads", p) for p in ("space112", "space122")],
     *[("fno", p) for p in ("data2", "shard2", "tensor2", "pipe2")],
     *[("mlp_f64", p) for p in ("data2", "shard2", "tensor2", "pipe2")],
+    *[(m, p) for m in ("cnn_conditioned", "mlp_keywords") for p in ("data2", "shard2", "tensor2")],
+    *[("cnn_conditioned_planes", p) for p in ("space121", "space122")],
 ]
 # cells that do not train as one process today: (model, plan) -> the defect, named
 XFAIL: dict[tuple[str, str], str] = {}
@@ -128,7 +136,9 @@ def tensor_layout(model: str, plan: str) -> dict:
     mesh = init(Plan(**PLANS[plan]))
     try:
         plain = uncompiled(build(model))[0]
-        mark_reads_outside(plain, reads_outside(plain, dataset(model).tensors[0][:2]))
+        samples = dataset(model)   # the first two samples' inputs (one tensor, or several)
+        inputs = torch.utils.data.default_collate([samples[i] for i in range(2)])[0]
+        mark_reads_outside(plain, reads_outside(plain, inputs))
         laid_out = parallelize_tensor(plain, mesh).exatrain_tensor.summary()
         return {k: laid_out[k] for k in ("split", "local_heads")}
     finally:
@@ -217,6 +227,8 @@ def test_users_model_trains_under_the_plan_as_one_process(cell, trained, serial,
             assert layout["split"] == ["conv3"], layout
         elif model == "fno":   # the 1x1 convolutions channel/filter-split, the Fourier whole
             assert layout["split"] == ["lift", "pointwise.0", "pointwise.1"], layout
+        elif model == "cnn_conditioned":   # the Linear of the parameters, the convolutions
+            assert layout["split"] == ["film", "conv1", "conv2"], layout
         elif model == "transformer_torch":   # its layers' fast path reads their Linears whole
             assert layout["split"] == ["embed", "head"], layout
         else:

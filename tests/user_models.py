@@ -23,6 +23,11 @@ the convolutional models and the tolerances.
   mlp_tied        an autoencoder on `mlp`'s trunk whose decoder is the first layer's weight
                   transposed, used in forward (`F.linear(h, self.fc1.weight.t(), bias)`)
   unet_heads      the 3D U-Net with a field and a mask head, forward returning a dict
+  cnn_conditioned a 2D per-pixel CNN of two inputs, forward(field, params): a Linear of the
+                  parameters scales and shifts its features (FiLM); samples ((field, params), y)
+  cnn_conditioned_planes  the same with the parameters broadcast as channels, a 1×1 convolution
+                  in place of the Linear (what `space` takes)
+  mlp_keywords    `mlp` of two named inputs, forward(x, t); samples ({"x": x, "t": t}, y)
 """
 
 from __future__ import annotations
@@ -382,6 +387,64 @@ class TwoHeadUNet(UNet3D):
         return {"field": self.head(h), "mask": self.mask(h)}
 
 
+class ConditionedCNN2D(nn.Module):
+    """A per-pixel 2D surrogate of a field and the run's physical parameters, two inputs
+    (`forward(self, field, params)`): the parameters scale and shift the features (FiLM)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 8, 3, padding=1)
+        self.film = nn.Linear(3, 16)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.head = nn.Conv2d(8, 1, 1)
+
+    def forward(self, field, params):
+        scale, shift = self.film(params)[:, :, None, None].chunk(2, dim=1)
+        h = F.gelu(self.conv1(field)) * (1 + scale) + shift
+        return self.head(F.gelu(self.conv2(h)))
+
+
+class ChannelConditionedCNN2D(ConditionedCNN2D):
+    """The same conditioning written for `space`: the parameters broadcast over the field as
+    channels, the scale and shift from a 1×1 convolution of them (the FiLM Linear per pixel)."""
+
+    def __init__(self):
+        super().__init__()
+        self.film = nn.Conv2d(3, 16, 1)
+
+    def forward(self, field, params):
+        planes = params[:, :, None, None].expand(-1, -1, *field.shape[2:])
+        scale, shift = self.film(planes).chunk(2, dim=1)
+        h = F.gelu(self.conv1(field)) * (1 + scale) + shift
+        return self.head(F.gelu(self.conv2(h)))
+
+
+class KeywordMLP(UserMLP):
+    """`mlp` of two named inputs, `forward(self, x, t)` with a data set giving
+    `{"x": x, "t": t}`: the time `t` (N, 1) joins the features."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(7, 32)
+
+    def forward(self, x, t):
+        return super().forward(torch.cat([x, t], dim=-1))
+
+
+class SeveralInputs(torch.utils.data.Dataset):
+    """Samples `(inputs, target)` whose inputs are a tuple (`as_="tuple"`) or a dict of tensors."""
+
+    def __init__(self, inputs: dict, target: torch.Tensor, as_: str = "tuple"):
+        self.inputs, self.target, self.as_ = inputs, target, as_
+
+    def __len__(self):
+        return len(self.target)
+
+    def __getitem__(self, i):
+        one = {k: v[i] for k, v in self.inputs.items()}
+        return (tuple(one.values()) if self.as_ == "tuple" else one), self.target[i]
+
+
 def heads_loss(output, target):
     """The loss of a model of several outputs: each head against its part of the target (and
     the namedtuple's auxiliary loss)."""
@@ -408,7 +471,9 @@ MODELS = {"unet": lambda: UNet3D(), "unet_plain": lambda: UNet3D(norm=""),
           "mlp_runningnorm": RunningNormMLP,
           "cnn_normed": NormedCNN2D, "cnn2d_normed_head": NormedHeadCNN2D, "cnn_subpixel": SubPixelCNN, "fno": FNO2d,
           "mlp_f64": lambda: UserMLP().double(),
-          "unet_heads": TwoHeadUNet}
+          "unet_heads": TwoHeadUNet, "cnn_conditioned": ConditionedCNN2D,
+          "cnn_conditioned_planes": ChannelConditionedCNN2D,
+          "mlp_keywords": KeywordMLP}
 
 
 def build(name: str) -> nn.Module:
@@ -428,6 +493,15 @@ def dataset(name: str) -> torch.utils.data.TensorDataset:
         return NumpySamples(*dataset("mlp").tensors)
     if name == "mlp_f64":
         return torch.utils.data.TensorDataset(*(t.double() for t in dataset("mlp").tensors))
+    if name == "mlp_keywords":   # a time beside the features, the target depending on both
+        x, y = dataset("mlp").tensors
+        t = torch.linspace(0, 1, len(x))[:, None]
+        return SeveralInputs({"x": x, "t": t}, y * (1 + t), as_="dict")
+    if name.startswith("cnn_conditioned"):   # the parameters scale the per-pixel target
+        field, target = dataset("cnn2d_field").tensors
+        params = torch.randn(len(field), 3, generator=torch.Generator().manual_seed(5))
+        return SeveralInputs({"field": field, "params": params},
+                             target * (1 + 0.5 * params[:, :1, None, None]))
     g = torch.Generator().manual_seed(3)
     if name.startswith("mlp") or name.startswith("transformer"):   # per-sample / per-token targets
         x = torch.randn(8, *((TOKENS,) if not name.startswith("mlp") else ()), 6, generator=g)
@@ -438,7 +512,7 @@ def dataset(name: str) -> torch.utils.data.TensorDataset:
             y = y.roll(1, dims=1)   # the target of a token is its predecessor's: attention needed
         return torch.utils.data.TensorDataset(x, y)
     planar = ("cnn2d", "periodic", "unet2d", "fno", "cnn_normed", "cnn_subpixel",
-              "cnn2d_normed_head")
+              "cnn2d_field", "cnn2d_normed_head")
     spatial = (16, 16) if name in planar else (16, 16, 16)
     x = torch.randn(8, 2, *spatial, generator=g)
     if name.startswith("unet") or name in planar[1:-1]:  # per-voxel targets

@@ -52,7 +52,7 @@ from ..plan import Plan
 from ..train.checkpoints import checkpoint
 from ..train.config import Config, load_config
 from ..errors import UserError
-from ..parallel.nested import cut_batch, fp32, map_tensors
+from ..parallel.nested import call_on, cut_batch, fp32, map_tensors
 from .writer import OutputMeaning, PredictionWriter
 
 
@@ -322,7 +322,8 @@ def _predict_on(mesh, config: Config, run_dir: Path, path: Path, data, out: Path
             for b, batch in enumerate(loader):
                 x, y = (batch[0], batch[1]) if isinstance(batch, (list, tuple)) else (batch, None)
                 with precision.autocast():
-                    output = model(workload.decode_inputs(x.to(mesh.device)))
+                    output = call_on(model, workload.decode_inputs(
+                        map_tensors(x, lambda t: t.to(mesh.device))))
                 if split_outputs:
                     output = gather_output(output, mesh)
                 if not leader:

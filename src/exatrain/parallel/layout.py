@@ -53,10 +53,11 @@ def input_memory_format(model: nn.Module) -> bool:
 
 
 def channels_last_input(x):
-    """A 4D or 5D tensor as channels-last (anything else as it is)."""
-    if isinstance(x, torch.Tensor) and x.dim() in _FORMATS:
-        return x.contiguous(memory_format=_FORMATS[x.dim()])
-    return x
+    """Every 4D or 5D tensor of the inputs `x` (one tensor, or several) as channels-last;
+    anything else as it is."""
+    from .nested import map_tensors
+    return map_tensors(x, lambda t: t.contiguous(memory_format=_FORMATS[t.dim()])
+                       if t.dim() in _FORMATS else t)
 
 
 __all__ = ["channels_last_input", "input_memory_format", "to_channels_last",

@@ -7,6 +7,9 @@ user's loss and metrics take. No communication.
 A pipeline's last stage hands torch's stage a flat tuple of tensors (`tensors_of`) and its loss
 the user's structure again (`rebuild`); evaluation joins the micro-batches' outputs
 (`join_microbatches`).
+
+Inputs likewise: a model of several inputs takes them as its data set gives them, a tuple or
+list as positional arguments, a dict as keyword arguments (`call_on`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,17 @@ def map_tensors(out, fn):
         except Exception:  # noqa: BLE001 - a subclass that cannot be built from a dict
             return mapped
     return out
+
+
+def call_on(model, inputs):
+    """`model` called on a batch's inputs as a data set gives them: a tuple or list of tensors
+    as positional arguments (`forward(self, field, params)`), a dict as keyword arguments, one
+    tensor as the one argument."""
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    return model(inputs)
 
 
 def first_tensor(out) -> torch.Tensor | None:

@@ -30,6 +30,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from .nested import call_on
 from .trial import leaves_no_trace
 
 # reading these of a weight does not use its values or its shape
@@ -92,7 +93,7 @@ def reads_outside(model: nn.Module, inputs) -> dict[str, str]:
             try:
                 with leaves_no_trace([model]), torch.no_grad(), watch:
                     model.train(training)
-                    model(inputs)
+                    call_on(model, inputs)
                 break
             except Exception:   # noqa: BLE001 - the training forward reports it, where it belongs
                 watch.outside.clear()

@@ -37,7 +37,7 @@ from ..comm import all_gather_object, broadcast_object
 from ..errors import SpatialSplitError, TensorSplitError
 from ..mesh import Mesh
 from .data import unwrap
-from .nested import tensors_of
+from .nested import call_on, map_tensors, tensors_of
 from .trial import evaluating, leaves_no_trace
 from .zero import clean_fqn
 
@@ -60,8 +60,10 @@ class _Trace:
         self.runtime, self.entries, self.calls = runtime, {}, Counter()
         self.types: dict[str, str] = {}
         self.handles = []
-        for name, module in root.named_modules():
-            name = clean_fqn(name)
+        # a wrapper (activation checkpointing, compile) and the module it wraps share a name:
+        # the module, named after the wrapper, comes later and is the one watched
+        named = {clean_fqn(name): module for name, module in root.named_modules()}
+        for name, module in named.items():
             self.types[name] = type(module).__name__
             self.handles += [module.register_forward_pre_hook(self._enter(name)),
                              module.register_forward_hook(self._leave(name))]
@@ -99,7 +101,7 @@ def _traced_forward(model: nn.Module, x: torch.Tensor, root: nn.Module,
     try:
         with leaves_no_trace([model]), evaluating(model), torch.no_grad(), \
                 torch.compiler.set_stance("force_eager"):
-            out = model(x)
+            out = call_on(model, x)
     finally:
         trace.remove()
     return tensors_of(out), trace.entries, trace.types
@@ -123,6 +125,34 @@ def _whole(per_rank: list[dict]) -> dict:
 
 def _tolerance(dtype: torch.dtype) -> float:
     return max(1e-4, 16 * torch.finfo(dtype).eps) if dtype.is_floating_point else 0.0
+
+
+def _output_difference(plain_out: list, laid_out_out: list) -> str | None:
+    """How the outputs differ beyond rounding (None: they agree). Each output tensor against its
+    own scale and its dtype's rounding (complex as its real and imaginary parts; integer and
+    bool outputs exactly); non-finite values must sit where one process's are."""
+    shapes = [tuple(t.shape) for t in plain_out], [tuple(t.shape) for t in laid_out_out]
+    if shapes[0] != shapes[1]:
+        return f"its output has shapes {shapes[1]} where one process's has {shapes[0]}"
+    for i, (a, b) in enumerate(zip(plain_out, laid_out_out)):
+        which = f"output {i}: " if len(plain_out) > 1 else ""
+        if a.dtype != b.dtype:
+            return f"{which}its dtype is {b.dtype} where one process's is {a.dtype}"
+        tol = _tolerance(a.dtype if not a.is_complex() else a.real.dtype)
+        a, b = (torch.view_as_real(t) if t.is_complex() else t for t in (a, b))
+        a, b = a.detach().double().cpu(), b.detach().double().cpu()
+        if not a.numel():
+            continue
+        finite = torch.isfinite(a)
+        if not torch.equal(finite, torch.isfinite(b)) or \
+                not torch.equal(a[~finite].nan_to_num(), b[~finite].nan_to_num()):
+            return f"{which}its NaN or infinite values are not where one process's are"
+        worst = float((a[finite] - b[finite]).abs().max()) if finite.any() else 0.0
+        scale = float(a[finite].abs().max()) if finite.any() else 0.0
+        if worst > tol * scale + 1e-12:
+            return (f"{which}the largest difference is {worst:.3g}, where one process's output "
+                    f"reaches {scale:.3g}")
+    return None
 
 
 def _first_difference(serial: dict, laid_out: dict, tol: float) -> tuple:
@@ -185,6 +215,7 @@ def _advice(x: torch.Tensor, mesh: Mesh, split_layers: list[str]) -> str:
                 f"with Plan(data=...) or Plan(shard=...), which do not split its layers. "
                 f"parallel.check_plain = false skips this check.")
     parts = tuple(plan.space)
+    x = max(tensors_of(x), key=lambda t: t.dim())   # the input the blocks are cut from
     k = x.dim() - 2
     whole = tuple(x.shape[2:])
     block = tuple(n // p for n, p in zip(whole, parts[3 - k:]))
@@ -201,53 +232,55 @@ def _advice(x: torch.Tensor, mesh: Mesh, split_layers: list[str]) -> str:
 def _verdict(plain_out: list, laid_out_out: list, serial: dict, laid_out: dict, types: dict,
              x: torch.Tensor, mesh: Mesh, split_layers: list[str]) -> str | None:
     """The message when the laid-out model's output differs from the plain one's, else None."""
-    tol = _tolerance(plain_out[0].dtype if plain_out else torch.float32)
-    shapes = [tuple(t.shape) for t in plain_out], [tuple(t.shape) for t in laid_out_out]
-    if shapes[0] != shapes[1]:
-        detail = f"its output has shapes {shapes[1]} where one process's has {shapes[0]}"
-    else:
-        worst, scale = 0.0, 0.0
-        for a, b in zip(plain_out, laid_out_out):
-            a, b = a.detach().double().cpu(), b.detach().double().cpu()
-            if a.numel():
-                worst = max(worst, float((a - b).abs().max()))
-                scale = max(scale, float(a.abs().max()))
-        if worst <= tol * scale + 1e-12:
-            return None
-        detail = (f"the largest difference is {worst:.3g}, where one process's output reaches "
-                  f"{scale:.3g}")
+    detail = _output_difference(plain_out, laid_out_out)
+    if detail is None:
+        return None
+    floating = [t.dtype for t in plain_out if t.is_floating_point() or t.is_complex()]
+    tol = max(map(_tolerance, (d if d.is_floating_point else torch.float32 for d in floating)),
+              default=_tolerance(torch.float32))
     return (f"under {mesh.plan} the model's output on the training set's first sample differs "
             f"from the same model's on one process ({detail}): it would train differently."
             f"{_where(_first_difference(serial, laid_out, tol), types)}"
             f"{_advice(x, mesh, split_layers)}")
 
 
-def check_equals_plain(plain: nn.Module, laid_out: nn.Module, x: torch.Tensor, mesh: Mesh) -> None:
+def _rank_0_verdict(plain: nn.Module, x, laid_out_out: list, per_rank: list, root: nn.Module,
+                    mesh: Mesh) -> str | None:
+    where = next((t.device for t in plain.parameters()), torch.device("cpu"))
+    plain_out, serial, types = _traced_forward(plain, map_tensors(x, lambda t: t.to(where)),
+                                               plain)
+    serial = {key: value[:4] for key, value in serial.items()}
+    split = dict.fromkeys(clean_fqn(name).rpartition(".")[0]   # the split layers
+                          for name, p in root.named_parameters()
+                          if getattr(p, "exatrain_layout", ()))
+    return _verdict(plain_out, laid_out_out, serial, _whole(per_rank), types, x, mesh,
+                    list(split))
+
+
+def check_equals_plain(plain: nn.Module, laid_out: nn.Module, x, mesh: Mesh) -> None:
     """Collective (every rank of `mesh`): raise on every rank when `laid_out` (`parallelize(plain,
     ..., whole_samples=True)` under space and/or tensor, not pipe) computes a different output
-    from `plain` on the whole input `x` (module doc). `plain` must hold the weights `laid_out`
-    started from; only rank 0 runs it."""
+    from `plain` on the whole input `x`, the same on every rank (one tensor, or several:
+    nested.call_on) (module doc). `plain` must hold the weights `laid_out` started from; only
+    rank 0 runs it."""
     # the converted model inside the wrappers (data-parallel, compile), named as the user's
     root = next((m for m in laid_out.modules() if hasattr(m, "spatial_runtime")),
                 unwrap(laid_out))
     runtime = getattr(root, "spatial_runtime", None)
     device = next((t.device for t in laid_out.parameters()), mesh.device)
-    laid_out_out, summaries, _ = _traced_forward(laid_out, x.to(device), root, runtime)
+    try:
+        laid_out_out, summaries, _ = _traced_forward(
+            laid_out, map_tensors(x, lambda t: t.to(device)), root, runtime)
+    finally:   # the guard watches the first training forward too (code under `if self.training`)
+        if runtime is not None:
+            runtime.watched = False
     per_rank = all_gather_object(summaries, mesh.axis("space"))
     verdict = None
     if mesh.rank == 0:
-        where = next((t.device for t in plain.parameters()), torch.device("cpu"))
         try:
-            plain_out, serial, types = _traced_forward(plain, x.to(where), plain)
-        except Exception:   # noqa: BLE001 - a forward that fails alone: nothing to compare with
-            plain_out = None
-        if plain_out is not None:
-            serial = {key: value[:4] for key, value in serial.items()}
-            split = dict.fromkeys(clean_fqn(name).rpartition(".")[0]   # the split layers
-                                  for name, p in root.named_parameters()
-                                  if getattr(p, "exatrain_layout", ()))
-            verdict = _verdict(plain_out, laid_out_out, serial, _whole(per_rank), types, x, mesh,
-                               list(split))
+            verdict = _rank_0_verdict(plain, x, laid_out_out, per_rank, root, mesh)
+        except Exception:   # noqa: BLE001 - the plain forward failed alone (training will say
+            verdict = None  # why), or the comparison did: the other ranks must not wait on it
     verdict = broadcast_object(verdict, mesh.world)
     if verdict:
         raise (SpatialSplitError if mesh.plan.space_degree > 1 else TensorSplitError)(verdict)

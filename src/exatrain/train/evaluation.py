@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from ..comm import all_reduce, broadcast_object
 from ..data.loader import collate, no_inherited_garbage
 from ..parallel.data import unwrap
-from ..parallel.nested import cut_batch, fp32
+from ..parallel.nested import call_on, cut_batch, fp32, map_tensors
 from ..parallel.pipe.model import PipelineModel
 
 
@@ -28,7 +28,8 @@ class Evaluation:
 
     def _to_device(self, batch):
         x, y = batch
-        x, y = x.to(self.mesh.device, non_blocking=True), y.to(self.mesh.device, non_blocking=True)
+        x = map_tensors(x, lambda t: t.to(self.mesh.device, non_blocking=True))
+        y = y.to(self.mesh.device, non_blocking=True)
         return (self.decode(x) if self.decode is not None else x), y
 
     @torch.no_grad()
@@ -52,7 +53,7 @@ class Evaluation:
             else:
                 self.new_graph_iteration()
                 with self.precision.autocast():
-                    output = model(x)
+                    output = call_on(model, x)
             keep = max(0, min(len(y), valid - seen))
             seen += len(y)
             if keep == 0 or output is None:

@@ -24,12 +24,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import random
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import tomli_w
 import torch
 from torch.utils.data import default_collate
@@ -38,6 +40,7 @@ from ..comm import broadcast_object
 from ..errors import UserError, relayed
 from ..mesh import init
 from ..parallel import parallelize
+from ..parallel.nested import map_tensors
 from ..parallel.precision import Precision, keep_norms_fp32
 from ..parallel.reads import mark_reads_outside, reads_outside
 from ..workloads import get_workload
@@ -127,7 +130,15 @@ def pipeline_example(workload, config: Config, plan) -> "torch.Tensor | None":
             parts = (1,) * len(parts)
         whole = (block[0], *(n * p for n, p in zip(block[1:], parts)))
         return torch.empty((per_replica, *whole), device="meta")
-    return workload.decode_inputs(inputs(per_replica))
+    example = workload.decode_inputs(inputs(per_replica))
+    if not isinstance(example, torch.Tensor):
+        from ..errors import DataError
+        raise DataError(
+            f"{plan}: the model takes several inputs ({type(example).__name__} of "
+            f"{len(example)}), and pipe's stages pass one tensor from stage to stage. Give the "
+            f"model one input (the extra ones as channels, or concatenated and split in "
+            f"forward), or use a Plan without pipe (data, shard, tensor and space take several).")
+    return example
 
 
 def join(config: Config):
@@ -248,14 +259,19 @@ def rank_0_finds(mesh, look: Callable, nothing):
     first training samples at set-up, which every rank must then act on alike. A look that
     raises (a data set that cannot be read this way, a forward that fails) finds `nothing`:
     training meets the same failure and says why, and the other ranks never wait on a rank 0
-    that failed. Random draws of the look (a data set's augmentation) leave the run's stream."""
+    that failed. Random draws of the look (a data set's augmentation, from torch, NumPy or
+    Python's random) leave the run's streams as they were."""
     found = nothing
     if mesh.rank == 0:
+        streams = np.random.get_state(), random.getstate()
         try:
             with torch.random.fork_rng(devices=[]):
                 found = look()
         except Exception:  # noqa: BLE001 - reported by the training step, where it belongs
             found = nothing
+        finally:
+            np.random.set_state(streams[0])
+            random.setstate(streams[1])
     return broadcast_object(found, mesh.world)
 
 
@@ -273,7 +289,7 @@ def find_reads_outside(workload, mesh) -> None:
         if not len(workload.train_set) or where.type == "meta":
             return {}
         inputs = workload.decode_inputs(first_inputs(workload, min(2, len(workload.train_set))))
-        return reads_outside(workload.model, inputs.to(where))
+        return reads_outside(workload.model, map_tensors(inputs, lambda t: t.to(where)))
 
     mark_reads_outside(workload.model, rank_0_finds(mesh, look, {}))
 
@@ -303,8 +319,8 @@ def check_the_loss_is_a_batch_mean(workload, config: Config, mesh) -> None:
         if len(workload.train_set) < 2 or where.type == "meta":
             return None
         x, y = first_samples(workload, 2)
-        return summed_over_samples(workload.model, workload.loss_fn,
-                                   workload.decode_inputs(x).to(where), y.to(where))
+        return summed_over_samples(workload.model, workload.loss_fn, map_tensors(
+            workload.decode_inputs(x), lambda t: t.to(where)), y.to(where))
 
     found = rank_0_finds(mesh, look, None)
     if found:
@@ -323,20 +339,32 @@ def check_the_loss_is_a_batch_mean(workload, config: Config, mesh) -> None:
 
 
 def check_equals_plain(workload, model, config: Config, mesh) -> None:
-    """A user's model under space or tensor: before the first step, its laid-out forward on the
-    training set's first sample against the plain model's (`workload.model`, still the plain
-    one), refused on every rank where they differ (parallel/verify.py). Not under pipe (stages
-    run on ranks of their own) nor where the data set reads blocks; `parallel.check_plain =
-    false` skips it. Built-in models are checked by the tests."""
+    """A user's model under space or tensor, for training: before the first step, its laid-out
+    forward on the training set's first sample against the plain model's (`workload.model`,
+    still the plain one), refused on every rank where they differ (parallel/verify.py). Rank 0
+    reads the sample and every rank takes it from there (a data set's augmentation draws
+    differently on each rank). Not under pipe (stages run on ranks of their own), where the
+    data set reads blocks, or under fp8 (its rounding is not one process's);
+    `parallel.check_plain = false` skips it. Built-in models are checked by the tests."""
     from ..parallel.verify import check_equals_plain as check
+    from ..workloads.user import float64_input_named
 
     plan = mesh.plan
-    train_set = getattr(workload, "train_set", None)
     if (plan.space_degree == 1 and plan.tensor_degree == 1) or plan.pipe > 1 or \
-            not config.parallel.check_plain or not workload.whole_outputs or \
-            workload.input_blocks or not train_set:
+            not config.parallel.check_plain or config.parallel.precision == "fp8" or \
+            not workload.whole_outputs or workload.input_blocks:
         return
-    check(workload.model, model, workload.decode_inputs(first_inputs(workload, 1)), mesh)
+
+    def look():
+        where = next(workload.model.parameters(), torch.empty(0)).device
+        if not len(workload.train_set) or where.type == "meta":
+            return None
+        return workload.decode_inputs(first_inputs(workload, 1))
+
+    x = rank_0_finds(mesh, look, None)
+    if x is not None:
+        with float64_input_named(x):
+            check(workload.model, model, x, mesh)
 
 
 # ---------------------------------------------------------------------- the composition root
@@ -352,7 +380,6 @@ def lay_out(workload, config: Config, mesh):
     model = parallelize(workload.model, mesh, options,
                         example=pipeline_example(workload, config, mesh.plan),
                         **workload.spatial_io())
-    check_equals_plain(workload, model, config, mesh)
     if Precision(config.parallel.precision, mesh.device).mixed:
         keep_norms_fp32(model)
     return model
@@ -405,6 +432,7 @@ def build(config: Config, mesh, make_workload: Callable, *, run_dir: Path | None
         load_initial_weights(workload.model, config.run.init_from)
     check_the_loss_is_a_batch_mean(workload, config, mesh)   # training only: not in lay_out
     model = lay_out(workload, config, mesh)
+    check_equals_plain(workload, model, config, mesh)        # training only: not in lay_out
     workload.model = model  # drop the plain model: under tensor plans it is the full size
     console = TrainConsole() if job_mesh.rank == 0 else None
     make_trainer = make_trainer or Trainer

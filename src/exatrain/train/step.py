@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..parallel.data import unwrap
-from ..parallel.nested import fp32
+from ..parallel.nested import call_on, fp32
 from ..workloads.user import float64_input_named
 from ..optim.factory import match_grad_layouts
 from ..optim.gradnorm import clip_grad_norm_, decided_locally, found_nonfinite
@@ -165,7 +165,7 @@ class TrainStep:
                 self.new_graph_iteration()
                 with self.precision.autocast(self.autocast_cache), self.phase("forward"), \
                         float64_input_named(x):
-                    output = self.model(x)
+                    output = call_on(self.model, x)
                 loss = self.workload.loss_fn(fp32(output), y)  # (several tensors: each)
                 if accum > 1:  # (a division by one would cost a kernel and a backward node)
                     loss = loss / accum

@@ -43,6 +43,7 @@ import contextlib
 import torch
 
 from ..errors import ConfigError
+from ..parallel.nested import map_tensors, tensors_of
 from .step import StepResult
 
 WARMUP_STEPS = 3   # eager steps before the recording (torch's whole-network recipe uses 3)
@@ -127,8 +128,9 @@ class WholeStepGraph:
             self._optimizer_for_recording()
         micro = [next(batches) for _ in range(self.micro_batches)]
         fits = self.static is not None and all(
-            len(m) == len(s) and all(a.shape == b.shape and a.dtype == b.dtype
-                                     for a, b in zip(m, s)) for m, s in zip(micro, self.static))
+            len(tensors_of(m)) == len(tensors_of(s)) and all(
+                a.shape == b.shape and a.dtype == b.dtype
+                for a, b in zip(tensors_of(m), tensors_of(s))) for m, s in zip(micro, self.static))
         if not self.recorded and self.eager_steps < self.warmup or \
                 self.recorded and not fits:
             self.eager_steps += 1
@@ -139,14 +141,14 @@ class WholeStepGraph:
                 result.state_bytes = None
             return result
         if not self.recorded:
-            self.static = [tuple(t.detach().clone() for t in m) for m in micro]
+            self.static = [map_tensors(m, lambda t: t.detach().clone()) for m in micro]
             self.step.begin(step, lr)
             self.capture.record(lambda: self.step.run(
                 iter(self.static), step, defers, False, contextlib.nullcontext()))
             self.recorded = True
         else:
-            for m, s in zip(micro, self.static):
-                for source, target in zip(m, s):
+            for m, s in zip(micro, self.static):   # (x, y), x one tensor or several
+                for source, target in zip(tensors_of(m), tensors_of(s)):
                     target.copy_(source, non_blocking=True)
             self.step.begin(step, lr)
         with peak:

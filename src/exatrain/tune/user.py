@@ -56,6 +56,11 @@ def plans(model: nn.Module, example: torch.Tensor | None = None, *,
                             "sample of inputs) or sample_shape=(C, *spatial), not both.")
     if example is None:
         example = torch.zeros((1, *sample_shape))
+    elif not isinstance(example, torch.Tensor):
+        raise ArgumentError(f"et.plans models a model of one input; example is a "
+                            f"{type(example).__name__} (a model of several inputs). Plan it on "
+                            "its main input's shape: example= that tensor alone, with a model "
+                            "that takes it alone.")
     elif example.dim() < 2:
         raise ArgumentError(f"et.plans: example of shape {tuple(example.shape)} has no batch and "
                             "channel dims; give a batch (N, C, *spatial).")

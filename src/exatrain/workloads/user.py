@@ -122,7 +122,7 @@ def summed_over_samples(model: nn.Module, loss: Callable, x, y) -> tuple | None:
     then says why)."""
     import torch
 
-    from ..parallel.nested import map_tensors
+    from ..parallel.nested import call_on, map_tensors
     from ..parallel.trial import evaluating, leaves_no_trace
 
     def rows(out, part: slice):
@@ -130,7 +130,7 @@ def summed_over_samples(model: nn.Module, loss: Callable, x, y) -> tuple | None:
 
     try:
         with leaves_no_trace([model]), evaluating(model), torch.no_grad():
-            out = model(x[:2])
+            out = call_on(model, map_tensors(x, lambda t: t[:2]))
             both, first, second = (float(loss(rows(out, part), y[part]))
                                    for part in (slice(0, 2), slice(0, 1), slice(1, 2)))
     except Exception:  # noqa: BLE001 - the training forward reports it, where it belongs
@@ -181,9 +181,11 @@ def check_map_style(name: str, data_set) -> None:
 
 
 def check_sample(name: str, data_set) -> None:
-    """Refuse, before any step, a data set whose samples are not `(input, target)`, each one
-    tensor (the target may be a number): the Trainer calls `model(input)` and
-    `loss(output, target)` on batches of them, moved to the device as tensors. Reads the set's
+    """Refuse, before any step, a data set whose samples are not `(input, target)`: the input one
+    tensor, or a tuple, list or dict of them (a model of several inputs), the target one tensor
+    or a number. The Trainer calls `model(input)` (`model(*inputs)`, `model(**inputs)`:
+    parallel.nested.call_on) and `loss(output, target)` on batches of them, moved to the device
+    as tensors. Reads the set's
     first sample (under space with block reads, this rank's block), leaving the global random
     streams as they were (an augmentation may draw from them); an empty set, or one that reads
     only batches (`__getitems__`), is left to the loader."""
@@ -202,14 +204,28 @@ def check_sample(name: str, data_set) -> None:
     except NotImplementedError:   # torch's Dataset.__getitem__: a set that reads only batches
         return                    # (__getitems__), which the loader calls: not checked here
     arrays = (torch.Tensor, np.ndarray, np.generic)
-    pair = isinstance(sample, (tuple, list)) and len(sample) == 2
-    if pair and isinstance(sample[0], arrays) and isinstance(sample[1], (*arrays, numbers.Number)):
-        return
     several = (tuple, list, dict)
+
+    def inputs(value) -> bool:   # one tensor, or a tuple, list or dict of tensors
+        if isinstance(value, dict):
+            return bool(value) and all(isinstance(k, str) and isinstance(v, arrays)
+                                       for k, v in value.items())
+        if isinstance(value, (tuple, list)):
+            return bool(value) and all(isinstance(v, arrays) for v in value)
+        return isinstance(value, arrays)
+
+    pair = isinstance(sample, (tuple, list)) and len(sample) == 2
+    if pair and inputs(sample[0]) and isinstance(sample[1], (*arrays, numbers.Number)):
+        return
     fix = "return `input, target` from __getitem__, each one tensor"
     if pair and isinstance(sample[0], several):
-        fix += (" (a model of several inputs: concatenate them into one tensor and split it in "
-                "forward, or give the extra inputs as channels)")
+        fix += (" (a model of several inputs: `(x, p), target` or `{'x': x, 'p': p}, target`, "
+                "each input a tensor, which the model takes as model(x, p) or model(x=x, p=p))")
+    elif isinstance(sample, (tuple, list)) and len(sample) > 2 and \
+            all(isinstance(v, arrays) for v in sample):
+        names = ", ".join(f"x{i}" for i in range(len(sample) - 1))
+        fix += (f" (a model of several inputs: return `({names}), target`, the inputs in a "
+                f"tuple, which the model takes as model({names}))")
     elif pair and isinstance(sample[1], several):
         fix += " (several targets: concatenate them into one tensor and split it in the loss)"
     elif isinstance(sample, dict):
@@ -229,8 +245,9 @@ def float64_input_error(x, exc: RuntimeError) -> DataError | None:
         if "failed to run forward" not in str(exc):   # a backward's (a float64 target) is not
             return None                               # the input's
         failure = exc.__cause__
-    if isinstance(x, torch.Tensor) and x.dtype == torch.float64 \
-            and "double" in str(failure).lower():
+    from ..parallel.nested import tensors_of
+
+    if any(t.dtype == torch.float64 for t in tensors_of(x)) and "double" in str(failure).lower():
         return DataError(
             f"the model's input is float64 (NumPy's default) and its forward failed on it "
             f"({str(failure).strip().splitlines()[0]}): return the input in float32 from __getitem__ "

@@ -195,7 +195,11 @@ def _converter(name: str, module: nn.Module, split_region: bool):
     if kind in (nn.Linear, nn.Bilinear, nn.LazyLinear):
         raise _unsupported(name, module, "a dense layer needs the whole sample; put an nn.Flatten "
                                          "module (not x.flatten() in forward) before it, where "
-                                         "exatrain gathers the blocks")
+                                         "exatrain gathers the blocks. A dense layer on a "
+                                         "per-sample input beside the field (model(field, "
+                                         "params): FiLM, a time embedding) is refused as well: "
+                                         "broadcast that input over the field as channels and "
+                                         "use an nn.Conv of kernel size 1 in its place")
     raise _unsupported(name, module)
 
 

@@ -4,8 +4,8 @@ on the first training forward, that they compute what a pair assumes.
 Pairs are found from module structure (`find_pairs`) and verified on the first training forward
 on the autograd graph (`PairCheck`): a structure that does not compute what a pair assumes is
 refused with the module names, never trained wrongly (`parallel.tensor_pairs = false`,
-`parallelize_tensor(pairs=False)`, splits Linears one at a time). Sequence parallelism asks the same modules whether they treat every token
-on its own (`TOKEN_LOCAL`).
+`parallelize_tensor(pairs=False)`, splits Linears one at a time). Sequence parallelism asks the
+same modules whether they treat every token on its own (`TOKEN_LOCAL`).
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ _NOT_FEATURE_LOCAL = ("NativeLayerNormBackward", "NativeGroupNormBackward",
                       "LinearBackward")
 
 
-_UNPAIRED = ("Set parallel.tensor_pairs = false (parallelize_tensor(..., pairs=False)): each Linear "
-             "is then split on its own, its output gathered.")
+_UNPAIRED = ("Set parallel.tensor_pairs = false (parallelize_tensor(..., pairs=False)): each "
+             "Linear is then split on its own, its output gathered.")
 
 
 class PairCheck:
