@@ -239,3 +239,36 @@ def test_users_model_trains_under_the_plan_as_one_process(cell, trained, serial,
             heads = HEADS_OF[model] // PLANS[plan]["tensor"]
             assert layout["local_heads"] == {f"blocks.{i}.attn": {"n_head": heads}
                                              for i in (0, 1)}, layout
+
+
+def _several_inputs_refused(out_dir: str) -> dict:
+    from user_models import fit
+
+    found = {}
+    for model, plan in (("mlp_keywords", "pipe2"), ("cnn_conditioned", "space121")):
+        try:
+            fit(model, PLANS[plan], os.path.join(out_dir, f"{model}-{plan}"))
+            found[plan] = ""
+        except Exception as exc:  # noqa: BLE001 - the message is the result
+            found[plan] = f"{type(exc).__name__}: {exc}"
+    return found
+
+
+def test_several_inputs_are_refused_by_name_where_they_cannot_go(tmp_path, one_thread):
+    """pipe's stages pass one tensor on; under space a dense layer on a per-sample input cannot
+    tell whether its gradient is a block's share or whole; the planner models one input."""
+    import exatrain as et
+    from exatrain.errors import ArgumentError
+    from user_models import build
+
+    for found in run_ranks(2, _several_inputs_refused, str(tmp_path)):
+        for words in ("DataError: Plan(pipe=2): the model takes several inputs (dict of 2)",
+                      "use a Plan without pipe"):
+            assert words in found["pipe2"], found["pipe2"]
+        for words in ("SpatialSplitError", "layer 'film' (Linear)", "per-sample input",
+                      "broadcast that input over the field as channels",
+                      "nn.Conv of kernel size 1"):
+            assert words in found["space121"], found["space121"]
+    with pytest.raises(ArgumentError, match="models a model of one input; example is a tuple"):
+        et.plans(build("cnn_conditioned"), (torch.zeros(1, 2, 16, 16), torch.zeros(1, 3)),
+                 world=2, batch=4)
