@@ -241,10 +241,34 @@ def test_users_model_trains_under_the_plan_as_one_process(cell, trained, serial,
                                              for i in (0, 1)}, layout
 
 
+class CoarseAndFine(torch.nn.Module):
+    """A field and a coarser field beside it (its spatial dims another size)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 1, 3, padding=1)
+
+    def forward(self, fine, coarse):
+        up = torch.nn.functional.interpolate(coarse, size=fine.shape[2:])
+        return self.conv(torch.cat([fine, up], dim=1))
+
+
 def _several_inputs_refused(out_dir: str) -> dict:
+    import exatrain as et
+    from exatrain.mesh import init
+    from exatrain.parallel import parallelize
     from user_models import fit
 
     found = {}
+    mesh = init(et.Plan(space=(1, 2, 1)))
+    try:
+        parallelize(CoarseAndFine(), mesh, whole_samples=True)(torch.randn(2, 2, 16, 16),
+                                                               torch.randn(2, 1, 8, 8))
+        found["sizes"] = ""
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        found["sizes"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        mesh.close()
     for model, plan in (("mlp_keywords", "pipe2"), ("cnn_conditioned", "space121")):
         try:
             fit(model, PLANS[plan], os.path.join(out_dir, f"{model}-{plan}"))
@@ -256,19 +280,23 @@ def _several_inputs_refused(out_dir: str) -> dict:
 
 def test_several_inputs_are_refused_by_name_where_they_cannot_go(tmp_path, one_thread):
     """pipe's stages pass one tensor on; under space a dense layer on a per-sample input cannot
-    tell whether its gradient is a block's share or whole; the planner models one input."""
+    tell whether its gradient is a block's share or whole, and inputs of two spatial sizes
+    cannot be cut into matching blocks; the planner models one input."""
     import exatrain as et
     from exatrain.errors import ArgumentError
     from user_models import build
 
     for found in run_ranks(2, _several_inputs_refused, str(tmp_path)):
-        for words in ("DataError: Plan(pipe=2): the model takes several inputs (dict of 2)",
-                      "use a Plan without pipe"):
+        for words in ("DataError: Plan(pipe=2): the model takes several inputs, and pipe's "
+                      "stages pass one tensor", "use a Plan without pipe"):
             assert words in found["pipe2"], found["pipe2"]
         for words in ("SpatialSplitError", "layer 'film' (Linear)", "per-sample input",
                       "broadcast that input over the field as channels",
                       "nn.Conv of kernel size 1"):
             assert words in found["space121"], found["space121"]
+        for words in ("SpatialSplitError", "spatial dims of two sizes, [16, 16] and [8, 8]",
+                      "space=(1, 1, 1)"):
+            assert words in found["sizes"], found["sizes"]
     with pytest.raises(ArgumentError, match="models a model of one input; example is a tuple"):
         et.plans(build("cnn_conditioned"), (torch.zeros(1, 2, 16, 16), torch.zeros(1, 3)),
                  world=2, batch=4)

@@ -405,15 +405,16 @@ class ConditionedCNN2D(nn.Module):
 
 
 class ChannelConditionedCNN2D(ConditionedCNN2D):
-    """The same conditioning written for `space`: the parameters broadcast over the field as
-    channels, the scale and shift from a 1×1 convolution of them (the FiLM Linear per pixel)."""
+    """The same conditioning written for `space`: the parameters, given as (N, 1, 3), broadcast
+    over the field as channels, the scale and shift from a 1×1 convolution of them (the FiLM
+    Linear per pixel). Under `space` the field is cut into blocks, the parameters are not."""
 
     def __init__(self):
         super().__init__()
         self.film = nn.Conv2d(3, 16, 1)
 
     def forward(self, field, params):
-        planes = params[:, :, None, None].expand(-1, -1, *field.shape[2:])
+        planes = params.flatten(1)[:, :, None, None].expand(-1, -1, *field.shape[2:])
         scale, shift = self.film(planes).chunk(2, dim=1)
         h = F.gelu(self.conv1(field)) * (1 + scale) + shift
         return self.head(F.gelu(self.conv2(h)))
@@ -500,8 +501,10 @@ def dataset(name: str) -> torch.utils.data.TensorDataset:
     if name.startswith("cnn_conditioned"):   # the parameters scale the per-pixel target
         field, target = dataset("cnn2d_field").tensors
         params = torch.randn(len(field), 3, generator=torch.Generator().manual_seed(5))
-        return SeveralInputs({"field": field, "params": params},
-                             target * (1 + 0.5 * params[:, :1, None, None]))
+        target = target * (1 + 0.5 * params[:, :1, None, None])
+        if name.endswith("_planes"):   # (N, 1, 3): three dims, fewer than the field's four
+            params = params[:, None]
+        return SeveralInputs({"field": field, "params": params}, target)
     g = torch.Generator().manual_seed(3)
     if name.startswith("mlp") or name.startswith("transformer"):   # per-sample / per-token targets
         x = torch.randn(8, *((TOKENS,) if not name.startswith("mlp") else ()), 6, generator=g)

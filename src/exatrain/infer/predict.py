@@ -52,7 +52,7 @@ from ..plan import Plan
 from ..train.checkpoints import checkpoint
 from ..train.config import Config, load_config
 from ..errors import UserError
-from ..parallel.nested import call_on, cut_batch, fp32, map_tensors
+from ..parallel.nested import call_on, cut_batch, first_tensor, fp32, map_tensors
 from .writer import OutputMeaning, PredictionWriter
 
 
@@ -330,7 +330,8 @@ def _predict_on(mesh, config: Config, run_dir: Path, path: Path, data, out: Path
                     continue
                 first = (b * replica_axis.size + replica_axis.rank) * per_replica
                 keep = max(0, min(per_replica, n - first))  # 0: a padding sample
-                mine = (first, keep, map_tensors(fp32(cut_batch(output, keep, len(x))),
+                rows = len(first_tensor(x))   # the batch's samples (x may be several inputs)
+                mine = (first, keep, map_tensors(fp32(cut_batch(output, keep, rows)),
                                                  torch.Tensor.cpu),
                         None if y is None else y[:keep])
                 parts = all_gather_object(mine, replica_axis, tag="predict")

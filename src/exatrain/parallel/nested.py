@@ -37,7 +37,8 @@ def map_tensors(out, fn):
 def call_on(model, inputs):
     """`model` called on a batch's inputs as a data set gives them: a tuple or list of tensors
     as positional arguments (`forward(self, field, params)`), a dict as keyword arguments, one
-    tensor as the one argument."""
+    tensor as the one argument. (A model whose one argument is a list takes it as a tuple of
+    one: `((xs,), target)`.)"""
     if isinstance(inputs, (tuple, list)):
         return model(*inputs)
     if isinstance(inputs, dict):
@@ -100,5 +101,5 @@ def join_microbatches(chunks: list, micro: int):
     return rebuild(chunks[0], joined)
 
 
-__all__ = ["cut_batch", "first_tensor", "fp32", "join_microbatches", "map_tensors", "rebuild",
-           "skeleton", "tensors_of"]
+__all__ = ["call_on", "cut_batch", "first_tensor", "fp32", "join_microbatches", "map_tensors",
+           "rebuild", "skeleton", "tensors_of"]

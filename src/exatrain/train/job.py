@@ -121,6 +121,16 @@ def pipeline_example(workload, config: Config, plan) -> "torch.Tensor | None":
     parallel/tensor/switch.py, as the planner does."""
     per_replica = config.train.batch_size // (plan.data * plan.shard)
     inputs = lambda n: first_inputs(workload, n)
+    switch = plan.space_degree > 1 and plan.tensor_degree > 1 and not plan.tensor_3d
+    if (plan.pipe > 1 or switch) and not isinstance(inputs(1), torch.Tensor):
+        from ..errors import DataError
+        how = ("pipe's stages pass one tensor from stage to stage" if plan.pipe > 1 else
+               "the switch from space to tensor is placed from one input's shapes")
+        raise DataError(
+            f"{plan}: the model takes several inputs, and {how}. Give the model one input (the "
+            f"extra ones as channels, or concatenated and split in forward), or use a Plan "
+            f"without {'pipe' if plan.pipe > 1 else 'space × tensor'} (data, shard, tensor and "
+            f"space take several).")
     if plan.pipe == 1:
         if plan.space_degree == 1 or plan.tensor_degree == 1 or plan.tensor_3d:
             return None
@@ -130,15 +140,7 @@ def pipeline_example(workload, config: Config, plan) -> "torch.Tensor | None":
             parts = (1,) * len(parts)
         whole = (block[0], *(n * p for n, p in zip(block[1:], parts)))
         return torch.empty((per_replica, *whole), device="meta")
-    example = workload.decode_inputs(inputs(per_replica))
-    if not isinstance(example, torch.Tensor):
-        from ..errors import DataError
-        raise DataError(
-            f"{plan}: the model takes several inputs ({type(example).__name__} of "
-            f"{len(example)}), and pipe's stages pass one tensor from stage to stage. Give the "
-            f"model one input (the extra ones as channels, or concatenated and split in "
-            f"forward), or use a Plan without pipe (data, shard, tensor and space take several).")
-    return example
+    return workload.decode_inputs(inputs(per_replica))
 
 
 def join(config: Config):

@@ -19,7 +19,7 @@ from .blocks import block_slices, own_dims
 from .functions import GatherBlocks, ScaleGrad, SplitBlocks
 from .guard import BlockMixingGuard
 from .layers import SpatialLayer
-from ..nested import map_tensors
+from ..nested import map_tensors, tensors_of
 
 
 class SpatialRuntime:
@@ -118,16 +118,27 @@ class SpatialRuntime:
 
     # ---------------------------------------------------------------- whole samples in and out
     def cut_input(self, _module, args, kwargs):
-        """Forward pre-hook of the root (whole_samples): every tensor argument (N, C, *spatial)
-        becomes this rank's block; no communication (module doc, "Whole samples"). With
-        `input_blocks` the arguments are blocks already: only their spatial dims are noted."""
+        """Forward pre-hook of the root (whole_samples): the field (the argument of the most
+        dims, (N, C, *spatial)) and every argument shaped like it become this rank's blocks;
+        arguments of fewer dims ((N, F) parameters, (N, T, F) sequences) stay whole, the same on
+        every rank; no communication (module doc, "Whole samples"). With `input_blocks` the
+        arguments are blocks already: only their spatial dims are noted."""
         self.input_dims = None
-        return map_tensors(args, self._cut), map_tensors(kwargs, self._cut)
+        field = max(tensors_of((args, kwargs)), key=lambda t: t.dim(), default=None)
+        cut = partial(self._cut, field=field)
+        return map_tensors(args, cut), map_tensors(kwargs, cut)
 
-    def _cut(self, x: torch.Tensor) -> torch.Tensor:
+    def _cut(self, x: torch.Tensor, field: torch.Tensor) -> torch.Tensor:
         k = x.dim() - 2
-        if k < 1:  # (N, F) side inputs: not spatial, the same on every rank
+        if k < 1 or x.dim() != field.dim():   # not the field: the same on every rank
             return x
+        if x.shape[2:] != field.shape[2:]:
+            raise SpatialSplitError(
+                f"the model's inputs hold spatial dims of two sizes, {list(field.shape[2:])} and "
+                f"{list(x.shape[2:])}: under space={self.parts} exatrain cuts every input shaped "
+                f"like the field into the same blocks, and cannot tell which blocks of the other "
+                f"belong with which. Give it at the field's size (upsampled in the data set), "
+                f"or train with space=(1, 1, 1).")
         # a plan that splits dims the input lacks is refused naming the layer it would meet
         parts, coords, _ = self.layout(k, self.first_layer)
         if self.input_blocks:
