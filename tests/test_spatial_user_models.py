@@ -332,3 +332,44 @@ def test_forward_code_that_reads_the_block_as_the_sample_is_refused_before_the_f
         assert "SpatialSplitError" in found["roll"] and "calls roll" in found["roll"], \
             found["roll"]
         assert isinstance(found["augmented"], float), found["augmented"]
+
+
+def _gradient_miscount() -> dict:
+    """The gradient check on a laid-out U-Net as it is, then with one parameter's gradient
+    doubled on every rank (a miscount: a layer counted twice over space=(1, 1, 2))."""
+    from exatrain.mesh import init
+    from exatrain.parallel import parallelize
+    from exatrain.parallel.verify_gradients import check_gradients_equal
+    from exatrain.plan import Plan
+
+    mesh = init(Plan(space=(1, 1, 2)))
+    found = {}
+    try:
+        plain = build("unet")
+        laid_out = parallelize(plain, mesh, whole_samples=True)
+        x = torch.randn(1, 2, 8, 8, 8, generator=torch.Generator().manual_seed(1))
+        for case in ("as laid out", "miscounted"):
+            if case == "miscounted":
+                dict(laid_out.named_parameters())["module.head.weight"].register_hook(
+                    lambda g: 2 * g)
+            try:
+                check_gradients_equal(plain, laid_out, x, mesh)
+                found[case] = ""
+            except Exception as exc:  # noqa: BLE001 - the message is the result
+                found[case] = f"{type(exc).__name__}: {exc}"
+        found["grads left"] = [n for n, p in laid_out.named_parameters() if p.grad is not None]
+    finally:
+        mesh.close()
+    return found
+
+
+def test_a_gradient_counted_wrongly_over_space_is_refused_naming_the_parameter(one_thread):
+    """Outputs can be equal while a gradient is not (a layer counted once per spatial rank): the
+    check before the first step compares each parameter's gradient with one process's."""
+    for found in run_ranks(2, _gradient_miscount):
+        assert found["as laid out"] == "", found["as laid out"]
+        for words in ("SpatialSplitError: under Plan(space=(1, 1, 2)) the model's output",
+                      "but its gradients do not: 'head.weight' 2x one process",
+                      "space=(1, 1, 1)"):
+            assert words in found["miscounted"], found["miscounted"]
+        assert found["grads left"] == []

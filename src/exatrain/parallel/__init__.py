@@ -20,8 +20,8 @@ a no-op where its axis has size 1.
   precision, float8   bf16/fp16 with fp32 master weights and loss scaling; fp8 Linears (torchao)
   reads, replica_buffers   weights a user's forward reads outside their layer; buffers a
                  training forward changes, kept equal over the replicas
-  trial, verify  forwards that leave no trace; the check of a user's laid-out model against
-                 the plain one before the first step
+  trial, verify, verify_gradients   forwards that leave no trace; the checks of a user's
+                 laid-out model against the plain one before the first step (outputs; gradients)
 
 Imports: comm, mesh, data and models, the foundations; never optim, workloads or anything above.
 """

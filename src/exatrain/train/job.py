@@ -343,12 +343,14 @@ def check_the_loss_is_a_batch_mean(workload, config: Config, mesh) -> None:
 def check_equals_plain(workload, model, config: Config, mesh) -> None:
     """A user's model under space or tensor, for training: before the first step, its laid-out
     forward on the training set's first sample against the plain model's (`workload.model`,
-    still the plain one), refused on every rank where they differ (parallel/verify.py). Rank 0
+    still the plain one), refused on every rank where they differ (parallel/verify.py); under
+    space (with data at most) their gradients too (parallel/verify_gradients.py). Rank 0
     reads the sample and every rank takes it from there (a data set's augmentation draws
     differently on each rank). Not under pipe (stages run on ranks of their own), where the
     data set reads blocks, or under fp8 (its rounding is not one process's);
     `parallel.check_plain = false` skips it. Built-in models are checked by the tests."""
     from ..parallel.verify import check_equals_plain as check
+    from ..parallel.verify_gradients import check_gradients_equal
     from ..workloads.user import float64_input_named
 
     plan = mesh.plan
@@ -367,6 +369,8 @@ def check_equals_plain(workload, model, config: Config, mesh) -> None:
     if x is not None:
         with float64_input_named(x):
             check(workload.model, model, x, mesh)
+            if plan.tensor_degree == 1 and plan.shard == 1 and plan.space_degree > 1:
+                check_gradients_equal(workload.model, model, x, mesh)
 
 
 # ---------------------------------------------------------------------- the composition root
