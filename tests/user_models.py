@@ -528,14 +528,19 @@ def dataset(name: str) -> torch.utils.data.TensorDataset:
 
 
 def fit(name: str, plan: dict, out_dir: str) -> dict:
-    """`et.fit` as a user calls it; every rank returns its run's losses and final weights."""
+    """`et.fit` as a user calls it; every rank returns its run's losses and final weights.
+    `plan`: the Plan's degrees, and under the key "parallel" any [parallel] options."""
     import exatrain as et
     from exatrain.train.checkpoints import checkpoint
+
+    plan = dict(plan)
+    options = plan.pop("parallel", {})
 
     data = dataset(name)
     loss = heads_loss if name.endswith(("_heads", "_named", "_dict")) else F.mse_loss
     # a compiled model is compiled again after the layout, with parallel.compile's settings
     parallel = {"compile_backend": "eager"} if name.endswith("_compiled") else {}
+    parallel.update(options)
     summary = et.fit(lambda: build(name), data, data, loss=loss, plan=et.Plan(**plan),
                      train={"steps": STEPS, "batch_size": 4, "log_every": 1, "eval_every": 0,
                             "num_workers": 0},
@@ -545,6 +550,7 @@ def fit(name: str, plan: dict, out_dir: str) -> dict:
     state = checkpoint.full_model_state(checkpoint.latest(run_dir)) \
         if int(os.environ.get("RANK", "0")) == 0 else None
     return {"losses": logged_losses(run_dir), "val_loss": summary["val_loss"], "state": state,
+            "zero_stage": summary.get("zero_stage"),
             "plan": summary["plan"], "bytes_per_step": summary["bytes_per_step"]}
 
 

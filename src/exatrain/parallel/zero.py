@@ -104,6 +104,10 @@ class ZeroDataParallel(nn.Module):
         self._pending = False
         n, r = shard_axis.size, shard_axis.rank
         norm_axes = (shard_axis,)
+        # the buckets' and the master weights' dtype: the parameters' own, float32 or float64
+        # (a float64 model's gradients reduced and stepped in float64, as one process's are)
+        self.dtype = next((p.dtype for p in module.parameters() if p.requires_grad),
+                          torch.float32)
         entries = []
         for name, p in module.named_parameters():
             if not p.requires_grad:
@@ -112,11 +116,17 @@ class ZeroDataParallel(nn.Module):
                 raise ParallelizeError(
                     f"parameter {clean_fqn(name)!r} is a scalar; ZeRO shards "
                     "parameters along dim 0. Make it shape (1,), or use plan.shard=1.")
-            if p.dtype != torch.float32:
+            if p.dtype not in (torch.float32, torch.float64):
                 raise ParallelizeError(
-                    f"parameter {clean_fqn(name)!r} is {p.dtype}; ZeRO-1/2 keep fp32 "
-                    "parameters (the master weights). Build the model in fp32 and "
+                    f"parameter {clean_fqn(name)!r} is {p.dtype}; ZeRO-1/2 keep fp32 (or "
+                    "float64) parameters (the master weights). Build the model in fp32 and "
                     "set parallel.precision='bf16' or 'fp16' for low-precision compute.")
+            if p.dtype != self.dtype:
+                raise ParallelizeError(
+                    f"parameter {clean_fqn(name)!r} is {p.dtype} where others are "
+                    f"{self.dtype}; ZeRO-1/2 reduce every gradient in buffers of one dtype. "
+                    f"Build the model in one dtype (model.double() or model.float()), or use "
+                    f"parallel.zero_stage=3.")
             if not p.is_contiguous():
                 raise ParallelizeError(
                     f"parameter {clean_fqn(name)!r} is not contiguous; ZeRO needs "
@@ -124,7 +134,7 @@ class ZeroDataParallel(nn.Module):
             chunk, lo, hi = _chunk_rows(p.shape[0], n, r)
             own = p.detach()[lo:hi]
             if offload:  # the optimizer's fp32 copy of the chunk, and its gradient, on the host
-                shard = nn.Parameter(torch.empty(own.shape, dtype=torch.float32, device="cpu"))
+                shard = nn.Parameter(torch.empty(own.shape, dtype=self.dtype, device="cpu"))
                 shard.data.copy_(own)
                 host_grad = torch.zeros_like(shard)
             else:
@@ -146,7 +156,7 @@ class ZeroDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ layout
     def _make_buckets(self, entries, cap_mb: float) -> list[_Bucket]:
-        cap = max(1, int(cap_mb * 2 ** 20 / 4))
+        cap = max(1, int(cap_mb * 2 ** 20 / (torch.finfo(self.dtype).bits // 8)))
         buckets, current = [], _Bucket()
         for e in reversed(entries):  # backward produces gradients roughly in reverse order
             if current.entries and current.numel + e.param.numel() > cap:
@@ -164,11 +174,11 @@ class ZeroDataParallel(nn.Module):
                 seg += e.chunk * e.row
             b.segment = seg
             if self.stage == 1:  # persistent full-gradient buffer; p.grad are views into it
-                b.grad_flat = torch.zeros(full, dtype=torch.float32, device=self.device)
+                b.grad_flat = torch.zeros(full, dtype=self.dtype, device=self.device)
                 for e in b.entries:
                     e.param.grad = self._full_grad_view(b, e)
             elif not self.offload:  # persistent buffer of this rank's gradient chunks
-                b.grad_flat = torch.zeros(seg, dtype=torch.float32, device=self.device)
+                b.grad_flat = torch.zeros(seg, dtype=self.dtype, device=self.device)
             # (with offload, stage 2 allocates it per backward and frees it once on the host)
         return buckets
 
@@ -235,7 +245,7 @@ class ZeroDataParallel(nn.Module):
             b.work = all_reduce(b.grad_flat, self.grad_axis, tag="grad", async_op=True)
             return
         n = self.shard_axis.size
-        send = torch.zeros(n * b.segment, dtype=torch.float32, device=self.device)
+        send = torch.zeros(n * b.segment, dtype=self.dtype, device=self.device)
         rows = send.view(n, b.segment)
         for e in b.entries:
             g = e.param.grad
@@ -253,7 +263,7 @@ class ZeroDataParallel(nn.Module):
             e.param.grad = None  # the full gradient is freed: ZeRO-2 keeps only the chunk
         send.div_(self.replicas)
         if b.grad_flat is None:
-            b.grad_flat = torch.empty(b.segment, dtype=torch.float32, device=self.device)
+            b.grad_flat = torch.empty(b.segment, dtype=self.dtype, device=self.device)
         b.work = reduce_scatter_into(b.grad_flat, send, self.shard_axis, tag="grad",
                                      async_op=True)
         b.send = send
@@ -312,13 +322,13 @@ class ZeroDataParallel(nn.Module):
         """All-gather every rank's updated chunks into the full parameters; reset gradients."""
         n = self.shard_axis.size
         for b in self._buckets:
-            send = torch.zeros(b.segment, dtype=torch.float32, device=self.device)
+            send = torch.zeros(b.segment, dtype=self.dtype, device=self.device)
             for e in b.entries:
                 if self.offload:
                     e.param.detach()[e.lo:e.hi].copy_(e.shard.detach(), non_blocking=True)
                 own = e.param.detach().reshape(-1)[e.lo * e.row:e.hi * e.row]
                 send[e.seg_offset:e.seg_offset + own.numel()].copy_(own)
-            recv = torch.empty(n * b.segment, dtype=torch.float32, device=self.device)
+            recv = torch.empty(n * b.segment, dtype=self.dtype, device=self.device)
             all_gather_into(recv, send, self.shard_axis, tag="param")
             rows = recv.view(n, b.segment)
             for e in b.entries:
