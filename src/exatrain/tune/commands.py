@@ -32,6 +32,15 @@ def _human_bytes(n: float) -> str:
     return str(n)
 
 
+def _options_shown(plan, options) -> str:
+    """A Plan's options as the table shows them: its ZeRO stage named whenever it shards
+    (`Options.label` leaves out the default stage 3), "-" for none."""
+    label = options.label()
+    if plan.shard > 1 and options.zero_stage == 3:
+        label = f"zero3 {label}".strip()
+    return label or "-"
+
+
 def _human_s(s: float) -> str:
     if s >= 1:
         return f"{s:.3g} s"
@@ -101,7 +110,7 @@ def plan_command(args) -> int:
     ties = tie_ranks(ranking.ranked[:args.top], step_error(system))
     for i, p in enumerate(ranking.ranked[:args.top], 1):
         table.add_row(ties[i - 1], str(p.plan).removeprefix("Plan(").removesuffix(")") or "serial",
-                      p.options.label() or "-", _human_s(p.step_s),
+                      _options_shown(p.plan, p.options), _human_s(p.step_s),
                       _human_s(p.parts_s["compute"]), _human_s(p.parts_s["comm_exposed"]),
                       _human_s(p.parts_s["bubble"]), _human_bytes(p.memory["total"]),
                       ", ".join(f"{a} {_human_bytes(b)}" for a, b in p.bytes_by_axis.items()))
