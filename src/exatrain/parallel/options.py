@@ -41,8 +41,9 @@ class ParallelOptions:
     # small all-gather per layer) or per replica ("replica": DDP's default; see parallel/batchnorm)
     batchnorm: str = "global"
     # a user's model under space or tensor (not pipe): before the first step, check that the
-    # laid-out model's output on the first training sample equals the plain model's
-    # (parallel/verify.py)
+    # laid-out model computes what the plain model does on the first training sample (its
+    # outputs; under space its gradients too), and stop naming where it differs (costs a
+    # forward, and under space a backward, of one sample; parallel/verify.py)
     check_plain: bool = True
     # with plan.pipe > 1 (see parallel/pipe): schedule, micro-batches per replica batch (0 = two per
     # stage), stages per rank of the looped schedules, split override (layer indices where stages
