@@ -50,6 +50,15 @@ def leaves_no_trace(modules: list[nn.Module]):
 
 
 @contextlib.contextmanager
+def probing(model: nn.Module):
+    """Within: forwards of `model` that inspect it (the set-up checks): no trace left
+    (`leaves_no_trace`), evaluation mode (`evaluating`), compiled code run eagerly (a probe
+    compiles nothing the run would not)."""
+    with leaves_no_trace([model]), evaluating(model), torch.compiler.set_stance("force_eager"):
+        yield
+
+
+@contextlib.contextmanager
 def evaluating(*models: nn.Module):
     """Within: `models` in evaluation mode (samples independent: no dropout, norm layers on their
     running statistics); each module's own mode is put back after, as it was."""

@@ -28,6 +28,7 @@ sample on each model.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 import torch
@@ -38,7 +39,7 @@ from ..errors import SpatialSplitError, TensorSplitError
 from ..mesh import Mesh
 from .data import unwrap
 from .nested import call_on, map_tensors, tensors_of
-from .trial import evaluating, leaves_no_trace
+from .trial import probing
 from .zero import clean_fqn
 
 # a summary: (module name, "input" | "output", call number) -> (numel, shape, sum, |sum|, split)
@@ -99,8 +100,7 @@ def _traced_forward(model: nn.Module, x: torch.Tensor, root: nn.Module,
     `model` on `x`."""
     trace = _Trace(root, runtime)
     try:
-        with leaves_no_trace([model]), evaluating(model), torch.no_grad(), \
-                torch.compiler.set_stance("force_eager"):
+        with probing(model), torch.no_grad():
             out = call_on(model, x)
     finally:
         trace.remove()
@@ -257,23 +257,36 @@ def _rank_0_verdict(plain: nn.Module, x, laid_out_out: list, per_rank: list, roo
                     list(split))
 
 
+def laid_out_root(laid_out: nn.Module) -> tuple[nn.Module, object]:
+    """(the converted model inside the wrappers (data-parallel, compile), named as the user's;
+    its SpatialRuntime or None)."""
+    root = next((m for m in laid_out.modules() if hasattr(m, "spatial_runtime")),
+                unwrap(laid_out))
+    return root, getattr(root, "spatial_runtime", None)
+
+
+@contextlib.contextmanager
+def guard_kept(runtime):
+    """Around a checking forward of a spatial model: the guard (spatial/guard.py) still watches
+    the first training forward after it (code under `if self.training`)."""
+    try:
+        yield
+    finally:
+        if runtime is not None:
+            runtime.watched = False
+
+
 def check_equals_plain(plain: nn.Module, laid_out: nn.Module, x, mesh: Mesh) -> None:
     """Collective (every rank of `mesh`): raise on every rank when `laid_out` (`parallelize(plain,
     ..., whole_samples=True)` under space and/or tensor, not pipe) computes a different output
     from `plain` on the whole input `x`, the same on every rank (one tensor, or several:
     nested.call_on) (module doc). `plain` must hold the weights `laid_out` started from; only
     rank 0 runs it."""
-    # the converted model inside the wrappers (data-parallel, compile), named as the user's
-    root = next((m for m in laid_out.modules() if hasattr(m, "spatial_runtime")),
-                unwrap(laid_out))
-    runtime = getattr(root, "spatial_runtime", None)
+    root, runtime = laid_out_root(laid_out)
     device = next((t.device for t in laid_out.parameters()), mesh.device)
-    try:
+    with guard_kept(runtime):
         laid_out_out, summaries, _ = _traced_forward(
             laid_out, map_tensors(x, lambda t: t.to(device)), root, runtime)
-    finally:   # the guard watches the first training forward too (code under `if self.training`)
-        if runtime is not None:
-            runtime.watched = False
     per_rank = all_gather_object(summaries, mesh.axis("space"))
     verdict = None
     if mesh.rank == 0:

@@ -30,7 +30,8 @@ from ..errors import SpatialSplitError
 from ..mesh import Mesh
 from .data import unwrap
 from .nested import call_on, map_tensors, tensors_of
-from .trial import evaluating, leaves_no_trace
+from .trial import probing
+from .verify import guard_kept, laid_out_root
 from .zero import clean_fqn
 
 RTOL = 1e-3   # float32 sums in another order move a gradient by ~1e-6; a miscount by 50 % or more
@@ -47,8 +48,7 @@ def _gradients(model: nn.Module, root: nn.Module, x) -> dict[str, torch.Tensor |
     the projected outputs of `model` on `x`; the parameters' gradients are None again after."""
     params = {clean_fqn(n): p for n, p in root.named_parameters()}
     try:
-        with leaves_no_trace([model]), evaluating(model), \
-                torch.compiler.set_stance("force_eager"):
+        with probing(model):
             out = [t for t in tensors_of(call_on(model, x)) if t.is_floating_point()]
             if not out or not any(t.requires_grad for t in out):
                 return {}
@@ -124,15 +124,10 @@ def check_gradients_equal(plain: nn.Module, laid_out: nn.Module, x, mesh: Mesh) 
     """Collective (every rank of `mesh`): raise on every rank when the gradients of `laid_out`
     (`parallelize(plain, ..., whole_samples=True)` under space, with data at most) on the whole
     input `x` (the same on every rank) differ from those of `plain` (module doc)."""
-    inner = unwrap(laid_out)   # the data-parallel wrapper's reducer is not touched
-    root = next((m for m in laid_out.modules() if hasattr(m, "spatial_runtime")), inner)
-    runtime = getattr(root, "spatial_runtime", None)
+    root, runtime = laid_out_root(laid_out)
     device = next((t.device for t in laid_out.parameters()), mesh.device)
-    try:
-        grads = _gradients(inner, root, map_tensors(x, lambda t: t.to(device)))
-    finally:   # the guard still watches the first training forward
-        if runtime is not None:
-            runtime.watched = False
+    with guard_kept(runtime):   # inside the data-parallel wrapper: its reducer is not touched
+        grads = _gradients(unwrap(laid_out), root, map_tensors(x, lambda t: t.to(device)))
     grads = _summed_over_space(grads, root, mesh)
     verdict = None
     if mesh.rank == 0 and grads:

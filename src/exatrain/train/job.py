@@ -277,6 +277,14 @@ def rank_0_finds(mesh, look: Callable, nothing):
     return broadcast_object(found, mesh.world)
 
 
+def plain_device(workload, n: int):
+    """Where the plain model is (the layout moves it later) when a set-up look can run it on
+    the training set's first `n` samples; None where the set holds fewer, or the model is on the
+    meta device (not materialised: nothing to run)."""
+    where = next(workload.model.parameters(), torch.empty(0)).device
+    return None if len(workload.train_set) < n or where.type == "meta" else where
+
+
 def find_reads_outside(workload, mesh) -> None:
     """A user's model under shard or tensor: mark the weights its forward reads outside their
     layers (`F.linear(h, self.enc.weight.t())`), which those steps then keep whole
@@ -287,8 +295,8 @@ def find_reads_outside(workload, mesh) -> None:
             (plan.shard == 1 and plan.tensor_degree == 1):
         return
     def look() -> dict:   # one rank looks, every rank marks alike (the layouts must agree)
-        where = next(workload.model.parameters(), torch.empty(0)).device   # not moved yet
-        if not len(workload.train_set) or where.type == "meta":
+        where = plain_device(workload, 1)
+        if where is None:
             return {}
         inputs = workload.decode_inputs(first_inputs(workload, min(2, len(workload.train_set))))
         return reads_outside(workload.model, map_tensors(inputs, lambda t: t.to(where)))
@@ -317,8 +325,8 @@ def check_the_loss_is_a_batch_mean(workload, config: Config, mesh) -> None:
         return
 
     def look() -> tuple | None:
-        where = next(workload.model.parameters(), torch.empty(0)).device   # not moved yet
-        if len(workload.train_set) < 2 or where.type == "meta":
+        where = plain_device(workload, 2)
+        if where is None:
             return None
         x, y = first_samples(workload, 2)
         return summed_over_samples(workload.model, workload.loss_fn, map_tensors(
@@ -359,9 +367,8 @@ def check_equals_plain(workload, model, config: Config, mesh) -> None:
             not workload.whole_outputs or workload.input_blocks:
         return
 
-    def look():
-        where = next(workload.model.parameters(), torch.empty(0)).device
-        if not len(workload.train_set) or where.type == "meta":
+    def look():   # on the host: every rank moves it where its model is
+        if plain_device(workload, 1) is None:
             return None
         return workload.decode_inputs(first_inputs(workload, 1))
 

@@ -123,13 +123,13 @@ def summed_over_samples(model: nn.Module, loss: Callable, x, y) -> tuple | None:
     import torch
 
     from ..parallel.nested import call_on, map_tensors
-    from ..parallel.trial import evaluating, leaves_no_trace
+    from ..parallel.trial import probing
 
     def rows(out, part: slice):
         return map_tensors(out, lambda t: t[part] if t.dim() and len(t) == 2 else t)
 
     try:
-        with leaves_no_trace([model]), evaluating(model), torch.no_grad():
+        with probing(model), torch.no_grad():
             out = call_on(model, map_tensors(x, lambda t: t[:2]))
             both, first, second = (float(loss(rows(out, part), y[part]))
                                    for part in (slice(0, 2), slice(0, 1), slice(1, 2)))
@@ -185,10 +185,9 @@ def check_sample(name: str, data_set) -> None:
     tensor, or a tuple, list or dict of them (a model of several inputs), the target one tensor
     or a number. The Trainer calls `model(input)` (`model(*inputs)`, `model(**inputs)`:
     parallel.nested.call_on) and `loss(output, target)` on batches of them, moved to the device
-    as tensors. Reads the set's
-    first sample (under space with block reads, this rank's block), leaving the global random
-    streams as they were (an augmentation may draw from them); an empty set, or one that reads
-    only batches (`__getitems__`), is left to the loader."""
+    as tensors. Reads the set's first sample (under space with block reads, this rank's block),
+    leaving the global random streams as they were (an augmentation may draw from them); an
+    empty set, or one that reads only batches (`__getitems__`), is left to the loader."""
     import numbers
 
     import numpy as np
