@@ -164,6 +164,33 @@ if __name__ == "__main__":
            run={"out_dir": "runs"})
 '''
 
+MODEL_CODE_SCRIPT = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import exatrain as et
+
+
+class Forces(nn.Module):           # an energy and its forces, -dE/dx, without enable_grad
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, x):
+        x.requires_grad_(True)
+        energy = self.net(x)
+        return torch.cat([energy, -torch.autograd.grad(energy.sum(), x, create_graph=True)[0]], 1)
+
+
+if __name__ == "__main__":
+    x = torch.randn(8, 3)
+    data = TensorDataset(x, torch.randn(8, 4))
+    et.fit(Forces, data, data, loss=F.mse_loss,
+           train={"steps": 1, "batch_size": 4, "num_workers": 0}, run={"out_dir": "runs"})
+'''
+
 TINY_COSMO = ["model.size=16", "model.conv_layers=4", "model.base_channels=4", "data.size=16",
               "data.generate=false", "train.batch_size=8", "train.steps=1", "train.eval_every=0",
               "train.num_workers=0"]
@@ -254,6 +281,10 @@ CASES = {
                                          "1"],
                         ["CosmoFlow expects input (B, 4, 16, 16, 16), got (4, 16, 16, 16, 4)",
                          "x.permute(0, 4, 1, 2, 3)"]),
+    "ModelCodeError": (lambda t, u, c: ["run", str(_script(t, MODEL_CODE_SCRIPT)), "--nproc",
+                                        "1"],
+                       ["Forces.forward calls torch.autograd.grad", "gradients are off",
+                        "`with torch.enable_grad():`"]),
     "ModelOptionError": (lambda t, u, c: ["run", "--nproc", "1",
                                           *c("model.conv_layers=5")],
                          ["size=16", "divisible by 2^5"]),
@@ -287,7 +318,8 @@ CASES = {
 ENV = {"InjectError": {"EXATRAIN_INJECT_FAULTS": "boom"},
        "ReplicaGroupError": {"REPLICA_GROUP_ID": "5"},   # a group id beyond the groups
        "LaunchError": {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": ""}}
-SPAWNED = {"ModelInputError", "PipeSplitError", "SpatialSplitError", "TensorSplitError", "UnusedParameterError"}
+SPAWNED = {"ModelCodeError", "ModelInputError", "PipeSplitError", "SpatialSplitError",
+           "TensorSplitError", "UnusedParameterError"}
 
 
 def _script(tmp_path, text=PIPE_SCRIPT):

@@ -32,7 +32,10 @@ params)`, its features scaled and shifted by a Linear of the parameters (`cnn_co
 samples `((field, params), target)`), the same with the parameters broadcast over the field as
 channels and a 1×1 convolution in place of the Linear (`cnn_conditioned_planes`: under `space`
 the field is cut into blocks, the parameters reach every rank whole), and the MLP of two named
-inputs, `forward(self, x, t)` on samples `({"x": x, "t": t}, target)` (`mlp_keywords`).
+inputs, `forward(self, x, t)` on samples `({"x": x, "t": t}, target)` (`mlp_keywords`); the
+MLP as a learned energy whose forward returns it and its forces, -dE/dx by torch.autograd.grad,
+trained on both (`mlp_forces`: the step differentiates the derivative again, through the split
+layers' collectives under `tensor`; tests/test_user_derivatives.py has the Plans refused).
 
 Each cell: 4 SGD steps of batch 4 (float32), then `user_models.check`: every logged loss and the
 validation loss within 1e-5 relative, the final weights within 1e-5 in relative norm over the
@@ -94,6 +97,7 @@ CELLS = [
                                "pipe2")],
     *[(m, p) for m in ("cnn_conditioned", "mlp_keywords") for p in ("data2", "shard2", "tensor2")],
     *[("cnn_conditioned_planes", p) for p in ("space121", "space122")],
+    *[("mlp_forces", p) for p in ("data2", "shard2-zero2", "tensor2")],
 ]
 # cells that do not train as one process today: (model, plan) -> the defect, named
 XFAIL: dict[tuple[str, str], str] = {}

@@ -160,6 +160,23 @@ class UserMLP(nn.Module):
         return self.out(self.act(self.fc2(x)))
 
 
+class ForceMLP(UserMLP):
+    """A learned energy of 6 coordinates and its forces, -dE/dx, trained on both, as force
+    fields are: the derivative taken in the forward, inside torch.enable_grad() (evaluation runs
+    without gradients), with create_graph=self.training (the loss's backward differentiates it
+    again)."""
+
+    def __init__(self):
+        super().__init__(n_out=1)
+
+    def forward(self, x):
+        with torch.enable_grad():
+            x.requires_grad_(True)
+            energy = super().forward(x)
+            forces = -torch.autograd.grad(energy.sum(), x, create_graph=self.training)[0]
+        return torch.cat([energy, forces], dim=1)
+
+
 class LinearProbe(UserMLP):
     """A pretrained trunk, frozen, under a trained output layer (transfer learning)."""
 
@@ -474,7 +491,7 @@ MODELS = {"unet": lambda: UNet3D(), "unet_plain": lambda: UNet3D(norm=""),
           "mlp_f64": lambda: UserMLP().double(),
           "unet_heads": TwoHeadUNet, "cnn_conditioned": ConditionedCNN2D,
           "cnn_conditioned_planes": ChannelConditionedCNN2D,
-          "mlp_keywords": KeywordMLP}
+          "mlp_keywords": KeywordMLP, "mlp_forces": ForceMLP}
 
 
 def build(name: str) -> nn.Module:
@@ -494,6 +511,11 @@ def dataset(name: str) -> torch.utils.data.TensorDataset:
         return NumpySamples(*dataset("mlp").tensors)
     if name == "mlp_f64":
         return torch.utils.data.TensorDataset(*(t.double() for t in dataset("mlp").tensors))
+    if name == "mlp_forces":   # an energy and its forces at 6 coordinates
+        x, _ = dataset("mlp").tensors
+        energy = 0.5 * (x ** 2).sum(1, keepdim=True) + torch.sin(x[:, :1])
+        forces = -(x + torch.cat([torch.cos(x[:, :1]), torch.zeros(len(x), 5)], dim=1))
+        return torch.utils.data.TensorDataset(x, torch.cat([energy, forces], dim=1))
     if name == "mlp_keywords":   # a time beside the features, the target depending on both
         x, y = dataset("mlp").tensors
         t = torch.linspace(0, 1, len(x))[:, None]

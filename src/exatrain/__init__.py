@@ -14,9 +14,9 @@ from .comm.inject import InjectError
 from .data.graph import GraphFileError
 from .data.loader import LoaderTimeout
 from .data.stage import StagingError
-from .errors import (ArgumentError, DataError, LossError, MissingFileError, ModelInputError,
-                     ModelOptionError, ParallelizeError, SpatialSplitError, TensorSplitError,
-                     UserError)
+from .errors import (ArgumentError, DataError, LossError, MissingFileError, ModelCodeError,
+                     ModelInputError, ModelOptionError, ParallelizeError, SpatialSplitError,
+                     TensorSplitError, UserError)
 from .launch.env import LaunchError
 from .mesh import Mesh, init
 from .models.branches import Branches
@@ -69,7 +69,6 @@ __all__ = ["Branches", "Config", "KFAC", "KFACSettings", "Mean", "Mesh", "Plan",
            # errors of the user's making (exatrain.errors): the base, then each kind
            "UserError", "ArgumentError", "CheckpointError", "ConfigError", "DataError",
            "GraphFileError", "InitFromError", "InjectError", "LaunchError", "LoaderTimeout",
-           "LossError", "MissingFileError", "ModelInputError", "ModelOptionError", "NonFiniteLoss",
-           "ParallelizeError", "PipeSplitError", "PlanError", "PredictError", "ReplicaGroupError",
-           "ResumeError",
-           "SpatialSplitError", "StagingError", "TensorSplitError", "UnusedParameterError"]
+           "LossError", "MissingFileError", "ModelCodeError", "ModelInputError", "ModelOptionError",
+           "NonFiniteLoss", "ParallelizeError", "PipeSplitError", "PlanError", "PredictError",
+           "ReplicaGroupError", "ResumeError", "SpatialSplitError", "StagingError", "TensorSplitError", "UnusedParameterError"]

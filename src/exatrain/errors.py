@@ -77,6 +77,15 @@ class ModelInputError(UserError, ValueError):
     """
 
 
+class ModelCodeError(UserError, ValueError):
+    """A user's model whose forward cannot run the way training runs it: a derivative
+    (`torch.autograd.grad`) taken where evaluation turns gradients off.
+
+    What to do: the message names the forward and the change, e.g. the derivative inside
+    `with torch.enable_grad():`.
+    """
+
+
 class LossError(UserError, ValueError):
     """The loss given to `et.fit` (or a `Task`) returned what a backward cannot start from: a
     tensor of several values (a loss with `reduction="none"`), or not a tensor; or it adds over

@@ -19,6 +19,12 @@ reduce_scatter = the full input.
 replicated input) is identical on every member, which holds when the computation downstream is
 replicated over the axis; that is how the strategies use them.
 
+Each backward is its dual's forward (`copy_to` <-> `reduce_from`, `gather` <-> `scatter`), called
+as that Function when gradients are enabled in the backward: under `create_graph=True` (a model
+whose forward differentiates, forces as -dE/dx) the backward is itself differentiable, so the
+second derivative crosses the split layers as it does one process's; otherwise it runs as a
+plain collective, at the same bytes.
+
 `scatter` and `gather` need the dim divisible by P (`scatter` raises a ValueError naming the sizes
 otherwise); the strategies pad ragged batches before calling them.
 """
@@ -89,9 +95,7 @@ class _CopyTo(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.clone(memory_format=torch.contiguous_format)
-        all_reduce(grad, ctx.axis, tag=ctx.tag)
-        return grad, None, None
+        return reduce_from(grad, ctx.axis, ctx.tag), None, None
 
 
 class _ReduceFrom(torch.autograd.Function):
@@ -99,13 +103,14 @@ class _ReduceFrom(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, axis, tag):
+        ctx.axis, ctx.tag = axis, tag
         out = x.clone(memory_format=torch.contiguous_format)  # never reduce the caller's x
         all_reduce(out, axis, tag=tag)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None, None
+        return copy_to(grad, ctx.axis, ctx.tag), None, None
 
 
 class _Gather(torch.autograd.Function):
@@ -113,11 +118,13 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, axis, dim, tag):
-        ctx.axis, ctx.dim = axis, dim
+        ctx.axis, ctx.dim, ctx.tag = axis, dim, tag
         return _own(all_gather_dim(x, axis, dim, tag))
 
     @staticmethod
     def backward(ctx, grad):
+        if torch.is_grad_enabled():   # create_graph=True: the backward's own graph, via scatter
+            return scatter(grad, ctx.axis, ctx.dim, ctx.tag), None, None, None
         return chunk_dim(grad, ctx.axis, ctx.dim), None, None, None
 
 
@@ -131,6 +138,8 @@ class _Scatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if torch.is_grad_enabled():   # create_graph=True: the backward's own graph, via gather
+            return gather(grad, ctx.axis, ctx.dim, ctx.tag), None, None, None
         return all_gather_dim(grad, ctx.axis, ctx.dim, ctx.tag), None, None, None
 
 

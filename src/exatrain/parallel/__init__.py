@@ -20,6 +20,7 @@ a no-op where its axis has size 1.
   precision, float8   bf16/fp16 with fp32 master weights and loss scaling; fp8 Linears (torchao)
   reads, replica_buffers   weights a user's forward reads outside their layer; buffers a
                  training forward changes, kept equal over the replicas
+  derivatives    a user's forward that differentiates (forces): where it can train
   trial, verify, verify_gradients   forwards that leave no trace; the checks of a user's
                  laid-out model against the plain one before the first step (outputs; gradients)
 

@@ -304,6 +304,37 @@ def find_reads_outside(workload, mesh) -> None:
     mark_reads_outside(workload.model, rank_0_finds(mesh, look, {}))
 
 
+def check_derivatives(workload, config: Config, mesh) -> None:
+    """A user's model whose forward differentiates (`torch.autograd.grad`: forces, a physics
+    residual), found by a forward of rank 0 on the training set's first sample
+    (parallel/derivatives.py): refused on every rank before the first step where the Plan
+    cannot give its second derivatives, or where the derivative fails without gradients (as
+    evaluation runs it), each naming the fix. Built-in models do not differentiate."""
+    from ..errors import ModelCodeError, ParallelizeError
+    from ..parallel.derivatives import derivative_refusal, differentiates, no_grad_message
+
+    if not workload.whole_outputs or workload.input_blocks:
+        return
+
+    def look() -> tuple[str, str] | None:
+        where = plain_device(workload, 1)
+        if where is None:
+            return None
+        inputs = map_tensors(workload.decode_inputs(first_inputs(workload, 1)),
+                             lambda t: t.to(where))
+        found, failure = differentiates(workload.model, inputs)
+        if failure is not None:
+            return "no_grad", no_grad_message(workload.model, failure)
+        why = derivative_refusal(type(workload.model).__name__, mesh.plan,
+                                 config.parallel.zero_stage) if found else None
+        return ("plan", why) if why else None
+
+    found = rank_0_finds(mesh, look, None)
+    if found:
+        kind, message = found
+        raise (ModelCodeError if kind == "no_grad" else ParallelizeError)(message)
+
+
 def check_the_loss_is_a_batch_mean(workload, config: Config, mesh) -> None:
     """A user's loss under a Plan that cuts each batch into parts (data and shard replicas,
     pipe's micro-batches, train.grad_accum): each part's loss is computed on its samples and
@@ -387,6 +418,7 @@ def lay_out(workload, config: Config, mesh):
     its norm layers computing in fp32 under a mixed `parallel.precision`, for training and
     prediction alike."""
     find_reads_outside(workload, mesh)
+    check_derivatives(workload, config, mesh)
     options = config.parallel
     if workload.compile:   # the user's torch.compile(model): compiled after the layout
         options = dataclasses.replace(options, compile=True)
