@@ -112,3 +112,21 @@ def test_a_derivative_taken_without_gradients_on_is_refused_before_the_first_ste
         assert word in message, message
     assert not list(tmp_path.rglob("*.pt")) and not list(tmp_path.rglob("metrics.jsonl")), \
         "refused after training started"
+
+
+def test_the_planner_ranks_only_the_plans_that_can_train_a_forward_that_differentiates():
+    """`et.plans` traces the model under fake tensors and refuses, as training does, the Plans
+    without second derivatives: the forces model on 4 ranks keeps data and ZeRO-1/2, and no
+    FSDP2 Plan (ranked before, and refused by the run)."""
+    import exatrain as et
+    from user_models import build
+
+    ranked, refused = et.plans(build("mlp_forces"), sample_shape=(6,), world=4, batch=16,
+                               refused=True)
+    assert ranked and all(p["plan"].startswith(("Plan(data=", "Plan(shard=")) for p in ranked)
+    assert all(p["options"] in ("zero1", "zero2") for p in ranked if "shard=" in p["plan"]), ranked
+    fsdp = [r for r in refused if r["plan"] == "Plan(shard=4)" and r["options"] == ""]
+    assert fsdp and "calls torch.autograd.grad" in fsdp[0]["reason"] and \
+        "parallel.zero_stage=2 (or 1) trains it" in fsdp[0]["reason"], fsdp
+    plain = et.plans(build("mlp"), sample_shape=(6,), world=4, batch=16)   # the same MLP
+    assert any(p["plan"] == "Plan(shard=4)" and p["options"] == "" for p in plain), plain

@@ -30,8 +30,9 @@ from .nested import call_on
 from .trial import probing
 
 
-class _Derivatives(TorchFunctionMode):
-    """Counts the calls of `torch.autograd.grad`."""
+class DerivativeCalls(TorchFunctionMode):
+    """Within: the calls of `torch.autograd.grad` are counted (`calls`); the planner's trace
+    under fake tensors counts them too."""
 
     def __init__(self):
         super().__init__()
@@ -46,7 +47,7 @@ class _Derivatives(TorchFunctionMode):
 def differentiates(model: nn.Module, inputs) -> tuple[bool, BaseException | None]:
     """(whether `model`'s forward on `inputs` calls `torch.autograd.grad`, the exception the
     forward raised under `torch.no_grad()` after calling it, or None)."""
-    watch = _Derivatives()
+    watch = DerivativeCalls()
     try:
         with probing(model), torch.no_grad(), watch:
             call_on(model, inputs)

@@ -74,6 +74,11 @@ def all_plans(world: int, spatial: bool = True, tensor_3d: bool = True):
 
 def shape_problem(spec: ModelSpec, plan: Plan, options: Options) -> tuple[str, str] | None:
     """(kind, reason) when the model's shapes do not fit the Plan, else None."""
+    if spec.extra.get("differentiates"):   # as `train.job.check_derivatives` refuses it
+        from ..parallel.derivatives import derivative_refusal
+        why = derivative_refusal(spec.name, plan, options.zero_stage)
+        if why:
+            return ("not applicable", why)
     replicas = plan.data * plan.shard
     m = options.microbatches or (2 * plan.pipe if plan.pipe > 1 else 1)
     if options.batch % (replicas * m):

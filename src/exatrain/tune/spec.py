@@ -375,6 +375,7 @@ def user_spec(model: nn.Module, example: torch.Tensor, loss_fn=None, name: str =
     pooling layers give the halos under `space` (`parallel.spatial.volume`), and each of its
     outputs (a model may return a tuple or dict of them) that keeps the spatial dims is
     all-gathered, as `et.fit` does on whole samples."""
+    from ..parallel.derivatives import DerivativeCalls
     from ..parallel.nested import tensors_of
     from ..parallel.spatial.volume import layer_geometry
     loss = loss_fn or (lambda out: sum(t.float().square().mean() for t in tensors_of(out)))
@@ -386,7 +387,7 @@ def user_spec(model: nn.Module, example: torch.Tensor, loss_fn=None, name: str =
         act = trace_saved_bytes(model, (x,), loss, biggest, in_loss)
         flops = conv_flops(model, x)
         ops = count_ops(model, (x,), loss)
-        with torch.no_grad():
+        with torch.no_grad(), DerivativeCalls() as derivatives:
             outs = tensors_of(model(x))
         out_shape = tuple(outs[0].shape)
     shapes = [tuple(p.shape) for p in model.parameters()]
@@ -395,7 +396,9 @@ def user_spec(model: nn.Module, example: torch.Tensor, loss_fn=None, name: str =
     extra = {"in_channels": x.shape[1] if x.dim() > 1 else 1,
              # under space on whole samples, an output that keeps the spatial dims is gathered
              "flatten_elements": sum(math.prod(t.shape[1:]) for t in outs if t.dim() == x.dim()),
-             "output_shape": out_shape[1:]}
+             "output_shape": out_shape[1:],
+             # its forward differentiates (forces): Plans without second derivatives refused
+             "differentiates": derivatives.calls > 0}
     if len(spatial) == 3:
         extra["geometry"] = layer_geometry(model, tuple(x.shape))
     if spatial:   # a layer the spatial split refuses (a Fourier layer): no space Plan runs

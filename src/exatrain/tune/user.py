@@ -13,7 +13,9 @@ this machine once `exatrain plan --calibrate` has measured it).
 
 What it costs for a user's model: data, shard (ZeRO 1/2/3) and space Plans. Tensor and pipe are
 refused as "not applicable" (the cost model knows them for transformer blocks and CosmoFlow only);
-checkpointing variants are left out (exatrain does not know a user's model's blocks).
+checkpointing variants are left out (exatrain does not know a user's model's blocks). A forward
+that differentiates its outputs (forces by `torch.autograd.grad`) keeps only the Plans that train
+it (parallel/derivatives.py): the others are refused with training's reason.
 """
 
 from __future__ import annotations
