@@ -283,7 +283,7 @@ CASES = {
                          "x.permute(0, 4, 1, 2, 3)"]),
     "ModelCodeError": (lambda t, u, c: ["run", str(_script(t, MODEL_CODE_SCRIPT)), "--nproc",
                                         "1"],
-                       ["Forces.forward calls torch.autograd.grad", "gradients are off",
+                       ["Forces.forward differentiates (torch.autograd.grad)", "gradients are off",
                         "`with torch.enable_grad():`"]),
     "ModelOptionError": (lambda t, u, c: ["run", "--nproc", "1",
                                           *c("model.conv_layers=5")],

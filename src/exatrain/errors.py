@@ -78,8 +78,8 @@ class ModelInputError(UserError, ValueError):
 
 
 class ModelCodeError(UserError, ValueError):
-    """A user's model whose forward cannot run the way training runs it: a derivative
-    (`torch.autograd.grad`) taken where evaluation turns gradients off.
+    """A user's model whose forward cannot run the way evaluation and prediction run it: a
+    derivative (`torch.autograd.grad`) taken where they turn gradients off.
 
     What to do: the message names the forward and the change, e.g. the derivative inside
     `with torch.enable_grad():`.

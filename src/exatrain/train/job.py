@@ -306,14 +306,17 @@ def find_reads_outside(workload, mesh) -> None:
 
 def check_derivatives(workload, config: Config, mesh) -> None:
     """A user's model whose forward differentiates (`torch.autograd.grad`: forces, a physics
-    residual), found by a forward of rank 0 on the training set's first sample
-    (parallel/derivatives.py): refused on every rank before the first step where the Plan
-    cannot give its second derivatives, or where the derivative fails without gradients (as
-    evaluation runs it), each naming the fix. Built-in models do not differentiate."""
-    from ..errors import ModelCodeError, ParallelizeError
-    from ..parallel.derivatives import derivative_refusal, differentiates, no_grad_message
+    residual), found by two forwards of rank 0 on the training set's first sample (as training
+    and as evaluation run it: parallel/derivatives.py): refused on every rank before the first
+    step where the Plan and settings cannot give its second derivatives, or where the derivative
+    fails without gradients (as evaluation runs it), each naming the fix. Built-in models do
+    not differentiate."""
+    from torch import nn
 
-    if not workload.whole_outputs or workload.input_blocks:
+    from ..errors import ModelCodeError, ParallelizeError
+    from ..parallel.derivatives import derivative_refusal, find_derivatives, no_grad_message
+
+    if not workload.whole_outputs:
         return
 
     def look() -> tuple[str, str] | None:
@@ -322,11 +325,18 @@ def check_derivatives(workload, config: Config, mesh) -> None:
             return None
         inputs = map_tensors(workload.decode_inputs(first_inputs(workload, 1)),
                              lambda t: t.to(where))
-        found, failure = differentiates(workload.model, inputs)
-        if failure is not None:
-            return "no_grad", no_grad_message(workload.model, failure)
+        found = find_derivatives(workload.model, inputs)
+        if found.failed_without_grad is not None:
+            return "no_grad", no_grad_message(workload.model, found.failed_without_grad)
+        if not found.calls:
+            return None
+        batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm)
+                        for m in workload.model.modules())
         why = derivative_refusal(type(workload.model).__name__, mesh.plan,
-                                 config.parallel.zero_stage) if found else None
+                                 zero_stage=config.parallel.zero_stage,
+                                 functorch=found.functorch > 0, batchnorm=batchnorm,
+                                 options=config.parallel, optimizer=config.optim.name,
+                                 compiled=bool(workload.compile))
         return ("plan", why) if why else None
 
     found = rank_0_finds(mesh, look, None)

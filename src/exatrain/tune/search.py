@@ -76,7 +76,8 @@ def shape_problem(spec: ModelSpec, plan: Plan, options: Options) -> tuple[str, s
     """(kind, reason) when the model's shapes do not fit the Plan, else None."""
     if spec.extra.get("differentiates"):   # as `train.job.check_derivatives` refuses it
         from ..parallel.derivatives import derivative_refusal
-        why = derivative_refusal(spec.name, plan, options.zero_stage)
+        why = derivative_refusal(spec.name, plan, zero_stage=options.zero_stage,
+                                 functorch=spec.extra.get("differentiates_by_functorch", False))
         if why:
             return ("not applicable", why)
     replicas = plan.data * plan.shard

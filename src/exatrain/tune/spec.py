@@ -398,7 +398,8 @@ def user_spec(model: nn.Module, example: torch.Tensor, loss_fn=None, name: str =
              "flatten_elements": sum(math.prod(t.shape[1:]) for t in outs if t.dim() == x.dim()),
              "output_shape": out_shape[1:],
              # its forward differentiates (forces): Plans without second derivatives refused
-             "differentiates": derivatives.calls > 0}
+             "differentiates": derivatives.calls > 0,
+             "differentiates_by_functorch": derivatives.functorch > 0}
     if len(spatial) == 3:
         extra["geometry"] = layer_geometry(model, tuple(x.shape))
     if spatial:   # a layer the spatial split refuses (a Fourier layer): no space Plan runs
