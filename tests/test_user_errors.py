@@ -97,7 +97,8 @@ class Shaped(TensorDataset):
     def __getitem__(self, index):
         x, y = super().__getitem__(index)
         return {"dict": {"x": x, "y": y}, "inputs": (x, x, y), "targets": (x, (y, y)),
-                "float64": (x.double().numpy(), y)}[self.kind]
+                "float64": (x.double().numpy(), y),
+                "ragged": (x[:1 + index % 3], y)}[self.kind]   # atoms, 1 to 3 of them
 
 
 class Stream(torch.utils.data.IterableDataset):
@@ -125,7 +126,7 @@ def build(kind: str = "ok") -> et.Task:
     loss = (lambda o, t: F.mse_loss(o, t) * float("nan")) if kind == "nan" else \
         (lambda o, t: F.mse_loss(o, t, reduction="none")) if kind == "per_sample" else F.mse_loss
     train = (Slow if kind == "slow" else TensorDataset)(x, y)
-    if kind in ("dict", "inputs", "targets", "float64", "float64_pipe"):
+    if kind in ("dict", "inputs", "targets", "float64", "float64_pipe", "ragged"):
         train = Shaped(kind.removesuffix("_pipe"), x, y)
     if kind == "iterable":
         train = Stream(x, y)
@@ -452,6 +453,9 @@ def test_a_staging_directory_too_small_is_one_line_from_the_real_command(cosmo_d
     ("float64_pipe", ["the model's input is float64 (NumPy's default) and its forward failed on "
                       "it (mat1 and mat2 must have the same dtype", "x.astype(np.float32)"]),
     ("no_val", ["val_set is None", "random_split(data, [0.9, 0.1]"]),
+    # samples of different sizes (molecules): found where the first batch is stacked
+    ("ragged", ["the samples of one batch have inputs of different shapes: (", ",) in its "
+                "sample 0, (", "Pad them in the data set to the largest size"]),
     ("iterable", ["train_set is Stream (an iterable-style data set)",
                   "map-style Dataset, with __getitem__"]),
 ])
@@ -459,7 +463,8 @@ def test_samples_that_are_not_an_input_and_a_target_are_refused_before_the_first
         kind, texts, user, tmp_path, capsys):
     """A sample the step cannot move to the device and feed to model(input) is named, with its
     structure and the fix, before any step (no metrics were written); so are a missing
-    validation set and a data set that cannot be read by index."""
+    validation set, a data set that cannot be read by index, and samples that do not stack
+    into a batch."""
     capsys.readouterr()
     pipe = kind.endswith("_pipe")   # under pipe=2 the stages run the forward: the same message
     code = main(["run", "--nproc", "2" if pipe else "1",

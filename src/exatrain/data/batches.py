@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
+from ..errors import DataError
+
 
 class Collated(tuple):
     """A batch that a data set's `__getitems__` returned already collated (e.g. read straight
@@ -57,7 +59,39 @@ def collate(batch):
         together = packed(batch)
         if together is not None:
             return together
-    return default_collate(batch)
+    try:
+        return default_collate(batch)
+    except RuntimeError as exc:
+        message = ragged_message(batch)
+        if message is None:
+            raise
+        raise DataError(message) from exc
+
+
+def ragged_message(samples: list) -> str | None:
+    """Why `samples` do not stack into a batch, where a tensor of theirs differs in shape from
+    one sample to the next (molecules of different sizes, sequences of different lengths), with
+    the fix; None where every tensor stacks."""
+    from torch.utils._pytree import tree_flatten
+
+    leaves = [tree_flatten(s)[0] for s in samples]
+    first = leaves[0]
+    for position, value in enumerate(first):
+        if not isinstance(value, torch.Tensor):
+            continue
+        for j, other in enumerate(leaves[1:], start=1):
+            if position < len(other) and isinstance(other[position], torch.Tensor) and \
+                    other[position].shape != value.shape:
+                what = "target" if position == len(first) - 1 else \
+                    "input" if len(first) == 2 else f"input {position}"
+                return (f"the samples of one batch have {what}s of different shapes: "
+                        f"{tuple(value.shape)} in its sample 0, {tuple(other[position].shape)} "
+                        f"in its sample {j}. A batch stacks its samples, so each tensor of a "
+                        f"sample needs one shape in every sample. Pad them in the data set to "
+                        f"the largest size, with a mask or a count of the real entries as one "
+                        f"more input (as the QM9 workload pads molecules), or crop them to one "
+                        f"size.")
+    return None
 
 
 def plain_collate(dataset) -> Callable | None:
