@@ -32,7 +32,9 @@ params)`, its features scaled and shifted by a Linear of the parameters (`cnn_co
 samples `((field, params), target)`), the same with the parameters broadcast over the field as
 channels and a 1×1 convolution in place of the Linear (`cnn_conditioned_planes`: under `space`
 the field is cut into blocks, the parameters reach every rank whole), and the MLP of two named
-inputs, `forward(self, x, t)` on samples `({"x": x, "t": t}, target)` (`mlp_keywords`); the
+inputs, `forward(self, x, t)` on samples `({"x": x, "t": t}, target)` (`mlp_keywords`); a
+message-passing net on molecules of 3 to 7 atoms batched by the user's collate_fn (nodes
+concatenated, edges offset, a graph index per node: `gnn`, samples that do not stack); the
 MLP as a learned energy whose forward returns it and its forces, -dE/dx by torch.autograd.grad,
 trained on both (`mlp_forces`: the step differentiates the derivative again, through the split
 layers' collectives under `tensor`; tests/test_user_derivatives.py has the Plans refused).
@@ -60,7 +62,7 @@ import pytest
 import torch
 
 from harness import run_ranks
-from user_models import check
+from user_models import COLLATE, check
 
 PLANS = {
     "data2": {"data": 2}, "shard2": {"shard": 2}, "tensor2": {"tensor": 2},
@@ -98,6 +100,7 @@ CELLS = [
     *[(m, p) for m in ("cnn_conditioned", "mlp_keywords") for p in ("data2", "shard2", "tensor2")],
     *[("cnn_conditioned_planes", p) for p in ("space121", "space122")],
     *[("mlp_forces", p) for p in ("data2", "shard2-zero2", "tensor2")],
+    *[("gnn", p) for p in ("data2", "shard2", "shard2-zero2", "tensor2")],
 ]
 # cells that do not train as one process today: (model, plan) -> the defect, named
 XFAIL: dict[tuple[str, str], str] = {}
@@ -145,7 +148,8 @@ def tensor_layout(model: str, plan: str) -> dict:
     try:
         plain = uncompiled(build(model))[0]
         samples = dataset(model)   # the first two samples' inputs (one tensor, or several)
-        inputs = torch.utils.data.default_collate([samples[i] for i in range(2)])[0]
+        collate = COLLATE.get(model, torch.utils.data.default_collate)
+        inputs = collate([samples[i] for i in range(2)])[0]
         mark_reads_outside(plain, reads_outside(plain, inputs))
         laid_out = parallelize_tensor(plain, mesh).exatrain_tensor.summary()
         return {k: laid_out[k] for k in ("split", "local_heads")}
@@ -240,6 +244,8 @@ def test_users_model_trains_under_the_plan_as_one_process(cell, trained, serial,
             assert layout["split"] == ["lift", "pointwise.0", "pointwise.1"], layout
         elif model == "cnn_conditioned":   # the Linear of the parameters, the convolutions
             assert layout["split"] == ["film", "conv1", "conv2"], layout
+        elif model == "gnn":   # the node-wise Linears; the readout after the pool stays whole
+            assert layout["split"] == ["embed", "message", "update"], layout
         elif model == "transformer_torch":   # its layers' fast path reads their Linears whole
             assert layout["split"] == ["embed", "head"], layout
         else:
@@ -311,3 +317,41 @@ def test_several_inputs_are_refused_by_name_where_they_cannot_go(tmp_path, one_t
     with pytest.raises(ArgumentError, match="models a model of one input; example is a tuple"):
         et.plans(build("cnn_conditioned"), (torch.zeros(1, 2, 16, 16), torch.zeros(1, 3)),
                  world=2, batch=4)
+
+
+def _graphs_refused(out_dir: str) -> dict:
+    from user_models import fit
+
+    found = {}
+    for plan in ("pipe2", "space121"):
+        try:
+            fit("gnn", PLANS[plan], os.path.join(out_dir, plan))
+            found[plan] = ""
+        except Exception as exc:  # noqa: BLE001 - the message is the result
+            found[plan] = f"{type(exc).__name__}: {exc}"
+    return found
+
+
+def test_a_collate_fn_is_refused_by_name_where_its_batches_cannot_go(tmp_path, one_thread):
+    """Pipeline micro-batches and spatial blocks cut every input along one dim, which a batch of
+    graphs (nodes concatenated) does not allow; a target with a row per node, not per sample,
+    would be counted as samples by evaluation."""
+    import exatrain as et
+    import torch.nn.functional as F
+    from user_models import build, collate_graphs, dataset
+
+    for found in run_ranks(2, _graphs_refused, str(tmp_path)):
+        for plan, words in (("pipe2", "Plan(pipe=2): a collate_fn's batches"),
+                            ("space121", "Plan(space=(1, 2, 1)): a collate_fn's batches")):
+            assert found[plan].startswith("DataError: " + words), found[plan]
+            assert "use data, shard or tensor" in found[plan], found[plan]
+
+    def per_node(samples):   # a target for every atom
+        (nodes, edges, graph), _ = collate_graphs(samples)
+        return (nodes, edges, graph), nodes[:, :1]
+
+    with pytest.raises(et.DataError, match=r"collate_fn on train_set\[0:2\] returned a target "
+                       r"Tensor \(\d+, 1\) float32: .* one row per sample \(2 here\)"):
+        et.fit(lambda: build("gnn"), dataset("gnn"), dataset("gnn"), loss=F.mse_loss,
+               collate_fn=per_node, train={"steps": 1, "batch_size": 4, "num_workers": 0},
+               run={"out_dir": str(tmp_path / "node")})

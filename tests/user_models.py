@@ -177,6 +177,64 @@ class ForceMLP(UserMLP):
         return torch.cat([energy, forces], dim=1)
 
 
+class GraphNet(nn.Module):
+    """Message passing on molecules of different sizes, written as people write it without a
+    graph library: a batch is the graphs' nodes concatenated, their edges offset into them and
+    a graph index per node (`collate_graphs`, as PyTorch Geometric batches); sums by index_add_."""
+
+    def __init__(self, n_in: int = 4, hidden: int = 32):
+        super().__init__()
+        self.embed = nn.Linear(n_in, hidden)
+        self.message = nn.Linear(hidden, hidden)
+        self.update = nn.Linear(2 * hidden, hidden)
+        self.readout = nn.Linear(hidden, 1)
+
+    def forward(self, nodes, edges, graph):
+        h = torch.tanh(self.embed(nodes))
+        for _ in range(2):
+            sent = self.message(h)[edges[0]]
+            received = torch.zeros_like(h).index_add_(0, edges[1], sent)
+            h = torch.tanh(self.update(torch.cat([h, received], dim=1)))
+        pooled = torch.zeros(int(graph.max()) + 1, h.shape[1], dtype=h.dtype)
+        return self.readout(pooled.index_add_(0, graph, h))
+
+
+class Molecules(torch.utils.data.Dataset):
+    """8 graphs of 3 to 7 atoms (4 features each), bonds in a ring; the target a per-graph
+    energy from the atoms and the bonds. Samples `((nodes, edges), energy)`."""
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(4)
+        self.graphs = []
+        for _ in range(8):
+            n = int(torch.randint(3, 8, (1,), generator=g))
+            nodes = torch.randn(n, 4, generator=g)
+            ring = torch.arange(n)
+            edges = torch.cat([torch.stack([ring, ring.roll(1)]),
+                               torch.stack([ring.roll(1), ring])], dim=1)
+            bonds = (nodes[edges[0]] * nodes[edges[1]]).sum() / n
+            energy = torch.tanh(nodes).sum(0)[:1] * 0.3 + 0.1 * bonds
+            self.graphs.append(((nodes, edges), energy))
+
+    def __len__(self):
+        return len(self.graphs)
+
+    def __getitem__(self, i):
+        return self.graphs[i]
+
+
+def collate_graphs(samples: list):
+    """A batch of graphs: nodes concatenated, edges offset, a graph index per node."""
+    nodes, edges, graph, offset = [], [], [], 0
+    for i, ((x, e), _) in enumerate(samples):
+        nodes.append(x)
+        edges.append(e + offset)
+        graph.append(torch.full((len(x),), i))
+        offset += len(x)
+    return (torch.cat(nodes), torch.cat(edges, 1), torch.cat(graph)), \
+        torch.stack([energy for _, energy in samples])
+
+
 class LinearProbe(UserMLP):
     """A pretrained trunk, frozen, under a trained output layer (transfer learning)."""
 
@@ -491,7 +549,8 @@ MODELS = {"unet": lambda: UNet3D(), "unet_plain": lambda: UNet3D(norm=""),
           "mlp_f64": lambda: UserMLP().double(),
           "unet_heads": TwoHeadUNet, "cnn_conditioned": ConditionedCNN2D,
           "cnn_conditioned_planes": ChannelConditionedCNN2D,
-          "mlp_keywords": KeywordMLP, "mlp_forces": ForceMLP}
+          "mlp_keywords": KeywordMLP, "mlp_forces": ForceMLP, "gnn": GraphNet}
+COLLATE = {"gnn": collate_graphs}   # models whose samples do not stack
 
 
 def build(name: str) -> nn.Module:
@@ -511,6 +570,8 @@ def dataset(name: str) -> torch.utils.data.TensorDataset:
         return NumpySamples(*dataset("mlp").tensors)
     if name == "mlp_f64":
         return torch.utils.data.TensorDataset(*(t.double() for t in dataset("mlp").tensors))
+    if name == "gnn":
+        return Molecules()
     if name == "mlp_forces":   # an energy and its forces at 6 coordinates
         x, _ = dataset("mlp").tensors
         energy = 0.5 * (x ** 2).sum(1, keepdim=True) + torch.sin(x[:, :1])
@@ -567,7 +628,7 @@ def fit(name: str, plan: dict, out_dir: str) -> dict:
                      train={"steps": STEPS, "batch_size": 4, "log_every": 1, "eval_every": 0,
                             "num_workers": 0},
                      optim={"name": "sgd", "lr": 0.1}, run={"out_dir": out_dir},
-                     parallel=parallel)
+                     parallel=parallel, collate_fn=COLLATE.get(name))
     run_dir = Path(summary["run_dir"])
     state = checkpoint.full_model_state(checkpoint.latest(run_dir)) \
         if int(os.environ.get("RANK", "0")) == 0 else None

@@ -45,7 +45,8 @@ class Evaluation:
         seen = 0
         with no_inherited_garbage(self.num_workers):   # starts the workers
             batches = iter(DataLoader(dataset, batch_size=self.micro, sampler=indices,
-                                      num_workers=self.num_workers, collate_fn=collate))
+                                      num_workers=self.num_workers,
+                                      collate_fn=self.workload.collate_fn or collate))
         for batch in batches:
             x, y = self._to_device(batch)
             if isinstance(model, PipelineModel):

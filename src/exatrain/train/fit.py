@@ -67,18 +67,19 @@ class ScriptPlanned(Exception):
         self.result = result
 
 
-def _plan_instead(request: dict, model, train_set, loss, config: Config):
+def _plan_instead(request: dict, model, train_set, loss, config: Config, collate_fn=None):
     """What et.fit does under `exatrain plan SCRIPT.py`: no process group, no run directory, no
     step; the model is built (weights unused), traced on the first training sample under fake
     tensors with the script's loss and its target, at the sections' batch, optimizer and
     precision."""
     plans = request["planner"]  # et.plans, handed down by the plan command (tune sits above)
     built = uncompiled(model() if not isinstance(model, nn.Module) else model)[0]
-    check_sample("train_set", train_set)
+    if collate_fn is None:
+        check_sample("train_set", train_set)
     # the first sample as a batch of one, collated as the loader does (NumPy arrays become
     # tensors; a copy, where a TensorDataset's sample is a view of the whole set's tensor, which
     # the trace of saved tensors, `tune.spec.trace_saved_bytes`, would count whole by storage)
-    x, target = default_collate([train_set[0]])
+    x, target = (collate_fn or default_collate)([train_set[0]])
     traced_loss = lambda out: loss(out, target)
     kwargs = dict(world=request["world"], batch=config.train.batch_size,
                   system=request.get("system", "cpu-local"),
@@ -146,7 +147,8 @@ def _same_on_every_rank(model: nn.Module, mesh) -> None:
 def fit(model: nn.Module | Callable[[], nn.Module], train_set: Dataset, val_set: Dataset,
         loss: Callable, metrics: dict | None = None, *, plan: Plan | None = None,
         config: str | Path | Config | None = None, baselines: dict | None = None,
-        resume: str | None = None, **sections: dict) -> dict:
+        resume: str | None = None, collate_fn: Callable | None = None,
+        **sections: dict) -> dict:
     """Train `model` on `train_set`, evaluating on `val_set` every `train.eval_every` steps.
 
     Call it on every rank of the job (a plain process is one rank): start the script with
@@ -172,6 +174,10 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_set: Dataset, val_set:
         config: a TOML path or a `Config` to start from; the keyword sections go on top.
         baselines: figures copied into the summary, e.g. `{"baseline_mae": 0.5}`.
         resume: a run directory to continue from its latest checkpoint.
+        collate_fn: how a list of samples becomes a batch `(input, target)`, as `DataLoader`'s
+            `collate_fn`, for samples that do not stack: graphs of different sizes (their nodes
+            concatenated, the edges offset, a graph index per node). The target has one row per
+            sample. Under data, shard and tensor; pipe and space are refused. None: stacked.
         **sections: configuration sections as dicts, named as in a config file: `run`, `plan`,
             `train`, `optim`, `schedule`, `parallel`, `population`, `observe`, `mlperf`, e.g.
             `train={"steps": 200, "batch_size": 8}`; checked as a config file is.
@@ -184,7 +190,7 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_set: Dataset, val_set:
 
     config = make_config(config, **sections)
     if _plan_request.get() is not None:   # `exatrain plan SCRIPT.py`: predict, do not train
-        _plan_instead(_plan_request.get(), model, train_set, loss, config)
+        _plan_instead(_plan_request.get(), model, train_set, loss, config, collate_fn)
     launch = detect()
     world = launch.world_size if launch else 1
     if plan is None:
@@ -220,7 +226,8 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_set: Dataset, val_set:
             if isinstance(model, nn.Module):
                 _same_on_every_rank(built, mesh)
             return workload_from_task(Task(model=built, loss=loss, metrics=dict(metrics or {}),
-                                           baselines=dict(baselines or {}), **data_sets), mesh)
+                                           baselines=dict(baselines or {}),
+                                           collate_fn=collate_fn, **data_sets), mesh)
 
         trainer = build(config, mesh, make_workload, run_dir=run_dir, stage=stage,
                         resume_from=find_resume_checkpoint(resume) if resume else None).trainer

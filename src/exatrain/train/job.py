@@ -104,8 +104,8 @@ def latest_group_checkpoint(group_dir: Path) -> Path | None:
 
 def first_samples(workload, n: int):
     """The training set's first `n` samples (inputs, targets), collated as the loader does (a
-    sample may hold NumPy arrays)."""
-    return default_collate([workload.train_set[i] for i in range(n)])
+    sample may hold NumPy arrays; a user's collate_fn)."""
+    return (workload.collate_fn or default_collate)([workload.train_set[i] for i in range(n)])
 
 
 def first_inputs(workload, n: int) -> "torch.Tensor":

@@ -59,8 +59,10 @@ def node_shard(config, mesh, data_axis, samples: int) -> NodeShard | None:
 class Sampling:
     """This rank's sample order and its micro-batches on the device, epoch after epoch."""
 
-    def __init__(self, config, mesh, data_axis, train_set, micro: int, num_workers: int):
+    def __init__(self, config, mesh, data_axis, train_set, micro: int, num_workers: int,
+                 collate_fn=None):
         self.config, self.mesh, self.data_axis = config, mesh, data_axis
+        self.collate_fn = collate_fn   # a user's (workloads.user.Task), or None: the loader's
         self.train_set, self.micro, self.num_workers = train_set, micro, num_workers
         t, n = config.train, len(train_set)
         self.node_shard = node_shard(config, mesh, data_axis, n)
@@ -110,7 +112,7 @@ class Sampling:
         sampler = EpochSampler(self.rank_indices, self.steps_per_epoch, start_step)
         source = run_loader(self.train_set, sampler, self.micro, self.num_workers,
                             self.mesh.device, seed=start_step // self.steps_per_epoch,
-                            timeout_s=self.config.run.timeout_s)
+                            collate_fn=self.collate_fn, timeout_s=self.config.run.timeout_s)
         return Prefetcher(source, self.mesh.device, decode=decode,
                           depth=self.config.train.prefetch, workers=self.num_workers)
 

@@ -107,7 +107,7 @@ class Trainer:
         # loader workers per rank: train.num_workers, or (-1) from the cores the node's ranks share
         self.num_workers = loader_workers(t.num_workers)
         self.sampling = Sampling(config, mesh, sample_axis, workload.train_set, self.micro,
-                                 self.num_workers)
+                                 self.num_workers, workload.collate_fn)
         self.steps_per_epoch = self.sampling.steps_per_epoch
         if len(workload.val_set) < self.replicas:
             raise ConfigError(

@@ -54,6 +54,9 @@ class Workload:
     # The user handed a compiled model (torch.compile(model)): `model` is its plain module, laid
     # out as any other and compiled after the layout, as parallel.compile = true compiles.
     compile: bool = False
+    # How a list of samples becomes a batch (input, target), as DataLoader's collate_fn: a
+    # user's, for samples that do not stack (graphs of different sizes). None: stacked.
+    collate_fn: Callable | None = None
 
     def spatial_io(self) -> dict:
         """How the model meets the data under `space`: `parallelize`'s whole_samples and

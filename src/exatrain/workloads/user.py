@@ -49,6 +49,8 @@ class Task:
     `val_loss` is always reported. `baselines` are copied into the run summary.
     `train_set` and `val_set` are map-style Datasets of `(input, target)`; `flops_per_sample`
     (training FLOPs of one sample, 0 if unknown) turns on `mfu` and `model_flops_per_s`.
+    `collate_fn` (as DataLoader's) makes a batch `(input, target)` of a list of samples that do
+    not stack (graphs of different sizes); the target has a row per sample.
     """
     model: nn.Module
     train_set: Dataset
@@ -57,6 +59,7 @@ class Task:
     metrics: dict = field(default_factory=dict)
     baselines: dict = field(default_factory=dict)
     flops_per_sample: float = 0.0
+    collate_fn: Callable | None = None
 
 
 def workload_from_task(task: Task, mesh=None) -> Workload:
@@ -67,6 +70,11 @@ def workload_from_task(task: Task, mesh=None) -> Workload:
     if not isinstance(task.model, nn.Module):
         raise TypeError(f"Task.model must be a torch.nn.Module, got {type(task.model).__name__}")
     model, compiled = uncompiled(task.model)
+    if task.collate_fn is not None and mesh is not None and \
+            (mesh.plan.pipe > 1 or mesh.plan.space_degree > 1):
+        raise DataError(f"{mesh.plan}: a collate_fn's batches (graphs of different sizes) are "
+                        f"not cut into pipeline micro-batches or spatial blocks, which split "
+                        f"every input along one dim; use data, shard or tensor.")
     metrics = {"loss": Mean(task.loss), **task.metrics}
     metric_sums, finalize = metric_functions(metrics)
     train_set, val_set = task.train_set, task.val_set
@@ -74,11 +82,15 @@ def workload_from_task(task: Task, mesh=None) -> Workload:
     if blocks:
         train_set, val_set = read_by_blocks(train_set, mesh), read_by_blocks(val_set, mesh)
     for name, ds in (("train_set", train_set), ("val_set", val_set)):
-        check_sample(name, ds)
+        if task.collate_fn is None:
+            check_sample(name, ds)
+        else:
+            check_collated(name, ds, task.collate_fn)
     return Workload(model=model, train_set=train_set, val_set=val_set,
                     loss_fn=OneValueLoss(task.loss), metric_sums=metric_sums, finalize=finalize,
                     baselines=dict(task.baselines), flops_per_sample=task.flops_per_sample,
-                    input_blocks=blocks, whole_outputs=True, compile=compiled)
+                    input_blocks=blocks, whole_outputs=True, compile=compiled,
+                    collate_fn=task.collate_fn)
 
 
 def uncompiled(model: nn.Module) -> tuple[nn.Module, bool]:
@@ -118,8 +130,9 @@ def summed_over_samples(model: nn.Module, loss: Callable, x, y) -> tuple | None:
     its values on each, not their mean. One forward of the two samples, in evaluation mode
     (samples independent: no dropout, BatchNorm on its running statistics), without gradients,
     leaving no trace in the model; each sample's loss takes its rows of the outputs (a 0-dim
-    auxiliary output is kept whole). None when the loss averages, or when this fails (training
-    then says why)."""
+    auxiliary output is kept whole). `x`, `y`: the batch of exactly those two samples (a
+    collate_fn's graphs whole). None when the loss averages, or when this fails (training then
+    says why)."""
     import torch
 
     from ..parallel.nested import call_on, map_tensors
@@ -130,7 +143,7 @@ def summed_over_samples(model: nn.Module, loss: Callable, x, y) -> tuple | None:
 
     try:
         with probing(model), torch.no_grad():
-            out = call_on(model, map_tensors(x, lambda t: t[:2]))
+            out = call_on(model, x)   # the first two samples (a collate_fn's graphs whole)
             both, first, second = (float(loss(rows(out, part), y[part]))
                                    for part in (slice(0, 2), slice(0, 1), slice(1, 2)))
     except Exception:  # noqa: BLE001 - the training forward reports it, where it belongs
@@ -178,6 +191,31 @@ def check_map_style(name: str, data_set) -> None:
         f"{name} is {type(data_set).__name__} ({kind}): exatrain reads samples by index, each "
         f"rank its share of every batch, so it needs a map-style Dataset, with __getitem__ "
         f"(one sample, (input, target)) and __len__, e.g. torch.utils.data.TensorDataset(x, y).")
+
+
+def check_collated(name: str, data_set, collate_fn: Callable) -> None:
+    """Refuse, before any step, a `collate_fn` whose batch of the set's first two samples is not
+    `(input, target)` with a target of one row per sample: evaluation counts, weighs and cuts
+    its batches by the target's rows (a target per node of a graph would be counted as
+    samples)."""
+    import torch
+
+    n = min(2, len(data_set))
+    if n == 0:
+        return
+    with torch.random.fork_rng(devices=[]):
+        batch = collate_fn([data_set[i] for i in range(n)])
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise DataError(f"collate_fn on {name}[0:{n}] returned {_shape_of(batch)}; training calls "
+                        f"model(input) and loss(output, target): return (input, target), the "
+                        f"input a tensor or a tuple or dict of them.")
+    target = batch[1]
+    if not isinstance(target, torch.Tensor) or target.dim() == 0 or len(target) != n:
+        raise DataError(f"collate_fn on {name}[0:{n}] returned a target {_shape_of(target)}: "
+                        f"exatrain counts a batch's samples by its target's rows, so the target "
+                        f"needs one row per sample ({n} here), e.g. a value per graph. A target "
+                        f"per node is not supported with collate_fn: pad the graphs to one size "
+                        f"and stack them instead.")
 
 
 def check_sample(name: str, data_set) -> None:

@@ -279,8 +279,8 @@ class ReplicaGroups:
         indices = sampling.slice_indices(step, position)
         out = []
         for start in range(0, len(indices), sampling.micro):
-            x, y = default_collate([sampling.train_set[i]
-                                    for i in indices[start:start + sampling.micro]])
+            x, y = (sampling.collate_fn or default_collate)(
+                [sampling.train_set[i] for i in indices[start:start + sampling.micro]])
             x, y = map_tensors(x, lambda t: t.to(self.mesh.device)), y.to(self.mesh.device)
             out.append((self._decode(x) if self._decode is not None else x, y))
         return out
