@@ -90,7 +90,8 @@ def ragged_message(samples: list) -> str | None:
                         f"sample needs one shape in every sample. Pad them in the data set to "
                         f"the largest size, with a mask or a count of the real entries as one "
                         f"more input (as the QM9 workload pads molecules), or crop them to one "
-                        f"size.")
+                        f"size; or batch them yourself: et.fit(..., collate_fn=) (graphs: the "
+                        f"nodes concatenated, the edges offset, a graph index per node).")
     return None
 
 
