@@ -262,3 +262,47 @@ def test_a_model_of_several_outputs_predicts_each_into_a_dataset_of_its_own(tmp_
                 got = torch.from_numpy(f[f"predictions/{head}"][...])
                 assert got.shape == want[head].shape, (path, head)
                 assert rel_err(got, want[head]) <= 1e-6, (path, head)
+
+
+GRAPHS_MODULE = '''
+import sys
+sys.path.insert(0, {tests!r})
+import torch.nn.functional as F
+import exatrain as et
+from user_models import GraphNet, Molecules, collate_graphs
+
+
+def build():
+    return et.Task(model=GraphNet(), train_set=Molecules(), val_set=Molecules(), loss=F.mse_loss,
+                   collate_fn=collate_graphs)
+'''
+
+
+def test_a_model_on_graphs_predicts_one_row_per_graph_with_its_collate_fn(tmp_path):
+    """Molecules of 3 to 7 atoms, batched by the Task's collate_fn: prediction batches them the
+    same way and writes one row per graph, in sample order, equal to the trained model's own
+    forward (it counted a batch's rows by its first input, the atoms, before)."""
+    import sys
+
+    from exatrain.train.checkpoints import checkpoint
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from user_models import GraphNet, Molecules, collate_graphs
+
+    (tmp_path / "graphs.py").write_text(GRAPHS_MODULE.format(tests=str(Path(__file__).parent)))
+    config = load_config(None, [f"run.workload='{tmp_path / 'graphs.py'}'",
+                                f"run.out_dir='{tmp_path}'", "train.steps=2",
+                                "train.batch_size=4", "train.eval_every=0",
+                                "train.num_workers=0"])
+    run_dir = run_job(config)["run_dir"]
+    done = predict(run_dir, out=tmp_path / "graphs.h5", batch_size=3, verbose=False)
+    assert done["samples"] == 8
+    model = GraphNet()
+    model.load_state_dict(checkpoint.full_model_state(checkpoint.latest(Path(run_dir))))
+    with torch.no_grad():
+        want = model(*collate_graphs([Molecules()[i] for i in range(8)])[0])
+    with h5py.File(tmp_path / "graphs.h5", "r") as f:
+        np.testing.assert_array_equal(f["index"][...], np.arange(8))
+        got = torch.from_numpy(f["predictions"][...])
+    assert got.shape == want.shape == (8, 1)
+    assert rel_err(got, want) <= 1e-6

@@ -454,8 +454,9 @@ def test_a_staging_directory_too_small_is_one_line_from_the_real_command(cosmo_d
                       "it (mat1 and mat2 must have the same dtype", "x.astype(np.float32)"]),
     ("no_val", ["val_set is None", "random_split(data, [0.9, 0.1]"]),
     # samples of different sizes (molecules): found where the first batch is stacked
-    ("ragged", ["the samples of one batch have inputs of different shapes: (", ",) in its "
-                "sample 0, (", "Pad them in the data set to the largest size"]),
+    ("ragged", ["the samples of one batch differ in the shape of their input: (", ",) in its "
+                "sample 0, (", "Pad them in the data set to the largest size",
+                "et.fit(..., collate_fn=)"]),
     ("iterable", ["train_set is Stream (an iterable-style data set)",
                   "map-style Dataset, with __getitem__"]),
 ])

@@ -323,9 +323,12 @@ def _graphs_refused(out_dir: str) -> dict:
     from user_models import fit
 
     found = {}
-    for plan in ("pipe2", "space121"):
+    for plan in ("pipe2", "space121", "kfac"):
         try:
-            fit("gnn", PLANS[plan], os.path.join(out_dir, plan))
+            if plan == "kfac":
+                fit("gnn", {"data": 2, "optim": "kfac"}, os.path.join(out_dir, plan))
+            else:
+                fit("gnn", PLANS[plan], os.path.join(out_dir, plan))
             found[plan] = ""
         except Exception as exc:  # noqa: BLE001 - the message is the result
             found[plan] = f"{type(exc).__name__}: {exc}"
@@ -334,17 +337,21 @@ def _graphs_refused(out_dir: str) -> dict:
 
 def test_a_collate_fn_is_refused_by_name_where_its_batches_cannot_go(tmp_path, one_thread):
     """Pipeline micro-batches and spatial blocks cut every input along one dim, which a batch of
-    graphs (nodes concatenated) does not allow; a target with a row per node, not per sample,
-    would be counted as samples by evaluation."""
+    graphs (nodes concatenated) does not allow, and K-FAC counts a layer's input rows as
+    samples; a target with a row per node, not per sample, would be counted as samples by
+    evaluation."""
     import exatrain as et
     import torch.nn.functional as F
     from user_models import build, collate_graphs, dataset
 
     for found in run_ranks(2, _graphs_refused, str(tmp_path)):
-        for plan, words in (("pipe2", "Plan(pipe=2): a collate_fn's batches"),
-                            ("space121", "Plan(space=(1, 2, 1)): a collate_fn's batches")):
-            assert found[plan].startswith("DataError: " + words), found[plan]
-            assert "use data, shard or tensor" in found[plan], found[plan]
+        for plan, words in (("pipe2", "pipe=2 cuts every input into micro-batches"),
+                            ("space121", "space=(1, 2, 1) cuts every input into spatial blocks"),
+                            ("kfac", "optim.name='kfac' counts a layer's input rows")):
+            assert found[plan].startswith("DataError: Plan("), found[plan]
+            for word in ("a collate_fn's batches (graphs of different sizes) have no dim", words,
+                         "Data, shard and 1D tensor parallelism (plan.tensor=N) train them"):
+                assert word in found[plan], found[plan]
 
     def per_node(samples):   # a target for every atom
         (nodes, edges, graph), _ = collate_graphs(samples)

@@ -195,7 +195,7 @@ class GraphNet(nn.Module):
             sent = self.message(h)[edges[0]]
             received = torch.zeros_like(h).index_add_(0, edges[1], sent)
             h = torch.tanh(self.update(torch.cat([h, received], dim=1)))
-        pooled = torch.zeros(int(graph.max()) + 1, h.shape[1], dtype=h.dtype)
+        pooled = torch.zeros(int(graph.max()) + 1, h.shape[1], dtype=h.dtype, device=h.device)
         return self.readout(pooled.index_add_(0, graph, h))
 
 
@@ -612,12 +612,14 @@ def dataset(name: str) -> torch.utils.data.TensorDataset:
 
 def fit(name: str, plan: dict, out_dir: str) -> dict:
     """`et.fit` as a user calls it; every rank returns its run's losses and final weights.
-    `plan`: the Plan's degrees, and under the key "parallel" any [parallel] options."""
+    `plan`: the Plan's degrees, under the key "parallel" any [parallel] options, under "optim"
+    the optimizer's name (default sgd)."""
     import exatrain as et
     from exatrain.train.checkpoints import checkpoint
 
     plan = dict(plan)
     options = plan.pop("parallel", {})
+    optimizer = plan.pop("optim", "sgd")
 
     data = dataset(name)
     loss = heads_loss if name.endswith(("_heads", "_named", "_dict")) else F.mse_loss
@@ -627,7 +629,7 @@ def fit(name: str, plan: dict, out_dir: str) -> dict:
     summary = et.fit(lambda: build(name), data, data, loss=loss, plan=et.Plan(**plan),
                      train={"steps": STEPS, "batch_size": 4, "log_every": 1, "eval_every": 0,
                             "num_workers": 0},
-                     optim={"name": "sgd", "lr": 0.1}, run={"out_dir": out_dir},
+                     optim={"name": optimizer, "lr": 0.1}, run={"out_dir": out_dir},
                      parallel=parallel, collate_fn=COLLATE.get(name))
     run_dir = Path(summary["run_dir"])
     state = checkpoint.full_model_state(checkpoint.latest(run_dir)) \

@@ -69,31 +69,43 @@ def collate(batch):
 
 
 def ragged_message(samples: list) -> str | None:
-    """Why `samples` do not stack into a batch, where a tensor of theirs differs in shape from
-    one sample to the next (molecules of different sizes, sequences of different lengths), with
-    the fix; None where every tensor stacks."""
-    from torch.utils._pytree import tree_flatten
-
-    leaves = [tree_flatten(s)[0] for s in samples]
-    first = leaves[0]
-    for position, value in enumerate(first):
-        if not isinstance(value, torch.Tensor):
-            continue
-        for j, other in enumerate(leaves[1:], start=1):
-            if position < len(other) and isinstance(other[position], torch.Tensor) and \
-                    other[position].shape != value.shape:
-                what = "target" if position == len(first) - 1 else \
-                    "input" if len(first) == 2 else f"input {position}"
-                return (f"the samples of one batch have {what}s of different shapes: "
-                        f"{tuple(value.shape)} in its sample 0, {tuple(other[position].shape)} "
-                        f"in its sample {j}. A batch stacks its samples, so each tensor of a "
-                        f"sample needs one shape in every sample. Pad them in the data set to "
-                        f"the largest size, with a mask or a count of the real entries as one "
-                        f"more input (as the QM9 workload pads molecules), or crop them to one "
-                        f"size; or batch them yourself: et.fit(..., collate_fn=) (graphs: the "
-                        f"nodes concatenated, the edges offset, a graph index per node).")
+    """Why `samples` do not stack into a batch, where a tensor or array of theirs differs in
+    shape from one sample to the next (molecules of different sizes, sequences of different
+    lengths), with the fix; None where every one stacks."""
+    shapes = [_leaf_shapes(s) for s in samples]
+    for name, shape in shapes[0].items():
+        for j, other in enumerate(shapes[1:], start=1):
+            if name in other and other[name] != shape:
+                return (f"the samples of one batch differ in the shape of their {name}: {shape} "
+                        f"in its sample 0, {other[name]} in its sample {j}. A batch stacks its "
+                        f"samples, so each tensor of a sample needs one shape in every sample. "
+                        f"Pad them in the data set to the largest size, with a mask or a count "
+                        f"of the real entries as one more input (as the QM9 workload pads "
+                        f"molecules), or crop them to one size; or batch them yourself: "
+                        f"et.fit(..., collate_fn=) (graphs: the nodes concatenated, the edges "
+                        f"offset, a graph index per node).")
     return None
 
+
+def _leaf_shapes(sample) -> dict[str, tuple]:
+    """{name: shape} of the tensors and arrays in one sample: in an (input, target) pair
+    "input", "input 0", "input 'x'", "target"; else their path in the sample."""
+    from torch.utils._pytree import MappingKey, SequenceKey, keystr, tree_flatten_with_path
+
+    pair = isinstance(sample, (tuple, list)) and len(sample) == 2
+    out = {}
+    for path, leaf in tree_flatten_with_path(sample)[0]:
+        if not isinstance(leaf, (torch.Tensor, np.ndarray)):
+            continue
+        if pair and path and isinstance(path[0], SequenceKey):
+            name = ("input", "target")[path[0].idx]
+            for key in path[1:]:
+                name += f" {key.idx}" if isinstance(key, SequenceKey) else \
+                    f" {key.key!r}" if isinstance(key, MappingKey) else keystr([key])
+        else:
+            name = f"sample{keystr(path)}"
+        out[name] = tuple(leaf.shape)
+    return out
 
 def plain_collate(dataset) -> Callable | None:
     """The collate function a plain `DataLoader` over `dataset` needs, as a user writes one (the

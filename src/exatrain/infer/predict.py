@@ -52,7 +52,7 @@ from ..plan import Plan
 from ..train.checkpoints import checkpoint
 from ..train.config import Config, load_config
 from ..errors import UserError
-from ..parallel.nested import call_on, cut_batch, first_tensor, fp32, map_tensors
+from ..parallel.nested import call_on, cut_batch, fp32, map_tensors
 from .writer import OutputMeaning, PredictionWriter
 
 
@@ -314,7 +314,8 @@ def _predict_on(mesh, config: Config, run_dir: Path, path: Path, data, out: Path
     workers = max(0, config.train.num_workers)
     with no_inherited_garbage(workers):   # starts the workers
         loader = iter(torch.utils.data.DataLoader(data_set, batch_sampler=batches,
-                                                  collate_fn=collate, num_workers=workers))
+                                                  collate_fn=workload.collate_fn or collate,
+                                                  num_workers=workers))
     failure = None
     start = time.perf_counter()
     try:
@@ -330,7 +331,7 @@ def _predict_on(mesh, config: Config, run_dir: Path, path: Path, data, out: Path
                     continue
                 first = (b * replica_axis.size + replica_axis.rank) * per_replica
                 keep = max(0, min(per_replica, n - first))  # 0: a padding sample
-                rows = len(first_tensor(x))   # the batch's samples (x may be several inputs)
+                rows = len(batches[b])   # the batch's samples (a collate_fn's graphs: not rows)
                 mine = (first, keep, map_tensors(fp32(cut_batch(output, keep, rows)),
                                                  torch.Tensor.cpu),
                         None if y is None else y[:keep])

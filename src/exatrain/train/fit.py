@@ -74,12 +74,17 @@ def _plan_instead(request: dict, model, train_set, loss, config: Config, collate
     precision."""
     plans = request["planner"]  # et.plans, handed down by the plan command (tune sits above)
     built = uncompiled(model() if not isinstance(model, nn.Module) else model)[0]
-    if collate_fn is None:
-        check_sample("train_set", train_set)
+    if collate_fn is not None:
+        from ..errors import ArgumentError
+        raise ArgumentError("exatrain plan models batches that stack samples along one dim; a "
+                            "collate_fn's batches (graphs of different sizes) are not modelled. "
+                            "Plan on a data set of padded samples of the largest size, or try "
+                            "Plans with data, shard or 1D tensor on a short run.")
+    check_sample("train_set", train_set)
     # the first sample as a batch of one, collated as the loader does (NumPy arrays become
     # tensors; a copy, where a TensorDataset's sample is a view of the whole set's tensor, which
     # the trace of saved tensors, `tune.spec.trace_saved_bytes`, would count whole by storage)
-    x, target = (collate_fn or default_collate)([train_set[0]])
+    x, target = default_collate([train_set[0]])
     traced_loss = lambda out: loss(out, target)
     kwargs = dict(world=request["world"], batch=config.train.batch_size,
                   system=request.get("system", "cpu-local"),
@@ -177,7 +182,8 @@ def fit(model: nn.Module | Callable[[], nn.Module], train_set: Dataset, val_set:
         collate_fn: how a list of samples becomes a batch `(input, target)`, as `DataLoader`'s
             `collate_fn`, for samples that do not stack: graphs of different sizes (their nodes
             concatenated, the edges offset, a graph index per node). The target has one row per
-            sample. Under data, shard and tensor; pipe and space are refused. None: stacked.
+            sample. Under data, shard and 1D tensor; pipe, space, 3D tensor over z, branches
+            and K-FAC are refused by name, and `exatrain plan` does not model it. None: stacked.
         **sections: configuration sections as dicts, named as in a config file: `run`, `plan`,
             `train`, `optim`, `schedule`, `parallel`, `population`, `observe`, `mlperf`, e.g.
             `train={"steps": 200, "batch_size": 8}`; checked as a config file is.

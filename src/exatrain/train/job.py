@@ -34,9 +34,9 @@ from typing import Callable
 import numpy as np
 import tomli_w
 import torch
-from torch.utils.data import default_collate
 
 from ..comm import broadcast_object
+from ..data.batches import collate
 from ..errors import UserError, relayed
 from ..mesh import init
 from ..parallel import parallelize
@@ -105,7 +105,7 @@ def latest_group_checkpoint(group_dir: Path) -> Path | None:
 def first_samples(workload, n: int):
     """The training set's first `n` samples (inputs, targets), collated as the loader does (a
     sample may hold NumPy arrays; a user's collate_fn)."""
-    return (workload.collate_fn or default_collate)([workload.train_set[i] for i in range(n)])
+    return (workload.collate_fn or collate)([workload.train_set[i] for i in range(n)])
 
 
 def first_inputs(workload, n: int) -> "torch.Tensor":
@@ -482,6 +482,12 @@ def build(config: Config, mesh, make_workload: Callable, *, run_dir: Path | None
         times["staged_bytes"] = staged["staged_bytes"]
     torch.manual_seed(config.run.seed)  # identical initial weights on every rank
     workload = make_workload(config, mesh)
+    if workload.collate_fn is not None:
+        from ..errors import DataError
+        from ..workloads.user import collate_refusal
+        why = collate_refusal(mesh.plan, config)
+        if why:
+            raise DataError(f"{mesh.plan}: {why}")
     if config.run.init_from and not resume_from:
         from .checkpoints.export import load_initial_weights
         load_initial_weights(workload.model, config.run.init_from)

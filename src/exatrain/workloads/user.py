@@ -70,11 +70,6 @@ def workload_from_task(task: Task, mesh=None) -> Workload:
     if not isinstance(task.model, nn.Module):
         raise TypeError(f"Task.model must be a torch.nn.Module, got {type(task.model).__name__}")
     model, compiled = uncompiled(task.model)
-    if task.collate_fn is not None and mesh is not None and \
-            (mesh.plan.pipe > 1 or mesh.plan.space_degree > 1):
-        raise DataError(f"{mesh.plan}: a collate_fn's batches (graphs of different sizes) are "
-                        f"not cut into pipeline micro-batches or spatial blocks, which split "
-                        f"every input along one dim; use data, shard or tensor.")
     metrics = {"loss": Mean(task.loss), **task.metrics}
     metric_sums, finalize = metric_functions(metrics)
     train_set, val_set = task.train_set, task.val_set
@@ -193,6 +188,41 @@ def check_map_style(name: str, data_set) -> None:
         f"(one sample, (input, target)) and __len__, e.g. torch.utils.data.TensorDataset(x, y).")
 
 
+def collate_refusal(plan, config) -> str | None:
+    """Why a collate_fn's batches (graphs of different sizes: no dim of every input runs over
+    the samples) cannot go where `plan` and `config` would take them (with the fix), or None."""
+    why = []
+    if plan.pipe > 1:
+        why.append(f"pipe={plan.pipe} cuts every input into micro-batches along dim 0")
+    if plan.space_degree > 1:
+        why.append(f"space={tuple(plan.space)} cuts every input into spatial blocks")
+    if plan.tensor_3d and plan.tensor[2] > 1:
+        why.append(f"tensor={tuple(plan.tensor)} scatters every input's rows over tensor_z")
+    if config.parallel.branches != "none":
+        why.append(f"parallel.branches={config.parallel.branches!r} gathers the branches' "
+                   f"inputs along dim 0, of equal sizes on every rank")
+    if config.optim.name == "kfac":
+        why.append("optim.name='kfac' counts a layer's input rows as samples (nodes, here)")
+    if not why:
+        return None
+    return (f"a collate_fn's batches (graphs of different sizes) have no dim that runs over the "
+            f"samples in every input, and {'; '.join(why)}. Data, shard and 1D tensor "
+            f"parallelism (plan.tensor=N) train them, each rank collating its share of every "
+            f"batch; with AdamW or SGD.")
+
+
+def _tensors_only(value) -> bool:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (tuple, list)):
+        return all(_tensors_only(v) for v in value)
+    if isinstance(value, dict):
+        return all(_tensors_only(v) for v in value.values())
+    return False
+
+
 def check_collated(name: str, data_set, collate_fn: Callable) -> None:
     """Refuse, before any step, a `collate_fn` whose batch of the set's first two samples is not
     `(input, target)` with a target of one row per sample: evaluation counts, weighs and cuts
@@ -200,15 +230,22 @@ def check_collated(name: str, data_set, collate_fn: Callable) -> None:
     samples)."""
     import torch
 
+    import numpy as np
+
     n = min(2, len(data_set))
     if n == 0:
         return
     with torch.random.fork_rng(devices=[]):
-        batch = collate_fn([data_set[i] for i in range(n)])
-    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        state = np.random.get_state()
+        try:
+            batch = collate_fn([data_set[i] for i in range(n)])
+        finally:
+            np.random.set_state(state)
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2) or not _tensors_only(batch[0]):
         raise DataError(f"collate_fn on {name}[0:{n}] returned {_shape_of(batch)}; training calls "
                         f"model(input) and loss(output, target): return (input, target), the "
-                        f"input a tensor or a tuple or dict of them.")
+                        f"input a tensor or a tuple, list or dict of them (which exatrain moves "
+                        f"to the device; a batch object's tensors as a dict).")
     target = batch[1]
     if not isinstance(target, torch.Tensor) or target.dim() == 0 or len(target) != n:
         raise DataError(f"collate_fn on {name}[0:{n}] returned a target {_shape_of(target)}: "

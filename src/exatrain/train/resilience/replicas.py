@@ -272,14 +272,13 @@ class ReplicaGroups:
     def _read_slice(self, step: int, position: int) -> list:
         """Replica `position`'s micro-batches of step `step`, read here on the training thread
         (only while a group is out), on the device and decoded."""
-        from torch.utils.data import default_collate
-
+        from ...data.batches import collate
         from ...parallel.nested import map_tensors
         sampling = self._sampling
         indices = sampling.slice_indices(step, position)
         out = []
         for start in range(0, len(indices), sampling.micro):
-            x, y = (sampling.collate_fn or default_collate)(
+            x, y = (sampling.collate_fn or collate)(
                 [sampling.train_set[i] for i in indices[start:start + sampling.micro]])
             x, y = map_tensors(x, lambda t: t.to(self.mesh.device)), y.to(self.mesh.device)
             out.append((self._decode(x) if self._decode is not None else x, y))
