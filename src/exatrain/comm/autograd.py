@@ -23,7 +23,9 @@ Each backward is its dual's forward (`copy_to` <-> `reduce_from`, `gather` <-> `
 as that Function when gradients are enabled in the backward: under `create_graph=True` (a model
 whose forward differentiates, forces as -dE/dx) the backward is itself differentiable, so the
 second derivative crosses the split layers as it does one process's; otherwise it runs as a
-plain collective, at the same bytes.
+plain collective, at the same bytes. Such a step moves about twice the table's bytes (the
+derivative's backward inside the forward, and the duals in the loss's backward), which the
+layers' `bytes_per_step` formulas do not count.
 
 `scatter` and `gather` need the dim divisible by P (`scatter` raises a ValueError naming the sizes
 otherwise); the strategies pad ragged batches before calling them.
