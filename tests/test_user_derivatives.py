@@ -78,6 +78,14 @@ class PenaltyInTraining(nn.Module):
         return out + 0.0 * slope.square().mean()
 
 
+class NormedPenalty(PenaltyInTraining):
+    """The penalty behind a BatchNorm, which a training forward of one sample cannot run."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 7))
+
+
 class FailsAlone(ForcesWithoutEnableGrad):
     """Takes its derivative right, and asserts what a one-sample batch breaks."""
 
@@ -120,6 +128,8 @@ def _refused_on_two_ranks(out_dir: str) -> dict:
                              os.path.join(out_dir, "space"))
     found["penalty"] = _fit(PenaltyInTraining, dataset("mlp_forces"), {"shard": 2},
                             os.path.join(out_dir, "penalty"))
+    found["normed_penalty"] = _fit(NormedPenalty, dataset("mlp_forces"), {"shard": 2},
+                                   os.path.join(out_dir, "normed_penalty"))
     found["batchnorm"] = _fit(NormedForces, dataset("mlp_forces"), {"data": 2},
                               os.path.join(out_dir, "bn"))
     found["kfac"] = _fit(forces, dataset("mlp_forces"), {"data": 2}, os.path.join(out_dir, "k"),
@@ -148,6 +158,7 @@ def test_a_forward_that_differentiates_is_refused_where_the_plan_cannot_differen
                 ("space121", "Potential2D", "space=(1, 2, 1): the halo convolutions"),
                 # a derivative taken in training only (FSDP2 failed inside torch before)
                 ("penalty", "PenaltyInTraining", "parallel.zero_stage=2 (or 1) trains it"),
+                ("normed_penalty", "NormedPenalty", "parallel.zero_stage=2 (or 1) trains it"),
                 ("batchnorm", "NormedForces", "parallel.batchnorm='global'"),
                 ("kfac", "ForceMLP", "optim.name='kfac'"),
                 ("compile", "ForceMLP", "parallel.compile=true: torch.compile's AOTAutograd")):

@@ -306,8 +306,8 @@ def find_reads_outside(workload, mesh) -> None:
 
 def check_derivatives(workload, config: Config, mesh) -> None:
     """A user's model whose forward differentiates (`torch.autograd.grad`: forces, a physics
-    residual), found by two forwards of rank 0 on the training set's first sample (as training
-    and as evaluation run it: parallel/derivatives.py): refused on every rank before the first
+    residual), found by two forwards of rank 0 on the training set's first two samples (as
+    training and as evaluation run it: parallel/derivatives.py): refused on every rank before the first
     step where the Plan and settings cannot give its second derivatives, or where the derivative
     fails without gradients (as evaluation runs it), each naming the fix. Built-in models do
     not differentiate."""
@@ -323,8 +323,9 @@ def check_derivatives(workload, config: Config, mesh) -> None:
         where = plain_device(workload, 1)
         if where is None:
             return None
-        inputs = map_tensors(workload.decode_inputs(first_inputs(workload, 1)),
-                             lambda t: t.to(where))
+        # two samples where there are: a training forward of one fails in a BatchNorm
+        inputs = map_tensors(workload.decode_inputs(first_inputs(
+            workload, min(2, len(workload.train_set)))), lambda t: t.to(where))
         found = find_derivatives(workload.model, inputs)
         if found.failed_without_grad is not None:
             return "no_grad", no_grad_message(workload.model, found.failed_without_grad)
