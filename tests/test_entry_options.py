@@ -42,12 +42,17 @@ def cosmo_weights(cosmo_data, tmp_path_factory) -> Path:
 
 class NormDtypes:
     """The input dtypes every norm layer saw while this is open (after the layers' own forward
-    pre-hooks, so the fp32 cast of keep_norms_fp32 shows); and the other layers' output dtypes."""
+    pre-hooks, so the fp32 cast of keep_norms_fp32 shows); and the other layers' output dtypes.
+    Forwards under autocast only: the set-up's checks run the plain model in fp32 first (the
+    derivative probe, parallel/derivatives.py), which is not the run's precision at work."""
 
     def __enter__(self):
         self.norms, self.others = set(), set()
 
         def hook(module, args, output):
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            if first is None or not torch.is_autocast_enabled(first.device.type):
+                return
             if is_norm(module):
                 self.norms.update(a.dtype for a in args if isinstance(a, torch.Tensor))
             elif isinstance(module, (nn.Linear, nn.Conv3d)) and isinstance(output, torch.Tensor):
