@@ -23,7 +23,7 @@ it (training mode, gradients on: a derivative taken only in training counts), on
 evaluation does (evaluation mode, under `torch.no_grad()`). Where a derivative fails in the
 second, the forward needs `torch.enable_grad()` around it: exatrain evaluates and predicts
 without gradients, as a PyTorch evaluation loop does. No communication;
-`train.job.check_derivatives` takes rank 0's finding on every rank.
+`train.user_checks.check_derivatives` takes rank 0's finding on every rank.
 """
 
 from __future__ import annotations

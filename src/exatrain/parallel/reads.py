@@ -15,7 +15,7 @@ reading all its weights outside. Reading a weight's dtype, device or `requires_g
 use. The forward runs in training mode (a read only training makes counts), without gradients,
 with every module's mode put back and no trace left in the model's state (parallel/trial.py),
 so the run that follows is the one it would have been; if it fails, once more in eval mode. No
-communication here; `train.job.find_reads_outside` takes rank 0's finding on every rank.
+communication here; `train.user_checks.find_reads_outside` takes rank 0's finding on every rank.
 
 Each such parameter gets `exatrain_read_outside` (where it was read: the module path of the
 running forward, "" for the model's own), which the steps read: `tensor` keeps its layer whole

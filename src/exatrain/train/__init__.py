@@ -7,6 +7,7 @@
                 points where a composed component (a population member) is called
   job           the composition root every entry point shares (config -> mesh -> workload ->
                 model -> optimizer -> Trainer)
+  user_checks   the set-up's looks at a user's model and data before the first step
   fit           the Python API (et.fit, et.launch); run: `exatrain run`'s rank entry (its own layer)
   checkpoints/  save, resume on any Plan, manifests, export
   resilience/   restarts, elastic re-formation, replica groups (torchft), watchdog, stops, policies

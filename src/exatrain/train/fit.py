@@ -40,8 +40,8 @@ from torch.utils.data import Dataset, default_collate
 from ..comm import broadcast, broadcast_object
 from ..mesh import init
 from ..plan import Plan, PlanError
-from ..workloads.user import (Task, check_sample, float64_input_named, uncompiled,
-                              workload_from_task)
+from ..workloads.samples import check_sample
+from ..workloads.user import Task, float64_input_named, uncompiled, workload_from_task
 from .config import FIXED_SECTIONS, Config, ConfigError, build_section, load_config, validate
 from .job import build, find_resume_checkpoint, make_run_dir, stage_data_sets
 

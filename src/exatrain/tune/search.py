@@ -74,7 +74,7 @@ def all_plans(world: int, spatial: bool = True, tensor_3d: bool = True):
 
 def shape_problem(spec: ModelSpec, plan: Plan, options: Options) -> tuple[str, str] | None:
     """(kind, reason) when the model's shapes do not fit the Plan, else None."""
-    if spec.extra.get("differentiates"):   # as `train.job.check_derivatives` refuses it
+    if spec.extra.get("differentiates"):   # as `train.user_checks.check_derivatives` refuses it
         from ..parallel.derivatives import derivative_refusal
         why = derivative_refusal(spec.name, plan, zero_stage=options.zero_stage,
                                  functorch=spec.extra.get("differentiates_by_functorch", False))

@@ -4,6 +4,7 @@
   base          what a workload hands the Trainer: model, data sets, loss, validation statistics
   metrics       validation metrics declared once, reduced exactly over batches and data axes
   user          a user's own model and data (et.fit, `exatrain run SCRIPT`)
+  samples       what a user's data sets hold, checked before the first step; a collate_fn's batches
 
 Imports: data, models, parallel, optim and the foundations; never train or above.
 """
