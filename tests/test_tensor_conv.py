@@ -281,7 +281,8 @@ def test_trainer_example_places_the_switch_where_the_planner_does():
     model = _tiny_cosmoflow()
     plan = Plan(space=(1, 1, 2), tensor=2)
     workload = SimpleNamespace(train_set=[(torch.zeros(4, 16, 16, 8), torch.zeros(4))],
-                               decode_inputs=lambda x: x, input_blocks=True)  # reads blocks
+                               decode_inputs=lambda x: x, input_blocks=True,  # reads blocks
+                               collate_fn=None)   # samples stacked
     config = SimpleNamespace(train=SimpleNamespace(batch_size=8))
     example = pipeline_example(workload, config, plan)
     assert example.is_meta and tuple(example.shape) == (8, 4, 16, 16, 16)
