@@ -6,8 +6,6 @@ official results summarizer reads them."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ from exatrain.train.config import ConfigError
 from exatrain.population.member import member_config
 from exatrain.population.run import run_population
 from harness import run_ranks
+from mlperf_checker import checker_failures
 
 # the tiny run's target, as in test_population's throughput mode: every trainer's learning rate
 # reaches it within 20 steps without BatchNorm, at different steps
@@ -39,15 +38,6 @@ def weak_run(tmp_path_factory, cosmo_data):
     return run_ranks(4, run_population, config)[0]
 
 
-def _checker_failures(log: Path, cwd: Path) -> tuple[list[str], str]:
-    done = subprocess.run([sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage",
-                           "hpc", "--ruleset", "3.0.0", str(log)], capture_output=True, text=True,
-                          cwd=cwd)  # it writes compliance_checker.log where it runs
-    text = done.stdout + done.stderr
-    return [line for line in text.splitlines() if "Failed" in line or "ERROR" in line
-            and "FAILED" not in line], text
-
-
 def test_four_instance_logs_pass_the_official_checker(weak_run, tmp_path):
     results = sorted(Path(weak_run["mlperf_results"]).glob("result_*.txt"))  # the summarizer's
     assert [p.name for p in results] == [f"result_{k}.txt" for k in range(4)]
@@ -56,7 +46,7 @@ def test_four_instance_logs_pass_the_official_checker(weak_run, tmp_path):
         # each is its own instance's log, stopped at the target with status success
         assert log.read_text() == (Path(weak_run["run_dir"]) / f"trainer_{k:02d}" /
                                    "mlperf.log").read_text()
-        failed, text = _checker_failures(log, tmp_path)
+        failed, text = checker_failures(log, tmp_path)
         # generated data cannot reach MLPerf's quality value (MAE <= 0.124 on the real CosmoFlow
         # universes): that single check is the only one allowed to fail (as for one run's log)
         assert failed == ["WARNING -  Failed checks for eval_error : v['value'] <= 0.124 and "

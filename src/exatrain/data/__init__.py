@@ -15,6 +15,7 @@ path.
   forecast_synth.py  the rotating shallow-water solver and write_forecast
   graph.py           graphs for node classification: generator and reader
   qm9.py             QM9 molecules
+  catalysis.py       adsorbates on metal surfaces relaxed with EMT: positions, forces
   text.py            an offline text corpus and a byte-level tokenizer
   writers.py         `exatrain data NAME --out DIR`
 

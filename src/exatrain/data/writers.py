@@ -85,8 +85,23 @@ def _qm9(sub):
     return write
 
 
+def _catalysis(sub):
+    p = sub.add_parser("catalysis", help="adsorbates on metal surfaces relaxed with ASE's EMT "
+                                         "potential: positions, energies, forces (OC20's S2EF)")
+    # the defaults write the catalysis workload's data set (workloads/catalysis.py, DataOptions)
+    p.add_argument("--systems", type=int, default=256, help="relaxations")
+    p.add_argument("--frames", type=int, default=10, help="frames kept of each relaxation")
+    p.add_argument("--seed", type=int, default=0)
+
+    def write(args, progress):
+        from .catalysis import write_catalysis
+        return write_catalysis(args.out, systems=args.systems, frames=args.frames,
+                               seed=args.seed, progress=progress)
+    return write
+
+
 WRITERS = {"cosmoflow": _cosmoflow, "deepcam": _deepcam, "text": _text, "forecast": _forecast,
-           "graph": _graph, "qm9": _qm9}
+           "graph": _graph, "qm9": _qm9, "catalysis": _catalysis}
 
 
 def add_parsers(data_parser: argparse.ArgumentParser) -> None:

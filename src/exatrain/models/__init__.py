@@ -1,7 +1,8 @@
 """Plain PyTorch models of the field's benchmark workloads; they know nothing of parallelism.
 
   cosmoflow, deeplab (DeepCAM at MLPerf's definition), deepcam (the small net), vit, gpt, gcn,
-  schnet, dimenet (DimeNet++), branches (et.Branches), image_pool (DeepLab's image feature)
+  schnet, dimenet (DimeNet++), forces (a learned energy's forces, -dE/dx), branches
+  (et.Branches), image_pool (DeepLab's image feature)
 
 Imports: torch only (and the foundations); never a strategy.
 """

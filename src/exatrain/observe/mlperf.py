@@ -4,7 +4,8 @@ Rank 0 writes it. The structure the HPC ruleset (3.0.0) checks: submission keys,
 `init_start`, `staging_start`/`staging_stop` (writing or staging the data set), `init_stop`,
 `run_start`; then per evaluation interval a block (`block_start`/`block_stop` with
 `first_epoch_num`, `epoch_count`), `eval_start`/`eval_stop` and the quality key (`eval_error` for
-CosmoFlow: the validation MAE; `eval_accuracy` for DeepCAM: the mean IoU); finally `run_stop` with
+CosmoFlow: the validation MAE; `eval_accuracy` for DeepCAM: the mean IoU; `eval_error` for
+OpenCatalyst, `oc20`, the catalysis workload: the force MAE); finally `run_stop` with
 status "success" when `train.target` was reached, "aborted" otherwise. Epoch numbers are
 fractional (step / steps per epoch) and start at 1, as the reference implementations count.
 
@@ -30,7 +31,15 @@ from mlperf_logging.mllog import constants as C
 from mlperf_logging.mllog.mllog import MLLogger
 
 # the validation figure MLPerf HPC judges each benchmark by: (mllog key, exatrain metric)
-QUALITY = {"cosmoflow": ("eval_error", "val_mae"), "deepcam": (C.EVAL_ACCURACY, "val_mean_iou")}
+QUALITY = {"cosmoflow": ("eval_error", "val_mae"), "deepcam": (C.EVAL_ACCURACY, "val_mean_iou"),
+           "oc20": ("eval_error", "val_forces_mae")}
+# MLPerf HPC's name of a built-in workload's benchmark, where it is not the workload's name
+BENCHMARK_OF_WORKLOAD = {"catalysis": "oc20"}
+
+
+def benchmark_name(options, workload: str) -> str:
+    """The `submission_benchmark` of a run: `mlperf.benchmark`, else the workload's MLPerf name."""
+    return options.benchmark or BENCHMARK_OF_WORKLOAD.get(workload, workload)
 
 
 PREFIX = ":::MLLOG "
@@ -84,7 +93,7 @@ class MLPerfLog:
         logger.addHandler(handler)
         self.handler = handler
         self.log = MLLogger(logger=logger, default_stack_offset=2)
-        self.benchmark = options.benchmark or workload
+        self.benchmark = benchmark_name(options, workload)
         self.quality = QUALITY.get(self.benchmark, ("eval_error", ""))
         self.options, self.nodes, self.per_node = options, nodes, accelerators_per_node
         self.block_first_epoch = 1.0

@@ -50,7 +50,7 @@ class ObserveOptions:
 @dataclass
 class MLPerfOptions:
     enabled: bool = False        # write RUN_DIR/mlperf.log (:::MLLOG lines, MLPerf HPC keys)
-    benchmark: str = ""          # empty: the workload's MLPerf HPC name (cosmoflow, deepcam)
+    benchmark: str = ""          # empty: the workload's MLPerf HPC name (cosmoflow, deepcam, oc20)
     organization: str = "exatrain"
     division: str = "open"       # closed | open
     status: str = "research"     # onprem | cloud | preview | research

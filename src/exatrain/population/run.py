@@ -208,8 +208,9 @@ def finish(mesh, member: PopulationMember, final: dict, model, run_dir: Path, fi
     mesh.barrier()  # the report and the best model exist before anyone returns
     weak = {}  # MLPerf HPC weak scaling: after the barrier, so a missing log fails rank 0 alone
     if mesh.rank == 0 and options.strategy == "none" and config.mlperf.enabled:
-        weak = weak_scaling.summarize(run_dir, view.trainers, config.mlperf.benchmark
-                                      or config.run.workload)
+        from ..observe.mlperf import benchmark_name
+        weak = weak_scaling.summarize(run_dir, view.trainers,
+                                      benchmark_name(config.mlperf, config.run.workload))
     reached = [r["reached"] for r in records if r["reached"]]
     summary = {"trainers": view.trainers, "strategy": options.strategy,
                "plan": str(mesh.plan), "trainer_plan": str(view.plan),

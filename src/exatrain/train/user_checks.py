@@ -106,14 +106,26 @@ def check_derivatives(workload, config: Config, mesh) -> None:
     residual), found by two forwards of rank 0 on the training set's first two samples (as
     training and as evaluation run it: parallel/derivatives.py): refused on every rank before the first
     step where the Plan and settings cannot give its second derivatives, or where the derivative
-    fails without gradients (as evaluation runs it), each naming the fix. Built-in models do
-    not differentiate."""
+    fails without gradients (as evaluation runs it), each naming the fix. A built-in workload
+    is not probed: it says whether its forward differentiates (`Workload.differentiates`: the
+    catalysis workload's forces)."""
     from torch import nn
 
     from ..errors import ModelCodeError, ParallelizeError
     from ..parallel.derivatives import derivative_refusal, find_derivatives, no_grad_message
 
+    def refusal(functorch: bool) -> str | None:
+        batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm)
+                        for m in workload.model.modules())
+        return derivative_refusal(type(workload.model).__name__, mesh.plan,
+                                  zero_stage=config.parallel.zero_stage, functorch=functorch,
+                                  batchnorm=batchnorm, options=config.parallel,
+                                  optimizer=config.optim.name, compiled=bool(workload.compile))
+
     if not workload.whole_outputs:
+        why = refusal(functorch=False) if workload.differentiates else None
+        if why:
+            raise ParallelizeError(why)
         return
 
     def look() -> tuple[str, str] | None:
@@ -128,13 +140,7 @@ def check_derivatives(workload, config: Config, mesh) -> None:
             return "no_grad", no_grad_message(workload.model, found.failed_without_grad)
         if not found.calls:
             return None
-        batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm)
-                        for m in workload.model.modules())
-        why = derivative_refusal(type(workload.model).__name__, mesh.plan,
-                                 zero_stage=config.parallel.zero_stage,
-                                 functorch=found.functorch > 0, batchnorm=batchnorm,
-                                 options=config.parallel, optimizer=config.optim.name,
-                                 compiled=bool(workload.compile))
+        why = refusal(functorch=found.functorch > 0)
         return ("plan", why) if why else None
 
     found = rank_0_finds(mesh, look, None)

@@ -1,6 +1,6 @@
 """Workloads: one module per model family, each with ModelOptions, DataOptions and build().
 
-  cosmoflow, deepcam, vit, gpt, gcn, qm9   the built-in workloads
+  cosmoflow, deepcam, vit, gpt, gcn, qm9, catalysis   the built-in workloads
   base          what a workload hands the Trainer: model, data sets, loss, validation statistics
   metrics       validation metrics declared once, reduced exactly over batches and data axes
   user          a user's own model and data (et.fit, `exatrain run SCRIPT`)
@@ -17,6 +17,7 @@ from ..errors import ConfigError
 
 # name -> module; modules are imported on demand so one workload's dependencies never load another's.
 WORKLOAD_MODULES = {
+    "catalysis": "exatrain.workloads.catalysis",
     "cosmoflow": "exatrain.workloads.cosmoflow",
     "deepcam": "exatrain.workloads.deepcam",
     "gcn": "exatrain.workloads.gcn",

@@ -57,6 +57,10 @@ class Workload:
     # How a list of samples becomes a batch (input, target), as DataLoader's collate_fn: a
     # user's, for samples that do not stack (graphs of different sizes). None: stacked.
     collate_fn: Callable | None = None
+    # The forward takes a derivative of its own output (forces, -dE/dx): the Plans and settings
+    # that cannot differentiate twice are refused before the first step. A user's model is
+    # probed for it (train/user_checks.py); a built-in workload says so here.
+    differentiates: bool = False
 
     def spatial_io(self) -> dict:
         """How the model meets the data under `space`: `parallelize`'s whole_samples and
