@@ -155,7 +155,7 @@ def test_a_forward_that_differentiates_is_refused_where_the_plan_cannot_differen
                 ("shard2", "ForceMLP", "parallel.zero_stage=2 (or 1) trains it"),
                 ("pipe2", "ForceMLP", "pipe=2: the derivative runs back through every stage"),
                 ("tensor3d", "ForceMLP", "tensor=(1, 2, 1) (3D): its matrix multiply"),
-                ("space121", "Potential2D", "space=(1, 2, 1): the halo convolutions"),
+                ("space121", "Potential2D", "space=(1, 2, 1): its halo exchanges"),
                 # a derivative taken in training only (FSDP2 failed inside torch before)
                 ("penalty", "PenaltyInTraining", "parallel.zero_stage=2 (or 1) trains it"),
                 ("normed_penalty", "NormedPenalty", "parallel.zero_stage=2 (or 1) trains it"),
@@ -252,3 +252,27 @@ def test_second_derivatives_cross_every_1d_tensor_collective_as_one_process(one_
     test_user_models_every_axis (column layers only) trained 7.8e-3 off in its weights."""
     for errors in run_ranks(2, _second_derivatives_on_two_ranks):
         assert len(errors) == 8 and max(errors) <= 1e-5, errors
+
+
+def test_fp8_and_whole_step_cuda_graphs_are_refused_and_the_advice_fits_the_model():
+    """Settings that only a GPU runs are refused for a forward that differentiates, by name:
+    fp8's matmuls (a backward that casts to float8) and the recorded whole step; a model that
+    cannot be split over `tensor` (DimeNet++) is not told to use it."""
+    import dataclasses
+
+    import exatrain as et
+    from exatrain.parallel.derivatives import derivative_refusal
+    from exatrain.parallel.options import ParallelOptions
+
+    plain = ParallelOptions()
+    assert derivative_refusal("Energy", et.Plan(data=2), options=plain) is None
+    fp8 = derivative_refusal("Energy", et.Plan(data=2),
+                             options=dataclasses.replace(plain, precision="fp8"))
+    assert "parallel.precision='fp8'" in fp8 and "'bf16' trains it" in fp8
+    graphs = derivative_refusal("Energy", et.Plan(data=2), options=dataclasses.replace(
+        plain, cuda_graphs=True, cuda_graphs_scope="step"))
+    assert "parallel.cuda_graphs_scope='step'" in graphs
+    assert derivative_refusal("Energy", et.Plan(data=2), options=dataclasses.replace(
+        plain, cuda_graphs=True)) is None   # scope "compiled" needs parallel.compile, refused itself
+    assert "1D tensor parallelism" in derivative_refusal("Energy", et.Plan(shard=2))
+    assert "1D tensor" not in derivative_refusal("Energy", et.Plan(shard=2), tensor_ok=False)

@@ -142,6 +142,15 @@ def write_catalysis(out: str | Path, systems: int = 256, frames: int = 10, rattl
             "bytes": path.stat().st_size}
 
 
+def describe_catalysis(path: str | Path) -> dict:
+    """What a catalysis.h5 was written with: relaxations, frames per relaxation, seed."""
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        return {"systems": int(f["system"][-1]) + 1, "frames": int(f.attrs["frames_per_system"]),
+                "seed": int(f.attrs["seed"])}
+
+
 def load_catalysis(path: str | Path) -> dict[str, np.ndarray]:
     """The arrays of catalysis.h5 (`path` is the file or its directory)."""
     import h5py

@@ -294,7 +294,7 @@ def _predict_on(mesh, config: Config, run_dir: Path, path: Path, data, out: Path
         raise PredictError(f"--data {data_name}: the data set has no samples.")
     # laid out as training lays it out (train.job.lay_out): whole samples or blocks, compile, and
     # under bf16/fp16 its norm layers computing in fp32, so prediction computes what training did
-    model = lay_out(workload, config, mesh)
+    model = lay_out(workload, config, mesh, training=False)
     state = checkpoint.load_model(path, model)
     model = unwrap(model)
     model.eval()

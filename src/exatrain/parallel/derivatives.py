@@ -126,17 +126,18 @@ def no_grad_message(model: nn.Module, exc: BaseException) -> str:
 
 def derivative_refusal(model_name: str, plan, *, zero_stage: int = 3, functorch: bool = False,
                        batchnorm: bool = False, options=None, optimizer: str = "",
-                       compiled: bool = False) -> str | None:
+                       compiled: bool = False, tensor_ok: bool = True) -> str | None:
     """Why a model whose forward differentiates cannot train under `plan` with these settings
     (with the fix), or None. `batchnorm`: the model has BatchNorm layers; `options`: the
-    [parallel] section (None: its defaults); `compiled`: the user compiled the model."""
+    [parallel] section (None: its defaults); `compiled`: the user compiled the model;
+    `tensor_ok`: the model can be split over `tensor` at all (DimeNet++ cannot)."""
     why = []
     if plan.pipe > 1:
         why.append(f"pipe={plan.pipe}: the derivative runs back through every stage inside one "
                    f"stage's forward")
     if plan.space_degree > 1:
-        why.append(f"space={tuple(plan.space)}: the halo convolutions compute their backward once, "
-                   f"by hand")
+        why.append(f"space={tuple(plan.space)}: its halo exchanges and block reductions compute "
+                   f"their backward once, by hand")
     if plan.tensor_degree > 1 and plan.tensor_3d:
         why.append(f"tensor={tuple(plan.tensor)} (3D): its matrix multiply computes its backward "
                    f"once, by hand")
@@ -162,6 +163,13 @@ def derivative_refusal(model_name: str, plan, *, zero_stage: int = 3, functorch:
         if options.compile:
             why.append("parallel.compile=true: torch.compile's AOTAutograd has no double "
                        "backward; parallel.compile=false trains it")
+        if options.precision == "fp8":
+            why.append("parallel.precision='fp8': torchao's float8 matmuls have a backward that "
+                       "casts to float8, not differentiable again; 'bf16' trains it")
+        if options.cuda_graphs and options.cuda_graphs_scope == "step":
+            why.append("parallel.cuda_graphs_scope='step': recording a step whose forward takes "
+                       "its own derivative has never been run; parallel.cuda_graphs=false "
+                       "trains it")
     if compiled:
         why.append("the model is compiled (torch.compile): AOTAutograd has no double backward; "
                    "pass the module uncompiled")
@@ -172,5 +180,7 @@ def derivative_refusal(model_name: str, plan, *, zero_stage: int = 3, functorch:
         return None
     return (f"{model_name}.forward differentiates its outputs (torch.autograd.grad: forces, a "
             f"physics residual), so training needs second derivatives, which {plan} with these "
-            f"settings cannot give: {'; '.join(why)}. Data parallelism, shard with ZeRO-1/2 and "
-            f"1D tensor parallelism (plan.tensor=N) give them as one process does.")
+            f"settings cannot give: {'; '.join(why)}. "
+            + ("Data parallelism, shard with ZeRO-1/2 and 1D tensor parallelism (plan.tensor=N)"
+               if tensor_ok else "Data parallelism and shard with ZeRO-1/2")
+            + " give them as one process does.")

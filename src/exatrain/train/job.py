@@ -242,13 +242,13 @@ def _merged_figures(figures: list[dict]) -> dict:
 
 
 # ---------------------------------------------------------------------- the composition root
-def lay_out(workload, config: Config, mesh):
+def lay_out(workload, config: Config, mesh, training: bool = True):
     """The workload's model laid out over `mesh` per config.parallel (`parallelize`: the
     pipeline's example batch, whole samples or blocks per `workload.spatial_io()`, compile),
     its norm layers computing in fp32 under a mixed `parallel.precision`, for training and
-    prediction alike."""
+    prediction (`training=False`: a forward's own derivative is taken once, not twice) alike."""
     find_reads_outside(workload, mesh)
-    check_derivatives(workload, config, mesh)
+    check_derivatives(workload, config, mesh, training)
     options = config.parallel
     if workload.compile:   # the user's torch.compile(model): compiled after the layout
         options = dataclasses.replace(options, compile=True)

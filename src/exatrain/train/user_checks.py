@@ -101,18 +101,20 @@ def check_collate(workload, config: Config, mesh) -> None:
         raise DataError(f"{mesh.plan}: {why}")
 
 
-def check_derivatives(workload, config: Config, mesh) -> None:
+def check_derivatives(workload, config: Config, mesh, training: bool = True) -> None:
     """A user's model whose forward differentiates (`torch.autograd.grad`: forces, a physics
     residual), found by two forwards of rank 0 on the training set's first two samples (as
     training and as evaluation run it: parallel/derivatives.py): refused on every rank before the first
     step where the Plan and settings cannot give its second derivatives, or where the derivative
     fails without gradients (as evaluation runs it), each naming the fix. A built-in workload
     is not probed: it says whether its forward differentiates (`Workload.differentiates`: the
-    catalysis workload's forces)."""
+    catalysis workload's forces). Prediction (`training=False`) takes first derivatives only:
+    only the derivative without gradients is refused there."""
     from torch import nn
 
     from ..errors import ModelCodeError, ParallelizeError
     from ..parallel.derivatives import derivative_refusal, find_derivatives, no_grad_message
+    from ..parallel.graph import graph_refusal
 
     def refusal(functorch: bool) -> str | None:
         batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm)
@@ -120,10 +122,11 @@ def check_derivatives(workload, config: Config, mesh) -> None:
         return derivative_refusal(type(workload.model).__name__, mesh.plan,
                                   zero_stage=config.parallel.zero_stage, functorch=functorch,
                                   batchnorm=batchnorm, options=config.parallel,
-                                  optimizer=config.optim.name, compiled=bool(workload.compile))
+                                  optimizer=config.optim.name, compiled=bool(workload.compile),
+                                  tensor_ok=graph_refusal(workload.model) is None)
 
     if not workload.whole_outputs:
-        why = refusal(functorch=False) if workload.differentiates else None
+        why = refusal(functorch=False) if workload.differentiates and training else None
         if why:
             raise ParallelizeError(why)
         return
@@ -138,7 +141,7 @@ def check_derivatives(workload, config: Config, mesh) -> None:
         found = find_derivatives(workload.model, inputs)
         if found.failed_without_grad is not None:
             return "no_grad", no_grad_message(workload.model, found.failed_without_grad)
-        if not found.calls:
+        if not found.calls or not training:
             return None
         why = refusal(functorch=found.functorch > 0)
         return ("plan", why) if why else None

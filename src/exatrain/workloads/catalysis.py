@@ -5,12 +5,15 @@ The model is an energy, DimeNet++ (models/dimenet.py), and the forces are its ne
 with respect to the positions (models/forces.py), taken with `create_graph` in training so the
 force loss trains the weights through a second derivative. As MLPerf's reference
 (mlcommons/hpc open_catalyst, configs/mlperf_hpc.yml) the loss is on the forces alone (its
-energy coefficient is 0) and on the free atoms only (`train_on_free_atoms`): for each frame the
-mean over its free atoms of |F̂ - F| (the Euclidean norm of each atom's error, OCP's "l2mae"),
-averaged over the frames of the batch. The reference multiplies it by 50; Adam's step does not
-see a constant factor (bar its ε), so it is left out. The forces are standardised as the
-reference's: the energy is predicted in units of the training forces' RMS (its
-`grad_target_std`), with mean 0.
+energy coefficient is 0), on the free atoms only (`train_on_free_atoms`), and is the absolute
+error of each force component (its default force loss, "mae", PyTorch's L1Loss). The reference
+averages it over all free atoms of the global batch; here it is averaged over each frame's
+free atoms, then over the frames, so that the loss is a mean over samples, which data-parallel
+ranks average exactly (the frames have 10 or 11 free atoms, so the two weightings differ by
+under 10 %). The reference multiplies it by 50; Adam's step does not see a constant factor
+(bar its ε), so it is left out. The energy is predicted in units of the training forces' RMS
+(the reference divides energies and forces by one fixed 2.887, its energy labels' standard
+deviation), with mean 0.
 
 Model sizes default to the reference's: hidden 192, 3 blocks, output width 192, 6 radial and 7
 spherical functions, cutoff 6 Å (int_emb 64 and basis_emb 8, DimeNet++'s own).
@@ -34,7 +37,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..data.catalysis import CatalysisDataset, load_catalysis, write_catalysis
+from ..data.catalysis import (FILE, CatalysisDataset, describe_catalysis, load_catalysis,
+                              write_catalysis)
+from ..errors import ConfigError
 from ..models.dimenet import DimeNetPlusPlus
 from ..models.forces import Forces
 from .base import InputOptions, Workload
@@ -66,26 +71,50 @@ class DataOptions(InputOptions):
     val_systems: int = 32           # whole relaxations held out for validation
     seed: int = 0                   # the systems drawn and the validation systems
 
+    def __post_init__(self):
+        if self.systems < 2 or self.frames < 1:
+            raise ConfigError(f"data.systems={self.systems}, data.frames={self.frames}: write "
+                              f"at least 2 relaxations (one to train on, one to validate) of at "
+                              f"least 1 frame.")
+
 
 def prepare(config, progress=None) -> Path:
+    """Write the data set where `data.generate` asks for it; refuse one written earlier with
+    other `data.systems`, `data.frames` or `data.seed` (it would be used as it is)."""
     d = config.data
-    if d.generate and not (Path(d.path) / "catalysis.h5").exists():
+    path = Path(d.path) / FILE
+    if d.generate and path.exists():
+        held = describe_catalysis(path)
+        asked = {"systems": d.systems, "frames": d.frames, "seed": d.seed}
+        if held != asked:
+            raise ConfigError(
+                f"data.path={d.path} holds a catalysis data set of {held['systems']} relaxations "
+                f"of {held['frames']} frames (seed {held['seed']}), written earlier; this run asks "
+                f"for data.systems={d.systems}, data.frames={d.frames}, data.seed={d.seed}. Point "
+                f"data.path at a new directory (the set is written there), remove {path}, or set "
+                f"data.generate = false to train on the set as it is.")
+    elif d.generate:
         write_catalysis(d.path, systems=d.systems, frames=d.frames, seed=d.seed,
                         progress=progress)
     return Path(d.path)
 
 
 def forces_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean over the batch's frames of the mean over each frame's free atoms of |F̂ - F|₂."""
+    """Mean over the batch's frames of the mean absolute error of each frame's free atoms'
+    force components."""
     free = target[..., 3]
-    error = torch.linalg.vector_norm(output.float() - target[..., :3], dim=-1) * free
-    return (error.sum(dim=-1) / free.sum(dim=-1).clamp(min=1.0)).mean()
+    error = ((output.float() - target[..., :3]).abs().sum(dim=-1) * free).sum(dim=-1)
+    return (error / (3 * free.sum(dim=-1)).clamp(min=1.0)).mean()
 
 
 def build(config, mesh) -> Workload:
     m, d = config.model, config.data
     arrays = load_catalysis(d.path)
     systems = np.unique(arrays["system"])
+    if not 0 < d.val_systems < len(systems):
+        raise ConfigError(f"data.val_systems={d.val_systems}: the data set at {d.path} holds "
+                          f"{len(systems)} relaxations; hold out between 1 and "
+                          f"{len(systems) - 1} of them for validation.")
     held_out = np.random.default_rng(d.seed).permutation(systems)[:d.val_systems]
     val = np.isin(arrays["system"], held_out)
     train_set = CatalysisDataset(arrays, np.flatnonzero(~val))
