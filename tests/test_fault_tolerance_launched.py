@@ -113,30 +113,39 @@ def _kill_rank(**env: str) -> int:
 
 def _check_survivor_and_rejoined(survivor: Path, rejoined: Path, reference: dict,
                                  killed_after: int) -> dict:
-    """The survivor trained every step once, some alone, pausing about the heartbeat timeout;
-    the killed group healed from it after the step it died in; both end with the uninterrupted
-    run's weights. Returns the survivor's summary."""
+    """The survivor trained every step once, alone from the kill until the killed group came
+    back, pausing about the heartbeat timeout; the killed group healed from it after the step it
+    died in; both end with the uninterrupted run's weights. Returns the survivor's summary.
+
+    Once both train again they are peers: on a loaded machine the survivor's step can take longer
+    than the quorum waits (min_replicas = 1), the other group commits that step alone, and the
+    survivor, a step behind, heals from it (measured once: a 7.5 s step under a second test
+    run). Such a heal is allowed after the killed group is back, never before."""
     s0 = json.loads((survivor / "summary.json").read_text())
     s1 = json.loads((rejoined / "summary.json").read_text())
     trained = _trained_steps(survivor)
     assert trained == sorted(set(trained)) and trained[-1] == STEPS, \
         "the survivor redid a step: it should have trained each step once"
-    assert set(range(killed_after, STEPS + 1)) <= set(trained), \
+    heals = [h["rejoined_at_step"] for h in s1["ft_heals"]]
+    back = heals[0]   # the restarted group healed from the live one, after the step it died in
+    assert killed_after < back < STEPS and s1["steps"] == STEPS, (killed_after, s1["ft_heals"])
+    assert set(range(killed_after, back)) <= set(trained), \
         "the survivor lost a step after the kill: it should have trained on alone"
+    # every step after that was trained by one group or both
+    assert set(range(back, STEPS + 1)) <= set(trained) | set(_trained_steps(rejoined))
     # (a group that starts a few steps after the other heals from it as it starts: its log
-    # begins later, or skips the step it healed in, always before the kill)
-    assert all(h["rejoined_at_step"] <= killed_after for h in s0["ft_heals"])
+    # begins later, or skips the step it healed in, before the kill; the peers' heals come
+    # after the killed group is back)
+    late = [h["rejoined_at_step"] for h in s0["ft_heals"] if h["rejoined_at_step"] > killed_after]
+    assert all(step > back for step in late), (back, s0["ft_heals"])
     assert s0["steps"] == STEPS
     assert s0["ft_steps_with_groups_missing"] >= 1  # it went on alone
-    assert s0["ft_discarded_attempts"] <= 1 and s0["ft_pause_s_max"] <= 5.0 + 2.0
-    (heal,) = s1["ft_heals"]  # the restarted group healed once, from the live one
-    assert killed_after < heal["rejoined_at_step"] < STEPS and s1["steps"] == STEPS, \
-        (killed_after, s1["ft_heals"])
+    assert s0["ft_discarded_attempts"] <= 1 + len(late) and s0["ft_pause_s_max"] <= 5.0 + 2.0
     a, b = final_weights(survivor), final_weights(rejoined)
     assert all(torch.equal(a[k], b[k]) for k in a)  # the groups agree to the last bit
     err = max(rel_err(a[k], reference[k]) for k in reference)
     assert err <= 1e-6, f"final weights {err:.1e} from the uninterrupted run's"  # measured: 0
-    s0["rejoined_at_step"], s0["killed_after"] = heal["rejoined_at_step"], killed_after
+    s0["rejoined_at_step"], s0["killed_after"] = back, killed_after
     return s0
 
 
