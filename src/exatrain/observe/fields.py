@@ -48,8 +48,8 @@ SUMMARY: tuple[Field, ...] = (
     Field("val_<metric>", "", "the last evaluation's value of each validation metric "
           "(`val_loss`, and the workload's metrics, e.g. `val_mae` and `val_mae_<target>`)",
           "after an evaluation"),
-    Field("baseline_<metric>", "", "the same metric for a trivial predictor (predict the mean), "
-          "to compare `val_<metric>` with", "when the workload gives one"),
+    Field("baseline_<metric>", "", "the same metric for a trivial predictor (the workload's: predict the "
+          "mean, all background, no force), to compare `val_<metric>` with", "when the workload gives one"),
     Field("final_loss", "", "the training loss of the last logged interval (mean over its steps)"),
     Field("target", "", "the stopping target, e.g. `val_mae <= 0.25`", "train.target set"),
     Field("target_reached", "", "whether an evaluation met the target", "train.target set"),

@@ -74,7 +74,7 @@ def curves(runs: list[RunRecord], path: Path) -> Path:
     for ax, key in zip(val_axes, eval_keys):
         base = baselines.get("baseline_" + key.removeprefix("val_"))
         if base is not None:
-            ax.axhline(base, ls=":", color="grey", label=f"baseline {base:.3g} (predict the mean)")
+            ax.axhline(base, ls=":", color="grey", label=f"baseline {base:.3g} (a trivial predictor)")
         ax.set(title=key, xlabel="optimizer step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(fontsize=7)
