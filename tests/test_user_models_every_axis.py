@@ -37,7 +37,9 @@ message-passing net on molecules of 3 to 7 atoms batched by the user's collate_f
 concatenated, edges offset, a graph index per node: `gnn`, samples that do not stack); the
 MLP as a learned energy whose forward returns it and its forces, -dE/dx by torch.autograd.grad,
 trained on both (`mlp_forces`: the step differentiates the derivative again, through the split
-layers' collectives under `tensor`; tests/test_user_derivatives.py has the Plans refused).
+layers' collectives under `tensor`; tests/test_user_derivatives.py has the Plans refused);
+exatrain's DimeNet++ as a user's energy with `et.models.Forces`, trained on the forces of EMT
+relaxations of adsorbates on metal patches (`dimenet_forces`).
 
 Each cell: 4 SGD steps of batch 4 (float32), then `user_models.check`: every logged loss and the
 validation loss within 1e-5 relative, the final weights within 1e-5 in relative norm over the
@@ -100,6 +102,7 @@ CELLS = [
     *[(m, p) for m in ("cnn_conditioned", "mlp_keywords") for p in ("data2", "shard2", "tensor2")],
     *[("cnn_conditioned_planes", p) for p in ("space121", "space122")],
     *[("mlp_forces", p) for p in ("data2", "shard2-zero2", "tensor2")],
+    *[("dimenet_forces", p) for p in ("data2", "shard2-zero2")],
     *[("gnn", p) for p in ("data2", "shard2", "shard2-zero2", "tensor2")],
 ]
 # cells that do not train as one process today: (model, plan) -> the defect, named

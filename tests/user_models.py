@@ -177,6 +177,17 @@ class ForceMLP(UserMLP):
         return torch.cat([energy, forces], dim=1)
 
 
+def _dimenet_forces() -> nn.Module:
+    """exatrain's DimeNet++ as an energy, its forces the model (et.models.Forces), small."""
+    import exatrain as et
+
+    energy = et.models.DimeNetPlusPlus(hidden=8, blocks=1, int_emb=4, basis_emb=3, out_emb=8,
+                                       radial=3, spherical=3, cutoff=5.0, max_z=80)
+    for output in energy.outputs:   # the paper's zero output weights would give zero forces
+        nn.init.normal_(output.out.weight, std=0.1)
+    return et.models.Forces(energy)
+
+
 class GraphNet(nn.Module):
     """Message passing on molecules of different sizes, written as people write it without a
     graph library: a batch is the graphs' nodes concatenated, their edges offset into them and
@@ -549,7 +560,8 @@ MODELS = {"unet": lambda: UNet3D(), "unet_plain": lambda: UNet3D(norm=""),
           "mlp_f64": lambda: UserMLP().double(),
           "unet_heads": TwoHeadUNet, "cnn_conditioned": ConditionedCNN2D,
           "cnn_conditioned_planes": ChannelConditionedCNN2D,
-          "mlp_keywords": KeywordMLP, "mlp_forces": ForceMLP, "gnn": GraphNet}
+          "mlp_keywords": KeywordMLP, "mlp_forces": ForceMLP, "gnn": GraphNet,
+          "dimenet_forces": lambda: _dimenet_forces()}
 COLLATE = {"gnn": collate_graphs}   # models whose samples do not stack
 
 
@@ -572,6 +584,16 @@ def dataset(name: str) -> torch.utils.data.TensorDataset:
         return torch.utils.data.TensorDataset(*(t.double() for t in dataset("mlp").tensors))
     if name == "gnn":
         return Molecules()
+    if name == "dimenet_forces":   # 8 frames of EMT relaxations: atoms and their forces
+        import numpy as np
+
+        from exatrain.data.catalysis import relax_system
+        rng = np.random.default_rng(2)
+        frames = [relax_system(rng, frames=4, rattle=0.15) for _ in range(2)]
+        z = torch.from_numpy(np.concatenate([f["z"] for f in frames]).astype(np.float32))
+        pos = torch.from_numpy(np.concatenate([f["pos"] for f in frames]))
+        forces = torch.from_numpy(np.concatenate([f["forces"] for f in frames]))
+        return torch.utils.data.TensorDataset(torch.cat([z[..., None], pos], -1), forces)
     if name == "mlp_forces":   # an energy and its forces at 6 coordinates
         x, _ = dataset("mlp").tensors
         energy = 0.5 * (x ** 2).sum(1, keepdim=True) + torch.sin(x[:, :1])

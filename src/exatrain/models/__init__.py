@@ -11,8 +11,12 @@ from .branches import Branches
 from .cosmoflow import CosmoFlow
 from .deepcam import DeepCAM
 from .deeplab import DeepLabXception
+from .dimenet import DimeNetPlusPlus
+from .forces import Forces
 from .image_pool import ImagePool
 from .gpt import GPT, GPTConfig
+from .schnet import SchNet
 from .vit import ViTForecaster
 
-__all__ = ["Branches", "CosmoFlow", "DeepCAM", "DeepLabXception", "GPT", "GPTConfig", "ImagePool", "ViTForecaster"]
+__all__ = ["Branches", "CosmoFlow", "DeepCAM", "DeepLabXception", "DimeNetPlusPlus", "Forces",
+           "GPT", "GPTConfig", "ImagePool", "SchNet", "ViTForecaster"]

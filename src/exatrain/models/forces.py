@@ -26,6 +26,22 @@ from torch import nn
 
 
 class Forces(nn.Module):
+    """The forces of a learned energy, F = -dE/dx, as a model: `Forces(energy)(atoms)`.
+
+    `energy` maps atoms (B, A, 4), rows [Z, x, y, z] (Z = 0 for padding), to one energy per
+    structure (B,); the forward returns the forces (B, A, 3). In training the gradient keeps its
+    graph, so a loss on the forces trains the energy's weights (a second derivative); in
+    evaluation the forces are plain values, computed even under `torch.no_grad()`.
+
+        def model():
+            return et.models.Forces(et.models.DimeNetPlusPlus(cutoff=6.0, max_z=80))
+
+        et.fit(model, frames, val_frames, loss=F.l1_loss, plan=et.Plan(data=4))
+
+    Plans: `data`, and `shard` with `parallel.zero_stage = 2` (or 1); the others are refused
+    before the first step, naming why.
+    """
+
     def __init__(self, energy: nn.Module):
         super().__init__()
         self.energy = energy
