@@ -157,6 +157,23 @@ def test_trains_equal_to_serial_under_data_and_zero2_and_zero3_is_refused(cataly
     assert "1D tensor" not in str(original)          # DimeNet++ refuses the tensor axis itself
 
 
+def test_schnet_in_dimenets_place_trains_equal_to_serial_under_data(catalysis_dir, tmp_path,
+                                                                    one_thread):
+    """model.name = "schnet": SchNet's energy (a sum over atoms) under `Forces`, its last bias
+    frozen (a constant per atom moves no force, so data parallelism would find it unused):
+    three SGD steps under data=2 equal one process's (relative 1e-5)."""
+    from harness import max_rel_err_state, rel_err, run_ranks
+    from test_dimenet import train_and_report
+
+    schnet = ["model.name='schnet'", "model.rbf=8"]
+    serial = train_and_report(_config(catalysis_dir, tmp_path / "serial", *schnet))
+    ranks = run_ranks(2, train_and_report, _config(catalysis_dir, tmp_path / "data",
+                                                   *schnet, "plan.data=2"), timeout_s=240)
+    for result in ranks:
+        assert rel_err(torch.tensor(result["losses"]), torch.tensor(serial["losses"])) <= 1e-5
+        assert max_rel_err_state(result["state"], serial["state"]) <= 1e-5
+
+
 def test_a_short_run_learns_forces_better_than_predicting_none(catalysis_dir, tmp_path, one_thread):
     """100 AdamW steps (lr 3e-3, batches of 8) of a small DimeNet++ (width 16, one block) on the
     frames of 40 relaxations: the force MAE on the 8 held-out relaxations falls below 0.8 of

@@ -11,6 +11,7 @@ atoms). Within each molecule every ordered pair (i, j), i ≠ j, of real atoms c
         m_i  = Σ_j Linear(x)_j ⊙ W_ij
         x_i += Dense(ssp(Dense(m_i)))
     y = mean over the molecule's real atoms of Dense(ssp(Dense(x_i))), then · std + mean
+        (readout="sum": the sum over them, for an extensive property such as an energy)
 
 ssp(x) = softplus(x) - log 2. Every pair of atom slots of a molecule is computed, as dense
 (B, A, A, ·) tensors, with the pairs that exchange no message masked to zero: QM9's molecules
@@ -53,9 +54,11 @@ class Interaction(nn.Module):
 class SchNet(nn.Module):
     def __init__(self, features: int = 64, interactions: int = 3, rbf: int = 32,
                  cutoff: float = 5.0, max_z: int = 10, target_mean: float = 0.0,
-                 target_std: float = 1.0):
+                 target_std: float = 1.0, readout: str = "mean"):
         super().__init__()
-        self.cutoff = cutoff
+        if readout not in ("mean", "sum"):
+            raise ValueError(f"readout={readout!r}: 'mean' or 'sum'")
+        self.cutoff, self.readout = cutoff, readout
         self.embedding = nn.Embedding(max_z, features, padding_idx=0)
         self.register_buffer("centres", torch.linspace(0.0, cutoff, rbf))
         self.gamma = 0.5 / float(self.centres[1] - self.centres[0]) ** 2
@@ -85,5 +88,7 @@ class SchNet(nn.Module):
         for block in self.interactions:
             x = block(x, rbf, envelope)
         per_atom = self.head2(shifted_softplus(self.head1(x))).squeeze(-1) * present
+        if self.readout == "sum":
+            return per_atom.sum(dim=1) * self.target[1] + self.target[0]
         count = present.sum(dim=1).clamp_min(1).to(per_atom.dtype)
         return per_atom.sum(dim=1) / count * self.target[1] + self.target[0]

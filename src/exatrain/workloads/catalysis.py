@@ -16,7 +16,9 @@ under 10 %). The reference multiplies it by 50; Adam's step does not see a const
 deviation), with mean 0.
 
 Model sizes default to the reference's: hidden 192, 3 blocks, output width 192, 6 radial and 7
-spherical functions, cutoff 6 Å (int_emb 64 and basis_emb 8, DimeNet++'s own).
+spherical functions, cutoff 6 Å (int_emb 64 and basis_emb 8, DimeNet++'s own). `model.name =
+"schnet"` puts SchNet (models/schnet.py, its energy the sum over atoms) in DimeNet++'s place, to
+set a model that sees distances only beside one that sees the angles too.
 
 Validation: `val_forces_mae` (eV/Å, the mean absolute error of every force component of the free
 atoms, MLPerf's quality metric, whose target on OC20 is 0.036) beside `baseline_forces_mae`, the
@@ -42,14 +44,20 @@ from ..data.catalysis import (FILE, CatalysisDataset, describe_catalysis, load_c
 from ..errors import ConfigError
 from ..models.dimenet import DimeNetPlusPlus
 from ..models.forces import Forces
+from ..models.schnet import SchNet
 from .base import InputOptions, Workload
 
 MLPERF_TARGET_FORCES_MAE = 0.036     # eV/Å on OC20's val_id (MLPerf HPC OpenCatalyst)
 MAX_Z = 80                           # up to gold
 
 
+MODELS = ("dimenet++", "schnet")
+
+
 @dataclass
 class ModelOptions:
+    name: str = "dimenet++"         # the energy model: "dimenet++" (MLPerf's) or "schnet" (its
+                                    # energy a sum over atoms; directions not seen, distances only)
     features: int = 192             # hidden width per edge (MLPerf's reference: 192)
     interactions: int = 3           # interaction blocks (reference: 3)
     int_emb: int = 64               # triplet width of the ++ bottleneck
@@ -60,6 +68,12 @@ class ModelOptions:
     cutoff: float = 6.0             # Å: atoms closer than this exchange messages (reference: 6)
     envelope_exponent: int = 5      # the bases' envelope, a polynomial from x^(e+1), zero with
                                     # two derivatives at the cutoff (smooth forces)
+    rbf: int = 32                   # SchNet: Gaussian radial basis functions of each distance
+
+    def __post_init__(self):
+        if self.name not in MODELS:
+            raise ConfigError(f"model.name={self.name!r} is not a catalysis model; choose one of "
+                              f"{', '.join(repr(n) for n in MODELS)}.")
 
 
 @dataclass
@@ -121,11 +135,18 @@ def build(config, mesh) -> Workload:
     val_set = CatalysisDataset(arrays, np.flatnonzero(val))
     train_free = train_set.target[..., :3][train_set.target[..., 3] > 0]
     scale = float(train_free.double().pow(2).mean().sqrt())
-    energy = DimeNetPlusPlus(hidden=m.features, blocks=m.interactions, int_emb=m.int_emb,
-                             basis_emb=m.basis_emb, out_emb=m.out_emb, radial=m.radial,
-                             spherical=m.spherical, cutoff=m.cutoff,
-                             envelope_exponent=m.envelope_exponent, max_z=MAX_Z,
-                             target_mean=0.0, target_std=scale)
+    if m.name == "schnet":
+        energy = SchNet(features=m.features, interactions=m.interactions, rbf=m.rbf,
+                        cutoff=m.cutoff, max_z=MAX_Z, target_std=scale, readout="sum")
+        # its last bias adds a constant per atom to the energy: no force, so no gradient from
+        # a loss on the forces (data parallelism would refuse it as an unused parameter)
+        energy.head2.bias.requires_grad_(False)
+    else:
+        energy = DimeNetPlusPlus(hidden=m.features, blocks=m.interactions, int_emb=m.int_emb,
+                                 basis_emb=m.basis_emb, out_emb=m.out_emb, radial=m.radial,
+                                 spherical=m.spherical, cutoff=m.cutoff,
+                                 envelope_exponent=m.envelope_exponent, max_z=MAX_Z,
+                                 target_mean=0.0, target_std=scale)
 
     def metric_sums(output, target):
         free = target[..., 3:]
