@@ -39,7 +39,9 @@ class Forces(nn.Module):
         et.fit(model, frames, val_frames, loss=F.l1_loss, plan=et.Plan(data=4))
 
     Plans: `data`, and `shard` with `parallel.zero_stage = 2` (or 1); the others are refused
-    before the first step, naming why.
+    before the first step, naming why. A parameter that only shifts the energy by a constant
+    (the last bias of a per-atom readout) moves no force, so a loss on the forces alone gives
+    it no gradient: freeze it (`requires_grad_(False)`), or data parallelism refuses it by name.
     """
 
     def __init__(self, energy: nn.Module):
