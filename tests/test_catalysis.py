@@ -267,3 +267,23 @@ def test_data_options_that_cannot_hold_are_refused_naming_the_key(catalysis_dir,
         catalysis.build(config, None)
     with pytest.raises(ConfigError, match="data.systems=1"):
         load_config(EXAMPLES / "catalysis.toml", ["data.systems=1"])
+
+
+def test_the_planner_refuses_tensor_plans_for_dimenet_with_its_reason():
+    """`exatrain plan SCRIPT` traces a user's model; for DimeNet++ forces it ranks data and
+    shard with ZeRO-1/2 and refuses a tensor Plan with the reason `parallelize` gives, not as a
+    cost it cannot model."""
+    from exatrain import Plan
+    from exatrain.models import DimeNetPlusPlus, Forces
+    from exatrain.tune.layout import Options
+    from exatrain.tune.search import shape_problem
+    from exatrain.tune.spec import user_spec
+
+    model = Forces(DimeNetPlusPlus(hidden=8, blocks=1, int_emb=4, basis_emb=3, out_emb=8,
+                                   radial=3, spherical=3, cutoff=5.0, max_z=80))
+    spec = user_spec(model, torch.zeros(1, 20, 4))
+    assert spec.extra["differentiates"]
+    kind, why = shape_problem(spec, Plan(tensor=2), Options(batch=8))
+    assert kind == "not applicable" and "DimeNet++ cannot be split over the tensor" in why
+    assert shape_problem(spec, Plan(shard=2), Options(batch=8, zero_stage=2)) is None
+    assert "parallel.zero_stage=2" in shape_problem(spec, Plan(shard=2), Options(batch=8))[1]

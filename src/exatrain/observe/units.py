@@ -27,6 +27,15 @@ def human_rate(n: float, unit: str) -> str:
     return f"{n:.3g} E{unit}"
 
 
+def human_count(n: float, unit: str) -> str:
+    """Counts as model sizes are written: 1.42e9, 'params' -> '1.42 B params', 41712 -> '41.7 k
+    params'."""
+    for prefix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {prefix} {unit}"
+    return f"{n:.0f} {unit}"
+
+
 def human_seconds(s: float) -> str:
     if s is None or not math.isfinite(s):
         return "-"

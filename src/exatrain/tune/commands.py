@@ -9,6 +9,7 @@ from pathlib import Path
 from ..plan import Plan, PlanError
 from .layout import Options, options_from_config
 from ..errors import ArgumentError, MissingFileError
+from ..observe.units import human_count
 
 
 def parse_plan(text: str) -> Plan:
@@ -100,7 +101,7 @@ def plan_command(args) -> int:
                "ranked": [p.to_dict() for p in ranking.ranked],
                "refused": [r.to_dict() for r in ranking.refused]}, args.json)
         return 0
-    table = Table(title=f"{spec.name} ({spec.params / 1e9:.3g} B params) on {world} ranks of "
+    table = Table(title=f"{spec.name} ({human_count(spec.params, 'params')}) on {world} ranks of "
                         f"{system.name}: {len(ranking.ranked)} of {ranking.considered} "
                         f"(Plan, options) fit, ranked by predicted step time")
     for col in ("#", "plan", "options", "step", "compute", "comm", "bubble", "memory/rank",

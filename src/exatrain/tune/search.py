@@ -96,6 +96,8 @@ def shape_problem(spec: ModelSpec, plan: Plan, options: Options) -> tuple[str, s
         except SpatialSplitError as exc:
             return ("indivisible", str(exc))
     t = plan.tensor_degree
+    if t > 1 and spec.extra.get("tensor_refusal"):   # as `parallelize` refuses it (DimeNet++)
+        return ("not applicable", spec.extra["tensor_refusal"])
     if t > 1 and spec.family == "cosmoflow":
         # channel/filter convolutions (`tune.chanfilt.cnn_tensor`), costed alone or with
         # data/shard; under space the switch point moves the split layer by layer, and under

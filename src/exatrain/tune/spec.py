@@ -405,6 +405,8 @@ def user_spec(model: nn.Module, example: torch.Tensor, loss_fn=None, name: str =
     if spatial:   # a layer the spatial split refuses (a Fourier layer): no space Plan runs
         from ..parallel.spatial.convert import spatial_refusal
         extra["space_refusal"] = spatial_refusal(model)
+    from ..parallel.graph import graph_refusal
+    extra["tensor_refusal"] = graph_refusal(model)   # DimeNet++: no tensor Plan runs
     kind = "conv" if convs else "matmul"
     return ModelSpec(family="user", name=name or type(model).__name__, param_shapes=shapes,
                      flops_per_sample=flops, act_bytes_per_sample=float(act),
@@ -419,7 +421,7 @@ def user_spec(model: nn.Module, example: torch.Tensor, loss_fn=None, name: str =
 
 
 def spec_from_config(config) -> ModelSpec:
-    """The ModelSpec of a run config's model (workloads gpt and cosmoflow)."""
+    """The ModelSpec of a run config's model (workloads gpt, cosmoflow and vit)."""
     workload = config.run.workload
     if workload == "gpt":
         from ..workloads.gpt import model_config

@@ -135,6 +135,26 @@ def build(config, mesh) -> Workload:
     val_set = CatalysisDataset(arrays, np.flatnonzero(val))
     train_free = train_set.target[..., :3][train_set.target[..., 3] > 0]
     scale = float(train_free.double().pow(2).mean().sqrt())
+    model = build_model(m, scale)
+
+    def metric_sums(output, target):
+        free = target[..., 3:]
+        return {"abs_err": ((output.float() - target[..., :3]).abs() * free).sum(),
+                "count": 3 * free.sum()}
+
+    def finalize(s):
+        return {"val_forces_mae": s["abs_err"] / s["count"]}
+
+    val_free = val_set.target[..., :3][val_set.target[..., 3] > 0]
+    return Workload(model=model, train_set=train_set, val_set=val_set,
+                    loss_fn=forces_loss, metric_sums=metric_sums, finalize=finalize,
+                    differentiates=True,
+                    baselines={"baseline_forces_mae": float(val_free.double().abs().mean()),
+                               "mlperf_target_forces_mae_oc20": MLPERF_TARGET_FORCES_MAE})
+
+
+def build_model(m: ModelOptions, scale: float = 1.0) -> Forces:
+    """The forces of the energy model `m.name` names, its energy in units of `scale` eV."""
     if m.name == "schnet":
         energy = SchNet(features=m.features, interactions=m.interactions, rbf=m.rbf,
                         cutoff=m.cutoff, max_z=MAX_Z, target_std=scale, readout="sum")
@@ -147,18 +167,4 @@ def build(config, mesh) -> Workload:
                                  spherical=m.spherical, cutoff=m.cutoff,
                                  envelope_exponent=m.envelope_exponent, max_z=MAX_Z,
                                  target_mean=0.0, target_std=scale)
-
-    def metric_sums(output, target):
-        free = target[..., 3:]
-        return {"abs_err": ((output.float() - target[..., :3]).abs() * free).sum(),
-                "count": 3 * free.sum()}
-
-    def finalize(s):
-        return {"val_forces_mae": s["abs_err"] / s["count"]}
-
-    val_free = val_set.target[..., :3][val_set.target[..., 3] > 0]
-    return Workload(model=Forces(energy), train_set=train_set, val_set=val_set,
-                    loss_fn=forces_loss, metric_sums=metric_sums, finalize=finalize,
-                    differentiates=True,
-                    baselines={"baseline_forces_mae": float(val_free.double().abs().mean()),
-                               "mlperf_target_forces_mae_oc20": MLPERF_TARGET_FORCES_MAE})
+    return Forces(energy)
