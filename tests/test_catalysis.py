@@ -270,9 +270,9 @@ def test_data_options_that_cannot_hold_are_refused_naming_the_key(catalysis_dir,
 
 
 def test_the_planner_refuses_tensor_plans_for_dimenet_with_its_reason():
-    """`exatrain plan SCRIPT` traces a user's model; for DimeNet++ forces it ranks data and
-    shard with ZeRO-1/2 and refuses a tensor Plan with the reason `parallelize` gives, not as a
-    cost it cannot model."""
+    """The planner's verdicts on a traced DimeNet++ forces model (what `exatrain plan SCRIPT`
+    ranks by): shard with ZeRO-2 fits; ZeRO-3 and fp8 are refused with training's reasons; a
+    tensor Plan is refused with the reason `parallelize` gives, not as a cost it cannot model."""
     from exatrain import Plan
     from exatrain.models import DimeNetPlusPlus, Forces
     from exatrain.tune.layout import Options
@@ -286,4 +286,7 @@ def test_the_planner_refuses_tensor_plans_for_dimenet_with_its_reason():
     kind, why = shape_problem(spec, Plan(tensor=2), Options(batch=8))
     assert kind == "not applicable" and "DimeNet++ cannot be split over the tensor" in why
     assert shape_problem(spec, Plan(shard=2), Options(batch=8, zero_stage=2)) is None
-    assert "parallel.zero_stage=2" in shape_problem(spec, Plan(shard=2), Options(batch=8))[1]
+    zero3 = shape_problem(spec, Plan(shard=2), Options(batch=8))[1]
+    assert "parallel.zero_stage=2" in zero3 and "1D tensor" not in zero3
+    assert "parallel.precision='fp8'" in shape_problem(spec, Plan(data=2),
+                                                       Options(batch=8, precision="fp8"))[1]

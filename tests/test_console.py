@@ -92,3 +92,12 @@ def test_writing_data_shows_rate_and_eta_in_a_file_and_a_bar_on_a_terminal():
     for done in range(0, 101):
         report(done, 100)
     assert "100/100" in tty.getvalue() and "ETA" in tty.getvalue() and "/s" in tty.getvalue()
+
+
+def test_counts_print_as_model_sizes_are_written():
+    from exatrain.observe.units import human_count
+
+    assert [human_count(n, "params") for n in (999, 1000, 41_712, 999_999, 1.42e9, 1.5e12)] == [
+        "999 params", "1 k params", "41.7 k params", "1 M params", "1.42 B params",
+        "1.5 T params"]
+    assert human_count(float("nan"), "params") == "-"

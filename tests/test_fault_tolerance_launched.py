@@ -127,6 +127,7 @@ def _check_survivor_and_rejoined(survivor: Path, rejoined: Path, reference: dict
     assert trained == sorted(set(trained)) and trained[-1] == STEPS, \
         "the survivor redid a step: it should have trained each step once"
     heals = [h["rejoined_at_step"] for h in s1["ft_heals"]]
+    assert heals, f"the restarted group never healed from the live one: {s1}"
     back = heals[0]   # the restarted group healed from the live one, after the step it died in
     assert killed_after < back < STEPS and s1["steps"] == STEPS, (killed_after, s1["ft_heals"])
     assert set(range(killed_after, back)) <= set(trained), \

@@ -36,10 +36,12 @@ class Forces(nn.Module):
         def model():
             return et.models.Forces(et.models.DimeNetPlusPlus(cutoff=6.0, max_z=80))
 
+        # frames: samples (atoms (A, 4), forces (A, 3)), padded to A atoms with Z = 0
         et.fit(model, frames, val_frames, loss=F.l1_loss, plan=et.Plan(data=4))
 
-    Plans: `data`, and `shard` with `parallel.zero_stage = 2` (or 1); the others are refused
-    before the first step, naming why. A parameter that only shifts the energy by a constant
+    Plans: `data`, `shard` with `parallel.zero_stage = 2` (or 1), and 1D `tensor` where the
+    energy's layers split (not DimeNet++'s); the others are refused before the first step,
+    naming why. A parameter that only shifts the energy by a constant
     (the last bias of a per-atom readout) moves no force, so a loss on the forces alone gives
     it no gradient: freeze it (`requires_grad_(False)`), or data parallelism refuses it by name.
     """

@@ -29,7 +29,10 @@ def human_rate(n: float, unit: str) -> str:
 
 def human_count(n: float, unit: str) -> str:
     """Counts as model sizes are written: 1.42e9, 'params' -> '1.42 B params', 41712 -> '41.7 k
-    params'."""
+    params', 999999 -> '1 M params'."""
+    if n is None or not math.isfinite(n):
+        return "-"
+    n = float(f"{n:.3g}")   # rounded first, so that 999,999 is 1 M, not 1e+03 k
     for prefix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(n) >= scale:
             return f"{n / scale:.3g} {prefix} {unit}"

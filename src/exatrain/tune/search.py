@@ -76,8 +76,13 @@ def shape_problem(spec: ModelSpec, plan: Plan, options: Options) -> tuple[str, s
     """(kind, reason) when the model's shapes do not fit the Plan, else None."""
     if spec.extra.get("differentiates"):   # as `train.user_checks.check_derivatives` refuses it
         from ..parallel.derivatives import derivative_refusal
+        from ..parallel.options import ParallelOptions
+        settings = ParallelOptions(precision=options.precision, batchnorm=options.batchnorm,
+                                   activation_checkpointing=options.checkpointing)
         why = derivative_refusal(spec.name, plan, zero_stage=options.zero_stage,
-                                 functorch=spec.extra.get("differentiates_by_functorch", False))
+                                 functorch=spec.extra.get("differentiates_by_functorch", False),
+                                 options=settings, optimizer=options.optimizer,
+                                 tensor_ok=not spec.extra.get("tensor_refusal"))
         if why:
             return ("not applicable", why)
     replicas = plan.data * plan.shard

@@ -26,9 +26,9 @@ error of predicting zero forces. The data are EMT relaxations (data/catalysis.py
 ones, so the figure is not comparable with the target; the baseline is the yardstick.
 
 Plans: `data` and `shard` with ZeRO-1/2 (`parallel.zero_stage = 2`) train it equal to serial;
-the Plans that cannot differentiate twice (FSDP2's ZeRO-3, pipe, space, tensor) are refused
-before the first step by name (parallel/derivatives.py, and DimeNet++'s own refusal of the graph
-axis).
+the Plans that cannot differentiate twice (FSDP2's ZeRO-3, pipe, space, 3D tensor) are refused
+before the first step by name (parallel/derivatives.py), and so is `tensor` for DimeNet++ (its
+own refusal of the graph axis).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class DataOptions(InputOptions):
     seed: int = 0                   # the systems drawn and the validation systems
 
     def __post_init__(self):
-        if self.systems < 2 or self.frames < 1:
+        if self.generate and (self.systems < 2 or self.frames < 1):
             raise ConfigError(f"data.systems={self.systems}, data.frames={self.frames}: write "
                               f"at least 2 relaxations (one to train on, one to validate) of at "
                               f"least 1 frame.")
@@ -106,7 +106,8 @@ def prepare(config, progress=None) -> Path:
                 f"of {held['frames']} frames (seed {held['seed']}), written earlier; this run asks "
                 f"for data.systems={d.systems}, data.frames={d.frames}, data.seed={d.seed}. Point "
                 f"data.path at a new directory (the set is written there), remove {path}, or set "
-                f"data.generate = false to train on the set as it is.")
+                f"data.generate = false to train on the set as it is (data.seed then draws only "
+                f"the validation relaxations).")
     elif d.generate:
         write_catalysis(d.path, systems=d.systems, frames=d.frames, seed=d.seed,
                         progress=progress)
