@@ -101,3 +101,10 @@ def test_counts_print_as_model_sizes_are_written():
         "999 params", "1 k params", "41.7 k params", "1 M params", "1.42 B params",
         "1.5 T params"]
     assert human_count(float("nan"), "params") == "-"
+
+
+def test_rates_round_before_they_take_a_prefix():
+    from exatrain.observe.units import human_rate
+
+    assert [human_rate(n, "FLOP/s") for n in (999.96, 999_960, 1234, 4.63e10)] == [
+        "1 kFLOP/s", "1 MFLOP/s", "1.23 kFLOP/s", "46.3 GFLOP/s"]

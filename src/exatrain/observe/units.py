@@ -20,6 +20,7 @@ def human_rate(n: float, unit: str) -> str:
     """Decimal prefixes, as rates are: 4.6e10, 'FLOP/s' -> '46.3 GFLOP/s'."""
     if n is None or not math.isfinite(n):
         return "-"
+    n = float(f"{n:.3g}")   # rounded first, so that 999,960 is 1 M, not 1e+03 k
     for prefix in ("", "k", "M", "G", "T", "P", "E"):
         if abs(n) < 1000 or prefix == "E":
             return f"{n:.3g} {prefix}{unit}"
