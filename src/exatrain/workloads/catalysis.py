@@ -34,6 +34,7 @@ own refusal of the graph axis).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 from pathlib import Path
 
 import numpy as np
@@ -42,38 +43,25 @@ import torch
 from ..data.catalysis import (FILE, CatalysisDataset, describe_catalysis, load_catalysis,
                               write_catalysis)
 from ..errors import ConfigError
-from ..models.dimenet import DimeNetPlusPlus
 from ..models.forces import Forces
-from ..models.schnet import SchNet
 from .base import InputOptions, Workload
+from .qm9 import ModelOptions as QM9ModelOptions
+from .qm9 import build_model as build_qm9_model
 
 MLPERF_TARGET_FORCES_MAE = 0.036     # eV/Å on OC20's val_id (MLPerf HPC OpenCatalyst)
 MAX_Z = 80                           # up to gold
 
 
-MODELS = ("dimenet++", "schnet")
-
-
 @dataclass
-class ModelOptions:
+class ModelOptions(QM9ModelOptions):
+    """QM9's molecular models and keys (workloads/qm9.py), MLPerf's reference sizes."""
+    workload: ClassVar[str] = "catalysis"
     name: str = "dimenet++"         # the energy model: "dimenet++" (MLPerf's) or "schnet" (its
                                     # energy a sum over atoms; directions not seen, distances only)
     features: int = 192             # hidden width per edge (MLPerf's reference: 192)
     interactions: int = 3           # interaction blocks (reference: 3)
-    int_emb: int = 64               # triplet width of the ++ bottleneck
-    basis_emb: int = 8              # width the spherical basis is projected through
-    out_emb: int = 192              # output blocks' width (reference: 192)
-    radial: int = 6                 # radial (Bessel) functions
-    spherical: int = 7              # spherical harmonics (l < spherical)
     cutoff: float = 6.0             # Å: atoms closer than this exchange messages (reference: 6)
-    envelope_exponent: int = 5      # the bases' envelope, a polynomial from x^(e+1), zero with
-                                    # two derivatives at the cutoff (smooth forces)
-    rbf: int = 32                   # SchNet: Gaussian radial basis functions of each distance
-
-    def __post_init__(self):
-        if self.name not in MODELS:
-            raise ConfigError(f"model.name={self.name!r} is not a catalysis model; choose one of "
-                              f"{', '.join(repr(n) for n in MODELS)}.")
+    out_emb: int = 192              # DimeNet++: output blocks' width (reference: 192)
 
 
 @dataclass
@@ -156,16 +144,9 @@ def build(config, mesh) -> Workload:
 
 def build_model(m: ModelOptions, scale: float = 1.0) -> Forces:
     """The forces of the energy model `m.name` names, its energy in units of `scale` eV."""
+    energy = build_qm9_model(m, 0.0, scale, max_z=MAX_Z, readout="sum")
     if m.name == "schnet":
-        energy = SchNet(features=m.features, interactions=m.interactions, rbf=m.rbf,
-                        cutoff=m.cutoff, max_z=MAX_Z, target_std=scale, readout="sum")
         # its last bias adds a constant per atom to the energy: no force, so no gradient from
         # a loss on the forces (data parallelism would refuse it as an unused parameter)
         energy.head2.bias.requires_grad_(False)
-    else:
-        energy = DimeNetPlusPlus(hidden=m.features, blocks=m.interactions, int_emb=m.int_emb,
-                                 basis_emb=m.basis_emb, out_emb=m.out_emb, radial=m.radial,
-                                 spherical=m.spherical, cutoff=m.cutoff,
-                                 envelope_exponent=m.envelope_exponent, max_z=MAX_Z,
-                                 target_mean=0.0, target_std=scale)
     return Forces(energy)
