@@ -158,10 +158,29 @@ def _report(launcher: str, s0: dict) -> None:
           f"back at step {s0['rejoined_at_step']}; weights equal the uninterrupted run's")
 
 
+def _sbatch_groups(tmp_path, args: list[str], script_flags: list[str], **env) -> tuple[str, Path]:
+    """The replica groups' batch script (`exatrain run ARGS --print-batch-script slurm
+    --tasks-per-node 2 SCRIPT_FLAGS`), submitted with ports of its own (other jobs of this
+    machine's Slurm may use the defaults) and `env`: the job id and the job's run root."""
+    made = subprocess.run([sys.executable, "-m", "exatrain.cli", "run", "--print-batch-script",
+                           "slurm", "--tasks-per-node", "2", *script_flags, *args], cwd=tmp_path,
+                          env=_ft_env(), capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    script = made.stdout
+    assert script.count("\ngroup ") == 2 and "torchft_lighthouse --bind \"[::]:$lighthouse_port\" --min_replicas 1" in script
+    (tmp_path / "job.sh").write_text(script)
+    base = free_port_run(3)   # groups 0 and 1 at MASTER_PORT + g, then the lighthouse
+    sub = subprocess.run(["sbatch", "--parsable", "job.sh"], cwd=tmp_path,
+                         env=_ft_env(MASTER_PORT=str(base), LIGHTHOUSE_PORT=str(base + 2), **env),
+                         capture_output=True, text=True, timeout=60)
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip().split(";")[0]
+    return job, tmp_path / "runs" / f"cosmoflow-{job}"
+
+
 def test_sbatch_replica_groups_restart_a_killed_group_which_heals(slurm, cosmo_data, tmp_path):
     """The script `--print-batch-script slurm` writes for 2 replica groups of 1 rank on one node:
-    its lighthouse on the batch host, one srun step per group. Group 1's rank SIGKILLs itself as
-    Once both groups have trained 20 steps side by side, group 1's rank gets SIGKILL (from the
+    its lighthouse on the batch host, one srun step per group. Once both groups have trained 20 steps side by side, group 1's rank gets SIGKILL (from the
     test, mid-step); srun ends the step, the script's loop for group 1 starts it again, and the
     new step heals from group 0, which went on alone meanwhile.
 
@@ -170,23 +189,8 @@ def test_sbatch_replica_groups_restart_a_killed_group_which_heals(slurm, cosmo_d
     two groups the sums are exact). Lost: no step redone by group 0; its pause when group 1 died
     (`ft_pause_s_max`, measured 2.0 s: the heartbeat timeout); group 1's own work, replaced by
     the heal (measured: back 30-225 steps later, 2-10 s after the kill, on a loaded machine)."""
-    made = subprocess.run([sys.executable, "-m", "exatrain.cli", "run", "--print-batch-script",
-                           "slurm", "--time", "10", "--tasks-per-node", "2",
-                           *_args(cosmo_data, tmp_path / "runs", *FT)],
-                          cwd=tmp_path, env=_ft_env(), capture_output=True, text=True,
-                          timeout=120)
-    assert made.returncode == 0, made.stderr
-    script = made.stdout
-    assert script.count("\ngroup ") == 2 and "torchft_lighthouse --bind \"[::]:$lighthouse_port\" --min_replicas 1" in script
-    (tmp_path / "job.sh").write_text(script)
-    # ports of their own: other jobs of this machine's Slurm may use the defaults
-    base = free_port_run(3)   # groups 0 and 1 at MASTER_PORT + g, then the lighthouse
-    env = _ft_env(MASTER_PORT=str(base), LIGHTHOUSE_PORT=str(base + 2))
-    sub = subprocess.run(["sbatch", "--parsable", "job.sh"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=60)
-    assert sub.returncode == 0, sub.stderr
-    job = sub.stdout.strip().split(";")[0]
-    root = tmp_path / "runs" / f"cosmoflow-{job}"
+    job, root = _sbatch_groups(tmp_path, _args(cosmo_data, tmp_path / "runs", *FT),
+                               ["--time", "10"])
     from test_slurm import wait_for_job
     try:
         killed_after = _when_both_train([lambda: root / "group_00", lambda: root / "group_01"],
@@ -326,25 +330,13 @@ def test_sbatch_replica_groups_checkpoint_on_the_wall_time_warning_and_requeue(s
     steps = 6
     args = _args(cosmo_data, tmp_path / "runs", *FT, "model.base_channels=4",
                  f"train.steps={steps}")
-    made = subprocess.run([sys.executable, "-m", "exatrain.cli", "run", "--print-batch-script",
-                           "slurm", "--time", "1", "--signal-before", "40", "--tasks-per-node",
-                           "2", *args], cwd=tmp_path, env=_ft_env(), capture_output=True,
-                          text=True, timeout=120)
-    assert made.returncode == 0, made.stderr
-    (tmp_path / "job.sh").write_text(made.stdout)
-    base = free_port_run(3)   # groups 0 and 1 at MASTER_PORT + g, then the lighthouse
-    env = _ft_env(EXATRAIN_INJECT_FAULTS="wait_signal@0:3,wait_signal@1:3",
-                  MASTER_PORT=str(base), LIGHTHOUSE_PORT=str(base + 2))
-    sub = subprocess.run(["sbatch", "--parsable", "job.sh"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=60)
-    assert sub.returncode == 0, sub.stderr
-    job = sub.stdout.strip().split(";")[0]
+    job, root = _sbatch_groups(tmp_path, args, ["--time", "1", "--signal-before", "40"],
+                               EXATRAIN_INJECT_FAULTS="wait_signal@0:3,wait_signal@1:3")
     from test_slurm import wait_for_job
     state = wait_for_job(job, timeout_s=400)
     output = (tmp_path / f"cosmoflow-{job}.out").read_text()
     assert state == "COMPLETED", output[-5000:]
     assert "wall time near" in output and "failed (exit" not in output, output[-5000:]
-    root = tmp_path / "runs" / f"cosmoflow-{job}"
     weights = []
     for group in ("group_00", "group_01"):
         summary = json.loads((root / group / "summary.json").read_text())
@@ -364,6 +356,40 @@ def test_sbatch_replica_groups_checkpoint_on_the_wall_time_warning_and_requeue(s
         f"groups {between:.1e} apart, {errs[0]:.1e} and {errs[1]:.1e} from the uninterrupted "
         f"run's weights; steps trained {[_trained_steps(root / g) for g in ('group_00', 'group_01')]}"
         f"\n{story[-6000:]}")
+
+
+def test_sbatch_replica_groups_requeue_on_a_warning_that_comes_as_the_job_starts(slurm, cosmo_data,
+                                                                                tmp_path):
+    """Slurm may send the wall-time warning up to a minute early: here it reaches the batch shell
+    (`scancel --batch --signal=USR1`, as `--signal=B:USR1` sends it) as soon as the script has
+    made its run directory, while the lighthouse starts (the import of torch: seconds). The
+    script says so, starts no group, and requeues the job (a shell that set its trap later died
+    of the signal, the job FAILED with nothing in its output); the requeued job trains both
+    groups to the end, equal to the uninterrupted run (1e-6)."""
+    steps = 4
+    args = _args(cosmo_data, tmp_path / "runs", *FT, "model.base_channels=4",
+                 f"train.steps={steps}")
+    job, root = _sbatch_groups(tmp_path, args, ["--time", "10"])
+    deadline = time.monotonic() + 120
+    while not root.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    warned = subprocess.run(["scancel", "--batch", "--signal=USR1", job], capture_output=True,
+                            text=True, timeout=60)
+    assert warned.returncode == 0, warned.stderr
+    from test_slurm import wait_for_job
+    state = wait_for_job(job, timeout_s=300)
+    output = (tmp_path / f"cosmoflow-{job}.out").read_text()
+    assert state == "COMPLETED", output[-5000:]
+    assert "wall time near" in output and "failed (exit" not in output, output[-5000:]
+    reference = _uninterrupted(cosmo_data, tmp_path / "plain", "model.base_channels=4",
+                               f"train.steps={steps}")
+    for group in ("group_00", "group_01"):
+        summary = json.loads((root / group / "summary.json").read_text())
+        assert summary["steps"] == steps and summary["requeues"] == 1, summary
+        trained = _trained_steps(root / group)
+        assert trained == sorted(set(trained)) and trained[-1] == steps, trained
+        weights = final_weights(root / group)
+        assert max(rel_err(weights[k], reference[k]) for k in reference) <= 1e-6, group
 
 
 def test_the_tutorials_replica_group_batch_line_makes_a_script_sbatch_accepts(slurm, tmp_path,

@@ -123,7 +123,7 @@ def test_batch_script_for_a_gpu_cluster(capsys):
     assert options["signal"] == "B:USR1@180"
     assert all(comment.startswith("# ") and len(comment) > 4 for comment, _ in pairs)
     assert "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}" in script
-    srun = next(l for l in script.splitlines() if l.startswith("srun "))
+    srun = next(l.strip() for l in script.splitlines() if l.strip().startswith("srun "))
     assert "--gpu-bind=none" in srun and srun.endswith("run --set train.steps=10 &")
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
 

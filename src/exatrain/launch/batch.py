@@ -10,9 +10,12 @@ step has ended, a run that stopped on a signal (the wall-time warning, or `scanc
 sent to the ranks) but did not finish requeues the job: same SLURM_JOB_ID, so the same run
 directory, and SLURM_RESTART_COUNT, which the run's summary reports as `requeues`. So does a
 step that ended without a summary after the warning came (the warning reached ranks still
-starting). A run that crashed without a warning is not requeued. With `[fault_tolerance]` the Slurm
-script starts a lighthouse and one step per replica group instead (`batch_groups`). Flux has no requeue: resubmit the same script (the
-run directory is named after the run, not the job id), or wrap it in a loop.
+starting), and a job warned before its step started (Slurm may warn up to a minute early; the
+trap is the script's first command, since a shell without it dies of USR1 with nothing said): no
+rank starts, the requeued job starts them. A run that crashed without a warning is not requeued.
+With `[fault_tolerance]` the Slurm script starts a lighthouse and one step per replica group
+instead (`batch_groups`). Flux has no requeue: resubmit the same script (the run directory is
+named after the run, not the job id), or wrap it in a loop.
 
 Every `#SBATCH` line has its own comment line above it (a comment on the same line is not
 portable across Slurm versions). Resources a GPU centre needs -- GPUs per node, CPUs per task,
@@ -84,6 +87,16 @@ def _directives(name: str, nodes: int, tasks_per_node: int, time: str, warn_s: i
 
 
 SLURM_BODY = """
+# the wall-time warning reaches this shell (B:USR1), perhaps as the job starts (Slurm may send it
+# up to a minute early): caught from here on, passed to the ranks through srun once they run
+warned=0
+forward() {{
+  warned=1
+  echo "exatrain: wall time near; the ranks checkpoint, then job $SLURM_JOB_ID requeues"
+  if [[ -n ${{STEP_PID:-}} ]]; then kill -USR1 "$STEP_PID"; fi
+}}
+trap forward USR1
+
 # the run directory outlives requeues: a requeued job resumes from its last checkpoint there
 export EXATRAIN_RUN_DIR="${{EXATRAIN_RUN_DIR:-{out_dir}/{name}-$SLURM_JOB_ID}}"
 # rank 0's node holds the rendezvous (torch.distributed's TCP store)
@@ -92,22 +105,16 @@ export MASTER_PORT=${{MASTER_PORT:-29500}}
 # CPU threads per rank: the cores Slurm gave each task (1 without --cpus-per-task)
 export OMP_NUM_THREADS=${{SLURM_CPUS_PER_TASK:-1}}
 
-# the wall-time warning reaches this shell (B:USR1): pass it on to the ranks through srun
-warned=0
-forward() {{
-  warned=1
-  echo "exatrain: wall time near; the ranks checkpoint, then job $SLURM_JOB_ID requeues"
-  kill -USR1 "$STEP_PID"
-}}
-trap forward USR1
-
 # written anew when the run stops (finished, or stopped on a signal); a crash leaves none
 rm -f "$EXATRAIN_RUN_DIR/summary.json"
-# one rank per task; {gpu_comment}
-srun --kill-on-bad-exit=1 {gpu_bind}{python} -m exatrain.cli run {config} &
-STEP_PID=$!
-wait "$STEP_PID"; status=$?
-while kill -0 "$STEP_PID" 2>/dev/null; do wait "$STEP_PID"; status=$?; done
+status=0
+if [[ $warned == 0 ]]; then  # (after an early warning no rank starts: the requeued job starts them)
+  # one rank per task; {gpu_comment}
+  srun --kill-on-bad-exit=1 {gpu_bind}{python} -m exatrain.cli run {config} &
+  STEP_PID=$!
+  wait "$STEP_PID"; status=$?
+  while kill -0 "$STEP_PID" 2>/dev/null; do wait "$STEP_PID"; status=$?; done
+fi
 
 # not finished: requeue (same job id, same run directory) when the run stopped on a signal
 # (the warning, or `scancel --signal=USR1` to the ranks), or when the warning came and the

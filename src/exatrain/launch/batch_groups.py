@@ -16,9 +16,12 @@ whole nodes (all their GPUs: `--gpu-bind=none`, GPU = local rank); with fewer no
 holds `groups / nodes` groups side by side, each with its share of the node's tasks (and, with
 GPUs, one GPU per task: `--gpus-per-task=1`, so two groups never pick the same GPU).
 
-On the wall-time warning the script signals every step (`scancel --signal=USR1`), no group is
-started again, and the job requeues when a group stopped on the signal (or ended without a
-summary after the warning), as the single-step script does.
+On the wall-time warning the script signals every step (`scancel --signal=USR1`, and once more
+5 s later for a step that was being made), no group is started (again), and the job requeues when
+a group stopped on the signal (or has no summary after the warning), as the single-step script
+does. The warning is caught from the script's second line on: Slurm may send it early, while the
+lighthouse starts (torch's import: seconds on a loaded node), and a shell that has not set its
+trap yet dies of it with nothing said.
 """
 
 from __future__ import annotations
@@ -31,8 +34,21 @@ from .lighthouse import lighthouse_flags, lighthouse_program
 BODY = """
 # the run directory outlives requeues; replica group g runs in RUN/group_GG
 run_root="${{EXATRAIN_RUN_DIR:-{out_dir}/{name}-$SLURM_JOB_ID}}"
-mkdir -p "$run_root"
 rm -f "$run_root/wall_time_warning"
+# the wall-time warning reaches this shell (B:USR1), perhaps as the job starts (Slurm may send it
+# up to a minute early, while the lighthouse starts): caught from here on, it is passed to every
+# group's ranks, and no group starts after it
+forward() {{
+  mkdir -p "$run_root" && touch "$run_root/wall_time_warning"
+  echo "exatrain: wall time near; the ranks checkpoint, then job $SLURM_JOB_ID requeues"
+  scancel --signal=USR1 "$SLURM_JOB_ID"
+  # again in 5 s, for a group whose step was being made as the first one went out (stopped
+  # below when the groups end first: it must not reach the requeued job's ranks)
+  (sleep 5; scancel --signal=USR1 "$SLURM_JOB_ID") &
+  REPEAT_PID=$!
+}}
+trap forward USR1
+mkdir -p "$run_root"
 # CPU threads per rank: the cores Slurm gave each task (1 without --cpus-per-task)
 export OMP_NUM_THREADS=${{SLURM_CPUS_PER_TASK:-1}}
 hosts=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
@@ -45,6 +61,10 @@ group() {{
   local k=$1 starts=0 status dir
   dir="$run_root/group_$(printf %02d "$k")"
   while :; do
+    if [[ -f $run_root/wall_time_warning ]]; then
+      echo "exatrain: replica group $k not started: the wall-time warning came first; the requeued job starts it"
+      return 0
+    fi
     rm -f "$dir/summary.json"
     REPLICA_GROUP_ID=$k EXATRAIN_RUN_DIR="$dir" MASTER_ADDR=${{hosts[$4]}} MASTER_PORT=$((base_port + k)) \\
       srun --exact --kill-on-bad-exit=1 --nodes="$2" --ntasks="$3" --relative="$4" \\
@@ -68,14 +88,6 @@ group() {{
   done
 }}
 
-# the wall-time warning reaches this shell (B:USR1): pass it on to every group's ranks
-forward() {{
-  touch "$run_root/wall_time_warning"
-  echo "exatrain: wall time near; the ranks checkpoint, then job $SLURM_JOB_ID requeues"
-  scancel --signal=USR1 "$SLURM_JOB_ID"
-}}
-trap forward USR1
-
 pids=()
 {starts}
 status=0
@@ -85,10 +97,13 @@ for pid in "${{pids[@]}}"; do  # (a wait the warning's trap interrupts is waited
   (( code != 0 )) && status=$code
 done
 [[ -n ${{LIGHTHOUSE_PID:-}} ]] && kill "$LIGHTHOUSE_PID"
+[[ -n ${{REPEAT_PID:-}} ]] && kill "$REPEAT_PID" 2>/dev/null
 
 # not finished: requeue (same job id, same run directory) when a group stopped on a signal, or
-# when the warning came and a group ended without a summary (it reached the ranks as they started)
-for dir in "$run_root"/group_*; do
+# when the warning came and a group ended without a summary (it reached the ranks as they started,
+# or came before the group started)
+for k in $(seq 0 {last}); do
+  dir="$run_root/group_$(printf %02d "$k")"
   if grep -q '"stopped_by_signal": true' "$dir/summary.json" 2>/dev/null || \\
       [[ -f $run_root/wall_time_warning && ! -f $dir/summary.json ]]; then
     scontrol requeue "$SLURM_JOB_ID"
@@ -158,4 +173,4 @@ def replica_groups_body(config, groups: int, nodes: int, tasks_per_node: int, re
     starts = "\n".join(f"group {k} {n} {t} {first} &\npids+=($!)"
                        for k, (n, t, first) in enumerate(steps))
     return BODY.format(**words, lighthouse=lighthouse, restarts=restarts, gpu_flags=gpu_flags,
-                       starts=starts)
+                       starts=starts, last=groups - 1)
