@@ -373,6 +373,7 @@ def test_sbatch_replica_groups_requeue_on_a_warning_that_comes_as_the_job_starts
     deadline = time.monotonic() + 120
     while not root.exists() and time.monotonic() < deadline:
         time.sleep(0.02)
+    assert root.exists(), f"job {job} made no run directory in 120 s"
     warned = subprocess.run(["scancel", "--batch", "--signal=USR1", job], capture_output=True,
                             text=True, timeout=60)
     assert warned.returncode == 0, warned.stderr
@@ -381,6 +382,7 @@ def test_sbatch_replica_groups_requeue_on_a_warning_that_comes_as_the_job_starts
     output = (tmp_path / f"cosmoflow-{job}.out").read_text()
     assert state == "COMPLETED", output[-5000:]
     assert "wall time near" in output and "failed (exit" not in output, output[-5000:]
+    assert output.count("not started: the wall-time warning came first") == 2, output[-5000:]
     reference = _uninterrupted(cosmo_data, tmp_path / "plain", "model.base_channels=4",
                                f"train.steps={steps}")
     for group in ("group_00", "group_01"):

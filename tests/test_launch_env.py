@@ -82,3 +82,27 @@ def test_a_stop_signal_while_a_launched_rank_starts_is_kept_for_the_trainer():
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
+
+
+def test_a_rank_that_starts_after_the_warning_finds_its_file(tmp_path, monkeypatch):
+    """A batch script writes the wall-time warning's file (EXATRAIN_STOP_FILE) before it signals
+    the job's steps; a rank whose step was made too late for the signal finds the file as its
+    StopOnSignal is installed, and stops as on SIGUSR1. No file (yet): no stop."""
+    import signal
+
+    from exatrain.train.resilience.stop import StopOnSignal
+
+    warning = tmp_path / "wall_time_warning.7.0"
+    monkeypatch.setenv("EXATRAIN_STOP_FILE", str(warning))
+    before = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        stop = StopOnSignal().install()
+        assert stop.signum is None
+        stop.restore()
+        warning.touch()
+        stop = StopOnSignal().install()
+        assert stop.signum == signal.SIGUSR1
+        stop.restore()
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)

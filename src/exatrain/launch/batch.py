@@ -12,7 +12,9 @@ directory, and SLURM_RESTART_COUNT, which the run's summary reports as `requeues
 step that ended without a summary after the warning came (the warning reached ranks still
 starting), and a job warned before its step started (Slurm may warn up to a minute early; the
 trap is the script's first command, since a shell without it dies of USR1 with nothing said): no
-rank starts, the requeued job starts them. A run that crashed without a warning is not requeued.
+rank starts, the requeued job starts them; the warning's file, written before the ranks are
+signalled, stops ranks that srun started too late for the signal (launch.signals). A requeue the
+site refuses ends the job failed, with a line that says so. A run that crashed without a warning is not requeued.
 With `[fault_tolerance]` the Slurm script starts a lighthouse and one step per replica group
 instead (`batch_groups`). Flux has no requeue: resubmit the same script (the run directory is
 named after the run, not the job id), or wrap it in a loop.
@@ -30,7 +32,7 @@ import sys
 from dataclasses import dataclass, field
 
 from ..errors import ArgumentError
-from .batch_groups import replica_groups_body
+from .batch_groups import REQUEUE, replica_groups_body
 
 
 @dataclass
@@ -87,18 +89,22 @@ def _directives(name: str, nodes: int, tasks_per_node: int, time: str, warn_s: i
 
 
 SLURM_BODY = """
+# the run directory outlives requeues: a requeued job resumes from its last checkpoint there
+export EXATRAIN_RUN_DIR="${{EXATRAIN_RUN_DIR:-{out_dir}/{name}-$SLURM_JOB_ID}}"
 # the wall-time warning reaches this shell (B:USR1), perhaps as the job starts (Slurm may send it
-# up to a minute early): caught from here on, passed to the ranks through srun once they run
+# up to a minute early): the trap is set before anything that takes time. The warning's file
+# (this job and requeue only) is written first, then the ranks are signalled through srun; ranks
+# that srun had not started yet find the file as they start (EXATRAIN_STOP_FILE)
+export EXATRAIN_STOP_FILE="$EXATRAIN_RUN_DIR/wall_time_warning.$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}"
 warned=0
 forward() {{
   warned=1
+  mkdir -p "$EXATRAIN_RUN_DIR" && touch "$EXATRAIN_STOP_FILE"
   echo "exatrain: wall time near; the ranks checkpoint, then job $SLURM_JOB_ID requeues"
   if [[ -n ${{STEP_PID:-}} ]]; then kill -USR1 "$STEP_PID"; fi
 }}
 trap forward USR1
 
-# the run directory outlives requeues: a requeued job resumes from its last checkpoint there
-export EXATRAIN_RUN_DIR="${{EXATRAIN_RUN_DIR:-{out_dir}/{name}-$SLURM_JOB_ID}}"
 # rank 0's node holds the rendezvous (torch.distributed's TCP store)
 export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_PORT=${{MASTER_PORT:-29500}}
@@ -121,7 +127,7 @@ fi
 # ranks ended without a summary (it reached them as they started)
 summary="$EXATRAIN_RUN_DIR/summary.json"
 if grep -q '"stopped_by_signal": true' "$summary" 2>/dev/null || [[ $warned == 1 && ! -f $summary ]]; then
-  scontrol requeue "$SLURM_JOB_ID"
+  {requeue}
 fi
 exit $status
 """
@@ -188,4 +194,4 @@ def batch_script(kind: str, config_path: str, config, nodes: int, tasks_per_node
         return "\n".join(head) + "\n" + replica_groups_body(
             config, replica_groups, nodes, tasks_per_node, group_restarts, res.gpus_per_node,
             words)
-    return "\n".join(head) + "\n" + SLURM_BODY.format(**words, **gpu)
+    return "\n".join(head) + "\n" + SLURM_BODY.format(**words, **gpu, requeue=REQUEUE)

@@ -16,12 +16,13 @@ whole nodes (all their GPUs: `--gpu-bind=none`, GPU = local rank); with fewer no
 holds `groups / nodes` groups side by side, each with its share of the node's tasks (and, with
 GPUs, one GPU per task: `--gpus-per-task=1`, so two groups never pick the same GPU).
 
-On the wall-time warning the script signals every step (`scancel --signal=USR1`, and once more
-5 s later for a step that was being made), no group is started (again), and the job requeues when
-a group stopped on the signal (or has no summary after the warning), as the single-step script
-does. The warning is caught from the script's second line on: Slurm may send it early, while the
-lighthouse starts (torch's import: seconds on a loaded node), and a shell that has not set its
-trap yet dies of it with nothing said.
+On the wall-time warning the script writes the warning's file, then signals every step
+(`scancel --signal=USR1`); no group is started (again), a group whose step was being made finds
+the file as its ranks start (launch.signals), and the job requeues when a group stopped on the
+signal (or has no summary after the warning), as the single-step script does. The trap is set
+before anything that takes time: Slurm may send the warning early, while the lighthouse starts
+(torch's import: seconds on a loaded node), and a shell without its trap dies of USR1 with
+nothing said.
 """
 
 from __future__ import annotations
@@ -31,21 +32,23 @@ import shlex
 from ..errors import ArgumentError
 from .lighthouse import lighthouse_flags, lighthouse_program
 
+# a requeue the site refuses (JobRequeue=0, a partition without it) ends the job failed, said
+REQUEUE = ('scontrol requeue "$SLURM_JOB_ID" || { echo "exatrain: scontrol requeue failed; '
+           'submit this script again to resume"; status=1; }')
+
 BODY = """
 # the run directory outlives requeues; replica group g runs in RUN/group_GG
 run_root="${{EXATRAIN_RUN_DIR:-{out_dir}/{name}-$SLURM_JOB_ID}}"
-rm -f "$run_root/wall_time_warning"
 # the wall-time warning reaches this shell (B:USR1), perhaps as the job starts (Slurm may send it
-# up to a minute early, while the lighthouse starts): caught from here on, it is passed to every
-# group's ranks, and no group starts after it
+# up to a minute early, while the lighthouse starts): the trap is set before anything that takes
+# time. The warning's file (this job and requeue only) is written first, then every group's ranks
+# are signalled; no group starts after it, and ranks whose step was being made as the signal went
+# out find the file as they start (EXATRAIN_STOP_FILE)
+export EXATRAIN_STOP_FILE="$run_root/wall_time_warning.$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}"
 forward() {{
-  mkdir -p "$run_root" && touch "$run_root/wall_time_warning"
+  mkdir -p "$run_root" && touch "$EXATRAIN_STOP_FILE"
   echo "exatrain: wall time near; the ranks checkpoint, then job $SLURM_JOB_ID requeues"
   scancel --signal=USR1 "$SLURM_JOB_ID"
-  # again in 5 s, for a group whose step was being made as the first one went out (stopped
-  # below when the groups end first: it must not reach the requeued job's ranks)
-  (sleep 5; scancel --signal=USR1 "$SLURM_JOB_ID") &
-  REPEAT_PID=$!
 }}
 trap forward USR1
 mkdir -p "$run_root"
@@ -61,7 +64,7 @@ group() {{
   local k=$1 starts=0 status dir
   dir="$run_root/group_$(printf %02d "$k")"
   while :; do
-    if [[ -f $run_root/wall_time_warning ]]; then
+    if [[ -f $EXATRAIN_STOP_FILE ]]; then
       echo "exatrain: replica group $k not started: the wall-time warning came first; the requeued job starts it"
       return 0
     fi
@@ -75,7 +78,7 @@ group() {{
     grep -q '"stopped_by_signal": false' "$dir/summary.json" 2>/dev/null && return 0
     # stopped on the wall-time warning (or by scancel --signal): the requeue starts it again
     grep -q '"stopped_by_signal": true' "$dir/summary.json" 2>/dev/null && return $status
-    if [[ -f $run_root/wall_time_warning ]]; then  # ended otherwise after it: said, not hidden
+    if [[ -f $EXATRAIN_STOP_FILE ]]; then  # ended otherwise after it: said, not hidden
       echo "exatrain: replica group $k ended (exit $status) after the wall-time warning without a checkpoint of its own; the requeued job resumes it from its last one; see $dir"
       return $status
     fi
@@ -97,7 +100,6 @@ for pid in "${{pids[@]}}"; do  # (a wait the warning's trap interrupts is waited
   (( code != 0 )) && status=$code
 done
 [[ -n ${{LIGHTHOUSE_PID:-}} ]] && kill "$LIGHTHOUSE_PID"
-[[ -n ${{REPEAT_PID:-}} ]] && kill "$REPEAT_PID" 2>/dev/null
 
 # not finished: requeue (same job id, same run directory) when a group stopped on a signal, or
 # when the warning came and a group ended without a summary (it reached the ranks as they started,
@@ -105,8 +107,8 @@ done
 for k in $(seq 0 {last}); do
   dir="$run_root/group_$(printf %02d "$k")"
   if grep -q '"stopped_by_signal": true' "$dir/summary.json" 2>/dev/null || \\
-      [[ -f $run_root/wall_time_warning && ! -f $dir/summary.json ]]; then
-    scontrol requeue "$SLURM_JOB_ID"
+      [[ -f $EXATRAIN_STOP_FILE && ! -f $dir/summary.json ]]; then
+    {requeue}
     break
   fi
 done
@@ -173,4 +175,4 @@ def replica_groups_body(config, groups: int, nodes: int, tasks_per_node: int, re
     starts = "\n".join(f"group {k} {n} {t} {first} &\npids+=($!)"
                        for k, (n, t, first) in enumerate(steps))
     return BODY.format(**words, lighthouse=lighthouse, restarts=restarts, gpu_flags=gpu_flags,
-                       starts=starts, last=groups - 1)
+                       starts=starts, last=groups - 1, requeue=REQUEUE)
