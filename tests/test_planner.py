@@ -274,6 +274,14 @@ def test_plan_table_calibrate_and_tune_commands(tmp_path, capsys):
     assert main(["plan", "examples/gpt.toml", "--world", "4", "--system", "a100-selene"]) == 0
     table = capsys.readouterr().out
     assert "ranked by predicted step time" in table and "refused" in table
+    # the molecular workloads take a user's model's road (traced whole, memory traffic charged)
+    assert main(["plan", "examples/catalysis.toml", "--world", "2"]) == 0
+    table = capsys.readouterr().out
+    assert "catalysis dimenet++" in table and "data=2" in table and "ckpt" not in table
+    # a workload without a cost model: refused, with what to do instead
+    assert main(["plan", "examples/gcn.toml", "--world", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "run.workload='gcn'" in err and "exatrain run CONFIG --set train.steps=20" in err
     system_file = tmp_path / "here.toml"
     assert main(["plan", "--calibrate", "--quick", "--calibrate-out", str(system_file)]) == 0
     here = load_system(str(system_file))

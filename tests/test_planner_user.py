@@ -224,3 +224,68 @@ def test_exatrain_plan_passes_the_arguments_after_the_script_to_it(tmp_path, cap
     assert main(["plan", "--world", "2", "--", "16"]) == 2
     assert "go to a Python script (`exatrain plan train.py --world N -- ARGS`)" in \
         capsys.readouterr().err
+
+
+def test_the_bytes_a_step_moves_are_counted_for_its_memory_bound_operators():
+    """`tune.step_counts.StepCounter` charges an operator every byte it reads and writes: a sine of n fp32
+    elements 8n, a sum of them over the last dim 4n + 4n/100; a view nothing (no data moves), a
+    matrix product nothing (its FLOPs carry its time). Under fake tensors a step of a model moves
+    what it moves on real ones (the fake mode's own `prim.device` queries move nothing), and the
+    model keeps its gradients (none: the trace's fake ones are not left on it)."""
+    from torch import nn
+
+    from exatrain.tune.spec import _fake_mode
+    from exatrain.tune.step_counts import StepCounter, count_step
+
+    a, b = torch.randn(100, 100), torch.randn(100, 100)
+    with StepCounter() as counter:
+        torch.sin(a)
+        a.sum(dim=-1)
+        a.view(10, 1000).t()
+        a @ b
+    assert counter.traffic == 8 * a.numel() + (4 * a.numel() + 4 * 100)
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.SiLU(), nn.LayerNorm(32), nn.Linear(32, 1))
+    x = torch.randn(4, 16)
+
+    def loss(out):
+        return out.square().mean()
+    real = count_step(model, (x,), loss)
+    with _fake_mode():
+        fake = count_step(model, (x,), loss)
+    assert fake[1:] == real[1:] and real[2] > 0, (real, fake)
+    assert all(p.grad is None for p in model.parameters())
+    assert real[1] == 2 * 4 * (16 * 32 + 32 * 1) * 2 + 2 * 4 * 32 * 1   # 3 × forward, less dx
+
+
+def test_a_gnns_step_is_memory_bound_and_the_planner_charges_its_bytes(tmp_path):
+    """DimeNet++'s forces (the catalysis workload's model, CPU-sized) move ~200 MiB a frame in
+    their memory-bound operators (bases, masks, messages) against ~0.16 GFLOP of matrix products:
+    the planner's step time is mostly `memory_traffic`, the bytes of the rank's frames over the
+    system's elementwise bandwidth per core times the rank's cores."""
+    import exatrain as et
+    from exatrain.models import DimeNetPlusPlus, Forces
+    from exatrain.tune.spec import user_spec
+
+    model = Forces(DimeNetPlusPlus(hidden=32, blocks=2, int_emb=16, basis_emb=8, out_emb=32,
+                                   cutoff=6.0, max_z=80))
+    torch.manual_seed(0)
+    frame = torch.cat([torch.randint(1, 30, (1, 20, 1)).float(), torch.randn(1, 20, 3) * 3], -1)
+
+    def loss(forces):
+        return forces.abs().mean()
+    spec = user_spec(model, frame, loss)
+    assert 100 * 2 ** 20 < spec.traffic_bytes_per_sample < 400 * 2 ** 20, spec.traffic_bytes_per_sample
+    system = tmp_path / "two-cores.toml"
+    system.write_text("name = 'two-cores'\nranks_per_node = 128\nmemory_bytes = 2e10\n"
+                      "[flops]\nfp32 = 1e11\n[efficiency]\nmatmul = 1.0\n"
+                      "[intra]\nbandwidth = 1e9\nlatency = 1e-5\n[inter]\nbandwidth = 1e9\n"
+                      "latency = 1e-5\n[measured]\ncores = 2\nelementwise_bandwidth = 1e10\n")
+    for world, threads in ((1, 2), (2, 1)):
+        (best,) = [p for p in et.plans(model, frame, world=world, batch=16, loss=loss,
+                                       system=str(system)) if p["degrees"].get("data", 1) == world
+                   and p["degrees"].get("shard", 1) == 1]
+        parts = best["time_parts_s"]
+        expected = spec.traffic_bytes_per_sample * 16 / world / (1e10 * threads)
+        assert abs(parts["memory_traffic"] / expected - 1) < 1e-9, (parts, expected)
+        assert parts["memory_traffic"] > parts["compute"], parts

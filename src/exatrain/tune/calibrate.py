@@ -8,6 +8,8 @@ Measured, each the median of repeated timings after a warm-up:
                         cores // ranks threads, as `exatrain run` does, and shares the cores when
                         there are more ranks than cores
   memory_bandwidth      bytes/s of an out-of-place add on 64 MiB tensors (3 streams)
+  elementwise_bandwidth bytes/s of a chain of eager elementwise operators and a reduction on
+                        1 MiB tensors, one core (what a model's memory-bound operators get)
   [intra]               all-reduce over the active backend on 2 spawned ranks at payloads from
                         4 KiB to 16 MiB, fitted to t = 2⌈log2 n⌉α + 2(n-1)/n · B/β
                         (`systems.collective_time`) at ≥ 1 MiB: α (latency) and β (bandwidth);
@@ -253,6 +255,26 @@ def rank_system(system, world: int):
     return dataclasses.replace(system, measured={**system.measured, "cores": 1})
 
 
+def elementwise_bandwidth(repeat: int = 5, n: int = 1 << 18) -> float:
+    """Bytes/s one core's eager memory-bound operators move: a chain of the kinds a model's step
+    runs between its matrix products (a broadcast product, a sum, SiLU, a sine, a mask, a
+    division, a reduction over the last dim) on tensors of `n` fp32 elements (1 MiB: a
+    mid-sized activation), its bytes counted as the planner counts a model's
+    (`step_counts.StepCounter`), so that bytes / this rate is the time the planner charges."""
+    from .step_counts import StepCounter
+
+    a, b, c = torch.randn(n), torch.randn(1, n // 64).expand(64, -1).reshape(n), torch.randn(n)
+    mask = torch.rand(n) > 0.1
+
+    def chain():
+        t = torch.nn.functional.silu(a * b + c)
+        t = torch.sin(t) * mask
+        return (t / (c.abs() + 1.0)).view(-1, 64).sum(dim=-1)
+    with StepCounter() as counter:
+        chain()
+    return counter.traffic / _median_time(chain, repeat)
+
+
 def calibrate(out: str = "", quick: bool = False, shapes: bool = True) -> Path:
     import tomli_w
 
@@ -266,6 +288,7 @@ def calibrate(out: str = "", quick: bool = False, shapes: bool = True) -> Path:
                  "bf16": matmul_rate(torch.bfloat16, repeat=repeat)}
         conv = conv_rate(repeat=max(2, repeat // 2))
         bandwidth = memory_bandwidth(repeat)
+        elementwise = elementwise_bandwidth(repeat)
     finally:
         torch.set_num_threads(threads)
     sizes = [65536, 4 << 20] if quick else [4096, 65536, 1 << 20, 4 << 20, 16 << 20]
@@ -283,7 +306,8 @@ def calibrate(out: str = "", quick: bool = False, shapes: bool = True) -> Path:
         "efficiency": {"matmul": 1.0, "conv": conv / flops["fp32"]},
         "intra": link,
         "inter": dict(link),
-        "measured": {"cores": cores, "memory_bandwidth": bandwidth, "conv_fp32": conv,
+        "measured": {"cores": cores, "memory_bandwidth": bandwidth,
+                     "elementwise_bandwidth": elementwise, "conv_fp32": conv,
                      "allreduce": [[2, b, t] for b, t in points]},
     }
     if shapes:

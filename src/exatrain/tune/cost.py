@@ -32,6 +32,11 @@ Step time (seconds):
 
   compute          training FLOPs of the rank's share of the batch / achievable rate (the system's
                    peak × efficiency for matmul or conv), × 4/3 under full checkpointing
+  memory traffic   a user's model: the bytes its memory-bound operators move for the rank's share
+                   of the batch (`ModelSpec.traffic_bytes_per_sample`) / the rate eager
+                   elementwise operators move them (the system's `elementwise_bandwidth`, per
+                   core on a CPU, measured by `exatrain plan --calibrate`; else its memory
+                   bandwidth)
   communication    every collective of the strategies' byte formulas (`traffic.comms`, in
                    the ledger's convention) on the link its axis lands on (`systems.System.link`,
                    from the mesh order and ranks per node), ring costs (`systems.collective_time`);
@@ -247,6 +252,8 @@ def predict(spec: ModelSpec, plan: Plan, system: System, options: Options,
         flops += 4 * spec.blocks * spec.tokens * spec.extra["n_embd"] * spec.tokens \
             * options.batch / world
     compute = flops / rate
+    traffic = spec.traffic_bytes_per_sample * options.batch / world / \
+        elementwise_bandwidth(system, world)
     backward = compute * 2 / 3
     exposed = 0.0
     hidden_pool = {"backward": backward, "compute": compute}
@@ -268,7 +275,21 @@ def predict(spec: ModelSpec, plan: Plan, system: System, options: Options,
     optimizer = 3 * memory["state"] / mem_bw
     calls = overheads.counts(spec, plan, options, comm_list, len(shapes), m)
     fixed = overheads.seconds(calls, system)
-    step = compute + exposed + bubble + optimizer + sum(fixed.values())
+    step = compute + traffic + exposed + bubble + optimizer + sum(fixed.values())
     return Prediction(plan, options, memory, step,
-                      {"compute": compute, "comm_exposed": exposed, "bubble": bubble,
-                       "optimizer": optimizer, **fixed}, comm_list, by_stage, calls)
+                      {"compute": compute, "memory_traffic": traffic, "comm_exposed": exposed,
+                       "bubble": bubble, "optimizer": optimizer, **fixed}, comm_list, by_stage,
+                      calls)
+
+
+def elementwise_bandwidth(system: System, world: int) -> float:
+    """Bytes per second one rank's memory-bound operators move: on a CPU system the measured
+    rate of one core (`measured.elementwise_bandwidth`, else its memory bandwidth) times the
+    cores each local rank gets; on a GPU the device's memory bandwidth."""
+    measured = system.measured or {}
+    per_core = measured.get("elementwise_bandwidth") or measured.get("memory_bandwidth")
+    cores = measured.get("cores")
+    if cores and per_core:
+        local = min(world, system.ranks_per_node)
+        return per_core * max(1, cores // local) * min(1.0, cores / local)
+    return system.memory_bandwidth or per_core or 1e12

@@ -142,11 +142,12 @@ def shape_problem(spec: ModelSpec, plan: Plan, options: Options) -> tuple[str, s
     return None
 
 
-def option_variants(plan: Plan, base: Options) -> list[Options]:
-    """The options that change a Plan's cost: ZeRO stage (shard), checkpointing, and under pipe
-    the micro-batch count (the config's, else two per stage, and one sample per micro-batch)."""
+def option_variants(plan: Plan, base: Options, blocks_known: bool = True) -> list[Options]:
+    """The options that change a Plan's cost: ZeRO stage (shard), checkpointing (where the
+    model's blocks are known: not a model traced whole, as a user's is), and under pipe the
+    micro-batch count (the config's, else two per stage, and one sample per micro-batch)."""
     stages = (1, 2, 3) if plan.shard > 1 else (3,)   # (the stage means nothing without shard)
-    ckpts = ("none", "full")
+    ckpts = ("none", "full") if blocks_known else ("none",)
     micro = [base.microbatches]
     if plan.pipe > 1:
         replica = base.batch // (plan.data * plan.shard)
@@ -171,7 +172,8 @@ def rank_plans(spec: ModelSpec, world: int, system: System, base: Options,
     """Every (Plan, options) for `world` ranks: predicted and ranked, or refused with the reason."""
     ranked, refused, considered = [], [], 0
     for plan in all_plans(world, spatial=bool(spec.spatial_shape), tensor_3d=spec.family == "gpt"):
-        variants = option_variants(plan, base) if vary_options else [base]
+        variants = option_variants(plan, base, spec.family != "user") if vary_options \
+            else [base]
         try:
             plan.validate(world)
             plan.require_implemented()

@@ -16,6 +16,11 @@ kernel choices, e.g. SDPA's, are kept, so the bytes are those a real CPU run sav
                            the count does not grow with the batch): each is a kernel launch and
                            a trip through Python and the dispatcher, the fixed cost that
                            dominates a step of many small kernels (`cost.overheads`)
+  traffic_bytes_per_sample a user's model: the bytes its memory-bound operators (elementwise,
+                           reductions, copies: all but views, matrix products and convolutions)
+                           read and write in one forward + loss + backward of one sample. A
+                           model of elementwise work (a GNN's bases and messages) spends its step
+                           there, not in FLOPs. The built-in models' fitted rates include it.
 
 A GPT is traced with 1 and 2 layers (the difference is one block), so an 80B model costs no more
 than a small one. Other models are traced whole at batch 1.
@@ -31,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
+from .step_counts import count_ops, count_step
 
 
 def trace_saved_bytes(model: nn.Module, inputs, loss_fn, largest: list | None = None,
@@ -65,29 +71,6 @@ def trace_saved_bytes(model: nn.Module, inputs, loss_fn, largest: list | None = 
         in_loss.append(sum(sizes[before_loss:]))
         in_loss.append(bool(sizes) and at >= before_loss)
     return sum(saved.values())
-
-
-class _CountOps:
-    """A dispatch mode that counts the aten operators run under it (inside FakeTensorMode: no
-    real work, the same operators a real CPU run dispatches)."""
-
-    def __new__(cls):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        class Counter(TorchDispatchMode):
-            n = 0
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                self.n += 1
-                return func(*args, **(kwargs or {}))
-        return Counter()
-
-
-def count_ops(model: nn.Module, inputs, loss_fn) -> int:
-    """Aten operators of one forward + loss + backward of `model` (run it under fake mode)."""
-    with _CountOps() as counter:
-        loss_fn(model(*inputs)).backward()
-    return counter.n
 
 
 def pipe_structure(model: nn.Module, example: torch.Tensor) -> tuple[list, list, list, list]:
@@ -159,6 +142,7 @@ class ModelSpec:
     pipe_cut_shapes: list = field(default_factory=list)
     pipe_layer_spatial: list = field(default_factory=list)
     ops_per_step: float = 0.0            # aten operators of forward + loss + backward (batch 1)
+    traffic_bytes_per_sample: float = 0.0  # bytes of the memory-bound operators (user models)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -369,7 +353,8 @@ def vit_spec(img_size: tuple, patch_size: int = 8, channels: int = 3, embed_dim:
 def user_spec(model: nn.Module, example: torch.Tensor, loss_fn=None, name: str = "") -> ModelSpec:
     """A user's own model, traced whole at batch 1 on `example` (one sample (1, C, *spatial), or
     any batch: its first sample is used) under fake tensors, like CosmoFlow: its parameters,
-    saved activations, FLOPs (convolutions and Linears) and operators come from its own layers.
+    saved activations, FLOPs (every matrix product and convolution), operators and the bytes
+    its memory-bound operators move come from its own layers.
     `loss_fn(output)`: the loss on the output; None: a mean square of each of its tensors (what
     F.mse_loss saves). One block (no checkpointing units known); a 3D model's convolution and
     pooling layers give the halos under `space` (`parallel.spatial.volume`), and each of its
@@ -385,8 +370,7 @@ def user_spec(model: nn.Module, example: torch.Tensor, loss_fn=None, name: str =
         biggest: list = []
         in_loss: list = []
         act = trace_saved_bytes(model, (x,), loss, biggest, in_loss)
-        flops = conv_flops(model, x)
-        ops = count_ops(model, (x,), loss)
+        ops, flops, traffic = count_step(model, (x,), loss)
         with torch.no_grad(), DerivativeCalls() as derivatives:
             outs = tensors_of(model(x))
         out_shape = tuple(outs[0].shape)
@@ -417,11 +401,28 @@ def user_spec(model: nn.Module, example: torch.Tensor, loss_fn=None, name: str =
                      loss_act_bytes=float(in_loss[0]) if in_loss else 0.0,
                      largest_in_loss=bool(in_loss[1]) if in_loss else False,
                      after_largest_bytes=float(biggest[1]) if biggest else 0.0,
-                     ops_per_step=float(ops), extra=extra)
+                     ops_per_step=float(ops), traffic_bytes_per_sample=traffic, extra=extra)
+
+
+def molecular_spec(config) -> ModelSpec:
+    """The qm9 and catalysis workloads' model (SchNet or DimeNet++; catalysis: its forces),
+    traced on one padded molecule or frame as a user's model is (`user_spec`): its step is
+    mostly the bytes of its bases and messages (`traffic_bytes_per_sample`), not FLOPs."""
+    if config.run.workload == "catalysis":
+        from ..data.catalysis import MAX_ATOMS
+        from ..workloads.catalysis import build_model
+        model = build_model(config.model)
+    else:
+        from ..data.qm9 import MAX_ATOMS
+        from ..workloads.qm9 import build_model
+        model = build_model(config.model)
+    rows = torch.zeros(1, MAX_ATOMS, 4)   # [Z, x, y, z]: the shapes are what the trace needs
+    name = f"{config.run.workload} {config.model.name}"
+    return user_spec(model, rows, lambda out: out.abs().mean(), name=name)
 
 
 def spec_from_config(config) -> ModelSpec:
-    """The ModelSpec of a run config's model (workloads gpt, cosmoflow and vit)."""
+    """The ModelSpec of a run config's model (workloads gpt, cosmoflow, vit, qm9, catalysis)."""
     workload = config.run.workload
     if workload == "gpt":
         from ..workloads.gpt import model_config
@@ -434,5 +435,9 @@ def spec_from_config(config) -> ModelSpec:
         m, d = config.model, config.data
         return vit_spec((d.height, d.width), m.patch_size, 3, m.embed_dim, m.depth,
                         m.num_heads, m.mlp_ratio)
-    raise ConfigError(f"run.workload={workload!r}: the planner knows the gpt, cosmoflow and vit "
-                      "workloads; add a spec builder in exatrain.tune.spec for others.")
+    if workload in ("qm9", "catalysis"):
+        return molecular_spec(config)
+    raise ConfigError(f"run.workload={workload!r}: the planner has a cost model for the gpt, "
+                      f"cosmoflow, vit, qm9 and catalysis workloads only. Set the Plan of {workload} yourself "
+                      f"(its example's default plan, in the workloads reference, trains it) and time "
+                      f"it with a short run: exatrain run CONFIG --set train.steps=20.")

@@ -69,7 +69,7 @@ def plans(model: nn.Module, example: torch.Tensor | None = None, *,
     spec = user_spec(model, example, loss)
     base = Options(batch=batch, precision=precision, optimizer=optimizer)
     ranking = rank_plans(spec, world, load_system(system), base)
-    ranked = [p.to_dict() for p in ranking.ranked if p.options.checkpointing == "none"]
+    ranked = [p.to_dict() for p in ranking.ranked]   # (no checkpointing: blocks unknown)
     if refused:
         return ranked, [r.to_dict() for r in ranking.refused]
     return ranked
