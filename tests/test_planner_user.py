@@ -227,9 +227,10 @@ def test_exatrain_plan_passes_the_arguments_after_the_script_to_it(tmp_path, cap
 
 
 def test_the_bytes_a_step_moves_are_counted_for_its_memory_bound_operators():
-    """`tune.step_counts.StepCounter` charges an operator every byte it reads and writes: a sine of n fp32
-    elements 8n, a sum of them over the last dim 4n + 4n/100; a view nothing (no data moves), a
-    matrix product nothing (its FLOPs carry its time). Under fake tensors a step of a model moves
+    """`tune.step_counts.StepCounter` charges an operator every byte it reads and writes, each
+    tensor once: a sine of n fp32 elements 8n, a sum of them over the last dim 4n + 4n/100; a
+    view or an allocation nothing (no data moves), a matrix product nothing (its FLOPs carry its
+    time). Under fake tensors a step of a model moves
     what it moves on real ones (the fake mode's own `prim.device` queries move nothing), and the
     model keeps its gradients (none: the trace's fake ones are not left on it)."""
     from torch import nn
@@ -244,6 +245,13 @@ def test_the_bytes_a_step_moves_are_counted_for_its_memory_bound_operators():
         a.view(10, 1000).t()
         a @ b
     assert counter.traffic == 8 * a.numel() + (4 * a.numel() + 4 * 100)
+    out = torch.empty_like(a)
+    with StepCounter() as counter:   # each tensor once: a square reads a once; an out= or
+        a * a                        # in-place operator writes what it returns; an empty
+        torch.add(a, b, out=out)     # tensor is only allocated
+        out.copy_(a)
+        torch.empty_like(a)
+    assert counter.traffic == 4 * a.numel() * (2 + 3 + 2), counter.traffic / (4 * a.numel())
 
     model = nn.Sequential(nn.Linear(16, 32), nn.SiLU(), nn.LayerNorm(32), nn.Linear(32, 1))
     x = torch.randn(4, 16)

@@ -11,10 +11,11 @@ sent to the ranks) but did not finish requeues the job: same SLURM_JOB_ID, so th
 directory, and SLURM_RESTART_COUNT, which the run's summary reports as `requeues`. So does a
 step that ended without a summary after the warning came (the warning reached ranks still
 starting), and a job warned before its step started (Slurm may warn up to a minute early; the
-trap is the script's first command, since a shell without it dies of USR1 with nothing said): no
-rank starts, the requeued job starts them; the warning's file, written before the ranks are
-signalled, stops ranks that srun started too late for the signal (launch.signals). A requeue the
-site refuses ends the job failed, with a line that says so. A run that crashed without a warning is not requeued.
+trap comes before any command that takes time, since a shell without it dies of USR1 with nothing
+said): no rank starts, the requeued job starts them. The warning's file, written before the ranks
+are signalled, stops ranks that srun started too late for the signal (launch.signals). A requeue
+the site refuses ends the job failed, with a line that says so. A run that crashed without a
+warning is not requeued.
 With `[fault_tolerance]` the Slurm script starts a lighthouse and one step per replica group
 instead (`batch_groups`). Flux has no requeue: resubmit the same script (the run directory is
 named after the run, not the job id), or wrap it in a loop.
@@ -93,9 +94,9 @@ SLURM_BODY = """
 export EXATRAIN_RUN_DIR="${{EXATRAIN_RUN_DIR:-{out_dir}/{name}-$SLURM_JOB_ID}}"
 # the wall-time warning reaches this shell (B:USR1), perhaps as the job starts (Slurm may send it
 # up to a minute early): the trap is set before anything that takes time. The warning's file
-# (this job and requeue only) is written first, then the ranks are signalled through srun; ranks
+# (this shell's only) is written first, then the ranks are signalled through srun; ranks
 # that srun had not started yet find the file as they start (EXATRAIN_STOP_FILE)
-export EXATRAIN_STOP_FILE="$EXATRAIN_RUN_DIR/wall_time_warning.$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}"
+export EXATRAIN_STOP_FILE="$EXATRAIN_RUN_DIR/wall_time_warning.$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}.$$"
 warned=0
 forward() {{
   warned=1
@@ -194,4 +195,5 @@ def batch_script(kind: str, config_path: str, config, nodes: int, tasks_per_node
         return "\n".join(head) + "\n" + replica_groups_body(
             config, replica_groups, nodes, tasks_per_node, group_restarts, res.gpus_per_node,
             words)
-    return "\n".join(head) + "\n" + SLURM_BODY.format(**words, **gpu, requeue=REQUEUE)
+    requeue = REQUEUE.format(run_dir="$EXATRAIN_RUN_DIR")
+    return "\n".join(head) + "\n" + SLURM_BODY.format(**words, **gpu, requeue=requeue)

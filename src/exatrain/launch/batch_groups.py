@@ -33,18 +33,18 @@ from ..errors import ArgumentError
 from .lighthouse import lighthouse_flags, lighthouse_program
 
 # a requeue the site refuses (JobRequeue=0, a partition without it) ends the job failed, said
-REQUEUE = ('scontrol requeue "$SLURM_JOB_ID" || { echo "exatrain: scontrol requeue failed; '
-           'submit this script again to resume"; status=1; }')
+REQUEUE = ('scontrol requeue "$SLURM_JOB_ID" || {{ echo "exatrain: scontrol requeue failed; '
+           'resume by submitting this script again with EXATRAIN_RUN_DIR={run_dir}"; status=1; }}')
 
 BODY = """
 # the run directory outlives requeues; replica group g runs in RUN/group_GG
 run_root="${{EXATRAIN_RUN_DIR:-{out_dir}/{name}-$SLURM_JOB_ID}}"
 # the wall-time warning reaches this shell (B:USR1), perhaps as the job starts (Slurm may send it
 # up to a minute early, while the lighthouse starts): the trap is set before anything that takes
-# time. The warning's file (this job and requeue only) is written first, then every group's ranks
+# time. The warning's file (this shell's only) is written first, then every group's ranks
 # are signalled; no group starts after it, and ranks whose step was being made as the signal went
 # out find the file as they start (EXATRAIN_STOP_FILE)
-export EXATRAIN_STOP_FILE="$run_root/wall_time_warning.$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}"
+export EXATRAIN_STOP_FILE="$run_root/wall_time_warning.$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}.$$"
 forward() {{
   mkdir -p "$run_root" && touch "$EXATRAIN_STOP_FILE"
   echo "exatrain: wall time near; the ranks checkpoint, then job $SLURM_JOB_ID requeues"
@@ -175,4 +175,4 @@ def replica_groups_body(config, groups: int, nodes: int, tasks_per_node: int, re
     starts = "\n".join(f"group {k} {n} {t} {first} &\npids+=($!)"
                        for k, (n, t, first) in enumerate(steps))
     return BODY.format(**words, lighthouse=lighthouse, restarts=restarts, gpu_flags=gpu_flags,
-                       starts=starts, last=groups - 1, requeue=REQUEUE)
+                       starts=starts, last=groups - 1, requeue=REQUEUE.format(run_dir="$run_root"))

@@ -286,6 +286,8 @@ def explain_lines(pred, system) -> list[str]:
     lines = [f"    {'compute (FLOPs / calibrated rate)':<52}{_human_s(parts['compute']):>10}",
              f"    {'communication exposed (bytes / β + α per step)':<52}"
              f"{_human_s(parts['comm_exposed']):>10}",
+             f"    {'memory traffic (bytes / elementwise bandwidth)':<52}"
+             f"{_human_s(parts.get('memory_traffic', 0.0)):>10}",
              f"    {'pipeline bubble':<52}{_human_s(parts['bubble']):>10}",
              f"    {'optimizer (state streamed through memory)':<52}"
              f"{_human_s(parts['optimizer']):>10}"]

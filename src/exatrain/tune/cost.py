@@ -254,7 +254,7 @@ def predict(spec: ModelSpec, plan: Plan, system: System, options: Options,
     compute = flops / rate
     traffic = spec.traffic_bytes_per_sample * options.batch / world / \
         elementwise_bandwidth(system, world)
-    backward = compute * 2 / 3
+    backward = (compute + traffic) * 2 / 3   # what a gradient reduction can hide behind
     exposed = 0.0
     hidden_pool = {"backward": backward, "compute": compute}
     for c in comm_list:

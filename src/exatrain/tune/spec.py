@@ -438,6 +438,7 @@ def spec_from_config(config) -> ModelSpec:
     if workload in ("qm9", "catalysis"):
         return molecular_spec(config)
     raise ConfigError(f"run.workload={workload!r}: the planner has a cost model for the gpt, "
-                      f"cosmoflow, vit, qm9 and catalysis workloads only. Set the Plan of {workload} yourself "
-                      f"(its example's default plan, in the workloads reference, trains it) and time "
-                      f"it with a short run: exatrain run CONFIG --set train.steps=20.")
+                      f"cosmoflow, vit, qm9 and catalysis workloads only. Set the Plan of "
+                      f"{workload} yourself (its example's default plan, in the workloads "
+                      f"reference, trains it) and time it with a short run: exatrain run CONFIG "
+                      f"--set train.steps=20.")

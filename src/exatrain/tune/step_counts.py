@@ -15,13 +15,22 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 
+# allocations without contents, and a reshape's view of a tensor made contiguous just before
+MOVE_NOTHING = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided,
+                torch.ops.aten.new_empty, torch.ops.aten.new_empty_strided,
+                torch.ops.aten._unsafe_view}
+
+
 class StepCounter(TorchDispatchMode):
     """A dispatch mode that counts the aten operators run under it (inside FakeTensorMode: no
     real work, the same operators a real CPU run dispatches): `n` of them, the `flops` of the
     matrix products and convolutions (torch's FLOP formulas, `flop_registry`), and the `traffic`
-    of the others: every byte each aten operator reads and writes, but for views (no data
-    moves) and the fake mode's own queries (`prim.device`). (Not torch's FlopCounterMode: its
-    module hooks break a forward that calls torch.autograd.grad on its input.)"""
+    of the others: every byte each aten operator reads and writes (each tensor once), but for
+    views and allocations (no data moves) and the fake mode's own queries (`prim.device`). An
+    indexing operator (`index_select`, `index_add_`) is charged its whole tensors, not the rows
+    it touches: a model that gathers few rows of large tensors is over-charged. (Not torch's
+    FlopCounterMode: its module hooks break a forward that calls torch.autograd.grad on its
+    input.)"""
 
     def __init__(self):
         super().__init__()
@@ -33,10 +42,12 @@ class StepCounter(TorchDispatchMode):
         self.n += 1
         if func.overloadpacket in flop_registry:
             self.flops += flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)
-        elif func.namespace == "aten" and not func.is_view:
-            self.traffic += sum(t.numel() * t.element_size()
-                                for t in tree_leaves((args, kwargs, out))
-                                if isinstance(t, torch.Tensor))
+        elif func.namespace == "aten" and not func.is_view \
+                and func.overloadpacket not in MOVE_NOTHING:
+            # each tensor once: an in-place or out= operator returns what it wrote
+            tensors = {id(t): t for t in tree_leaves((args, kwargs, out))
+                       if isinstance(t, torch.Tensor)}
+            self.traffic += sum(t.numel() * t.element_size() for t in tensors.values())
         return out
 
 
