@@ -240,10 +240,7 @@ def predict(spec: ModelSpec, plan: Plan, system: System, options: Options,
     rate = system.rate(options.compute_dtype or PRECISION_RATE[options.precision],
                        spec.compute_kind)
     world = world or plan.world_size
-    cores = system.measured.get("cores") if system.measured else None
-    if cores:   # a CPU system: rates are per core; local ranks get cores // ranks threads each
-        local = min(world, system.ranks_per_node)
-        rate *= max(1, cores // local) * min(1.0, cores / local)
+    rate *= cores_per_rank(system, world)
     flops = spec.flops_per_sample * options.batch / world
     if options.checkpointing == "full":
         flops *= 4 / 3
@@ -253,7 +250,7 @@ def predict(spec: ModelSpec, plan: Plan, system: System, options: Options,
             * options.batch / world
     compute = flops / rate
     traffic = spec.traffic_bytes_per_sample * options.batch / world / \
-        elementwise_bandwidth(system, world)
+        rank_elementwise_bandwidth(system, world)
     backward = (compute + traffic) * 2 / 3   # what a gradient reduction can hide behind
     exposed = 0.0
     hidden_pool = {"backward": backward, "compute": compute}
@@ -282,14 +279,22 @@ def predict(spec: ModelSpec, plan: Plan, system: System, options: Options,
                       calls)
 
 
-def elementwise_bandwidth(system: System, world: int) -> float:
+def cores_per_rank(system: System, world: int) -> float:
+    """A CPU system's rates are per core: each local rank gets cores // ranks threads, and ranks
+    beyond the cores share them. 1 on a device (no `measured.cores`)."""
+    cores = (system.measured or {}).get("cores")
+    if not cores:
+        return 1.0
+    local = min(world, system.ranks_per_node)
+    return max(1, cores // local) * min(1.0, cores / local)
+
+
+def rank_elementwise_bandwidth(system: System, world: int) -> float:
     """Bytes per second one rank's memory-bound operators move: on a CPU system the measured
     rate of one core (`measured.elementwise_bandwidth`, else its memory bandwidth) times the
-    cores each local rank gets; on a GPU the device's memory bandwidth."""
+    rank's cores; on a GPU the device's memory bandwidth."""
     measured = system.measured or {}
     per_core = measured.get("elementwise_bandwidth") or measured.get("memory_bandwidth")
-    cores = measured.get("cores")
-    if cores and per_core:
-        local = min(world, system.ranks_per_node)
-        return per_core * max(1, cores // local) * min(1.0, cores / local)
+    if measured.get("cores") and per_core:
+        return per_core * cores_per_rank(system, world)
     return system.memory_bandwidth or per_core or 1e12
