@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from harness import run_ranks
 from test_spatial_user_models import UNet3D
@@ -252,6 +253,22 @@ def test_the_bytes_a_step_moves_are_counted_for_its_memory_bound_operators():
         out.copy_(a)
         torch.empty_like(a)
     assert counter.traffic == 4 * a.numel() * (2 + 3 + 2), counter.traffic / (4 * a.numel())
+    # an indexing operator moves the rows it touches: 5 rows of 64 fp32 gathered from 1000 (the
+    # indices, the rows read, the output written); added in place into 1000 rows (the indices,
+    # the source, the 5 rows read and written); out of place it copies the whole tensor first
+    table, rows, index = torch.randn(1000, 64), torch.randn(5, 64), torch.tensor([1, 5, 7, 9, 11])
+    gathered = 8 * 5 + 2 * (4 * 5 * 64)
+    for gather in (lambda: table.index_select(0, index), lambda: table[index],
+                   lambda: torch.nn.functional.embedding(index, table)):
+        with StepCounter() as counter:
+            gather()
+        assert counter.traffic == gathered, counter.traffic
+    with StepCounter() as counter:
+        table.index_add_(0, index, rows)
+    assert counter.traffic == 8 * 5 + 4 * 5 * 64 + 2 * (4 * 5 * 64), counter.traffic
+    with StepCounter() as counter:
+        table.index_add(0, index, rows)
+    assert counter.traffic == 8 * 5 + 4 * 5 * 64 + 2 * table.numel() * 4, counter.traffic
 
     model = nn.Sequential(nn.Linear(16, 32), nn.SiLU(), nn.LayerNorm(32), nn.Linear(32, 1))
     x = torch.randn(4, 16)
@@ -264,6 +281,16 @@ def test_the_bytes_a_step_moves_are_counted_for_its_memory_bound_operators():
     assert fake[1:] == real[1:] and real[2] > 0, (real, fake)
     assert all(p.grad is None for p in model.parameters())
     assert real[1] == 2 * 4 * (16 * 32 + 32 * 1) * 2 + 2 * 4 * 32 * 1   # 3 × forward, less dx
+
+
+def two_core_system(directory):
+    """A system file of 2 cores whose eager elementwise operators move 10 GB/s a core."""
+    system = directory / "two-cores.toml"
+    system.write_text("name = 'two-cores'\nranks_per_node = 128\nmemory_bytes = 2e10\n"
+                      "[flops]\nfp32 = 1e11\n[efficiency]\nmatmul = 1.0\n"
+                      "[intra]\nbandwidth = 1e9\nlatency = 1e-5\n[inter]\nbandwidth = 1e9\n"
+                      "latency = 1e-5\n[measured]\ncores = 2\nelementwise_bandwidth = 1e10\n")
+    return system
 
 
 def test_a_gnns_step_is_memory_bound_and_the_planner_charges_its_bytes(tmp_path):
@@ -284,16 +311,53 @@ def test_a_gnns_step_is_memory_bound_and_the_planner_charges_its_bytes(tmp_path)
         return forces.abs().mean()
     spec = user_spec(model, frame, loss)
     assert 100 * 2 ** 20 < spec.traffic_bytes_per_sample < 400 * 2 ** 20, spec.traffic_bytes_per_sample
-    system = tmp_path / "two-cores.toml"
-    system.write_text("name = 'two-cores'\nranks_per_node = 128\nmemory_bytes = 2e10\n"
-                      "[flops]\nfp32 = 1e11\n[efficiency]\nmatmul = 1.0\n"
-                      "[intra]\nbandwidth = 1e9\nlatency = 1e-5\n[inter]\nbandwidth = 1e9\n"
-                      "latency = 1e-5\n[measured]\ncores = 2\nelementwise_bandwidth = 1e10\n")
+    # what a step moves whatever its batch is of the order of its weights (41.7 k: gradients
+    # and their sums; measured 2.9 × their bytes), not of its frames
+    assert spec.traffic_bytes_per_step < 4 * 4 * spec.params, spec.traffic_bytes_per_step
+    system = two_core_system(tmp_path)
     for world, threads in ((1, 2), (2, 1)):
         (best,) = [p for p in et.plans(model, frame, world=world, batch=16, loss=loss,
                                        system=str(system)) if p["degrees"].get("data", 1) == world
                    and p["degrees"].get("shard", 1) == 1]
         parts = best["time_parts_s"]
-        expected = spec.traffic_bytes_per_sample * 16 / world / (1e10 * threads)
+        expected = (spec.traffic_bytes_per_sample * 16 / world + spec.traffic_bytes_per_step) \
+            / (1e10 * threads)
         assert abs(parts["memory_traffic"] / expected - 1) < 1e-9, (parts, expected)
         assert parts["memory_traffic"] > parts["compute"], parts
+
+
+class TokenRegressor(nn.Module):
+    """A user's model over tokens: an embedding table, a mean over the sequence, a head."""
+
+    def __init__(self, vocab: int, width: int = 64):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.head = nn.Linear(width, 8)
+
+    def forward(self, tokens):
+        return self.head(self.embed(tokens).mean(1))
+
+
+def test_an_embedding_is_charged_the_rows_it_reads_and_its_dense_gradient_once_a_step(tmp_path):
+    """An embedding lookup reads the rows of its tokens, not its table, so a sample's bytes do
+    not grow with the vocabulary; the table's dense gradient (written whole by the backward) is
+    moved once a step whatever the batch, not once a sample: the step time charges
+    per-sample bytes × the rank's batch + per-step bytes. (Charged whole per sample, a table of
+    50,000 × 256 predicted a CPU step 5 × too long.)"""
+    import exatrain as et
+    from exatrain.tune.spec import user_spec
+
+    tokens = torch.randint(0, 1000, (1, 32))
+    small, large = (user_spec(TokenRegressor(vocab), tokens) for vocab in (1000, 50000))
+    assert small.traffic_bytes_per_sample == large.traffic_bytes_per_sample, (small, large)
+    assert large.traffic_bytes_per_sample < 64 * 1024, large.traffic_bytes_per_sample
+    table = 50000 * 64 * 4
+    assert table <= large.traffic_bytes_per_step < 1.1 * table, large.traffic_bytes_per_step
+    system = two_core_system(tmp_path)
+    for world, threads in ((1, 2), (2, 1)):
+        (best,) = [p for p in et.plans(TokenRegressor(50000), tokens, world=world, batch=64,
+                                       system=str(system))
+                   if p["degrees"].get("data", 1) == world and p["degrees"].get("shard", 1) == 1]
+        expected = (large.traffic_bytes_per_sample * 64 / world + large.traffic_bytes_per_step) \
+            / (1e10 * threads)
+        assert abs(best["time_parts_s"]["memory_traffic"] / expected - 1) < 1e-9, best

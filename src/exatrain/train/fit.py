@@ -34,7 +34,9 @@ from pathlib import Path
 from typing import Callable
 
 import tomli_w
+import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.data import Dataset, default_collate
 
 from ..comm import broadcast, broadcast_object
@@ -85,7 +87,11 @@ def _plan_instead(request: dict, model, train_set, loss, config: Config, collate
     # tensors; a copy, where a TensorDataset's sample is a view of the whole set's tensor, which
     # the trace of saved tensors, `tune.spec.trace_saved_bytes`, would count whole by storage)
     x, target = default_collate([train_set[0]])
-    traced_loss = lambda out: loss(out, target)
+
+    def traced_loss(out):   # the target repeated to the traced batch (the planner traces several)
+        n = next(t.shape[0] for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dim())
+        return loss(out, tree_map(lambda t: t.expand(n, *t.shape[1:])
+                                  if isinstance(t, torch.Tensor) else t, target))
     kwargs = dict(world=request["world"], batch=config.train.batch_size,
                   system=request.get("system", "cpu-local"),
                   precision=config.parallel.precision, optimizer=config.optim.name)

@@ -33,7 +33,8 @@ Step time (seconds):
   compute          training FLOPs of the rank's share of the batch / achievable rate (the system's
                    peak × efficiency for matmul or conv), × 4/3 under full checkpointing
   memory traffic   a user's model: the bytes its memory-bound operators move for the rank's share
-                   of the batch (`ModelSpec.traffic_bytes_per_sample`) / the rate eager
+                   of the batch (`ModelSpec.traffic_bytes_per_sample`), and once a step whatever
+                   the batch (`traffic_bytes_per_step`: every rank's, whole) / the rate eager
                    elementwise operators move them (the system's `elementwise_bandwidth`, per
                    core on a CPU, measured by `exatrain plan --calibrate`; else its memory
                    bandwidth)
@@ -249,8 +250,8 @@ def predict(spec: ModelSpec, plan: Plan, system: System, options: Options,
         flops += 4 * spec.blocks * spec.tokens * spec.extra["n_embd"] * spec.tokens \
             * options.batch / world
     compute = flops / rate
-    traffic = spec.traffic_bytes_per_sample * options.batch / world / \
-        rank_elementwise_bandwidth(system, world)
+    traffic = (spec.traffic_bytes_per_sample * options.batch / world
+               + spec.traffic_bytes_per_step) / rank_elementwise_bandwidth(system, world)
     backward = (compute + traffic) * 2 / 3   # what a gradient reduction can hide behind
     exposed = 0.0
     hidden_pool = {"backward": backward, "compute": compute}

@@ -21,6 +21,10 @@ kernel choices, e.g. SDPA's, are kept, so the bytes are those a real CPU run sav
                            read and write in one forward + loss + backward of one sample. A
                            model of elementwise work (a GNN's bases and messages) spends its step
                            there, not in FLOPs. The built-in models' fitted rates include it.
+  traffic_bytes_per_step   of a user's model, the bytes its memory-bound operators move once a
+                           step whatever the batch (what a trace at batch 4 adds to one at
+                           batch 2 is per sample; the rest is this): an embedding table's dense
+                           gradient, a parametrized weight computed from its parts.
 
 A GPT is traced with 1 and 2 layers (the difference is one block), so an 80B model costs no more
 than a small one. Other models are traced whole at batch 1.
@@ -143,6 +147,7 @@ class ModelSpec:
     pipe_layer_spatial: list = field(default_factory=list)
     ops_per_step: float = 0.0            # aten operators of forward + loss + backward (batch 1)
     traffic_bytes_per_sample: float = 0.0  # bytes of the memory-bound operators (user models)
+    traffic_bytes_per_step: float = 0.0    # of those, what a step moves whatever its batch
     extra: dict = field(default_factory=dict)
 
     @property
@@ -355,8 +360,9 @@ def user_spec(model: nn.Module, example: torch.Tensor, loss_fn=None, name: str =
     any batch: its first sample is used) under fake tensors, like CosmoFlow: its parameters,
     saved activations, FLOPs (every matrix product and convolution), operators and the bytes
     its memory-bound operators move come from its own layers.
-    `loss_fn(output)`: the loss on the output; None: a mean square of each of its tensors (what
-    F.mse_loss saves). One block (no checkpointing units known); a 3D model's convolution and
+    `loss_fn(output)`: the loss on the output of a batch of 1, 2 or 4 (the bytes are traced at 2
+    and 4 too; a loss that only takes batch 1 gets batch 1's bytes per sample); None: a mean
+    square of each of its tensors (what F.mse_loss saves). One block (no checkpointing units known); a 3D model's convolution and
     pooling layers give the halos under `space` (`parallel.spatial.volume`), and each of its
     outputs (a model may return a tuple or dict of them) that keeps the spatial dims is
     all-gathered, as `et.fit` does on whole samples."""
@@ -370,7 +376,19 @@ def user_spec(model: nn.Module, example: torch.Tensor, loss_fn=None, name: str =
         biggest: list = []
         in_loss: list = []
         act = trace_saved_bytes(model, (x,), loss, biggest, in_loss)
-        ops, flops, traffic = count_step(model, (x,), loss)
+        ops, flops, at_one = count_step(model, (x,), loss)
+        # its bytes traced again at batches 2 and 4: what grows with the batch is per sample,
+        # the rest the step's own (an embedding table's dense gradient, a parametrized weight's
+        # elementwise work), moved once a step whatever the batch. Not from batch 1, where
+        # some of a batch's operators are views or skipped (SchNet: 11.1 MiB at batch 1, then
+        # 11.6 MiB more for each sample)
+        try:
+            moved = {b: count_step(model, (torch.zeros((b, *x.shape[1:]), dtype=x.dtype),),
+                                   loss)[2] for b in (2, 4)}
+            per_sample = max(0.0, (moved[4] - moved[2]) / 2)
+            per_step = max(0.0, moved[2] - 2 * per_sample)
+        except Exception:  # noqa: BLE001 - a loss_fn bound to one sample's target: batch 1's
+            per_sample, per_step = at_one, 0.0
         with torch.no_grad(), DerivativeCalls() as derivatives:
             outs = tensors_of(model(x))
         out_shape = tuple(outs[0].shape)
@@ -401,7 +419,8 @@ def user_spec(model: nn.Module, example: torch.Tensor, loss_fn=None, name: str =
                      loss_act_bytes=float(in_loss[0]) if in_loss else 0.0,
                      largest_in_loss=bool(in_loss[1]) if in_loss else False,
                      after_largest_bytes=float(biggest[1]) if biggest else 0.0,
-                     ops_per_step=float(ops), traffic_bytes_per_sample=traffic, extra=extra)
+                     ops_per_step=float(ops), traffic_bytes_per_sample=per_sample,
+                     traffic_bytes_per_step=per_step, extra=extra)
 
 
 def molecular_spec(config) -> ModelSpec:

@@ -19,6 +19,38 @@ from torch.utils.flop_counter import flop_registry
 MOVE_NOTHING = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided,
                 torch.ops.aten.new_empty, torch.ops.aten.new_empty_strided,
                 torch.ops.aten._unsafe_view}
+# reads the rows its index names (an embedding lookup reads the rows of its tokens, not the
+# table): the indices, the gathered elements and the output they are written to
+GATHERS = {torch.ops.aten.embedding, torch.ops.aten.index_select, torch.ops.aten.gather,
+           torch.ops.aten.index}
+# adds or writes its source into the rows its index names of a tensor it changes in place (a
+# message passing's sum into its nodes): the indices, the source, and the rows it touches read
+# and written, at most as many as the source has (the out-of-place forms copy the whole
+# tensor first and are charged it)
+SCATTERS_IN_PLACE = {torch.ops.aten.index_add_, torch.ops.aten.scatter_add_,
+                     torch.ops.aten.scatter_, torch.ops.aten.index_put_,
+                     torch.ops.aten._index_put_impl_, torch.ops.aten.index_copy_}
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def moved_bytes(func, args, kwargs, out) -> int:
+    """The bytes a memory-bound aten operator reads and writes: each tensor once (an in-place
+    or out= operator returns what it wrote), an indexing one the rows it touches."""
+    tensors = {id(t): t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)}
+    packet = func.overloadpacket
+    if packet in GATHERS:      # (source, indices...) -> out
+        written = {id(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
+        index = sum(_nbytes(t) for i, t in tensors.items() if i != id(args[0]) and i not in written)
+        return index + 2 * sum(_nbytes(tensors[i]) for i in written)
+    if packet in SCATTERS_IN_PLACE:   # (target, indices..., source) -> target
+        rest = [t for i, t in tensors.items() if i != id(args[0])]
+        source = max((_nbytes(t) for t in rest if t.is_floating_point() or t.is_complex()),
+                     default=0)
+        return sum(_nbytes(t) for t in rest) + 2 * min(source, _nbytes(args[0]))
+    return sum(_nbytes(t) for t in tensors.values())
 
 
 class StepCounter(TorchDispatchMode):
@@ -26,10 +58,9 @@ class StepCounter(TorchDispatchMode):
     real work, the same operators a real CPU run dispatches): `n` of them, the `flops` of the
     matrix products and convolutions (torch's FLOP formulas, `flop_registry`), and the `traffic`
     of the others: every byte each aten operator reads and writes (each tensor once), but for
-    views and allocations (no data moves) and the fake mode's own queries (`prim.device`). An
-    indexing operator (`index_select`, `index_add_`) is charged its whole tensors, not the rows
-    it touches: a model that gathers few rows of large tensors is over-charged. (Not torch's
-    FlopCounterMode: its module hooks break a forward that calls torch.autograd.grad on its
+    views and allocations (no data moves) and the fake mode's own queries (`prim.device`); an
+    indexing operator (an embedding lookup, `index_select`, an in-place `index_add_`) the rows
+    it touches, not its whole tensors (`moved_bytes`). (Not torch's FlopCounterMode: its module hooks break a forward that calls torch.autograd.grad on its
     input.)"""
 
     def __init__(self):
@@ -44,10 +75,7 @@ class StepCounter(TorchDispatchMode):
             self.flops += flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)
         elif func.namespace == "aten" and not func.is_view \
                 and func.overloadpacket not in MOVE_NOTHING:
-            # each tensor once: an in-place or out= operator returns what it wrote
-            tensors = {id(t): t for t in tree_leaves((args, kwargs, out))
-                       if isinstance(t, torch.Tensor)}
-            self.traffic += sum(t.numel() * t.element_size() for t in tensors.values())
+            self.traffic += moved_bytes(func, args, kwargs, out)
         return out
 
 
