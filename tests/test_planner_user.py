@@ -12,6 +12,9 @@ terms (`tune.cost._memory` under space) the prediction was 25.6 MB, 18 % low.
 
 from __future__ import annotations
 
+import warnings
+
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -120,7 +123,13 @@ def test_exatrain_plan_runs_a_users_script_up_to_et_fit(tmp_path, capsys):
     assert [p["memory_per_rank"]["total"] for p in got["ranked"]] == \
         [p["memory_per_rank"]["total"] for p in direct]
     assert main(["plan", str(script), "--world", "2"]) == 0
-    assert "Plan(space=(1, 1, 2))" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "Plan(space=(1, 1, 2))" in printed
+    # each row names its options: the three shard=2 rows (ZeRO-3, -2, -1) are told apart
+    assert [line.split()[1] for line in printed.splitlines() if "Plan(shard=2)" in line
+            and " step " in line] == [p["options"] or "-" for p in got["ranked"]
+                                      if p["plan"] == "Plan(shard=2)"]
+    assert {"zero1", "zero2"} <= {p["options"] for p in got["ranked"]}
     assert not list(tmp_path.glob("runs*")) and not (tmp_path / "checkpoints").exists()
 
 
@@ -269,6 +278,17 @@ def test_the_bytes_a_step_moves_are_counted_for_its_memory_bound_operators():
     with StepCounter() as counter:
         table.index_add(0, index, rows)
     assert counter.traffic == 8 * 5 + 4 * 5 * 64 + 2 * table.numel() * 4, counter.traffic
+    # a value put into 5 rows (written, not read; the 0-dim value read once), a scatter of a
+    # value at 5 × 64 indices, an integer table's index_add_ (its rows read and written)
+    spread = index[:, None].expand(5, 64).contiguous()
+    counts, ones = torch.zeros(1000, 64, dtype=torch.long), torch.ones(5, 64, dtype=torch.long)
+    for scatter, expected in (
+            (lambda: table.__setitem__(index, 0.0), 8 * 5 + 4 + 4 * 5 * 64),
+            (lambda: table.scatter_(0, spread, 1.0), 8 * 5 * 64 + 4 * 5 * 64),
+            (lambda: counts.index_add_(0, index, ones), 8 * 5 + 3 * (8 * 5 * 64))):
+        with StepCounter() as counter:
+            scatter()
+        assert counter.traffic == expected, (counter.traffic, expected)
 
     model = nn.Sequential(nn.Linear(16, 32), nn.SiLU(), nn.LayerNorm(32), nn.Linear(32, 1))
     x = torch.randn(4, 16)
@@ -361,3 +381,72 @@ def test_an_embedding_is_charged_the_rows_it_reads_and_its_dense_gradient_once_a
         expected = (large.traffic_bytes_per_sample * 64 / world + large.traffic_bytes_per_step) \
             / (1e10 * threads)
         assert abs(best["time_parts_s"]["memory_traffic"] / expected - 1) < 1e-9, best
+
+
+def test_a_loss_bound_to_one_samples_target_is_planned_at_batch_1_with_a_warning():
+    """A loss closed over one sample's target cannot take the batches of 2 and 4 the bytes are
+    traced at: the planner says so and charges batch 1's bytes per sample (the table whole)
+    rather than failing; the model's buffers (a BatchNorm's batch count) are as they were."""
+    import exatrain as et
+    from exatrain.tune.spec import user_spec
+
+    class Classifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.norm = nn.Embedding(5000, 16), nn.BatchNorm1d(16)
+            self.head = nn.Linear(16, 10)
+
+        def forward(self, tokens):
+            return self.head(self.norm(self.embed(tokens).transpose(1, 2)).mean(2))
+
+    model, tokens, label = Classifier(), torch.randint(0, 5000, (1, 8)), torch.tensor([3])
+    with pytest.warns(UserWarning, match="traced Classifier at batch 1 only: at batch 2 its "
+                                         "forward or loss raised"):
+        spec = user_spec(model, tokens, lambda out: F.cross_entropy(out, label))
+    assert spec.traffic_bytes_per_step == 0 and spec.traffic_bytes_per_sample > 5000 * 16 * 4
+    assert model.norm.num_batches_tracked == 0 and model.norm.running_mean.abs().sum() == 0
+    # a loss of any batch: the table's gradient once a step, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ranked = et.plans(model, tokens, world=1, batch=8,
+                          loss=lambda out: F.cross_entropy(out, label.expand(len(out))))
+    assert ranked and spec.traffic_bytes_per_sample > 40 * user_spec(
+        model, tokens, lambda out: F.cross_entropy(out, label.expand(len(out)))
+    ).traffic_bytes_per_sample
+
+
+FLAT_LOGITS_SCRIPT = '''
+import torch, torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+import exatrain as et
+
+class LM(nn.Module):
+    """Next-token logits flattened over batch and sequence: (B*T, V)."""
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(50, 16), nn.Linear(16, 50)
+
+    def forward(self, tokens):
+        return self.head(self.embed(tokens)).view(-1, 50)
+
+tokens = torch.randint(0, 50, (32, 17))
+et.fit(LM, TensorDataset(tokens[:24, :-1], tokens[:24, 1:]), TensorDataset(tokens[24:, :-1],
+       tokens[24:, 1:]), loss=lambda out, y: F.cross_entropy(out, y.reshape(-1)),
+       train={"batch_size": 8})
+'''
+
+
+def test_exatrain_plan_gives_a_scripts_loss_its_target_at_each_traced_batch(tmp_path):
+    """`exatrain plan SCRIPT`: the script's loss gets the first sample's target repeated to the
+    batch the model was given, whatever the output's shape (logits flattened over batch and
+    sequence here), so the bytes are traced at batches 2 and 4 without a warning."""
+    import json
+
+    from exatrain.cli import main
+    script = tmp_path / "lm.py"
+    script.write_text(FLAT_LOGITS_SCRIPT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert main(["plan", str(script), "--world", "1", "--json", str(tmp_path / "p.json")]) == 0
+    assert json.loads((tmp_path / "p.json").read_text())["ranked"]

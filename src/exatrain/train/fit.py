@@ -36,7 +36,7 @@ from typing import Callable
 import tomli_w
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 from torch.utils.data import Dataset, default_collate
 
 from ..comm import broadcast, broadcast_object
@@ -88,15 +88,24 @@ def _plan_instead(request: dict, model, train_set, loss, config: Config, collate
     # the trace of saved tensors, `tune.spec.trace_saved_bytes`, would count whole by storage)
     x, target = default_collate([train_set[0]])
 
-    def traced_loss(out):   # the target repeated to the traced batch (the planner traces several)
-        n = next(t.shape[0] for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dim())
-        return loss(out, tree_map(lambda t: t.expand(n, *t.shape[1:])
-                                  if isinstance(t, torch.Tensor) else t, target))
+    # the planner traces batches of 1, 2 and 4: the target is repeated to the batch of the
+    # input the model was last given (an output's first dim need not be the batch)
+    traced = {"batch": 1}
+    hook = built.register_forward_pre_hook(lambda module, inputs: traced.update(
+        batch=inputs[0].shape[0]))
+
+    def traced_loss(out):
+        n = traced["batch"]
+        return loss(out, tree_map(lambda t: t.expand(n, *t.shape[1:]) if isinstance(t, torch.Tensor)
+                                  and t.dim() and n > 1 else t, target))
     kwargs = dict(world=request["world"], batch=config.train.batch_size,
                   system=request.get("system", "cpu-local"),
                   precision=config.parallel.precision, optimizer=config.optim.name)
     with float64_input_named(x):
-        ranked, refused = plans(built, x, loss=traced_loss, refused=True, **kwargs)
+        try:
+            ranked, refused = plans(built, x, loss=traced_loss, refused=True, **kwargs)
+        finally:
+            hook.remove()
     raise ScriptPlanned({"model": type(built).__name__, "sample_shape": tuple(x.shape[1:]),
                          **kwargs, "ranked": ranked, "refused": refused})
 

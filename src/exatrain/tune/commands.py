@@ -415,8 +415,8 @@ def _plan_script_command(args) -> int:
           f"{result['optimizer']}, {result['precision']}) on {result['world']} ranks of "
           f"{result['system']}: {len(result['ranked'])} Plans, fastest first")
     for p in result["ranked"][:args.top]:
-        print(f"  {p['plan']:<28} step {p['step_s'] * 1e3:9.2f} ms  memory/rank "
-              f"{p['memory_per_rank']['total'] / 2 ** 20:9.1f} MiB")
+        print(f"  {p['plan']:<28} {p['options'] or '-':<12} step {p['step_s'] * 1e3:9.2f} ms  "
+              f"memory/rank {p['memory_per_rank']['total'] / 2 ** 20:9.1f} MiB")
     for r in result["refused"][:args.why]:
         print(f"  refused {r.get('plan', '')}: {r.get('reason', '')}")
     return 0

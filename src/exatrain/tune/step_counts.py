@@ -8,6 +8,9 @@ operators counted the same way.
 
 from __future__ import annotations
 
+import math
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -23,17 +26,46 @@ MOVE_NOTHING = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.
 # table): the indices, the gathered elements and the output they are written to
 GATHERS = {torch.ops.aten.embedding, torch.ops.aten.index_select, torch.ops.aten.gather,
            torch.ops.aten.index}
-# adds or writes its source into the rows its index names of a tensor it changes in place (a
-# message passing's sum into its nodes): the indices, the source, and the rows it touches read
-# and written, at most as many as the source has (the out-of-place forms copy the whole
-# tensor first and are charged it)
-SCATTERS_IN_PLACE = {torch.ops.aten.index_add_, torch.ops.aten.scatter_add_,
-                     torch.ops.aten.scatter_, torch.ops.aten.index_put_,
-                     torch.ops.aten._index_put_impl_, torch.ops.aten.index_copy_}
+# writes into the rows its index names of a tensor it changes in place (a message passing's
+# sum into its nodes): (dim, index, source) after the target, or index_put_'s (indices, values);
+# the out-of-place forms copy the whole tensor first and are charged it
+_a = torch.ops.aten
+SCATTERS_IN_PLACE = {_a.index_add_, _a.index_copy_, _a.index_fill_, _a.index_reduce_,
+                     _a.scatter_, _a.scatter_add_, _a.scatter_reduce_,
+                     _a.index_put_, _a._index_put_impl_}
+# ... and adds to (reads) the rows it writes
+_ACCUMULATE = {_a.index_add_, _a.index_reduce_, _a.scatter_add_, _a.scatter_reduce_}
+_ROWS_ALONG_DIM = {_a.index_add_, _a.index_copy_, _a.index_fill_, _a.index_reduce_}
 
 
 def _nbytes(t) -> int:
     return t.numel() * t.element_size()
+
+
+def _scattered_bytes(packet, args, kwargs) -> int:
+    """An in-place scatter's bytes: its indices, the source elements it reads, and the elements
+    of the target it writes (read too where it accumulates), at most the whole target."""
+    target = args[0]
+    if packet in (_a.index_put_, _a._index_put_impl_):   # (target, indices, values, accumulate)
+        indices = [t for t in args[1] if t is not None]
+        source = args[2]
+        accumulate = bool(args[3] if len(args) > 3 else kwargs.get("accumulate", False))
+        taken = sum(t.dim() if t.dtype == torch.bool else 1 for t in indices)
+        rows = max((t.numel() for t in indices), default=1)
+        written = rows * target.numel() // max(1, math.prod(target.shape[:taken]))
+    else:                                  # (target, dim, index, source or value, ...)
+        dim, index = args[1], args[2]
+        source = args[3] if len(args) > 3 else None
+        indices = [index]
+        accumulate = packet in _ACCUMULATE
+        written = index.numel() * (target.numel() // max(1, target.shape[dim])
+                                   if packet in _ROWS_ALONG_DIM and target.dim() else 1)
+    written = min(written, target.numel())
+    read = 0
+    if isinstance(source, torch.Tensor):   # a 0-dim or broadcast value is read once
+        read = min(source.numel(), written) * source.element_size()
+    return sum(_nbytes(t) for t in indices) + read \
+        + (2 if accumulate else 1) * written * target.element_size()
 
 
 def moved_bytes(func, args, kwargs, out) -> int:
@@ -45,11 +77,8 @@ def moved_bytes(func, args, kwargs, out) -> int:
         written = {id(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
         index = sum(_nbytes(t) for i, t in tensors.items() if i != id(args[0]) and i not in written)
         return index + 2 * sum(_nbytes(tensors[i]) for i in written)
-    if packet in SCATTERS_IN_PLACE:   # (target, indices..., source) -> target
-        rest = [t for i, t in tensors.items() if i != id(args[0])]
-        source = max((_nbytes(t) for t in rest if t.is_floating_point() or t.is_complex()),
-                     default=0)
-        return sum(_nbytes(t) for t in rest) + 2 * min(source, _nbytes(args[0]))
+    if packet in SCATTERS_IN_PLACE:
+        return _scattered_bytes(packet, args, kwargs)
     return sum(_nbytes(t) for t in tensors.values())
 
 
@@ -60,8 +89,8 @@ class StepCounter(TorchDispatchMode):
     of the others: every byte each aten operator reads and writes (each tensor once), but for
     views and allocations (no data moves) and the fake mode's own queries (`prim.device`); an
     indexing operator (an embedding lookup, `index_select`, an in-place `index_add_`) the rows
-    it touches, not its whole tensors (`moved_bytes`). (Not torch's FlopCounterMode: its module hooks break a forward that calls torch.autograd.grad on its
-    input.)"""
+    it touches, not its whole tensors (`moved_bytes`). (Not torch's FlopCounterMode: its module
+    hooks break a forward that calls torch.autograd.grad on its input.)"""
 
     def __init__(self):
         super().__init__()
@@ -77,6 +106,19 @@ class StepCounter(TorchDispatchMode):
                 and func.overloadpacket not in MOVE_NOTHING:
             self.traffic += moved_bytes(func, args, kwargs, out)
         return out
+
+
+@contextmanager
+def buffers_kept(model: nn.Module):
+    """The model's buffers as they were before, after traces of it (a BatchNorm counts the
+    batches it is given, fake ones too: the planner's traces are not training)."""
+    kept = [b.detach().clone() for b in model.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in zip(model.buffers(), kept):
+                buffer.copy_(value)
 
 
 def count_ops(model: nn.Module, inputs, loss_fn) -> int:

@@ -4,8 +4,8 @@
     for p in et.plans(UNet3D(), sample_shape=(2, 64, 64, 64), world=8, batch=8)[:5]:
         print(p["plan"], p["memory_per_rank"]["total"], p["step_s"])
 
-The model is traced once at batch 1 under fake tensors (`tune.spec.user_spec`: no real memory,
-no real compute), then every Plan of `world` ranks goes through the planner's cost model
+The model is traced at batch 1 under fake tensors, its memory traffic at batches 2 and 4 too
+(`tune.spec.user_spec`: no real memory, no real compute), then every Plan of `world` ranks goes through the planner's cost model
 (`tune.cost.predict`) and its search (`tune.search.rank_plans`), exactly as `exatrain plan` does
 for the built-in models. Memory per rank (state, activations, transient) comes from the model's
 own layers; step time from its FLOPs on the named system (`tune/systems/*.toml`; "cpu-local" is
@@ -39,7 +39,8 @@ def plans(model: nn.Module, example: torch.Tensor | None = None, *,
         sample_shape: one sample's input shape (C, *spatial), e.g. (2, 64, 64, 64).
         world: ranks of the job.
         batch: the global batch (`train.batch_size`).
-        loss: `loss(output)` to trace; None: a mean square of the output (F.mse_loss's cost).
+        loss: `loss(output)` to trace, for outputs of a batch of 1, 2 and 4 (a target of the
+            output's batch size); None: a mean square of the output (F.mse_loss's cost).
         system: the system file the times and usable memory come from.
         precision, optimizer: as the config's parallel.precision and optim.name.
         refused: also return the refused Plans, each with its reason.
