@@ -450,3 +450,23 @@ def test_exatrain_plan_gives_a_scripts_loss_its_target_at_each_traced_batch(tmp_
         warnings.simplefilter("error")
         assert main(["plan", str(script), "--world", "1", "--json", str(tmp_path / "p.json")]) == 0
     assert json.loads((tmp_path / "p.json").read_text())["ranked"]
+
+
+def test_a_model_whose_batchnorm_needs_two_samples_is_planned_per_sample():
+    """A BatchNorm over features (N, C) cannot train on one sample (torch: "Expected more than
+    1 value per channel"): the model is traced at batch 2 and its figures halved, so its FLOPs
+    per sample are the same model's without the norm, and it is planned."""
+    import exatrain as et
+    from exatrain.tune.spec import user_spec
+
+    def mlp(norm):
+        return nn.Sequential(nn.Linear(16, 32), norm, nn.ReLU(), nn.Linear(32, 1))
+    x = torch.randn(8, 16)
+    normed, plain = user_spec(mlp(nn.BatchNorm1d(32)), x), user_spec(mlp(nn.Identity()), x)
+    # forward 2·(16·32 + 32), backward the weights' as much and the second layer's input's
+    assert normed.flops_per_sample == plain.flops_per_sample == 2 * 2 * (16 * 32 + 32) + 2 * 32
+    # what the norm saves: its input, its output (the ReLU's input) and its statistics
+    assert normed.act_bytes_per_sample == plain.act_bytes_per_sample + 4 * (32 + 32 + 2 * 32 / 2)
+    model = mlp(nn.BatchNorm1d(32))
+    assert et.plans(model, x, world=2, batch=32)
+    assert model[1].num_batches_tracked == 0

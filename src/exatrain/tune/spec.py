@@ -33,7 +33,6 @@ than a small one. Other models are traced whole at batch 1 (a user's bytes at 2 
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -41,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
-from .step_counts import buffers_kept, count_ops, count_step
+from .step_counts import buffers_kept, count_ops, count_step, traffic_split
 
 
 def trace_saved_bytes(model: nn.Module, inputs, loss_fn, largest: list | None = None,
@@ -357,32 +356,43 @@ def vit_spec(img_size: tuple, patch_size: int = 8, channels: int = 3, embed_dim:
 
 # ---------------------------------------------------------------------------------- a user's
 def user_spec(model: nn.Module, example: torch.Tensor, loss_fn=None, name: str = "") -> ModelSpec:
-    """A user's own model, traced whole at batch 1 on `example` (one sample (1, C, *spatial), or
-    any batch: its first sample is used) under fake tensors, like CosmoFlow: its parameters,
-    saved activations, FLOPs (every matrix product and convolution), operators and the bytes
-    its memory-bound operators move come from its own layers.
-    Its bytes are traced at batches 2 and 4 too (`_traffic_split`), its buffers left as they
-    were. `loss_fn(output)`: the loss on the output of a batch of 1, 2 or 4 (one that only takes
-    batch 1 gets batch 1's bytes per sample, with a warning); None: a mean square of each of its
-    tensors (what F.mse_loss saves). One block (no checkpointing units known); a 3D model's
-    convolution and pooling layers give the halos under `space` (`parallel.spatial.volume`), and each of its
-    outputs (a model may return a tuple or dict of them) that keeps the spatial dims is
-    all-gathered, as `et.fit` does on whole samples."""
+    """A user's own model, traced whole at batch 1 on `example` (one sample (1, C, *spatial), or any
+    batch: its first sample is used) under fake tensors, like CosmoFlow: its parameters, saved
+    activations, FLOPs (every matrix product and convolution), operators and the bytes its
+    memory-bound operators move come from its own layers. Its bytes are traced at batches 2 and 4
+    too (`step_counts.traffic_split`), its buffers left as they were. `loss_fn(output)`: the loss
+    on the output of a batch of 1, 2 or 4 (one that only takes batch 1 gets batch 1's bytes per
+    sample, with a warning); None: a mean square of each of its tensors (what F.mse_loss saves). A
+    model whose BatchNorm cannot train on one sample (one value per channel: features (N, C)) is
+    traced at batch 2, its figures per sample halved. One block (no checkpointing units known); a
+    3D model's convolution and pooling layers give the halos under `space`
+    (`parallel.spatial.volume`), and each of its outputs (a model may return a tuple or dict of
+    them) that keeps the spatial dims is all-gathered, as `et.fit` does on whole samples."""
     from ..parallel.derivatives import DerivativeCalls
     from ..parallel.nested import tensors_of
     from ..parallel.spatial.volume import layer_geometry
     loss = loss_fn or (lambda out: sum(t.float().square().mean() for t in tensors_of(out)))
     x = torch.zeros((1, *example.shape[1:]), dtype=example.dtype)
     convs = [m for m in model.modules() if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d))]
-    with buffers_kept(model), _fake_mode():
+    for batch in (1, 2):
+        traced = torch.zeros((batch, *x.shape[1:]), dtype=x.dtype)
         biggest: list = []
         in_loss: list = []
-        act = trace_saved_bytes(model, (x,), loss, biggest, in_loss)
-        ops, flops, at_one = count_step(model, (x,), loss)
-        per_sample, per_step = _traffic_split(model, x, loss, at_one, name)
-        with torch.no_grad(), DerivativeCalls() as derivatives:
-            outs = tensors_of(model(x))
-        out_shape = tuple(outs[0].shape)
+        try:
+            with buffers_kept(model), _fake_mode():
+                act = trace_saved_bytes(model, (traced,), loss, biggest, in_loss) / batch
+                ops, flops, at_one = count_step(model, (traced,), loss)
+                per_sample, per_step = traffic_split(model, traced, loss, at_one / batch, name)
+                with torch.no_grad(), DerivativeCalls() as derivatives:
+                    outs = tensors_of(model(traced))
+            break
+        except ValueError as error:   # torch's "Expected more than 1 value per channel"
+            if batch > 1 or "more than 1 value per channel" not in str(error):
+                raise
+    flops /= batch
+    biggest = [b / batch for b in biggest]
+    in_loss = [in_loss[0] / batch, *in_loss[1:]] if in_loss else in_loss
+    out_shape = tuple(outs[0].shape)
     shapes = [tuple(p.shape) for p in model.parameters()]
     spatial = tuple(x.shape[2:]) if convs and 1 <= x.dim() - 2 <= 3 else ()
     input_bytes = float(x.numel() * x.element_size())
@@ -412,31 +422,6 @@ def user_spec(model: nn.Module, example: torch.Tensor, loss_fn=None, name: str =
                      after_largest_bytes=float(biggest[1]) if biggest else 0.0,
                      ops_per_step=float(ops), traffic_bytes_per_sample=per_sample,
                      traffic_bytes_per_step=per_step, extra=extra)
-
-
-def _traffic_split(model: nn.Module, x: torch.Tensor, loss, at_one: float,
-                   name: str) -> tuple[float, float]:
-    """A user's model's memory traffic per sample and per step, from its bytes traced at batches
-    2 and 4 (under the caller's fake mode): what grows with the batch is per sample, the rest
-    the step's own (an embedding table's dense gradient, a parametrized weight's elementwise
-    work), moved once a step whatever the batch. Not from batch 1 (`at_one`), where some of a
-    batch's operators are views or skipped (SchNet: 11.1 MiB at batch 1, then 11.6 MiB more for
-    each sample). Traffic that grows faster than the batch (a batch-by-batch term) is charged
-    per sample at its slope between 2 and 4."""
-    try:
-        with warnings.catch_warnings():   # batch 1's trace has shown the loss's own
-            warnings.simplefilter("ignore")   # (a target of one sample broadcast: its bytes)
-            moved = {b: count_step(model, (torch.zeros((b, *x.shape[1:]), dtype=x.dtype),),
-                                   loss)[2] for b in (2, 4)}
-    except Exception as failed:  # noqa: BLE001 - e.g. a loss bound to one sample's target
-        warnings.warn(f"the planner traced {name or type(model).__name__} at batch 1 only: at "
-                      f"batch 2 its forward or loss raised {type(failed).__name__}: {failed}. Its "
-                      "memory traffic per sample is batch 1's, whole tables included; give a "
-                      "loss that takes the output of any batch (a target of the output's batch "
-                      "size) to have them charged once a step.", stacklevel=3)
-        return at_one, 0.0
-    per_sample = max(0.0, (moved[4] - moved[2]) / 2)
-    return per_sample, max(0.0, moved[2] - 2 * per_sample)
 
 
 def molecular_spec(config) -> ModelSpec:
