@@ -9,8 +9,8 @@ The model is traced at batch 1 under fake tensors, its memory traffic at batches
 through the planner's cost model (`tune.cost.predict`) and its search (`tune.search.rank_plans`),
 exactly as `exatrain plan` does for the built-in models. Memory per rank (state, activations,
 transient) comes from the model's own layers; step time from its FLOPs on the named system
-(`tune/systems/*.toml`; "cpu-local" is this machine once `exatrain plan --calibrate` has measured
-it).
+(`tune/systems/*.toml`; "cpu-local" is the local machine once `exatrain plan --calibrate` has
+measured it).
 
 What it costs for a user's model: data, shard (ZeRO 1/2/3) and space Plans. Tensor and pipe are
 refused as "not applicable" (the cost model knows them for transformer blocks and CosmoFlow only);
