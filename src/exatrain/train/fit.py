@@ -91,8 +91,6 @@ def _plan_instead(request: dict, model, train_set, loss, config: Config, collate
     # the planner traces batches of 1, 2 and 4: the target is repeated to the batch of the
     # input the model was last given (an output's first dim need not be the batch)
     traced = {"batch": 1}
-    hook = built.register_forward_pre_hook(lambda module, inputs: traced.update(
-        batch=inputs[0].shape[0]))
 
     def traced_loss(out):
         n = traced["batch"]
@@ -101,11 +99,13 @@ def _plan_instead(request: dict, model, train_set, loss, config: Config, collate
     kwargs = dict(world=request["world"], batch=config.train.batch_size,
                   system=request.get("system", "cpu-local"),
                   precision=config.parallel.precision, optimizer=config.optim.name)
-    with float64_input_named(x):
-        try:
+    hook = built.register_forward_pre_hook(lambda module, inputs: traced.update(
+        batch=inputs[0].shape[0]))
+    try:
+        with float64_input_named(x):
             ranked, refused = plans(built, x, loss=traced_loss, refused=True, **kwargs)
-        finally:
-            hook.remove()
+    finally:
+        hook.remove()
     raise ScriptPlanned({"model": type(built).__name__, "sample_shape": tuple(x.shape[1:]),
                          **kwargs, "ranked": ranked, "refused": refused})
 

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ConfigError
+from ..errors import ArgumentError, ConfigError
 from .step_counts import buffers_kept, count_ops, count_step, traffic_split
 
 
@@ -386,9 +386,18 @@ def user_spec(model: nn.Module, example: torch.Tensor, loss_fn=None, name: str =
                 with torch.no_grad(), DerivativeCalls() as derivatives:
                     outs = tensors_of(model(traced))
             break
-        except ValueError as error:   # torch's "Expected more than 1 value per channel"
-            if batch > 1 or "more than 1 value per channel" not in str(error):
-                raise
+        except Exception as error:   # noqa: BLE001 - torch's "more than 1 value per channel"
+            one_value = isinstance(error, ValueError) and \
+                "more than 1 value per channel" in str(error)
+            if batch == 1 and one_value:
+                continue
+            if batch == 2:
+                raise ArgumentError(
+                    f"{name or type(model).__name__} is traced at batch 2, since its BatchNorm "
+                    f"cannot train on one sample (one value per channel), and there it raised "
+                    f"{type(error).__name__}: {str(error).rstrip('.')}. Give a loss that takes "
+                    "the output of any batch (a target of the output's batch size).") from error
+            raise
     flops /= batch
     biggest = [b / batch for b in biggest]
     in_loss = [in_loss[0] / batch, *in_loss[1:]] if in_loss else in_loss

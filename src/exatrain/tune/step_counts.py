@@ -43,6 +43,24 @@ def _nbytes(t) -> int:
     return t.numel() * t.element_size()
 
 
+def _put_elements(target, indices) -> int:
+    """The elements `target[indices] = ...` writes: the advanced indices' broadcast shape times
+    the target's dims they do not name (a None is a whole dim; a bool mask names as many dims as
+    it has, and is taken as all true: under fake tensors its count is not known)."""
+    shapes, named, dim = [], 1, 0
+    for index in indices:
+        if index is None:
+            dim += 1
+            continue
+        mask = index.dtype in (torch.bool, torch.uint8)
+        span = index.dim() if mask else 1
+        shapes.append((index.numel(),) if mask else tuple(index.shape))
+        named *= math.prod(target.shape[dim:dim + span])
+        dim += span
+    rows = math.prod(torch.broadcast_shapes(*shapes)) if shapes else 1
+    return rows * (target.numel() // max(1, named))
+
+
 def _scattered_bytes(packet, args, kwargs) -> int:
     """An in-place scatter's bytes: its indices, the source elements it reads, and the elements
     of the target it writes (read too where it accumulates), at most the whole target."""
@@ -51,14 +69,14 @@ def _scattered_bytes(packet, args, kwargs) -> int:
         indices = [t for t in args[1] if t is not None]
         source = args[2]
         accumulate = bool(args[3] if len(args) > 3 else kwargs.get("accumulate", False))
-        taken = sum(t.dim() if t.dtype == torch.bool else 1 for t in indices)
-        rows = max((t.numel() for t in indices), default=1)
-        written = rows * target.numel() // max(1, math.prod(target.shape[:taken]))
+        written = _put_elements(target, args[1])
     else:                                  # (target, dim, index, source or value, ...)
         dim, index = args[1], args[2]
         source = args[3] if len(args) > 3 else None
         indices = [index]
-        accumulate = packet in _ACCUMULATE
+        accumulate = packet in _ACCUMULATE or "reduce" in kwargs
+        if not kwargs.get("include_self", True):   # a reduction that overwrites what it reads
+            accumulate = False
         written = index.numel() * (target.numel() // max(1, target.shape[dim])
                                    if packet in _ROWS_ALONG_DIM and target.dim() else 1)
     written = min(written, target.numel())
@@ -112,14 +130,19 @@ class StepCounter(TorchDispatchMode):
 @contextmanager
 def buffers_kept(model: nn.Module):
     """The model's buffers as they were before, after traces of it (a BatchNorm counts the
-    batches it is given, fake ones too: the planner's traces are not training)."""
-    kept = [b.detach().clone() for b in model.buffers()]
+    batches it is given, fake ones too; a forward may assign a buffer anew, a fake one under the
+    trace: the planner's traces are not training). Each module's own buffers, by name, the
+    same tensors with their values back, None where there was none."""
+    kept = [(module, name, buffer, None if buffer is None else buffer.detach().clone())
+            for module in model.modules() for name, buffer in module._buffers.items()]
     try:
         yield
     finally:
-        with torch.no_grad():
-            for buffer, value in zip(model.buffers(), kept):
-                buffer.copy_(value)
+        for module, name, buffer, value in kept:
+            module._buffers[name] = buffer
+            if buffer is not None:
+                with torch.no_grad():
+                    buffer.copy_(value)
 
 
 def count_ops(model: nn.Module, inputs, loss_fn) -> int:
@@ -163,10 +186,11 @@ def traffic_split(model: nn.Module, x: torch.Tensor, loss, at_one: float,
                                    loss)[2] for b in (2, 4)}
     except Exception as failed:  # noqa: BLE001 - e.g. a loss bound to one sample's target
         warnings.warn(f"the planner traced {name or type(model).__name__} at batch 1 only: at "
-                      f"batch 2 its forward or loss raised {type(failed).__name__}: {failed}. Its "
-                      "memory traffic per sample is batch 1's, whole tables included; give a "
-                      "loss that takes the output of any batch (a target of the output's batch "
-                      "size) to have them charged once a step.", stacklevel=3)
+                      f"batch 2 its forward or loss raised {type(failed).__name__}: "
+                      f"{str(failed).rstrip('.')}. Its memory traffic per sample is batch 1's, "
+                      "whole tables included; give a loss that takes the output of any batch (a "
+                      "target of the output's batch size) to have them charged once a step.",
+                      stacklevel=3)
         return at_one, 0.0
     per_sample = max(0.0, (moved[4] - moved[2]) / 2)
     return per_sample, max(0.0, moved[2] - 2 * per_sample)
