@@ -1,7 +1,10 @@
 """Failures on one rank are reported with the rank and its traceback, and nothing hangs."""
 
+import gc
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,3 +90,45 @@ def test_a_compile_setting_changed_after_the_first_launch_is_named(tmp_path):
     assert len(notes) == 1, done.stderr   # rank 0's, at the second launch only
     assert "EXATRAIN_START_METHOD=spawn" in notes[0] and "before the first launch" in notes[0]
     assert "TORCHINDUCTOR_CACHE_DIR" not in done.stderr
+
+
+def _gloo_threads() -> int:
+    """gloo's connection threads in this process: one per process group (gloo makes a device,
+    and a thread that wakes every 10 ms, for each)."""
+    tasks = os.listdir("/proc/self/task")
+    return sum(Path(f"/proc/self/task/{t}/comm").read_text().strip() == "gloo_tcp_loop"
+               for t in tasks if Path(f"/proc/self/task/{t}").exists())
+
+
+def _fit_three_times(out_dir: str) -> list[tuple[int, int]]:
+    import exatrain as et
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    torch.manual_seed(0)
+    x = torch.randn(32, 4)
+    data = TensorDataset(x, x.sum(1, keepdim=True))
+    counts = []
+    for i in range(3):
+        seen = []
+
+        def loss(output, target):  # counted while the mesh is alive
+            seen.append(_gloo_threads())
+            return torch.nn.functional.mse_loss(output, target)
+        et.fit(lambda: nn.Linear(4, 1), data, data, loss=loss, plan=et.Plan(data=2),
+               train={"steps": 1, "batch_size": 8}, run={"out_dir": out_dir, "name": f"fit{i}"})
+        gc.collect()
+        counts.append((max(seen, default=-1), _gloo_threads()))
+    return counts
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+def test_fits_in_one_launch_end_their_meshes_groups(tmp_path):
+    """A launched rank keeps the job's process group from one `fit` to the next (made again on
+    the launcher's port, it would hang); the groups each mesh made over it (one per mesh
+    dimension, size 1 or not) go with the mesh. Kept, they piled up, each with its threads."""
+    for counts in run_ranks(2, _fit_three_times, str(tmp_path)):
+        during = [d for d, _ in counts]
+        after = [a for _, a in counts]
+        assert during[0] > after[0], counts         # the mesh made groups, and they went
+        assert after == [after[0]] * 3, counts       # the job's own group only, fit after fit
