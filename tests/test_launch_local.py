@@ -132,3 +132,24 @@ def test_fits_in_one_launch_end_their_meshes_groups(tmp_path):
         after = [a for _, a in counts]
         assert during[0] > after[0], counts         # the mesh made groups, and they went
         assert after == [after[0]] * 3, counts       # the job's own group only, fit after fit
+
+
+def _imported_and_frozen() -> tuple[bool, int, bool]:
+    return "torch._dynamo" in sys.modules, gc.get_freeze_count(), gc.isenabled()
+
+
+def test_ranks_fork_with_torch_and_dynamo_imported_frozen_and_the_collector_on():
+    """The forkserver imports what every rank needs (launch.preload), collector paused, then
+    frozen: a forked rank neither imports torch._dynamo at its first optimizer nor has its
+    collections traverse, and copy, the server's objects."""
+    for dynamo, frozen, collecting in spawn(_imported_and_frozen, 2):
+        assert dynamo and frozen > 100_000 and collecting, (dynamo, frozen, collecting)
+
+
+@pytest.mark.parametrize("collecting", [True, False])
+def test_importing_exatrain_leaves_the_collector_as_it_was(collecting):
+    code = (f"import gc\n{'' if collecting else 'gc.disable()'}\nimport exatrain\n"
+            "from exatrain.launch.preload import import_rank_modules\nimport_rank_modules()\n"
+            "print(gc.isenabled())\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == str(collecting), done.stderr[-2000:]

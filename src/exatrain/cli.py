@@ -17,6 +17,8 @@ def _run(args) -> int:
 
     if detect() is not None and not args.print_batch_script:
         hold_early_signals()  # one rank of a launched job: a warning while starting is kept
+        from .launch.preload import import_rank_modules
+        import_rank_modules()  # torch._dynamo, which its first optimizer imports: paused
     from .train.config import ConfigError, load_config
     from .train.run import find_resume_checkpoint, run_job
     from .workloads import get_workload

@@ -103,7 +103,7 @@ def rank_context():
         method = "spawn"
     ctx = multiprocessing.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "torch._dynamo", "exatrain"])
+        ctx.set_forkserver_preload(["exatrain.launch.preload"])  # collector paused, then frozen
     return ctx
 
 
