@@ -104,8 +104,10 @@ bench_case() {  # bench_case NAME LIMIT_S [bench args]: one case, baseline and e
 }
 
 multirank_cases() {  # one distributed-equals-serial case per axis, ranks sharing the GPU over gloo
+    # -n 0 (here and in every pytest below): one test process, whose ranks alone share the GPU;
+    # the suite's own `-n auto` would start a worker, and ranks, per two of its cores
     step multirank "$1" env EXATRAIN_SHARE_GPU=1 EXATRAIN_TEST_RANK_TIMEOUT_S="${RANK_TIMEOUT_S:-40}" \
-        python3 -m pytest -q -p no:cacheprovider -rf --durations=0 \
+        python3 -m pytest -q -n 0 -p no:cacheprovider -rf --durations=0 \
         tests/test_data_parallel.py::test_data_parallel_equals_serial \
         tests/test_shard.py::test_zero_stages_equal_serial \
         tests/test_spatial_training.py::test_cosmoflow_space_times_data_equals_serial \
@@ -136,7 +138,7 @@ once)  # one call: the figures never taken on a GPU first, cheapest data first
         timeout -k 10 240 python3 -m exatrain.cli bench device --sizes "$SIZES" --cases vit,deepcam --prepare-only \
             --data-dir "$DATA" > "$OUT/prepare.log" 2>&1 & PREPARE=$!
     fi
-    step binding 60 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_binding.py
+    step binding 60 python3 -m pytest -q -n 0 -p no:cacheprovider tests/test_gpu_binding.py
     bench_case gpt_125m 220 --alt-set parallel.cuda_graphs=true
     multirank_cases 150
     # the writer alone: a bare `wait` would also wait for the watchdog, until the budget ends
@@ -210,7 +212,7 @@ multirank)  # the distributed-equals-serial cases of every axis, ranks sharing t
         # a case stuck longer than RANK_TIMEOUT_S fails with every rank's stacks in its log
         step "multirank-${pair%%:*}" 80 env EXATRAIN_SHARE_GPU=1 \
             EXATRAIN_TEST_RANK_TIMEOUT_S="${RANK_TIMEOUT_S:-45}" \
-            python3 -m pytest -q -p no:cacheprovider -rf "${pair#*:}"
+            python3 -m pytest -q -n 0 -p no:cacheprovider -rf "${pair#*:}"
         grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/multirank-${pair%%:*}.log" \
             | cut -c1-300 >> "$OUT/summary.txt"
     done ;;

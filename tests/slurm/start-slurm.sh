@@ -16,6 +16,10 @@
 # job is held cred_expire + 1 s before it may start again (121 s by default), which a requeue
 # test would otherwise wait out; sched_interval=1 starts it within a second after that.
 set -euo pipefail
+# one at a time: the suite's workers (pytest-xdist) each run it as their session starts, and a
+# second must not rewrite the configuration or restart a daemon under the first one's jobs
+exec 9>>"${TMPDIR:-/tmp}/exatrain-start-slurm-$(id -u).lock"
+flock 9
 
 if [[ "${1:-}" == "--install" ]]; then
   export DEBIAN_FRONTEND=noninteractive
