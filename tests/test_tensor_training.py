@@ -82,17 +82,20 @@ def train(degrees: dict, name: str, optim: str, batch: int, overrides=()) -> dic
     from exatrain.train.trainer import Trainer
 
     mesh = init(Plan(**degrees))
-    config = config_for(optim, batch, *overrides)
-    workload = make_workload(name)
-    model = parallelize(workload.model, mesh, config.parallel)
-    trainer = Trainer(mesh, workload, config, model)
-    summary = trainer.fit()
-    losses = [l for h in trainer.history if "step_losses" in h for l in h["step_losses"]]
-    tp = getattr(model, "exatrain_tensor", None)
-    state = full_state_dict(model) if tp is not None else \
-        {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"losses": losses, "state": state, "val": summary["val"],
-            "layout": tp.summary() if tp is not None else None}
+    try:  # closed: the next case's mesh in this launch makes groups of its own
+        config = config_for(optim, batch, *overrides)
+        workload = make_workload(name)
+        model = parallelize(workload.model, mesh, config.parallel)
+        trainer = Trainer(mesh, workload, config, model)
+        summary = trainer.fit()
+        losses = [l for h in trainer.history if "step_losses" in h for l in h["step_losses"]]
+        tp = getattr(model, "exatrain_tensor", None)
+        state = full_state_dict(model) if tp is not None else \
+            {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return {"losses": losses, "state": state, "val": summary["val"],
+                "layout": tp.summary() if tp is not None else None}
+    finally:
+        mesh.close()
 
 
 def train_plans(cases) -> list:
