@@ -172,7 +172,8 @@ def test_calibrate_from_writes_into_the_users_systems_folder_never_into_the_pack
     written = mine / "h100-infiniband-measured.toml"
     assert written.is_file()
     # (words, as the console wraps them at its width)
-    assert "plan with --system h100-infiniband-measured" in " ".join(capsys.readouterr().out.split())
+    words = " ".join(capsys.readouterr().out.split())
+    assert "plan with --system h100-infiniband-measured" in words
     assert {p.name: p.read_bytes() for p in SYSTEMS_DIR.glob("*.toml")} == shipped
     # a user's file of a shipped name is the one a name loads
     written.write_text(written.read_text().replace('description = "', 'description = "mine: ', 1))

@@ -82,7 +82,7 @@ def train(degrees: dict, name: str, optim: str, batch: int, overrides=()) -> dic
     from exatrain.train.trainer import Trainer
 
     mesh = init(Plan(**degrees))
-    try:  # closed: the next case's mesh in this launch makes groups of its own
+    try:  # closed after each case, as et.fit closes its mesh
         config = config_for(optim, batch, *overrides)
         workload = make_workload(name)
         model = parallelize(workload.model, mesh, config.parallel)

@@ -69,8 +69,6 @@ class Mesh:
         self.group = None  # the job's process group for whole-job collectives (None: the default)
         self._grid = torch.arange(self.world_size).reshape(tuple(plan.degrees().values()))
         self._axes: dict[tuple[str, ...], Axis] = {}
-        self._groups_made: list = []  # this rank's groups new_group made for it (close() ends them)
-        self._closed = False
 
     @property
     def coords(self) -> dict[str, int]:
@@ -110,7 +108,6 @@ class Mesh:
                     g = dist.new_group(row)
                     if row is mine:
                         group = g
-                        self._groups_made.append(g)
         axis = Axis("+".join(names), size, mine.index(self.rank), group, self.ledger, tuple(mine))
         self._axes[key] = axis
         return axis
@@ -128,23 +125,9 @@ class Mesh:
         MASTER_PORT) stays for the next mesh of the same process, which reuses it: creating it
         again on the same port hangs both ranks in `init_process_group` (measured, torch 2.13),
         which is what a second `predict`, `fit` or tuner measurement in one launch met. The
-        groups this mesh made over it go: the DeviceMesh's, one per dimension (a size-1
-        dimension's too), and the axes' of several dimensions. Kept, each `fit` of a script would
-        leave its own behind, each with its connections and threads (gloo: a thread that wakes
-        every 10 ms; 8 groups per rank for Plan(data=2) on 2 ranks). Measured on 2 cores, ranks
-        that run about 50 fits each (tests/test_user_models_every_axis.py): 128 s and 215
-        CPU-seconds, 117 of them in the kernel, kept; 77 s and 81 CPU-seconds (25) ended. The
-        process's own single-rank group and the planner's fake group are destroyed whole."""
-        if self._closed or not dist.is_initialized():
-            return
-        self._closed = True
-        if not self.keep_group:
+        process's own single-rank group and the planner's fake group are destroyed."""
+        if dist.is_initialized() and not self.keep_group:
             dist.destroy_process_group()
-            return
-        world = dist.group.WORLD
-        made = [*self.device_mesh.get_all_groups(), *self._groups_made]
-        for group in {id(g): g for g in made if g is not world}.values():
-            dist.destroy_process_group(group)
 
     def trainer_mesh(self) -> "TrainerMesh":
         """This rank's trainer as a mesh of its own (collective: every rank calls it once)."""
@@ -185,8 +168,6 @@ class TrainerMesh:
             g = dist.new_group(row) if self.trainers > 1 else dist.group.WORLD
             if parent.rank in row:
                 self.group = g
-                if g is not dist.group.WORLD:
-                    parent._groups_made.append(g)  # ended with the parent's
 
     def axis(self, *names: str) -> Axis:
         names = tuple(n for n in names if n != "trainer")

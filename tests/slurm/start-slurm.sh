@@ -17,16 +17,18 @@
 # test would otherwise wait out; sched_interval=1 starts it within a second after that.
 set -euo pipefail
 # one at a time: the suite's workers (pytest-xdist) each run it as their session starts, and a
-# second must not rewrite the configuration or restart a daemon under the first one's jobs
-exec 9>>"${TMPDIR:-/tmp}/exatrain-start-slurm-$(id -u).lock"
+# second must not rewrite the configuration or restart a daemon under the first one's jobs.
+# Every daemon (and apt-get, whose scripts may start one) is started with fd 9 closed: a daemon
+# that kept it open would hold the lock for its lifetime, and the next caller would wait forever.
+exec 9>>"/tmp/exatrain-start-slurm-$(id -u).lock"
 flock 9
 
 if [[ "${1:-}" == "--install" ]]; then
   export DEBIAN_FRONTEND=noninteractive
   # and iproute2 (ip, tc) for tests/test_hosts.py's network-namespace hosts
   command -v slurmctld >/dev/null && command -v munged >/dev/null && command -v tc >/dev/null || \
-    { apt-get update -qq && apt-get install -y -qq -o DPkg::Lock::Timeout=300 \
-        slurm-wlm munge iproute2 >/dev/null; }   # (the lock: another apt-get on the machine)
+    { apt-get update -qq 9>&- && apt-get install -y -qq -o DPkg::Lock::Timeout=300 \
+        slurm-wlm munge iproute2 >/dev/null 9>&-; }   # (the lock: another apt-get on the machine)
 fi
 for exe in munged slurmctld slurmd sbatch srun scontrol; do
   if ! command -v "$exe" >/dev/null; then
@@ -59,7 +61,7 @@ fi
 chown -R munge:munge /etc/munge /run/munge /var/log/munge /var/lib/munge 2>/dev/null || true
 chmod 400 /etc/munge/munge.key
 if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
-  runuser -u munge -- munged
+  runuser -u munge -- munged 9>&-
   for _ in $(seq 50); do munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && break; sleep 0.1; done
 fi
 
@@ -97,8 +99,8 @@ if [[ ! -f $conf ]] || [[ "$(cat $conf)" != "$want" ]] || [[ "$(cat /etc/slurm/g
   sleep 1
 fi
 alive() { [[ -f $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
-alive /run/slurmctld.pid || slurmctld
-alive /run/slurmd.pid || slurmd
+alive /run/slurmctld.pid || slurmctld 9>&-
+alive /run/slurmd.pid || slurmd 9>&-
 for _ in $(seq 100); do
   state=$(sinfo -h -n "$host" -o %t 2>/dev/null || true)
   [[ $state == idle || $state == mix || $state == alloc ]] && break
